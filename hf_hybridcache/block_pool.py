@@ -1,0 +1,96 @@
+"""Block bookkeeping: ids, the hash -> block map, the parent -> children index and reference counts. No tensors.
+
+A block is ``block_size`` consecutive tokens whose KV is stored; it is addressed by its chained block hash
+(:mod:`hf_hybridcache.hashing`). Layout after nano-vllm's block manager and vLLM's ``block_pool.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .hashing import BlockHash
+
+
+@dataclass
+class Block:
+    block_id: int
+    block_hash: BlockHash
+    parent_id: int | None
+    token_ids: tuple[int, ...]
+    children: set[int] = field(default_factory=set)
+    ref_count: int = 0
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+
+class BlockPool:
+    """Stored blocks as a tree of prefixes. A block may only be removed when it is a leaf and unreferenced."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[int, Block] = {}
+        self._by_hash: dict[BlockHash, int] = {}
+        self._next_id = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._blocks
+
+    def __getitem__(self, block_id: int) -> Block:
+        return self._blocks[block_id]
+
+    def block_ids(self) -> list[int]:
+        return list(self._blocks)
+
+    def lookup(self, block_hash: BlockHash, parent_id: int | None, token_ids: tuple[int, ...]) -> int | None:
+        """The stored block with this hash, parent and tokens, or None. Re-comparing the token ids and the parent
+        means a hash collision can never serve another prefix's data."""
+        block_id = self._by_hash.get(block_hash)
+        if block_id is None:
+            return None
+        block = self._blocks[block_id]
+        if block.parent_id != parent_id or block.token_ids != token_ids:
+            return None
+        return block_id
+
+    def add(self, block_hash: BlockHash, parent_id: int | None, token_ids: tuple[int, ...]) -> int:
+        """Register a new block; its parent must be stored. Returns the new block id."""
+        assert block_hash not in self._by_hash, "block hash already stored; look it up first"
+        assert parent_id is None or parent_id in self._blocks, "a block's parent must be stored before it"
+        block_id = self._next_id
+        self._next_id += 1
+        self._blocks[block_id] = Block(block_id, block_hash, parent_id, token_ids)
+        self._by_hash[block_hash] = block_id
+        if parent_id is not None:
+            self._blocks[parent_id].children.add(block_id)
+        return block_id
+
+    def remove(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        assert block.is_leaf and block.ref_count == 0, "only unreferenced leaf blocks can be removed"
+        del self._blocks[block_id]
+        del self._by_hash[block.block_hash]
+        if block.parent_id is not None:
+            self._blocks[block.parent_id].children.discard(block_id)
+
+    def is_evictable(self, block_id: int) -> bool:
+        block = self._blocks[block_id]
+        return block.is_leaf and block.ref_count == 0
+
+    def ref(self, block_ids: Iterable[int]) -> None:
+        for block_id in block_ids:
+            self._blocks[block_id].ref_count += 1
+
+    def unref(self, block_ids: Iterable[int]) -> None:
+        for block_id in block_ids:
+            block = self._blocks[block_id]
+            assert block.ref_count > 0, "unref of an unreferenced block"
+            block.ref_count -= 1
+
+    def clear(self) -> None:
+        self._blocks.clear()
+        self._by_hash.clear()

@@ -1,0 +1,50 @@
+"""Checkpoint storage: per Mamba layer a copy of (conv state, SSM state) at a block boundary, keyed by the id of the
+block that ends at that boundary. No hashing here."""
+
+from __future__ import annotations
+
+import torch
+
+#: One Mamba layer's state: conv state ``[1, C, W]`` (model dtype) and SSM state (``[1, I, N]`` for Mamba-1,
+#: usually float32).
+LayerState = tuple[torch.Tensor, torch.Tensor]
+
+
+class CheckpointStore:
+    """Checkpoints addressed by block id. Stored tensors are never handed out: :meth:`get_copy` clones them."""
+
+    def __init__(self, mamba_layers: tuple[int, ...]) -> None:
+        self.mamba_layers = mamba_layers
+        self._entries: dict[int, dict[int, LayerState]] = {}
+        self._bytes: dict[int, int] = {}
+        self.num_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._entries
+
+    def put(self, block_id: int, states: dict[int, LayerState]) -> None:
+        """Store ``states[layer_idx] = (conv, ssm)`` for every Mamba layer; the tensors must be copies."""
+        assert block_id not in self._entries, "checkpoint stored twice"
+        assert set(states) == set(self.mamba_layers), "a checkpoint needs every Mamba layer"
+        self._entries[block_id] = states
+        self._bytes[block_id] = sum(t.numel() * t.element_size() for pair in states.values() for t in pair)
+        self.num_bytes += self._bytes[block_id]
+
+    def remove(self, block_id: int) -> None:
+        del self._entries[block_id]
+        self.num_bytes -= self._bytes.pop(block_id)
+
+    def checkpoint_bytes(self, block_id: int) -> int:
+        return self._bytes[block_id]
+
+    def get_copy(self, block_id: int) -> dict[int, LayerState]:
+        """A fresh copy of the checkpoint, safe to hand to the live cache (decode writes it in place)."""
+        return {idx: (conv.clone(), ssm.clone()) for idx, (conv, ssm) in self._entries[block_id].items()}
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._bytes.clear()
+        self.num_bytes = 0

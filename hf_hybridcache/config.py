@@ -1,0 +1,111 @@
+"""Frozen option and state-spec dataclasses.
+
+Shape legend used across the package: B batch, T tokens, H heads, Hkv kv heads, D head dim, I mamba intermediate
+channels, C conv channels, W conv width (``d_conv``), N SSM state size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+#: Default hard cap on stored KV blocks + checkpoints when ``max_cache_bytes=None``: 2 GiB.
+DEFAULT_MAX_CACHE_BYTES = 2 * 1024**3
+
+
+def _dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of one stored tensor (without the batch dimension)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def num_bytes(self) -> int:
+        return math.prod(self.shape) * _dtype_bytes(self.dtype)
+
+
+@dataclass(frozen=True)
+class MambaLayerSpec:
+    """State of one Mamba layer: conv state ``[C, W]`` and SSM state (``[I, N]`` for Mamba-1)."""
+
+    layer_idx: int
+    conv: TensorSpec
+    ssm: TensorSpec
+
+    @property
+    def num_bytes(self) -> int:
+        return self.conv.num_bytes + self.ssm.num_bytes
+
+
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    """KV of one attention layer: one block holds keys and values ``[2, Hkv, block_size, D]``."""
+
+    layer_idx: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class ModelStateSpec:
+    """Which layers hold KV and which hold Mamba state, and how big a KV block and a checkpoint are."""
+
+    attention: tuple[AttentionLayerSpec, ...]
+    mamba: tuple[MambaLayerSpec, ...]
+    block_size: int
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of one stored KV block over all attention layers."""
+        return sum(2 * a.num_kv_heads * self.block_size * a.head_dim * _dtype_bytes(a.dtype) for a in self.attention)
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """Bytes of one checkpoint (conv + SSM state of every Mamba layer)."""
+        return sum(m.num_bytes for m in self.mamba)
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """Validated options of a :class:`~hf_hybridcache.HybridPrefixCache`.
+
+    Raises:
+        ValueError: ``block_size`` is not an int >= 1; ``retention_interval`` is not ``"dense"``, ``0`` or a positive
+            multiple of ``block_size``; ``max_cache_bytes`` is not ``None`` or a positive int.
+    """
+
+    block_size: int = 16
+    retention_interval: int | str = 0
+    max_cache_bytes: int = field(default=DEFAULT_MAX_CACHE_BYTES)
+
+    def __post_init__(self) -> None:
+        bs = self.block_size
+        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+            raise ValueError(f"`block_size` must be an int >= 1 (tokens per KV block), got {bs!r}.")
+        ri = self.retention_interval
+        if ri != "dense":
+            if isinstance(ri, bool) or not isinstance(ri, int) or ri < 0 or ri % bs != 0:
+                raise ValueError(
+                    f"`retention_interval` must be 'dense' (a checkpoint at every block boundary), 0 (only the "
+                    f"mandatory prompt-end and decode-end checkpoints) or a positive multiple of block_size={bs} "
+                    f"(tokens between checkpoints), got {ri!r}."
+                )
+        mb = self.max_cache_bytes
+        if isinstance(mb, bool) or not isinstance(mb, int) or mb <= 0:
+            raise ValueError(
+                f"`max_cache_bytes` must be None (default {DEFAULT_MAX_CACHE_BYTES} bytes) or a positive int of "
+                f"bytes, got {mb!r}."
+            )
+
+    @property
+    def retention_tokens(self) -> int:
+        """Tokens between retained checkpoints: ``block_size`` for "dense", 0 for none."""
+        return self.block_size if self.retention_interval == "dense" else int(self.retention_interval)

@@ -1,0 +1,53 @@
+"""Chained block hashes.
+
+Block ``i``'s hash is ``sha256(hash(block i-1) || token ids of block i)``, and block 0's parent is a root hash made of
+a per-cache seed, the model identity and an optional salt. So block ``i``'s hash certifies the whole prefix
+``[0, (i + 1) * block_size)`` and everything that changes the meaning of those tokens. The idea follows vLLM's prefix
+caching (``vllm/v1/core/kv_cache_utils.py``), which moved to SHA-256 because weaker block hashes can be collided on
+purpose; stored blocks also keep their token ids, and a hit re-compares them (as nano-vllm does).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from array import array
+from collections.abc import Sequence
+from typing import NewType
+
+import torch
+
+BlockHash = NewType("BlockHash", bytes)
+
+
+def root_hash(seed: bytes, model_identity: str, salt: str | None = None) -> BlockHash:
+    """The parent hash of block 0: mixes the per-cache seed, the model identity and the cache salt."""
+    h = hashlib.sha256(b"hf_hybridcache-root\0")
+    for part in (seed, model_identity.encode(), (salt or "").encode()):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return BlockHash(h.digest())
+
+
+def block_hash(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+    """Hash of one full block of ``token_ids`` (Python ints) chained to ``parent``."""
+    h = hashlib.sha256(parent)
+    h.update(array("q", token_ids).tobytes())
+    return BlockHash(h.digest())
+
+
+def chain_hashes(parent: BlockHash, token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+    """Hashes of every full block of ``token_ids``, in order; a trailing partial block is not hashed."""
+    hashes = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = block_hash(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+def model_identity(model: torch.nn.Module) -> str:
+    """A stable string naming the model class, config and dtype, mixed into every block hash."""
+    config = model.config.to_dict()
+    config.pop("transformers_version", None)
+    payload = {"class": type(model).__name__, "dtype": str(model.dtype), "config": config}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()

@@ -1,0 +1,51 @@
+"""Paged KV storage: one ``[2, Hkv, block_size, D]`` tensor (keys, values) per stored block and attention layer.
+
+The store knows block ids and tensors only; which block holds which tokens is the block pool's business.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVStore:
+    """Stored KV blocks of every attention layer, addressed by block id."""
+
+    def __init__(self, attention_layers: tuple[int, ...]) -> None:
+        self.attention_layers = attention_layers
+        self._blocks: dict[int, dict[int, torch.Tensor]] = {}
+        self._bytes: dict[int, int] = {}
+        self.num_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._blocks
+
+    def put(self, block_id: int, kv: dict[int, torch.Tensor]) -> None:
+        """Store ``kv[layer_idx]`` of shape ``[2, Hkv, block_size, D]`` for every attention layer. The tensors must
+        not alias the live cache (pass copies)."""
+        assert block_id not in self._blocks, "KV block stored twice"
+        assert set(kv) == set(self.attention_layers), "a KV block needs every attention layer"
+        self._blocks[block_id] = kv
+        self._bytes[block_id] = sum(t.numel() * t.element_size() for t in kv.values())
+        self.num_bytes += self._bytes[block_id]
+
+    def remove(self, block_id: int) -> None:
+        del self._blocks[block_id]
+        self.num_bytes -= self._bytes.pop(block_id)
+
+    def block_bytes(self, block_id: int) -> int:
+        return self._bytes[block_id]
+
+    def gather(self, layer_idx: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``block_ids`` in order, as new tensors of shape ``[1, Hkv, len(block_ids) *
+        block_size, D]`` (a copy: writing them never touches the store)."""
+        kv = torch.cat([self._blocks[b][layer_idx] for b in block_ids], dim=2)
+        return kv[0].unsqueeze(0), kv[1].unsqueeze(0)
+
+    def clear(self) -> None:
+        self._blocks.clear()
+        self._bytes.clear()
+        self.num_bytes = 0

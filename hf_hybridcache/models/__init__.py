@@ -1,0 +1,37 @@
+"""Registry ``model_type -> support module``. Adding a family is one file with a ``SUPPORT`` object."""
+
+from __future__ import annotations
+
+from .base import ModelSupport
+from .jamba import SUPPORT as _JAMBA
+
+_REGISTRY: dict[str, ModelSupport] = {}
+
+
+def register(support: ModelSupport) -> None:
+    for model_type in support.model_types:
+        _REGISTRY[model_type] = support
+
+
+def supported_model_types() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def support_for(model) -> ModelSupport:
+    """The support module for ``model``.
+
+    Raises:
+        ValueError: the model is not a supported hybrid model (the message lists the supported families).
+    """
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    support = _REGISTRY.get(model_type)
+    if support is None or not hasattr(model, "generate"):
+        raise ValueError(
+            f"HybridPrefixCache does not support {type(model).__name__} (model_type={model_type!r}). Supported "
+            f"families: {', '.join(supported_model_types())}; pass their *ForCausalLM model."
+        )
+    return support
+
+
+register(_JAMBA)

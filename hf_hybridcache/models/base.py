@@ -1,0 +1,25 @@
+"""What a model family must tell the cache."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelStateSpec
+
+
+@dataclass(frozen=True)
+class ModelSupport:
+    """One supported family.
+
+    Attributes:
+        model_types: ``config.model_type`` values served by this module.
+        install: patches the model's mixers on the instance (idempotent, no effect on other models).
+        state_spec: ``(model, block_size) -> ModelStateSpec``, the layers and byte sizes of KV blocks and checkpoints.
+    """
+
+    model_types: tuple[str, ...]
+    install: Callable[[torch.nn.Module], None]
+    state_spec: Callable[[torch.nn.Module, int], ModelStateSpec]

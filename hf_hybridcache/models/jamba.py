@@ -1,0 +1,115 @@
+"""Jamba: attention and Mamba-1 layers (``JambaMambaMixer``), one state per Mamba layer.
+
+transformers 5.23's mixer runs a multi-token forward through a selective scan that starts from a zero state, even
+when the cache holds one (so chunked prefill and "reuse a prompt cache" are silently wrong for Jamba). The patched
+mixer continues from the cached state and emits the states the prefix cache asks for, inside the same forward. With
+no cached state and no checkpoint wanted it calls the original code, so fresh prompts stay bit-identical.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .. import _compat
+from ..config import AttentionLayerSpec, MambaLayerSpec, ModelStateSpec, TensorSpec
+from ..kernels import selective_scan
+from .base import ModelSupport
+from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_states_at
+
+MIXER_CLASS = "JambaMambaMixer"
+
+
+@_compat.force_accelerate_hooks(["conv1d", "dt_proj"])
+def _forward_from_state(mixer, hidden_states, cache, attention_mask, ssm_state, positions):
+    """transformers' JambaMambaMixer full-sequence path, starting from ``ssm_state`` and emitting checkpoints."""
+    layer_idx, seq_len, dtype = mixer.layer_idx, hidden_states.shape[1], hidden_states.dtype
+    conv_state = cache.get_conv_state(layer_idx)
+    hidden_states = apply_padding_mask(hidden_states, attention_mask)
+    projected_states = mixer.in_proj(hidden_states).transpose(1, 2)
+    A = -torch.exp(mixer.A_log.float())
+    x, gate = projected_states.chunk(2, dim=1)
+
+    conv_checkpoints = conv_states_at(x, conv_state, mixer.conv_kernel_size, positions)
+    full_inputs = cache.update_conv_state(x, layer_idx, conv_kernel_size=mixer.conv_kernel_size)
+    x = causal_conv(full_inputs, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.activation, seq_len)
+
+    x = apply_padding_mask(x.transpose(1, 2), attention_mask)
+    time_step, B, C = torch.split(
+        mixer.x_proj(x), [mixer.time_step_rank, mixer.ssm_state_size, mixer.ssm_state_size], dim=-1
+    )
+    time_step = mixer.dt_layernorm(time_step)
+    B = mixer.b_layernorm(B)
+    C = mixer.c_layernorm(C)
+    if hasattr(mixer.config, "_is_quantized"):
+        time_step = (mixer.dt_proj(time_step) - mixer.dt_proj.bias).transpose(1, 2)
+    else:
+        time_step = mixer.dt_proj.weight @ time_step.transpose(1, 2)
+    time_proj_bias = mixer.dt_proj.bias.float() if mixer.dt_proj.bias is not None else None
+
+    y, final_state, ssm_checkpoints = selective_scan(
+        x.transpose(1, 2),
+        time_step,
+        A,
+        B.transpose(1, 2),
+        C.transpose(1, 2),
+        D=mixer.D.float(),
+        z=gate,
+        delta_bias=time_proj_bias,
+        delta_softplus=True,
+        initial_state=ssm_state,
+        emit_positions=positions,
+    )
+    cache.update_recurrent_state(final_state, layer_idx)
+    if positions:
+        cache.capture_states(layer_idx, positions, list(zip(conv_checkpoints, ssm_checkpoints)))
+    return mixer.out_proj(y.transpose(1, 2).to(dtype))
+
+
+def _make_forward(mixer):
+    def make(original):
+        @functools.wraps(original)
+        def forward(*args, **kwargs):
+            hidden_states, cache, attention_mask = _compat.split_mixer_call(args, kwargs)
+            seq_len = hidden_states.shape[1]
+            if cache is None or seq_len == 1 or cache.is_recording_past(mixer.layer_idx):
+                return original(*args, **kwargs)
+            ssm_state = cache.get_recurrent_state(mixer.layer_idx)
+            positions = checkpoint_positions(cache, seq_len)
+            if ssm_state is None and not positions:
+                return original(*args, **kwargs)
+            return _forward_from_state(mixer, hidden_states, cache, attention_mask, ssm_state, positions)
+
+        return forward
+
+    return make
+
+
+def install(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if type(module).__name__ == MIXER_CLASS:
+            _compat.patch_instance_forward(module, _make_forward(module))
+
+
+def state_spec(model: torch.nn.Module, block_size: int) -> ModelStateSpec:
+    attention, mamba = [], []
+    for idx, layer in enumerate(model.model.layers):
+        if hasattr(layer, "mamba"):
+            mixer = layer.mamba
+            dtype = mixer.in_proj.weight.dtype
+            mamba.append(
+                MambaLayerSpec(
+                    idx,
+                    conv=TensorSpec((mixer.intermediate_size, mixer.conv_kernel_size), dtype),
+                    ssm=TensorSpec((mixer.intermediate_size, mixer.ssm_state_size), torch.float32),
+                )
+            )
+        else:
+            attn = layer.self_attn
+            num_kv_heads = attn.k_proj.out_features // attn.head_dim
+            attention.append(AttentionLayerSpec(idx, num_kv_heads, attn.head_dim, attn.k_proj.weight.dtype))
+    return ModelStateSpec(tuple(attention), tuple(mamba), block_size)
+
+
+SUPPORT = ModelSupport(model_types=("jamba",), install=install, state_spec=state_spec)

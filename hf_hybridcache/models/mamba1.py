@@ -1,0 +1,49 @@
+"""Shared Mamba-1 pieces: the causal conv over a cached conv window, and the conv states at block boundaries."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+
+def checkpoint_positions(cache, seq_len: int) -> tuple[int, ...]:
+    """Token counts inside this forward (``1 <= t < seq_len``) after which the cache wants the state; empty for
+    caches other than :class:`~hf_hybridcache.HybridPrefixCache`."""
+    positions = getattr(cache, "checkpoint_positions", None)
+    return positions(seq_len) if positions is not None else ()
+
+
+def causal_conv(
+    full_inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None, seq_len: int
+) -> torch.Tensor:
+    """Depthwise causal conv over ``full_inputs`` ``[B, C, W' + T]`` (cached window + new inputs); returns the
+    outputs of the last ``seq_len`` positions ``[B, C, T]`` in the inputs' dtype. ``weight`` is ``[C, W]``."""
+    width = weight.shape[-1]
+    out = F.conv1d(full_inputs.to(weight.dtype), weight.unsqueeze(1), bias, padding=width - 1, groups=weight.shape[0])
+    out = out[:, :, : full_inputs.shape[-1]][:, :, -seq_len:]
+    if activation is not None:
+        out = ACT2FN[activation](out)
+    return out.to(full_inputs.dtype)
+
+
+def conv_states_at(
+    inputs: torch.Tensor, conv_state: torch.Tensor | None, width: int, positions: Sequence[int]
+) -> list[torch.Tensor]:
+    """Conv state (the last ``width`` raw conv inputs) after ``t`` tokens of ``inputs`` ``[B, C, T]``, for each ``t``
+    in ``positions``; a missing ``conv_state`` means zeros (as a fresh prefill pads). Returns copies ``[B, C, W]``."""
+    if not positions:
+        return []
+    if conv_state is None:
+        conv_state = inputs.new_zeros(*inputs.shape[:-1], width)
+    padded = torch.cat([conv_state, inputs], dim=-1)
+    return [padded[..., t : t + width].clone() for t in positions]
+
+
+def apply_padding_mask(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Zero the padded positions (``attention_mask`` is 2D ``[B, T]`` or None), as transformers' mixers do."""
+    if attention_mask is None:
+        return hidden_states
+    return (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)

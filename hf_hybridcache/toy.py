@@ -1,0 +1,100 @@
+"""Small seeded models and a byte-level tokenizer made in code, for examples, tests and benchmarks (no hub access).
+
+``long_memory_init_`` gives every Mamba mixer a slow decay so that the SSM state carries the prefix far enough to
+drive the logits: with transformers' default init a tiny random model forgets its prefix within a few tokens, and a
+broken restore could go unnoticed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+#: Byte-level vocabulary: the special tokens, then one token per byte.
+VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer (one token per UTF-8 byte) with ``<pad>``/``<s>``/``</s>`` and a chat template."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    vocab.update({ch: len(SPECIAL_TOKENS) + i for i, ch in enumerate(alphabet)})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(SPECIAL_TOKENS)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", padding_side="left"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_config(family: str = "jamba", **overrides):
+    """A small config of ``family`` (only ``"jamba"`` so far) sized for CPU tests; ``overrides`` win."""
+    if family != "jamba":
+        raise ValueError(f"No tiny config for family {family!r}; available: 'jamba'.")
+    from transformers import JambaConfig
+
+    kwargs = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_layer_period=4,
+        attn_layer_offset=2,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=1,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_dt_rank=8,
+        initializer_range=0.1,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    kwargs.update(overrides)
+    return JambaConfig(**kwargs)
+
+
+def long_memory_init_(model: torch.nn.Module, a_log: float = -3.0, step: float = 0.2) -> torch.nn.Module:
+    """Give every Mamba mixer ``A_log = a_log`` and a dt bias with ``softplus(bias) = step`` (in place)."""
+    dt_bias = math.log(math.expm1(step))
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "A_log"):
+                module.A_log.fill_(a_log)
+                dt_proj = getattr(module, "dt_proj", None)
+                if dt_proj is not None and dt_proj.bias is not None:
+                    dt_proj.bias.fill_(dt_bias)
+                elif hasattr(module, "dt_bias"):
+                    module.dt_bias.fill_(dt_bias)
+    return model
+
+
+def build_model(
+    family: str = "jamba", seed: int = 0, long_memory: bool = True, dtype: torch.dtype = torch.float32, **overrides
+):
+    """A seeded random-init ``*ForCausalLM`` of ``family`` in eval mode (long-memory init unless told otherwise)."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(family, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    if long_memory:
+        long_memory_init_(model)
+    return model.to(dtype).eval()
