@@ -21,13 +21,12 @@ import torch
 from transformers.cache_utils import Cache
 
 from . import _compat
-from .block_pool import BlockPool
-from .checkpoints import CheckpointStore, LayerState
+from .checkpoints import LayerState
 from .config import DEFAULT_MAX_CACHE_BYTES, CacheOptions
-from .hashing import BlockHash, block_hash, model_identity, root_hash
-from .kv_store import KVStore
+from .hashing import BlockHash, model_identity, root_hash
 from .models import support_for
-from .policy import LRUEviction, last_boundary, retained_boundaries
+from .policy import last_boundary, retained_boundaries
+from .store import PrefixStore
 
 logger = logging.getLogger("hf_hybridcache")
 
@@ -78,6 +77,7 @@ class _Request:
     storing: bool = True
     forward_start: int = 0
     forward_end: int = 0
+    retained: frozenset[int] = frozenset()
     emit_positions: tuple[int, ...] = ()
     captured: dict[int, dict[int, LayerState]] = field(default_factory=dict)
     tentative_block: int | None = None
@@ -135,13 +135,10 @@ class HybridPrefixCache(Cache):
         _compat.install_forward_hooks(model, _on_forward_pre, _on_forward_post)
         super().__init__(layers=_compat.new_live_layers(model.config))
 
-        self._root = root_hash(os.urandom(32) if seed is None else seed, model_identity(model))
-        self._pool = BlockPool()
-        self._kv = KVStore(tuple(a.layer_idx for a in self.spec.attention))
-        self._checkpoints = CheckpointStore(tuple(m.layer_idx for m in self.spec.mamba))
-        self._lru = LRUEviction()
+        root = root_hash(os.urandom(32) if seed is None else seed, model_identity(model))
+        self._store = PrefixStore(self.spec, root, self.options.max_cache_bytes)
         self._request: _Request | None = None
-        self._counters = dict(requests=0, prompt_tokens=0, hit_tokens=0, evicted_kv_blocks=0, evicted_checkpoints=0)
+        self._counters = dict(requests=0, prompt_tokens=0, hit_tokens=0)
         self.last_hit_tokens: list[int] = []
 
     # ------------------------------------------------------------------ public API
@@ -156,7 +153,8 @@ class HybridPrefixCache(Cache):
 
     @property
     def stored_bytes(self) -> int:
-        return self._kv.num_bytes + self._checkpoints.num_bytes
+        """Bytes of the stored KV blocks and checkpoints (never above ``max_cache_bytes``)."""
+        return self._store.stored_bytes
 
     @property
     def stats(self) -> PrefixCacheStats:
@@ -166,12 +164,12 @@ class HybridPrefixCache(Cache):
             prompt_tokens=c["prompt_tokens"],
             hit_tokens=c["hit_tokens"],
             computed_prompt_tokens=c["prompt_tokens"] - c["hit_tokens"],
-            kv_blocks=len(self._kv),
-            checkpoints=len(self._checkpoints),
+            kv_blocks=len(self._store.kv),
+            checkpoints=len(self._store.checkpoints),
             stored_bytes=self.stored_bytes,
             max_cache_bytes=self.max_cache_bytes,
-            evicted_kv_blocks=c["evicted_kv_blocks"],
-            evicted_checkpoints=c["evicted_checkpoints"],
+            evicted_kv_blocks=self._store.evicted_kv_blocks,
+            evicted_checkpoints=self._store.evicted_checkpoints,
         )
 
     def reset(self) -> None:
@@ -182,10 +180,7 @@ class HybridPrefixCache(Cache):
     def clear(self) -> None:
         """Drop every stored KV block and checkpoint (and the live request). Counters of past requests stay."""
         self.reset()
-        self._pool.clear()
-        self._kv.clear()
-        self._checkpoints.clear()
-        self._lru.clear()
+        self._store.clear()
 
     @property
     def is_compileable(self) -> bool:
@@ -275,45 +270,23 @@ class HybridPrefixCache(Cache):
         self._in_forward = False
         if request is None or not request.block_ids:
             return
-        live = [b for b in request.block_ids if b in self._pool]
-        self._pool.unref(live)
-        self._lru.touch_chain(live)
-
-    def _lookup(self, token_ids: list[int]) -> tuple[int, list[int], list[BlockHash]]:
-        """Longest hit P <= L-1 (a multiple of block_size) with every KV block of [0, P) and a checkpoint at P."""
-        bs = self.block_size
-        chain: list[int] = []
-        hashes: list[BlockHash] = []
-        parent_hash, parent_id = self._root, None
-        for start in range(0, len(token_ids) - 1 - bs + 1, bs):
-            tokens = tuple(token_ids[start : start + bs])
-            parent_hash = block_hash(parent_hash, tokens)
-            parent_id = self._pool.lookup(parent_hash, parent_id, tokens)
-            if parent_id is None:
-                break
-            chain.append(parent_id)
-            hashes.append(parent_hash)
-        for depth in range(len(chain), 0, -1):
-            if chain[depth - 1] in self._checkpoints:
-                return depth * bs, chain[:depth], hashes[:depth]
-        return 0, [], []
+        self._store.release(request.block_ids)
 
     def _restore(self, request: _Request, token_ids: list[int]) -> int:
-        hit_tokens, chain, hashes = self._lookup(token_ids)
-        request.token_ids = token_ids[:hit_tokens]
-        request.forward_end = hit_tokens
-        if not hit_tokens:
+        """Copy the longest stored prefix of ``token_ids`` into the (fresh) live layers; returns its length."""
+        hit = self._store.lookup(token_ids)
+        request.token_ids = token_ids[: hit.hit_tokens]
+        request.forward_end = hit.hit_tokens
+        if not hit.hit_tokens:
             return 0
         for attn in self.spec.attention:
-            keys, values = self._kv.gather(attn.layer_idx, chain)
+            keys, values = self._store.gather_kv(attn.layer_idx, hit.block_ids)
             _compat.set_kv(self.layers[attn.layer_idx], keys, values)
-        for layer_idx, (conv, ssm) in self._checkpoints.get_copy(chain[-1]).items():
+        for layer_idx, (conv, ssm) in self._store.checkpoint_copy(hit.block_ids[-1]).items():
             _compat.set_linear_state(self.layers[layer_idx], conv, ssm)
-        self._pool.ref(chain)
-        request.block_ids, request.block_hashes = chain, hashes
-        self._lru.touch_chain(chain)
-        self._lru.touch(("checkpoint", chain[-1]))
-        return hit_tokens
+        self._store.pin(hit.block_ids)
+        request.block_ids, request.block_hashes = list(hit.block_ids), list(hit.block_hashes)
+        return hit.hit_tokens
 
     # ------------------------------------------------------------------ around every forward
 
@@ -331,23 +304,14 @@ class HybridPrefixCache(Cache):
             request.tracking = False
             return
         request.token_ids.extend(input_ids[0].tolist())
-        request.emit_positions = tuple(
-            b - request.forward_start for b in self._wanted_boundaries() if b < request.forward_end
+        start, end, bs = request.forward_start, request.forward_end, self.block_size
+        request.retained = frozenset(
+            retained_boundaries(start, end, request.prompt_tokens, bs, self.options.retention_tokens)
         )
-
-    def _wanted_boundaries(self) -> list[int]:
-        """Boundaries in the running forward whose state is stored: the retained ones and the last one reached."""
-        r = self._request
-        bs = self.block_size
-        wanted = set(retained_boundaries(r.forward_start, r.forward_end, r.prompt_tokens, bs, self._retention))
-        last = last_boundary(r.forward_end, bs)
-        if last > r.forward_start:
-            wanted.add(last)
-        return sorted(wanted)
-
-    @property
-    def _retention(self) -> int:
-        return self.options.retention_tokens
+        # Besides the retained boundaries, the last boundary reached is wanted: it becomes the decode-end
+        # checkpoint if the request stops before the next one.
+        wanted = request.retained | {last_boundary(end, bs)}
+        request.emit_positions = tuple(sorted(b - start for b in wanted if start < b < end))
 
     def _after_forward(self) -> None:
         request = self._request
@@ -356,16 +320,13 @@ class HybridPrefixCache(Cache):
             return
         self._store_blocks(request)
         end = request.forward_end
-        retained = set(
-            retained_boundaries(request.forward_start, end, request.prompt_tokens, self.block_size, self._retention)
-        )
         if end % self.block_size == 0 and end > request.forward_start:
             request.captured[end] = {
                 idx: tuple(t.clone() for t in _compat.get_linear_state(self.layers[idx]))
-                for idx in self._checkpoints.mamba_layers
+                for idx in self._store.checkpoints.mamba_layers
             }
         for boundary in sorted(request.captured):
-            self._store_checkpoint(request, boundary, request.captured[boundary], boundary not in retained)
+            self._store_checkpoint(request, boundary, request.captured[boundary], boundary not in request.retained)
         request.captured.clear()
 
     # ------------------------------------------------------------------ storing under the budget
@@ -375,85 +336,42 @@ class HybridPrefixCache(Cache):
         bs = self.block_size
         while request.storing and len(request.block_ids) < len(request.token_ids) // bs:
             index = len(request.block_ids)
-            tokens = tuple(request.token_ids[index * bs : (index + 1) * bs])
-            parent_id = request.block_ids[-1] if index else None
-            h = block_hash(request.block_hashes[-1] if index else self._root, tokens)
-            block_id = self._pool.lookup(h, parent_id, tokens)
-            if block_id is None:
-                if not self._make_room(self.spec.kv_block_bytes):
-                    request.storing = False
-                    logger.debug("KV block %d does not fit in the budget; the rest of this request is not stored", index)
-                    return
-                block_id = self._pool.add(h, parent_id, tokens)
-                self._kv.put(block_id, self._live_block_kv(index))
-            self._pool.ref([block_id])
-            self._lru.touch(("kv", block_id))
-            request.block_ids.append(block_id)
-            request.block_hashes.append(h)
+            added = self._store.add_block(
+                request.block_ids[-1] if index else None,
+                request.block_hashes[-1] if index else None,
+                tuple(request.token_ids[index * bs : (index + 1) * bs]),
+                lambda: self._live_block_kv(index),
+            )
+            if added is None:
+                request.storing = False
+                logger.debug("KV block %d does not fit in the budget; the rest of this request is not stored", index)
+                return
+            request.block_ids.append(added[0])
+            request.block_hashes.append(added[1])
 
     def _live_block_kv(self, index: int) -> dict[int, torch.Tensor]:
-        bs = self.block_size
+        """Copies of block ``index`` of the live KV: ``{attention layer idx: [2, Hkv, block_size, D]}``."""
+        span = slice(index * self.block_size, (index + 1) * self.block_size)
         kv = {}
         for attn in self.spec.attention:
             keys, values = _compat.get_kv(self.layers[attn.layer_idx])
-            span = slice(index * bs, (index + 1) * bs)
             kv[attn.layer_idx] = torch.stack([keys[0, :, span], values[0, :, span]])
         return kv
 
     def _store_checkpoint(self, request: _Request, boundary: int, states: dict[int, LayerState], tentative: bool):
         index = boundary // self.block_size - 1
-        if index >= len(request.block_ids) or set(states) != set(self._checkpoints.mamba_layers):
+        if index >= len(request.block_ids) or set(states) != set(self._store.checkpoints.mamba_layers):
             return
         block_id = request.block_ids[index]
-        previous = request.tentative_block
-        if block_id in self._checkpoints:
-            self._lru.touch(("checkpoint", block_id))
-        elif self._make_room(self.spec.checkpoint_bytes):
-            self._checkpoints.put(block_id, states)
-            self._lru.touch(("checkpoint", block_id))
-            if tentative:
-                request.tentative_block = block_id
-        else:
+        stored = self._store.add_checkpoint(block_id, states)
+        if stored is None:
             logger.debug("checkpoint at %d tokens does not fit in the budget", boundary)
             return
+        previous, request.tentative_block = request.tentative_block, (block_id if stored and tentative else None)
         if previous is not None and previous != block_id:
-            # Only the last boundary a request reaches is kept beyond the retained ones (the decode-end checkpoint).
-            if request.tentative_block == previous:
-                request.tentative_block = None
-            self._drop_checkpoint(previous)
-
-    def _make_room(self, num_bytes: int) -> bool:
-        """Evict least-recently-used entries until ``num_bytes`` more fit; False (nothing evicted beyond what was
-        evictable) if they cannot fit."""
-        while self.stored_bytes + num_bytes > self.max_cache_bytes:
-            victim = next((key for key in self._lru.oldest_first() if self._is_evictable(key)), None)
-            if victim is None:
-                return False
-            kind, block_id = victim
-            if kind == "checkpoint":
-                self._drop_checkpoint(block_id)
-                self._counters["evicted_checkpoints"] += 1
-            else:
-                self._evict_block(block_id)
-        return True
-
-    def _is_evictable(self, key) -> bool:
-        kind, block_id = key
-        return kind == "checkpoint" or self._pool.is_evictable(block_id)
-
-    def _drop_checkpoint(self, block_id: int) -> None:
-        if block_id in self._checkpoints:
-            self._checkpoints.remove(block_id)
-            self._lru.discard(("checkpoint", block_id))
-
-    def _evict_block(self, block_id: int) -> None:
-        if block_id in self._checkpoints:
-            self._drop_checkpoint(block_id)
-            self._counters["evicted_checkpoints"] += 1
-        self._kv.remove(block_id)
-        self._pool.remove(block_id)
-        self._lru.discard(("kv", block_id))
-        self._counters["evicted_kv_blocks"] += 1
+            # Beyond the retained boundaries, only the last boundary a request reaches keeps its checkpoint: the
+            # decode-end checkpoint that lets the next chat turn reuse the reply.
+            self._store.drop_checkpoint(previous)
 
 
 # ---------------------------------------------------------------------- hooks installed on the model

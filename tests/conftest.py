@@ -1,0 +1,77 @@
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache.toy import VOCAB_SIZE, build_model
+
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="session")
+def jamba_cold():
+    """An unpatched model: the reference every cached run is compared with."""
+    return build_model("jamba", seed=0)
+
+
+@pytest.fixture
+def jamba():
+    """A fresh model with the same weights as ``jamba_cold``, to be patched by a cache."""
+    return build_model("jamba", seed=0)
+
+
+def random_ids(length: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(6, VOCAB_SIZE, (1, length), generator=g)
+
+
+def greedy(model, ids, cache=None, new_tokens=NEW_TOKENS, **kwargs):
+    """Greedy generation returning (sequences, first-step logits [B, V])."""
+    kw = {} if cache is None else {"past_key_values": cache}
+    out = model.generate(
+        ids,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **kw,
+        **kwargs,
+    )
+    return out.sequences, out.logits[0]
+
+
+def assert_matches_cold(model, cold_model, cache, ids, new_tokens=NEW_TOKENS):
+    """Generate with the cache and without it; tokens must be identical and first-step logits within 1e-4."""
+    seq, logits = greedy(model, ids, cache, new_tokens)
+    ref_seq, ref_logits = greedy(cold_model, ids, None, new_tokens)
+    assert torch.equal(seq, ref_seq), f"tokens differ from the cold run (hit {cache.last_hit_tokens})"
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-4)
+    return seq
+
+
+def cold_states(cold_model, ids, upto: int):
+    """Conv/SSM states and KV of a cold forward over ids[:, :upto]: {layer_idx: tensors}."""
+    cache = DynamicCache(config=cold_model.config)
+    with torch.no_grad():
+        cold_model(ids[:, :upto], past_key_values=cache, use_cache=True)
+    return cache
+
+
+def assert_restored_states_match(cache: HybridPrefixCache, cold_model, ids, expected_hit: int):
+    """Run the cache's own lookup + restore for ids and compare the live layers with a cold run at P."""
+    cache._begin_request(ids, None, 1)
+    try:
+        assert cache.last_hit_tokens == [expected_hit]
+        ref = cold_states(cold_model, ids, expected_hit)
+        for m in cache.spec.mamba:
+            live, cold = cache.layers[m.layer_idx], ref.layers[m.layer_idx]
+            torch.testing.assert_close(live.conv_states[0], cold.conv_states[0], rtol=0, atol=1e-5)
+            torch.testing.assert_close(live.recurrent_states[0], cold.recurrent_states[0], rtol=0, atol=1e-5)
+            assert live.recurrent_states[0].dtype == cold.recurrent_states[0].dtype
+        for a in cache.spec.attention:
+            live, cold = cache.layers[a.layer_idx], ref.layers[a.layer_idx]
+            torch.testing.assert_close(live.keys, cold.keys, rtol=0, atol=1e-5)
+            torch.testing.assert_close(live.values, cold.values, rtol=0, atol=1e-5)
+    finally:
+        cache.reset()

@@ -1,0 +1,78 @@
+import pytest
+
+from hf_hybridcache.block_pool import BlockPool
+from hf_hybridcache.hashing import BlockHash
+from hf_hybridcache.policy import LRUEviction, retained_boundaries
+
+
+def h(i: int) -> BlockHash:
+    return BlockHash(bytes([i]) * 32)
+
+
+def test_add_lookup_and_ids():
+    pool = BlockPool()
+    a = pool.add(h(1), None, (1, 2))
+    b = pool.add(h(2), a, (3, 4))
+    assert (a, b) == (0, 1)
+    assert pool.lookup(h(2), a, (3, 4)) == b
+    assert pool[a].children == {b}
+    assert not pool.is_evictable(a) and pool.is_evictable(b)
+
+
+def test_lookup_recompares_tokens_and_parent():
+    pool = BlockPool()
+    a = pool.add(h(1), None, (1, 2))
+    assert pool.lookup(h(1), None, (9, 9)) is None  # a colliding hash with other tokens is a miss
+    assert pool.lookup(h(1), a, (1, 2)) is None
+    assert pool.lookup(h(3), None, (1, 2)) is None
+
+
+def test_ref_counts_pin_blocks():
+    pool = BlockPool()
+    a = pool.add(h(1), None, (1,))
+    pool.ref([a])
+    assert not pool.is_evictable(a)
+    with pytest.raises(AssertionError):
+        pool.remove(a)
+    pool.unref([a])
+    assert pool.is_evictable(a)
+    pool.remove(a)
+    assert len(pool) == 0 and pool.lookup(h(1), None, (1,)) is None
+
+
+def test_removing_a_leaf_makes_its_parent_a_leaf():
+    pool = BlockPool()
+    a = pool.add(h(1), None, (1,))
+    b = pool.add(h(2), a, (2,))
+    with pytest.raises(AssertionError):
+        pool.remove(a)
+    pool.remove(b)
+    assert pool.is_evictable(a)
+
+
+def test_lru_touch_chain_puts_leaves_first():
+    lru = LRUEviction()
+    lru.touch_chain([10, 11, 12])  # root 10 ... leaf 12
+    lru.touch(("checkpoint", 12))
+    assert list(lru.oldest_first()) == [("kv", 12), ("kv", 11), ("kv", 10), ("checkpoint", 12)]
+    lru.touch_chain([10, 11])
+    assert list(lru.oldest_first()) == [("kv", 12), ("checkpoint", 12), ("kv", 11), ("kv", 10)]
+    lru.discard(("kv", 12))
+    assert list(lru.oldest_first())[0] == ("checkpoint", 12)
+
+
+@pytest.mark.parametrize(
+    "start,end,prompt,retention,expected",
+    [
+        (0, 100, 100, 0, [96]),  # last <= L and last < L coincide
+        (0, 96, 96, 0, [80, 96]),  # a block-aligned prompt keeps the boundary below it too
+        (0, 100, 100, 32, [32, 64, 96]),
+        (0, 100, 100, 16, [16, 32, 48, 64, 80, 96]),
+        (64, 100, 100, 16, [80, 96]),
+        (100, 101, 100, 16, []),  # decode step inside a block
+        (100, 112, 100, 16, [112]),
+        (0, 10, 10, 0, []),  # shorter than a block
+    ],
+)
+def test_retained_boundaries(start, end, prompt, retention, expected):
+    assert retained_boundaries(start, end, prompt, 16, retention) == expected
