@@ -7,17 +7,29 @@ from hf_hybridcache.toy import VOCAB_SIZE, build_model
 
 NEW_TOKENS = 16
 
+#: Every supported family runs the whole exactness suite.
+FAMILIES = ["jamba"]
 
-@pytest.fixture(scope="session")
-def jamba_cold():
-    """An unpatched model: the reference every cached run is compared with."""
-    return build_model("jamba", seed=0)
+_COLD_MODELS: dict[str, torch.nn.Module] = {}
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request):
+    return request.param
 
 
 @pytest.fixture
-def jamba():
-    """A fresh model with the same weights as ``jamba_cold``, to be patched by a cache."""
-    return build_model("jamba", seed=0)
+def cold_model(family):
+    """An unpatched model (long-memory init): the reference every cached run is compared with."""
+    if family not in _COLD_MODELS:
+        _COLD_MODELS[family] = build_model(family, seed=0)
+    return _COLD_MODELS[family]
+
+
+@pytest.fixture
+def model(family):
+    """A fresh model with the same weights as ``cold_model``, to be patched by a cache."""
+    return build_model(family, seed=0)
 
 
 def random_ids(length: int, seed: int) -> torch.Tensor:
