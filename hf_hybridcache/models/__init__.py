@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from .base import ModelSupport
+from .falcon_h1 import SUPPORT as _FALCON_H1
 from .jamba import SUPPORT as _JAMBA
+from .zamba2 import SUPPORT as _ZAMBA2
 
 _REGISTRY: dict[str, ModelSupport] = {}
 
@@ -35,3 +37,5 @@ def support_for(model) -> ModelSupport:
 
 
 register(_JAMBA)
+register(_ZAMBA2)
+register(_FALCON_H1)
