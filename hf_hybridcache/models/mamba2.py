@@ -18,11 +18,31 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
 
 from .. import _compat
 from ..config import AttentionLayerSpec, MambaLayerSpec, TensorSpec
 from ..kernels import mamba2_chunk_scan
-from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_states_at
+from .mamba1 import apply_padding_mask, checkpoint_positions, conv_states_at
+
+
+def causal_conv(full_inputs: torch.Tensor, mixer, seq_len: int) -> torch.Tensor:
+    """The mixer's depthwise causal conv + activation over ``full_inputs`` ``[B, C, W' + T]`` (cached window + new
+    inputs); returns the last ``seq_len`` outputs ``[B, C, T]`` in the inputs' dtype. The activation runs on the
+    same (strided) view as in transformers' ``causal_conv1d_fn``: CPU kernels round differently on contiguous and
+    strided inputs, and the outputs must stay bit-identical."""
+    weight = mixer.conv1d.weight.squeeze(1)
+    length = full_inputs.shape[-1]
+    out = F.conv1d(
+        full_inputs.to(weight.dtype),
+        weight.unsqueeze(1),
+        mixer.conv1d.bias,
+        padding=weight.shape[-1] - 1,
+        groups=weight.shape[0],
+    )[:, :, :length]
+    out = ACT2FN[mixer.activation](out).to(full_inputs.dtype)
+    return out[:, :, -seq_len:]
 
 
 def _plain_projection(mixer, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -70,7 +90,7 @@ def _forward_with_checkpoints(
     conv_inputs = conv_inputs.transpose(1, 2)
     conv_checkpoints = conv_states_at(conv_inputs, conv_state, mixer.conv_kernel_size, positions)
     full_inputs = cache.update_conv_state(conv_inputs, layer_idx, conv_kernel_size=mixer.conv_kernel_size)
-    conv_out = causal_conv(full_inputs, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.activation, seq_len)
+    conv_out = causal_conv(full_inputs, mixer, seq_len)
     conv_out = apply_padding_mask(conv_out.transpose(1, 2), attention_mask)
 
     state_channels = mixer.n_groups * mixer.ssm_state_size
