@@ -132,7 +132,97 @@ def _tiny_falcon_h1(**overrides):
     return FalconH1Config(**kwargs)
 
 
-_TINY_CONFIGS = {"jamba": _tiny_jamba, "zamba2": _tiny_zamba2, "falcon_h1": _tiny_falcon_h1}
+def _tiny_bamba(**overrides):
+    """Mamba-2 layers around one attention layer; ``mamba_chunk_size=8`` divides the default ``block_size`` 16."""
+    from transformers import BambaConfig
+
+    kwargs = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        attn_layer_indices=[2],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_n_heads=4,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_n_groups=2,
+        mamba_chunk_size=8,
+        initializer_range=0.1,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    kwargs.update(overrides)
+    return BambaConfig(**kwargs)
+
+
+def _tiny_granitemoehybrid(**overrides):
+    """Mamba-2 layers around one attention layer, dense MLPs (no experts), no position embedding as in Granite 4.0-H;
+    ``mamba_chunk_size=16`` equals the default ``block_size``."""
+    from transformers import GraniteMoeHybridConfig
+
+    kwargs = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        shared_intermediate_size=128,
+        num_local_experts=0,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_n_heads=4,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_n_groups=2,
+        mamba_chunk_size=16,
+        initializer_range=0.1,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    kwargs.update(overrides)
+    return GraniteMoeHybridConfig(**kwargs)
+
+
+def _tiny_nemotron_h(**overrides):
+    """Mamba-2, MLP and attention layers; ``chunk_size=20`` is neither a divisor nor a multiple of the default
+    ``block_size`` 16."""
+    from transformers import NemotronHConfig
+
+    kwargs = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        mamba_num_heads=4,
+        mamba_head_dim=32,
+        ssm_state_size=16,
+        n_groups=2,
+        conv_kernel=4,
+        chunk_size=20,
+        initializer_range=0.1,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    kwargs.update(overrides)
+    return NemotronHConfig(**kwargs)
+
+
+_TINY_CONFIGS = {
+    "jamba": _tiny_jamba,
+    "zamba2": _tiny_zamba2,
+    "falcon_h1": _tiny_falcon_h1,
+    "bamba": _tiny_bamba,
+    "granitemoehybrid": _tiny_granitemoehybrid,
+    "nemotron_h": _tiny_nemotron_h,
+}
 
 
 def tiny_config(family: str = "jamba", **overrides):

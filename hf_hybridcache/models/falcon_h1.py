@@ -12,9 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..config import ModelStateSpec
-from .base import ModelSupport
-from .mamba2 import Mamba2Variant, attention_layer_spec, install_mixers, mamba_layer_spec
+from .mamba2 import Mamba2Variant, mamba2_support
 
 
 def _project(mixer, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -27,18 +25,7 @@ def _gate_and_norm(mixer, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return y * F.silu(gate)
 
 
-VARIANT = Mamba2Variant(mixer_class="FalconH1Mixer", project=_project, gate_and_norm=_gate_and_norm)
-
-
-def install(model: torch.nn.Module) -> None:
-    install_mixers(model, VARIANT)
-
-
-def state_spec(model: torch.nn.Module, block_size: int) -> ModelStateSpec:
-    layers = model.model.layers
-    attention = tuple(attention_layer_spec(idx, layer.self_attn) for idx, layer in enumerate(layers))
-    mamba = tuple(mamba_layer_spec(idx, layer.mamba) for idx, layer in enumerate(layers))
-    return ModelStateSpec(attention, mamba, block_size)
-
-
-SUPPORT = ModelSupport(model_types=("falcon_h1",), install=install, state_spec=state_spec)
+SUPPORT = mamba2_support(
+    ("falcon_h1",),
+    Mamba2Variant("FalconH1Mixer", "FalconH1Attention", project=_project, gate_and_norm=_gate_and_norm),
+)

@@ -7,8 +7,8 @@ boundary inside the forward. The patched mixer therefore calls the original forw
 (bit-identical), and otherwise runs the same chunk path through :func:`~hf_hybridcache.kernels.mamba2_chunk_scan`,
 which emits the states at arbitrary token positions; its outputs equal the original's.
 
-The mixers differ only in how the input projection is scaled and how the gate and norm are applied after the scan;
-a family passes those two steps as a :class:`Mamba2Variant`.
+The mixers differ only in how the input projection is scaled and how the gate and norm are applied after the scan,
+so a family file is a :class:`Mamba2Variant` handed to :func:`mamba2_support`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from .. import _compat
-from ..config import AttentionLayerSpec, MambaLayerSpec, TensorSpec
+from ..config import AttentionLayerSpec, MambaLayerSpec, ModelStateSpec, TensorSpec
 from ..kernels import mamba2_chunk_scan
+from .base import ModelSupport
 from .mamba1 import apply_padding_mask, checkpoint_positions, conv_states_at
 
 
@@ -55,16 +56,19 @@ def _gated_norm(mixer, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Mamba2Variant:
-    """How one family's Mamba-2 mixer differs from the plain one (Zamba2, Bamba, GraniteMoeHybrid, NemotronH).
+    """One family's Mamba-2 mixer and attention classes, and how its mixer differs from the plain one (the plain one
+    is shared by Zamba2, Bamba, GraniteMoeHybrid and NemotronH).
 
     Attributes:
-        mixer_class: class name of the mixer (matched by name, so no model module is imported).
+        mixer_class: class name of the Mamba-2 mixer (matched by name, so no model module is imported).
+        attention_class: class name of the attention module whose KV the cache layer of the same index holds.
         project: ``(mixer, hidden_states [B, T, hidden]) -> [B, T, gate + conv channels + H]``, the input projection
             of the padding-masked hidden states.
         gate_and_norm: ``(mixer, y [B, T, H*D] float32, gate [B, T, H*D]) -> [B, T, H*D]``, applied after the scan.
     """
 
     mixer_class: str
+    attention_class: str
     project: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] = _plain_projection
     gate_and_norm: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = _gated_norm
 
@@ -154,3 +158,29 @@ def attention_layer_spec(layer_idx: int, attention) -> AttentionLayerSpec:
     """KV of one attention module with ``k_proj`` and ``head_dim`` (GQA heads counted from ``k_proj``)."""
     num_kv_heads = attention.k_proj.out_features // attention.head_dim
     return AttentionLayerSpec(layer_idx, num_kv_heads, attention.head_dim, attention.k_proj.weight.dtype)
+
+
+def state_spec(model: torch.nn.Module, block_size: int, variant: Mamba2Variant) -> ModelStateSpec:
+    """Decoder layer ``i`` (``model.model.layers[i]``) holding a mixer or an attention module (or both: Zamba2's
+    hybrid layers, every Falcon-H1 layer) is cache layer ``i``, as transformers' ``layer_types`` lay it out."""
+    attention, mamba = [], []
+    for idx, layer in enumerate(model.model.layers):
+        found = {variant.mixer_class: [], variant.attention_class: []}
+        for module in layer.modules():
+            found.get(type(module).__name__, []).append(module)
+        mixers, attentions = found[variant.mixer_class], found[variant.attention_class]
+        assert len(mixers) <= 1 and len(attentions) <= 1, f"layer {idx} holds several mixers or attention modules"
+        if mixers:
+            mamba.append(mamba_layer_spec(idx, mixers[0]))
+        if attentions:
+            attention.append(attention_layer_spec(idx, attentions[0]))
+    return ModelStateSpec(tuple(attention), tuple(mamba), block_size)
+
+
+def mamba2_support(model_types: tuple[str, ...], variant: Mamba2Variant) -> ModelSupport:
+    """The :class:`ModelSupport` of a Mamba-2 hybrid family described by ``variant``."""
+    return ModelSupport(
+        model_types=model_types,
+        install=functools.partial(install_mixers, variant=variant),
+        state_spec=functools.partial(state_spec, variant=variant),
+    )

@@ -8,27 +8,6 @@ correctly in transformers 5.23; only checkpoint emission is added (see :mod:`.ma
 
 from __future__ import annotations
 
-import torch
+from .mamba2 import Mamba2Variant, mamba2_support
 
-from ..config import ModelStateSpec
-from .base import ModelSupport
-from .mamba2 import Mamba2Variant, attention_layer_spec, install_mixers, mamba_layer_spec
-
-VARIANT = Mamba2Variant(mixer_class="Zamba2MambaMixer")
-
-
-def install(model: torch.nn.Module) -> None:
-    install_mixers(model, VARIANT)
-
-
-def state_spec(model: torch.nn.Module, block_size: int) -> ModelStateSpec:
-    attention, mamba = [], []
-    for idx, layer in enumerate(model.model.layers):
-        mamba_decoder = getattr(layer, "mamba_decoder", layer)
-        mamba.append(mamba_layer_spec(idx, mamba_decoder.mamba))
-        if hasattr(layer, "shared_transformer"):
-            attention.append(attention_layer_spec(idx, layer.shared_transformer.self_attn))
-    return ModelStateSpec(tuple(attention), tuple(mamba), block_size)
-
-
-SUPPORT = ModelSupport(model_types=("zamba2",), install=install, state_spec=state_spec)
+SUPPORT = mamba2_support(("zamba2",), Mamba2Variant("Zamba2MambaMixer", "Zamba2Attention"))
