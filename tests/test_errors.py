@@ -73,18 +73,18 @@ def test_inputs_embeds_only_runs_without_reuse(model, cold_model):
     assert cache.last_hit_tokens == [48]
 
 
-def test_batch_falls_back_to_no_reuse_and_stays_exact(model, cold_model):
+def test_padding_in_the_middle_runs_without_reuse(model, cold_model):
     cache = HybridPrefixCache(model)
     ids = random_ids(60, seed=92)
     assert_matches_cold(model, cold_model, cache, ids)
     batch = torch.cat([ids, random_ids(60, seed=93)])
     mask = torch.ones_like(batch)
-    mask[1, :7] = 0  # left padding in row 1
+    mask[1, 20:25] = 0  # not left padding: no exact reuse is possible
     out, logits = greedy(model, batch, cache, attention_mask=mask)
     ref, ref_logits = greedy(cold_model, batch, attention_mask=mask)
     assert torch.equal(out, ref)
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-4)
     assert cache.last_hit_tokens == [0, 0]
-    assert cache.stats.prompt_tokens == 60 + 60 + 53
+    assert cache.stats.prompt_tokens == 60 + 60 + 55
     assert_matches_cold(model, cold_model, cache, ids)
     assert cache.last_hit_tokens == [48]
