@@ -119,9 +119,15 @@ def install_forward_hooks(model, on_pre: Callable, on_post: Callable) -> None:
 
 
 def run_forward(model, input_ids: torch.Tensor, cache) -> None:
-    """One forward of ``input_ids`` over ``cache``, keeping only the last position's logits where the model can."""
+    """One forward of ``input_ids`` over ``cache``, keeping only the last position's logits where the model can.
+
+    Position ids are passed as ``generate()`` passes them: Bamba's forward numbers positions from 0 when they are
+    missing, whatever the cache already holds (transformers 5.23).
+    """
     kwargs = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    model(input_ids, past_key_values=cache, use_cache=True, **kwargs)
+    past = cache.get_seq_length()
+    position_ids = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)[None]
+    model(input_ids, past_key_values=cache, use_cache=True, position_ids=position_ids, **kwargs)
 
 
 def forward_input_ids(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:
