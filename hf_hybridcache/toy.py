@@ -94,6 +94,7 @@ def _tiny_zamba2(**overrides):
         mamba_expand=2,
         mamba_ngroups=2,
         chunk_size=12,
+        max_position_embeddings=16384,  # the quickstart's prompts exceed the 2048/4096 defaults
         initializer_range=0.1,
         pad_token_id=0,
         bos_token_id=1,
@@ -178,6 +179,7 @@ def _tiny_granitemoehybrid(**overrides):
         mamba_d_conv=4,
         mamba_n_groups=2,
         mamba_chunk_size=16,
+        max_position_embeddings=16384,  # the quickstart's prompts exceed the 2048/4096 defaults
         initializer_range=0.1,
         pad_token_id=0,
         bos_token_id=1,
@@ -206,6 +208,7 @@ def _tiny_nemotron_h(**overrides):
         n_groups=2,
         conv_kernel=4,
         chunk_size=20,
+        max_position_embeddings=16384,  # the quickstart's prompts exceed the 2048/4096 defaults
         initializer_range=0.1,
         pad_token_id=0,
         bos_token_id=1,
