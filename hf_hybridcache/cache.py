@@ -285,13 +285,16 @@ class HybridPrefixCache(Cache):
         self.layers = _compat.new_live_layers(self.model.config)
         rows_tokens = _unpadded_rows(input_ids, attention_mask)
         if rows_tokens is None:
-            request = Request(rows=[], tracking=False)
             prompt_tokens = [0] * num_rows if input_ids is None else attention_mask_lengths(input_ids, attention_mask)
+            # Nothing is looked up or stored, but a single row still keeps the states speculative decoding needs.
+            single = input_ids is not None and num_rows == 1
+            request = Request(rows=[Row(prompt_tokens=input_ids.shape[1], storing=False)] if single else [],
+                              tracking=single)
             logger.debug(
                 "no prefix reuse for this call (%s); it runs like a fresh cache",
                 "inputs_embeds without input_ids" if input_ids is None else "padding other than left padding",
             )
-        elif num_rows == 1:
+        elif num_rows == 1 and len(rows_tokens[0]) == input_ids.shape[1]:
             request = Request(rows=[self._restore_row(rows_tokens[0])], tracking=True)
             request.forward_end = request.rows[0].hit_tokens
             prompt_tokens = [len(rows_tokens[0])]

@@ -71,3 +71,15 @@ def test_crop_refuses_what_it_cannot_roll_back(model):
     model.generate(random_ids(20, seed=330), past_key_values=cache, max_new_tokens=3)
     with pytest.raises(ValueError, match="roll back"):
         cache.crop(-2)
+
+
+def test_prompt_lookup_with_padding_inside_the_prompt(model, cold_model, crop_calls):
+    """A pad id inside the prompt masks that position: no reuse, but rejected drafts still roll back."""
+    cache = HybridPrefixCache(model)
+    ids = repetitive_prompt(seed=340)
+    ids[0, 30] = 0  # the pad id: generate() masks it out
+    kwargs = dict(max_new_tokens=20, do_sample=False)
+    out = model.generate(ids, past_key_values=cache, prompt_lookup_num_tokens=5, **kwargs)
+    assert torch.equal(out, cold_model.generate(ids, **kwargs))
+    assert cache.last_hit_tokens == [0] and cache.stats.kv_blocks == 0
+    assert any(n < 0 for n in crop_calls)
