@@ -3,6 +3,7 @@ the chunk size, unaligned forwards, bf16, save/load; and a power check for every
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from conftest import MAMBA2_FAMILIES, assert_matches_cold, assert_restored_states_match, greedy, random_ids
@@ -122,6 +123,15 @@ def test_patched_mixer_is_bit_identical_and_emits_the_cold_states(family, overri
             original(mixer, hidden[:, : 13 + t], cache_params=cold)
         torch.testing.assert_close(conv, cold.layers[mixer.layer_idx].conv_states[0], rtol=0, atol=0)
         torch.testing.assert_close(ssm, cold.layers[mixer.layer_idx].recurrent_states[0], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", MAMBA2_FAMILIES)
+def test_long_memory_init_reaches_every_mixer(family, model):
+    mixers = [m for m in model.modules() if type(m).__name__ == MIXER_CLASS[family]]
+    assert mixers
+    for mixer in mixers:
+        assert torch.all(mixer.A_log == -3.0)
+        torch.testing.assert_close(F.softplus(mixer.dt_bias), torch.full_like(mixer.dt_bias, 0.2), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("family", MAMBA2_FAMILIES)
