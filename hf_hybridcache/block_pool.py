@@ -1,4 +1,5 @@
-"""Block bookkeeping: ids, the hash -> block map, the parent -> children index and reference counts. No tensors.
+"""Block bookkeeping: ids, the hash -> block map, the parent -> children index, reference counts and the set of
+evictable blocks (unreferenced leaves). No tensors.
 
 A block is ``block_size`` consecutive tokens whose KV is stored; it is addressed by its chained block hash
 (:mod:`hf_hybridcache.hashing`). Layout after nano-vllm's block manager and vLLM's ``block_pool.py``.
@@ -18,8 +19,14 @@ class Block:
     block_hash: BlockHash
     parent_id: int | None
     token_ids: tuple[int, ...]
+    depth: int = 0
     children: set[int] = field(default_factory=set)
     ref_count: int = 0
+
+    @property
+    def end_blocks(self) -> int:
+        """Blocks in the prefix this block ends (``end_blocks * block_size`` is the boundary it ends at)."""
+        return self.depth + 1
 
     @property
     def is_leaf(self) -> bool:
@@ -27,11 +34,13 @@ class Block:
 
 
 class BlockPool:
-    """Stored blocks as a tree of prefixes. A block may only be removed when it is a leaf and unreferenced."""
+    """Stored blocks as a tree of prefixes. A block may only be removed when it is a leaf and unreferenced; the set
+    of such blocks is kept up to date, so eviction never scans the whole tree."""
 
     def __init__(self) -> None:
         self._blocks: dict[int, Block] = {}
         self._by_hash: dict[BlockHash, int] = {}
+        self._evictable: set[int] = set()
         self._next_id = 0
 
     def __len__(self) -> int:
@@ -63,10 +72,13 @@ class BlockPool:
         assert parent_id is None or parent_id in self._blocks, "a block's parent must be stored before it"
         block_id = self._next_id
         self._next_id += 1
-        self._blocks[block_id] = Block(block_id, block_hash, parent_id, token_ids)
+        depth = 0 if parent_id is None else self._blocks[parent_id].depth + 1
+        self._blocks[block_id] = Block(block_id, block_hash, parent_id, token_ids, depth)
         self._by_hash[block_hash] = block_id
+        self._evictable.add(block_id)
         if parent_id is not None:
             self._blocks[parent_id].children.add(block_id)
+            self._evictable.discard(parent_id)
         return block_id
 
     def remove(self, block_id: int) -> None:
@@ -74,23 +86,36 @@ class BlockPool:
         assert block.is_leaf and block.ref_count == 0, "only unreferenced leaf blocks can be removed"
         del self._blocks[block_id]
         del self._by_hash[block.block_hash]
+        self._evictable.discard(block_id)
         if block.parent_id is not None:
-            self._blocks[block.parent_id].children.discard(block_id)
+            parent = self._blocks[block.parent_id]
+            parent.children.discard(block_id)
+            self._update_evictable(parent)
 
     def is_evictable(self, block_id: int) -> bool:
-        block = self._blocks[block_id]
-        return block.is_leaf and block.ref_count == 0
+        return block_id in self._evictable
+
+    def evictable_ids(self) -> set[int]:
+        """Ids of the unreferenced leaf blocks (a live view: copy it before removing blocks while iterating)."""
+        return self._evictable
 
     def ref(self, block_ids: Iterable[int]) -> None:
         for block_id in block_ids:
             self._blocks[block_id].ref_count += 1
+            self._evictable.discard(block_id)
 
     def unref(self, block_ids: Iterable[int]) -> None:
         for block_id in block_ids:
             block = self._blocks[block_id]
             assert block.ref_count > 0, "unref of an unreferenced block"
             block.ref_count -= 1
+            self._update_evictable(block)
+
+    def _update_evictable(self, block: Block) -> None:
+        if block.is_leaf and block.ref_count == 0:
+            self._evictable.add(block.block_id)
 
     def clear(self) -> None:
         self._blocks.clear()
         self._by_hash.clear()
+        self._evictable.clear()

@@ -24,9 +24,10 @@ from transformers.cache_utils import Cache
 from . import _compat
 from .checkpoints import LayerState
 from .config import DEFAULT_MAX_CACHE_BYTES, CacheOptions
+from .flops import FlopModel
 from .hashing import model_identity, root_hash
 from .models import support_for
-from .policy import last_boundary, retained_boundaries
+from .policy import last_boundary, make_eviction, retained_boundaries
 from .request import Request, Row, store_row_blocks, store_row_checkpoint
 from .store import PrefixStore
 
@@ -44,10 +45,13 @@ class PrefixCacheStats:
         computed_prompt_tokens: prompt tokens run through the model (``prompt_tokens - hit_tokens``).
         kv_blocks: KV blocks stored now.
         checkpoints: checkpoints stored now.
-        stored_bytes: bytes of stored KV blocks + checkpoints now.
+        stored_bytes: bytes of stored KV blocks + checkpoints now (``kv_bytes + checkpoint_bytes``).
+        kv_bytes: bytes of the stored KV blocks now.
+        checkpoint_bytes: bytes of the stored checkpoints now.
         max_cache_bytes: the budget ``stored_bytes`` never exceeds.
         evicted_kv_blocks: KV blocks evicted so far.
-        evicted_checkpoints: checkpoints evicted so far (also those dropped with their KV block).
+        evicted_checkpoints: checkpoints evicted so far.
+        divergence_checkpoints: checkpoints admitted at divergence points so far.
     """
 
     requests: int = 0
@@ -57,9 +61,12 @@ class PrefixCacheStats:
     kv_blocks: int = 0
     checkpoints: int = 0
     stored_bytes: int = 0
+    kv_bytes: int = 0
+    checkpoint_bytes: int = 0
     max_cache_bytes: int = 0
     evicted_kv_blocks: int = 0
     evicted_checkpoints: int = 0
+    divergence_checkpoints: int = 0
 
     @property
     def token_hit_rate(self) -> float:
@@ -86,10 +93,16 @@ class HybridPrefixCache(Cache):
         max_cache_bytes: hard cap on stored KV blocks + checkpoints, in bytes; None means 2 GiB
             (``DEFAULT_MAX_CACHE_BYTES``).
         seed: bytes mixed into every block hash; random per cache when None.
+        admit_divergence: when a prompt leaves an already stored token path, keep a checkpoint at the last block
+            boundary of the shared part, taken inside the same prefill, so the shared prefix is reusable from the next
+            request on (Marconi's admission rule).
+        eviction: ``"flop_aware"`` (evict the lowest recency + alpha x prefill FLOPs saved per byte, after Marconi)
+            or ``"lru"`` (least recently used first). Either way a KV block goes only after the blocks that extend it
+            and the running request's blocks never go.
 
     Raises:
-        ValueError: unsupported model; invalid ``block_size``, ``retention_interval`` or ``max_cache_bytes``; a budget
-            smaller than one KV block plus one checkpoint.
+        ValueError: unsupported model; invalid ``block_size``, ``retention_interval``, ``max_cache_bytes``,
+            ``admit_divergence`` or ``eviction``; a budget smaller than one KV block plus one checkpoint.
     """
 
     def __init__(
@@ -100,10 +113,16 @@ class HybridPrefixCache(Cache):
         max_cache_bytes: int | None = None,
         *,
         seed: bytes | None = None,
+        admit_divergence: bool = True,
+        eviction: str = "flop_aware",
     ) -> None:
         support = support_for(model)
         self.options = CacheOptions(
-            block_size, retention_interval, DEFAULT_MAX_CACHE_BYTES if max_cache_bytes is None else max_cache_bytes
+            block_size,
+            retention_interval,
+            DEFAULT_MAX_CACHE_BYTES if max_cache_bytes is None else max_cache_bytes,
+            admit_divergence,
+            eviction,
         )
         self.spec = support.state_spec(model, block_size)
         minimum = self.spec.kv_block_bytes + self.spec.checkpoint_bytes
@@ -120,9 +139,11 @@ class HybridPrefixCache(Cache):
         super().__init__(layers=_compat.new_live_layers(model.config))
 
         root = root_hash(os.urandom(32) if seed is None else seed, model_identity(model))
-        self._store = PrefixStore(self.spec, root, self.options.max_cache_bytes)
+        policy = make_eviction(self.options.eviction, FlopModel.from_model(model, self.spec))
+        self._store = PrefixStore(self.spec, root, self.options.max_cache_bytes, policy)
         self._request: Request | None = None
-        self._counters = dict(requests=0, prompt_tokens=0, hit_tokens=0)
+        self._counters = dict(requests=0, prompt_tokens=0, hit_tokens=0, divergence_checkpoints=0)
+        self._evicted_before_request = (0, 0)
         self.last_hit_tokens: list[int] = []
 
     # ------------------------------------------------------------------ public API
@@ -151,9 +172,12 @@ class HybridPrefixCache(Cache):
             kv_blocks=len(self._store.kv),
             checkpoints=len(self._store.checkpoints),
             stored_bytes=self.stored_bytes,
+            kv_bytes=self._store.kv.num_bytes,
+            checkpoint_bytes=self._store.checkpoints.num_bytes,
             max_cache_bytes=self.max_cache_bytes,
             evicted_kv_blocks=self._store.evicted_kv_blocks,
             evicted_checkpoints=self._store.evicted_checkpoints,
+            divergence_checkpoints=c["divergence_checkpoints"],
         )
 
     def reset(self) -> None:
@@ -308,12 +332,14 @@ class HybridPrefixCache(Cache):
         c["requests"] += 1
         c["prompt_tokens"] += sum(prompt_tokens)
         c["hit_tokens"] += sum(self.last_hit_tokens)
+        self._evicted_before_request = (self._store.evicted_kv_blocks, self._store.evicted_checkpoints)
         logger.debug(
-            "request %d: prompt tokens %s, hit %s, replay %d",
+            "request %d: prompt tokens %s, hit %s, replay %d, divergence at %s",
             c["requests"],
             prompt_tokens,
             self.last_hit_tokens,
             sum(prompt_tokens) - sum(self.last_hit_tokens),
+            [row.divergence_tokens for row in request.rows],
         )
 
     def _end_request(self) -> None:
@@ -323,11 +349,23 @@ class HybridPrefixCache(Cache):
         if request is not None:
             for row in request.rows:
                 self._store.release(row.block_ids)
+            kv_blocks, checkpoints = self._evicted_before_request
+            logger.debug(
+                "request %d ended: it evicted %d KV blocks and %d checkpoints; stored %d bytes of KV and %d of "
+                "checkpoints",
+                self._counters["requests"],
+                self._store.evicted_kv_blocks - kv_blocks,
+                self._store.evicted_checkpoints - checkpoints,
+                self._store.kv.num_bytes,
+                self._store.checkpoints.num_bytes,
+            )
 
     def _restore_row(self, token_ids: list[int]) -> Row:
         """Copy the longest stored prefix of ``token_ids`` into the (fresh, single-row) live layers."""
         hit = self._store.lookup(token_ids)
         row = Row(prompt_tokens=len(token_ids), token_ids=token_ids[: hit.hit_tokens], hit_tokens=hit.hit_tokens)
+        if self.options.admit_divergence:
+            row.divergence_tokens = hit.divergence_tokens
         if not hit.hit_tokens:
             return row
         for attn in self.spec.attention:
@@ -415,7 +453,9 @@ class HybridPrefixCache(Cache):
         if num_rows == 1:  # the mixers emit interior states for single-row forwards
             row, start, end = request.rows[0], request.forward_start, request.forward_end
             bs = self.block_size
-            retained = retained_boundaries(start, end, row.prompt_tokens, bs, self.options.retention_tokens)
+            retained = retained_boundaries(
+                start, end, row.prompt_tokens, bs, self.options.retention_tokens, row.divergence_tokens
+            )
             # Besides the retained boundaries the last boundary reached is wanted: it becomes the decode-end
             # checkpoint if the request stops before the next one.
             request.wanted = frozenset(retained) | {last_boundary(end, bs)}
@@ -441,9 +481,13 @@ class HybridPrefixCache(Cache):
             )
             if end % bs == 0:
                 captured[end] = self._live_row_states(index)
-            retained = retained_boundaries(end - num_tokens, end, row.prompt_tokens, bs, self.options.retention_tokens)
+            retained = retained_boundaries(
+                end - num_tokens, end, row.prompt_tokens, bs, self.options.retention_tokens, row.divergence_tokens
+            )
             for boundary in sorted(captured):
-                store_row_checkpoint(self._store, row, boundary, captured[boundary], boundary not in retained)
+                stored = store_row_checkpoint(self._store, row, boundary, captured[boundary], boundary not in retained)
+                if stored and boundary == row.divergence_tokens:
+                    self._counters["divergence_checkpoints"] += 1
         if not request.rollback:
             request.captured.clear()
 

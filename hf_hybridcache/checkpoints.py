@@ -25,6 +25,10 @@ class CheckpointStore:
     def __contains__(self, block_id: int) -> bool:
         return block_id in self._entries
 
+    def block_ids(self):
+        """Ids of the blocks that have a checkpoint (a live view)."""
+        return self._entries.keys()
+
     def put(self, block_id: int, states: dict[int, LayerState]) -> None:
         """Store ``states[layer_idx] = (conv, ssm)`` for every Mamba layer; the tensors must be copies."""
         assert block_id not in self._entries, "checkpoint stored twice"

@@ -79,12 +79,15 @@ class CacheOptions:
 
     Raises:
         ValueError: ``block_size`` is not an int >= 1; ``retention_interval`` is not ``"dense"``, ``0`` or a positive
-            multiple of ``block_size``; ``max_cache_bytes`` is not ``None`` or a positive int.
+            multiple of ``block_size``; ``max_cache_bytes`` is not ``None`` or a positive int; ``admit_divergence``
+            is not a bool; ``eviction`` is not ``"lru"`` or ``"flop_aware"``.
     """
 
     block_size: int = 16
     retention_interval: int | str = 0
     max_cache_bytes: int = field(default=DEFAULT_MAX_CACHE_BYTES)
+    admit_divergence: bool = True
+    eviction: str = "flop_aware"
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -103,6 +106,16 @@ class CacheOptions:
             raise ValueError(
                 f"`max_cache_bytes` must be None (default {DEFAULT_MAX_CACHE_BYTES} bytes) or a positive int of "
                 f"bytes, got {mb!r}."
+            )
+        if not isinstance(self.admit_divergence, bool):
+            raise ValueError(
+                f"`admit_divergence` must be True (keep a checkpoint where a prompt leaves a stored token path) or "
+                f"False, got {self.admit_divergence!r}."
+            )
+        if self.eviction not in ("lru", "flop_aware"):
+            raise ValueError(
+                f"`eviction` must be 'flop_aware' (recency plus prefill FLOPs saved per byte) or 'lru' (least "
+                f"recently used first), got {self.eviction!r}."
             )
 
     @property

@@ -32,6 +32,8 @@ class Row:
         block_ids, block_hashes: the stored chain of the row's full blocks, pinned while the request lives.
         storing: False once a block could not be stored (the chain cannot continue).
         tentative_block: block whose checkpoint is the last boundary reached and not retained.
+        divergence_tokens: boundary where the prompt leaves a stored token path, kept as a retained checkpoint
+            (0: none, or divergence admission is off).
     """
 
     prompt_tokens: int
@@ -42,6 +44,7 @@ class Row:
     block_hashes: list[BlockHash] = field(default_factory=list)
     storing: bool = True
     tentative_block: int | None = None
+    divergence_tokens: int = 0
 
 
 @dataclass
@@ -87,18 +90,22 @@ def store_row_blocks(store: PrefixStore, row: Row, live_block_kv: Callable[[int]
 
 def store_row_checkpoint(
     store: PrefixStore, row: Row, boundary: int, states: dict[int, LayerState], tentative: bool
-) -> None:
-    """Store the row's state after ``boundary`` tokens (copies), if the block ending there is stored."""
+) -> bool:
+    """Store the row's state after ``boundary`` tokens (copies), if the block ending there is stored. True if a new
+    checkpoint was stored."""
     index = boundary // store.block_size - 1
     if index >= len(row.block_ids) or set(states) != set(store.checkpoints.mamba_layers):
-        return
+        return False
     block_id = row.block_ids[index]
+    previous, row.tentative_block = row.tentative_block, None
+    if previous is not None and previous != block_id:
+        # Beyond the retained boundaries only the last boundary reached keeps its checkpoint: the decode-end one,
+        # which lets the next chat turn reuse the reply. Dropping the superseded one first means the new one never
+        # evicts anything to make room for a checkpoint that is about to go.
+        store.drop_checkpoint(previous)
     stored = store.add_checkpoint(block_id, states)
     if stored is None:
         logger.debug("checkpoint at %d tokens does not fit in the budget", boundary)
-        return
-    previous, row.tentative_block = row.tentative_block, (block_id if stored and tentative else None)
-    if previous is not None and previous != block_id:
-        # Beyond the retained boundaries only the last boundary reached keeps its checkpoint: the decode-end one,
-        # which lets the next chat turn reuse the reply.
-        store.drop_checkpoint(previous)
+    elif tentative and (stored or block_id == previous):
+        row.tentative_block = block_id
+    return bool(stored)

@@ -6,6 +6,7 @@ and answers the one question a new request asks: how long a prefix of these toke
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,19 +17,23 @@ from .checkpoints import CheckpointStore, LayerState
 from .config import ModelStateSpec
 from .hashing import BlockHash, block_hash
 from .kv_store import KVStore
-from .policy import EntryKey, LRUEviction
+from .policy import EntryKey, EntryValue, EvictionPolicy, LRUEviction
+
+logger = logging.getLogger("hf_hybridcache")
 
 
 @dataclass(frozen=True)
 class Hit:
-    """A restorable prefix: ``hit_tokens`` tokens, the block ids and hashes of ``[0, hit_tokens)``."""
+    """A restorable prefix: ``hit_tokens`` tokens, the block ids and hashes of ``[0, hit_tokens)``.
+
+    ``divergence_tokens`` is the block boundary past the hit where the prompt leaves an already stored token path (a
+    stored block continues that prefix differently from the prompt's next full block), or 0 when there is none.
+    """
 
     hit_tokens: int
     block_ids: tuple[int, ...]
     block_hashes: tuple[BlockHash, ...]
-
-
-MISS = Hit(0, (), ())
+    divergence_tokens: int = 0
 
 
 class PrefixStore:
@@ -38,9 +43,12 @@ class PrefixStore:
         spec: layers and per-entry byte sizes of the model.
         root: parent hash of block 0 (seed + model identity).
         max_cache_bytes: the budget, bytes of the stored tensors.
+        eviction: ranks what to evict; least recently used when None.
     """
 
-    def __init__(self, spec: ModelStateSpec, root: BlockHash, max_cache_bytes: int) -> None:
+    def __init__(
+        self, spec: ModelStateSpec, root: BlockHash, max_cache_bytes: int, eviction: EvictionPolicy | None = None
+    ) -> None:
         self.spec = spec
         self.block_size = spec.block_size
         self.root = root
@@ -48,9 +56,11 @@ class PrefixStore:
         self.pool = BlockPool()
         self.kv = KVStore(tuple(a.layer_idx for a in spec.attention))
         self.checkpoints = CheckpointStore(tuple(m.layer_idx for m in spec.mamba))
-        self.eviction = LRUEviction()
+        self.eviction = LRUEviction() if eviction is None else eviction
         self.evicted_kv_blocks = 0
         self.evicted_checkpoints = 0
+        # Nearest checkpoint boundary before each checkpoint on its path; valid until a checkpoint comes or goes.
+        self._previous_checkpoint_tokens: dict[int, int] = {}
 
     @property
     def stored_bytes(self) -> int:
@@ -60,12 +70,16 @@ class PrefixStore:
 
     def lookup(self, token_ids: list[int]) -> Hit:
         """Longest hit P <= L-1, a multiple of ``block_size``, with every KV block of ``[0, P)`` stored and a
-        checkpoint at P; backs off past missing checkpoints down to a miss. Touches what it returns."""
+        checkpoint at P; backs off past missing checkpoints down to a miss. Touches what it returns.
+
+        Also finds the divergence point (Marconi's admission rule): the prompt's full blocks match stored blocks up
+        to D tokens, the stored block at D has children, and none of them is the prompt's next full block. A prompt
+        that only extends a stored path (the matched block is a leaf) or ends inside it has none."""
         bs = self.block_size
         chain: list[int] = []
         hashes: list[BlockHash] = []
         parent_hash, parent_id = self.root, None
-        for start in range(0, len(token_ids) - bs, bs):
+        for start in range(0, len(token_ids) - bs + 1, bs):
             tokens = tuple(token_ids[start : start + bs])
             parent_hash = block_hash(parent_hash, tokens)
             parent_id = self.pool.lookup(parent_hash, parent_id, tokens)
@@ -73,12 +87,16 @@ class PrefixStore:
                 break
             chain.append(parent_id)
             hashes.append(parent_hash)
-        for depth in range(len(chain), 0, -1):
+        diverges = 0 < len(chain) < len(token_ids) // bs and not self.pool[chain[-1]].is_leaf
+        divergence_tokens = len(chain) * bs if diverges else 0
+        for depth in range(min(len(chain), (len(token_ids) - 1) // bs), 0, -1):
             if chain[depth - 1] in self.checkpoints:
                 self.eviction.touch_chain(chain[:depth])
                 self.eviction.touch(("checkpoint", chain[depth - 1]))
-                return Hit(depth * bs, tuple(chain[:depth]), tuple(hashes[:depth]))
-        return MISS
+                hit_tokens = depth * bs
+                return Hit(hit_tokens, tuple(chain[:depth]), tuple(hashes[:depth]),
+                           divergence_tokens if divergence_tokens > hit_tokens else 0)
+        return Hit(0, (), (), divergence_tokens)
 
     def gather_kv(self, layer_idx: int, block_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the keys and values ``[1, Hkv, len(block_ids) * block_size, D]`` of one attention layer."""
@@ -119,6 +137,7 @@ class PrefixStore:
         if not self.make_room(self.spec.checkpoint_bytes):
             return None
         self.checkpoints.put(block_id, states)
+        self._previous_checkpoint_tokens.clear()
         self.eviction.touch(("checkpoint", block_id))
         return True
 
@@ -133,37 +152,54 @@ class PrefixStore:
     # ------------------------------------------------------------------ budget and eviction
 
     def make_room(self, num_bytes: int) -> bool:
-        """Evict least-recently-used entries until ``num_bytes`` more fit. False if they cannot fit (pinned blocks
-        are never evicted)."""
+        """Evict the entries the eviction policy ranks lowest until ``num_bytes`` more fit. False if they cannot fit
+        (pinned blocks are never evicted)."""
         while self.stored_bytes + num_bytes > self.max_cache_bytes:
-            victim = next((key for key in self.eviction.oldest_first() if self._is_evictable(key)), None)
-            if victim is None:
+            candidates = self.eviction_candidates()
+            if not candidates:
                 return False
-            kind, block_id = victim
+            kind, block_id = self.eviction.victim(candidates, self.entry_value)
+            logger.debug("evicting the %s at %d tokens", kind, self.pool[block_id].end_blocks * self.block_size)
             if kind == "checkpoint":
                 self.drop_checkpoint(block_id)
                 self.evicted_checkpoints += 1
             else:
-                self._evict_block(block_id)
+                self.kv.remove(block_id)
+                self.pool.remove(block_id)
+                self.eviction.discard(("kv", block_id))
+                self.evicted_kv_blocks += 1
         return True
 
-    def _is_evictable(self, key: EntryKey) -> bool:
+    def eviction_candidates(self) -> list[EntryKey]:
+        """Every checkpoint and every unreferenced leaf KV block without a checkpoint."""
+        checkpoints = [("checkpoint", b) for b in self.checkpoints.block_ids()]
+        return checkpoints + [("kv", b) for b in self.pool.evictable_ids() if b not in self.checkpoints]
+
+    def entry_value(self, key: EntryKey) -> EntryValue:
+        """``(start_tokens, end_tokens, num_bytes)``: a hit recomputes ``[start, end)`` without this entry. A
+        checkpoint at ``end`` backs hits off to the nearest checkpoint before it; a candidate KV block (a leaf
+        without a checkpoint) serves no hit, so its span is empty."""
         kind, block_id = key
-        return kind == "checkpoint" or self.pool.is_evictable(block_id)
+        end_tokens = self.pool[block_id].end_blocks * self.block_size
+        if kind == "kv":
+            return end_tokens, end_tokens, self.kv.block_bytes(block_id)
+        return self._previous_checkpoint(block_id), end_tokens, self.checkpoints.checkpoint_bytes(block_id)
+
+    def _previous_checkpoint(self, block_id: int) -> int:
+        cached = self._previous_checkpoint_tokens.get(block_id)
+        if cached is None:
+            parent = self.pool[block_id].parent_id
+            while parent is not None and parent not in self.checkpoints:
+                parent = self.pool[parent].parent_id
+            cached = 0 if parent is None else self.pool[parent].end_blocks * self.block_size
+            self._previous_checkpoint_tokens[block_id] = cached
+        return cached
 
     def drop_checkpoint(self, block_id: int) -> None:
         if block_id in self.checkpoints:
             self.checkpoints.remove(block_id)
+            self._previous_checkpoint_tokens.clear()
             self.eviction.discard(("checkpoint", block_id))
-
-    def _evict_block(self, block_id: int) -> None:
-        if block_id in self.checkpoints:
-            self.drop_checkpoint(block_id)
-            self.evicted_checkpoints += 1
-        self.kv.remove(block_id)
-        self.pool.remove(block_id)
-        self.eviction.discard(("kv", block_id))
-        self.evicted_kv_blocks += 1
 
     def clear(self) -> None:
         """Drop every stored entry (pinned ones too: call between requests)."""
@@ -171,3 +207,4 @@ class PrefixStore:
         self.kv.clear()
         self.checkpoints.clear()
         self.eviction.clear()
+        self._previous_checkpoint_tokens.clear()

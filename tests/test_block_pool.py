@@ -50,15 +50,31 @@ def test_removing_a_leaf_makes_its_parent_a_leaf():
     assert pool.is_evictable(a)
 
 
+def test_evictable_set_tracks_unreferenced_leaves():
+    pool = BlockPool()
+    a = pool.add(h(1), None, (1,))
+    b = pool.add(h(2), a, (2,))
+    c = pool.add(h(3), a, (3,))
+    assert pool.evictable_ids() == {b, c} and (pool[a].depth, pool[b].end_blocks) == (0, 2)
+    pool.ref([b])
+    assert pool.evictable_ids() == {c}
+    pool.remove(c)
+    assert pool.evictable_ids() == set()  # a still has the pinned child b
+    pool.unref([b])
+    assert pool.evictable_ids() == {b}
+    pool.remove(b)
+    assert pool.evictable_ids() == {a}
+
+
 def test_lru_touch_chain_puts_leaves_first():
     lru = LRUEviction()
     lru.touch_chain([10, 11, 12])  # root 10 ... leaf 12
     lru.touch(("checkpoint", 12))
-    assert list(lru.oldest_first()) == [("kv", 12), ("kv", 11), ("kv", 10), ("checkpoint", 12)]
+    keys = [("kv", 10), ("kv", 11), ("kv", 12), ("checkpoint", 12)]
+    assert lru.victim(keys, None) == ("kv", 12)
+    assert sorted(keys, key=lru.last_used) == [("kv", 12), ("kv", 11), ("kv", 10), ("checkpoint", 12)]
     lru.touch_chain([10, 11])
-    assert list(lru.oldest_first()) == [("kv", 12), ("checkpoint", 12), ("kv", 11), ("kv", 10)]
-    lru.discard(("kv", 12))
-    assert list(lru.oldest_first())[0] == ("checkpoint", 12)
+    assert sorted(keys, key=lru.last_used) == [("kv", 12), ("checkpoint", 12), ("kv", 11), ("kv", 10)]
 
 
 @pytest.mark.parametrize(

@@ -33,6 +33,10 @@ def test_unsupported_model_names_the_supported_families():
         (dict(max_cache_bytes=-1), "max_cache_bytes"),
         (dict(max_cache_bytes=1.5e9), "max_cache_bytes"),
         (dict(max_cache_bytes=1000), "cannot hold one KV block plus one checkpoint"),
+        (dict(admit_divergence="yes"), "admit_divergence"),
+        (dict(admit_divergence=None), "admit_divergence"),
+        (dict(eviction="lfu"), "'flop_aware' .* or 'lru'"),
+        (dict(eviction=None), "eviction"),
     ],
 )
 def test_invalid_options(model, kwargs, match):
@@ -43,6 +47,7 @@ def test_invalid_options(model, kwargs, match):
 def test_defaults(model):
     cache = HybridPrefixCache(model)
     assert (cache.block_size, cache.options.retention_interval, cache.max_cache_bytes) == (16, 0, DEFAULT_MAX_CACHE_BYTES)
+    assert (cache.options.admit_divergence, cache.options.eviction) == (True, "flop_aware")
     assert HybridPrefixCache(model, block_size=4, retention_interval=8).options.retention_tokens == 8
 
 

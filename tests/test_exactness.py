@@ -69,10 +69,19 @@ def test_dropped_checkpoint_backs_off_while_its_kv_stays(model, cold_model):
     assert cache.last_hit_tokens == [96]
 
 
-def test_tiny_budget_with_eviction_churn(model, cold_model):
+@pytest.mark.parametrize(
+    "eviction,expected_hits",
+    [
+        # LRU under a budget of three checkpoints: dense retention of one trunk evicts the other trunk.
+        ("lru", [0, 32, 0, 0, 32, 0, 64, 0, 0, 0]),
+        # FLOP-aware keeps the deep checkpoints (64 and 32 tokens saved) over the newer shallow ones.
+        ("flop_aware", [0, 32, 0, 0, 32, 64, 64, 32, 64, 32]),
+    ],
+)
+def test_tiny_budget_with_eviction_churn(model, cold_model, eviction, expected_hits):
     probe = HybridPrefixCache(model)
     budget = 8 * probe.spec.kv_block_bytes + 3 * probe.spec.checkpoint_bytes
-    cache = HybridPrefixCache(model, retention_interval="dense", max_cache_bytes=budget)
+    cache = HybridPrefixCache(model, retention_interval="dense", max_cache_bytes=budget, eviction=eviction)
     trunks = [random_ids(40, seed=20), random_ids(70, seed=21)]
     hits = []
     for i, which in enumerate([0, 0, 1, 0, 0, 1, 1, 0, 1, 0]):
@@ -83,8 +92,24 @@ def test_tiny_budget_with_eviction_churn(model, cold_model):
         assert cache.stats.stored_bytes == cache.stored_bytes
     stats = cache.stats
     assert stats.evicted_kv_blocks > 0 and stats.evicted_checkpoints > 0
-    # LRU under a budget of three checkpoints: dense retention of one trunk evicts the other trunk.
-    assert hits == [0, 32, 0, 0, 32, 0, 64, 0, 0, 0]
+    assert hits == expected_hits
+
+
+@pytest.mark.parametrize("admit_divergence,expected_hits", [(True, [0, 0, 288]), (False, [0, 0, 0])])
+def test_divergence_admission_makes_a_shared_trunk_reusable(model, cold_model, admit_divergence, expected_hits):
+    """Three prompts trunk(300) + different 30-token suffixes, no retention: the second request leaves the first
+    one's stored path at 288 (the last block boundary of the shared part) and keeps a checkpoint there."""
+    cache = HybridPrefixCache(model, retention_interval=0, admit_divergence=admit_divergence)
+    trunk = random_ids(300, seed=70)
+    prompts = [torch.cat([trunk, random_ids(30, seed=71 + i)], dim=1) for i in range(3)]
+    hits = []
+    for ids in prompts:
+        assert_matches_cold(model, cold_model, cache, ids, new_tokens=4)
+        hits.append(cache.last_hit_tokens[0])
+    assert hits == expected_hits
+    assert cache.stats.divergence_checkpoints == (1 if admit_divergence else 0)
+    if admit_divergence:
+        assert_restored_states_match(cache, cold_model, torch.cat([trunk, random_ids(30, seed=74)], dim=1), 288)
 
 
 def test_two_turn_chat_hits_inside_the_reply(model, cold_model):
@@ -95,6 +120,7 @@ def test_two_turn_chat_hits_inside_the_reply(model, cold_model):
     assert_matches_cold(model, cold_model, cache, second)
     assert cache.last_hit_tokens == [80]
     assert cache.last_hit_tokens[0] > first.shape[1]
+    assert cache.stats.divergence_checkpoints == 0  # the second turn extends the stored path: no divergence
 
 
 def test_miss_after_many_hits_starts_from_a_fresh_state(model, cold_model):
