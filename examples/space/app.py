@@ -22,7 +22,6 @@ come through the queue.
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import sys
 import threading
@@ -89,7 +88,7 @@ class CacheSettings:
     """What the shared cache is built with, on the first message after start or after "clear cache"."""
 
     retention_interval: int | str = int(DEFAULT_RETENTION)
-    eviction: str = "lru"
+    eviction: str = "flop_aware"
     max_cache_mib: int = DEFAULT_BUDGET_MIB
 
     @classmethod
@@ -187,9 +186,7 @@ class ChatEngine:
 
     @staticmethod
     def eviction_choices() -> list[str]:
-        """The eviction policies this version of the cache offers (only LRU until the cache takes ``eviction=``)."""
-        if "eviction" not in inspect.signature(HybridPrefixCache).parameters:
-            return ["lru"]
+        """The eviction policies of the cache, its default last."""
         return ["lru", "flop_aware"]
 
     def warm_up(self) -> None:
@@ -204,12 +201,11 @@ class ChatEngine:
     def _cache_for(self, settings: CacheSettings) -> HybridPrefixCache:
         """The shared cache; built with ``settings`` if there is none yet. Call with ``self.lock`` held."""
         if self.cache is None:
-            extra = {} if settings.eviction == "lru" else {"eviction": settings.eviction}
             self.cache = HybridPrefixCache(
                 self.model,
                 retention_interval=settings.retention_interval,
                 max_cache_bytes=settings.max_cache_mib * MIB,
-                **extra,
+                eviction=settings.eviction,
             )
             self.settings = settings
         return self.cache
@@ -499,7 +495,10 @@ def build_demo(engine: ChatEngine) -> gr.Blocks:
                         elem_id="retention",
                     )
                     eviction = gr.Dropdown(
-                        engine.eviction_choices(), value="lru", label="Eviction policy", elem_id="eviction"
+                        engine.eviction_choices(),
+                        value=engine.eviction_choices()[-1],
+                        label="Eviction policy",
+                        elem_id="eviction",
                     )
                     budget = gr.Dropdown(
                         BUDGET_CHOICES_MIB, value=DEFAULT_BUDGET_MIB, label="Budget (MiB)", elem_id="budget"
