@@ -6,6 +6,7 @@ channels, C conv channels, W conv width (``d_conv``), N SSM state size.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -62,12 +63,12 @@ class ModelStateSpec:
     mamba: tuple[MambaLayerSpec, ...]
     block_size: int
 
-    @property
+    @functools.cached_property
     def kv_block_bytes(self) -> int:
         """Bytes of one stored KV block over all attention layers."""
         return sum(2 * a.num_kv_heads * self.block_size * a.head_dim * _dtype_bytes(a.dtype) for a in self.attention)
 
-    @property
+    @functools.cached_property
     def checkpoint_bytes(self) -> int:
         """Bytes of one checkpoint (conv + SSM state of every Mamba layer)."""
         return sum(m.num_bytes for m in self.mamba)

@@ -21,9 +21,9 @@ EntryValue = tuple[int, int, int]
 
 EVICTION_POLICIES = ("lru", "flop_aware")
 
-#: Weight of FLOP efficiency against recency in the ``flop_aware`` score, chosen with ``benchmarks/hit_rate.py`` (the
-#: README gives the sweep): hit rates rise steeply from 0 (plain recency) and stay flat from about 1 to 8.
-DEFAULT_FLOP_ALPHA = 2.0
+#: Weight of FLOP efficiency against recency in the ``flop_aware`` score, chosen with ``benchmarks/hit_rate.py``
+#: (the README gives the sweep).
+DEFAULT_FLOP_ALPHA = 0.75
 
 
 def retained_boundaries(

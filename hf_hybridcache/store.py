@@ -59,8 +59,8 @@ class PrefixStore:
         self.eviction = LRUEviction() if eviction is None else eviction
         self.evicted_kv_blocks = 0
         self.evicted_checkpoints = 0
-        # Nearest checkpoint boundary before each checkpoint on its path; valid until a checkpoint comes or goes.
-        self._previous_checkpoint_tokens: dict[int, int] = {}
+        # Checkpoint -> the nearest checkpoint before it on its path (None: none), filled as eviction asks.
+        self._previous_checkpoint: dict[int, int | None] = {}
 
     @property
     def stored_bytes(self) -> int:
@@ -136,8 +136,8 @@ class PrefixStore:
             return False
         if not self.make_room(self.spec.checkpoint_bytes):
             return None
+        self._forget_previous(self._find_previous_checkpoint(block_id))  # it may now lie between them
         self.checkpoints.put(block_id, states)
-        self._previous_checkpoint_tokens.clear()
         self.eviction.touch(("checkpoint", block_id))
         return True
 
@@ -183,22 +183,29 @@ class PrefixStore:
         end_tokens = self.pool[block_id].end_blocks * self.block_size
         if kind == "kv":
             return end_tokens, end_tokens, self.kv.block_bytes(block_id)
-        return self._previous_checkpoint(block_id), end_tokens, self.checkpoints.checkpoint_bytes(block_id)
+        if block_id not in self._previous_checkpoint:
+            self._previous_checkpoint[block_id] = self._find_previous_checkpoint(block_id)
+        previous = self._previous_checkpoint[block_id]
+        start_tokens = 0 if previous is None else self.pool[previous].end_blocks * self.block_size
+        return start_tokens, end_tokens, self.checkpoints.checkpoint_bytes(block_id)
 
-    def _previous_checkpoint(self, block_id: int) -> int:
-        cached = self._previous_checkpoint_tokens.get(block_id)
-        if cached is None:
-            parent = self.pool[block_id].parent_id
-            while parent is not None and parent not in self.checkpoints:
-                parent = self.pool[parent].parent_id
-            cached = 0 if parent is None else self.pool[parent].end_blocks * self.block_size
-            self._previous_checkpoint_tokens[block_id] = cached
-        return cached
+    def _find_previous_checkpoint(self, block_id: int) -> int | None:
+        parent = self.pool[block_id].parent_id
+        while parent is not None and parent not in self.checkpoints:
+            parent = self.pool[parent].parent_id
+        return parent
+
+    def _forget_previous(self, block_id: int | None) -> None:
+        """Forget the cached previous checkpoint of every checkpoint whose previous one is ``block_id``."""
+        stale = [b for b, previous in self._previous_checkpoint.items() if previous == block_id]
+        for b in stale:
+            del self._previous_checkpoint[b]
 
     def drop_checkpoint(self, block_id: int) -> None:
         if block_id in self.checkpoints:
             self.checkpoints.remove(block_id)
-            self._previous_checkpoint_tokens.clear()
+            self._previous_checkpoint.pop(block_id, None)
+            self._forget_previous(block_id)
             self.eviction.discard(("checkpoint", block_id))
 
     def clear(self) -> None:
@@ -207,4 +214,4 @@ class PrefixStore:
         self.kv.clear()
         self.checkpoints.clear()
         self.eviction.clear()
-        self._previous_checkpoint_tokens.clear()
+        self._previous_checkpoint.clear()
