@@ -1,5 +1,18 @@
-"""Scan and gather kernels, each with a plain-torch reference beside it."""
+"""Scan and copy kernels, each with a plain-torch reference beside it, and the switch between them.
 
-from .mamba1_scan import selective_scan, selective_scan_ref
+Triton kernels live in ``*_triton`` modules that are imported only when a Triton backend runs, so the package works
+without ``triton`` installed.
+"""
 
-__all__ = ["selective_scan", "selective_scan_ref"]
+from .backend import BACKENDS, get_backend, set_backend, use_backend
+from .mamba1_scan import selective_scan, selective_scan_chunked, selective_scan_ref
+
+__all__ = [
+    "BACKENDS",
+    "get_backend",
+    "selective_scan",
+    "selective_scan_chunked",
+    "selective_scan_ref",
+    "set_backend",
+    "use_backend",
+]
