@@ -24,6 +24,7 @@ from . import _compat
 from .checkpoints import LayerState
 from .config import DEFAULT_MAX_CACHE_BYTES, CacheOptions
 from .hashing import BlockHash, model_identity, root_hash
+from .kernels.paged_copy import scatter_kv_blocks
 from .models import support_for
 from .policy import last_boundary, retained_boundaries
 from .store import PrefixStore
@@ -351,11 +352,10 @@ class HybridPrefixCache(Cache):
 
     def _live_block_kv(self, index: int) -> dict[int, torch.Tensor]:
         """Copies of block ``index`` of the live KV: ``{attention layer idx: [2, Hkv, block_size, D]}``."""
-        span = slice(index * self.block_size, (index + 1) * self.block_size)
         kv = {}
         for attn in self.spec.attention:
             keys, values = _compat.get_kv(self.layers[attn.layer_idx])
-            kv[attn.layer_idx] = torch.stack([keys[0, :, span], values[0, :, span]])
+            kv[attn.layer_idx] = scatter_kv_blocks(keys, values, [index], self.block_size)[0]
         return kv
 
     def _store_checkpoint(self, request: _Request, boundary: int, states: dict[int, LayerState], tentative: bool):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from .kernels.paged_copy import copy_states
+
 #: One Mamba layer's state: conv state ``[1, C, W]`` (model dtype) and SSM state (``[1, I, N]`` for Mamba-1,
 #: usually float32).
 LayerState = tuple[torch.Tensor, torch.Tensor]
@@ -41,8 +43,11 @@ class CheckpointStore:
         return self._bytes[block_id]
 
     def get_copy(self, block_id: int) -> dict[int, LayerState]:
-        """A fresh copy of the checkpoint, safe to hand to the live cache (decode writes it in place)."""
-        return {idx: (conv.clone(), ssm.clone()) for idx, (conv, ssm) in self._entries[block_id].items()}
+        """A fresh copy of the checkpoint, safe to hand to the live cache (decode writes it in place); every layer's
+        tensors are copied by one Triton launch on CUDA."""
+        entry = self._entries[block_id]
+        copies = iter(copy_states([t for pair in entry.values() for t in pair]))
+        return {idx: (next(copies), next(copies)) for idx in entry}
 
     def clear(self) -> None:
         self._entries.clear()

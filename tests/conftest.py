@@ -1,5 +1,13 @@
+import os
+
 import pytest
 import torch
+
+# Without a GPU the Triton kernel tests run in Triton's interpreter. Triton reads TRITON_INTERPRET when it is first
+# imported, and transformers' import of torch._dynamo imports it, so it is set here before anything else.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from transformers import DynamicCache
 
 from hf_hybridcache import HybridPrefixCache

@@ -7,7 +7,7 @@ from hf_hybridcache import kernels
 from hf_hybridcache.kernels import backend, selective_scan, selective_scan_chunked, selective_scan_ref
 
 # fp32 round-off of sums of a few hundred terms of magnitude <= ~100.
-FP32 = dict(rtol=1e-5, atol=1e-5)
+FP32 = {"rtol": 1e-5, "atol": 1e-5}
 
 
 def scan_inputs(batch, channels, seq_len, state_size, *, seed=0, dtype=torch.float32, a_scale=1.0, dt_shift=0.0):
@@ -130,3 +130,29 @@ def test_forcing_triton_on_cpu_without_the_interpreter_raises(monkeypatch):
     monkeypatch.setattr(backend, "triton_available", lambda: True)
     with kernels.use_backend("triton"), pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         backend.resolve(torch.device("cpu"))
+
+
+def test_paged_copy_references_round_trip():
+    """Blocks scattered out of live KV and gathered back give the live KV; every result is a copy."""
+    keys, values = torch.randn(1, 2, 15, 3), torch.randn(1, 2, 15, 3)
+    blocks = kernels.scatter_kv_blocks(keys, values, [0, 1, 2], 5)
+    assert [tuple(b.shape) for b in blocks] == [(2, 2, 5, 3)] * 3
+    gathered_keys, gathered_values = kernels.gather_kv_blocks(blocks)
+    assert torch.equal(gathered_keys, keys) and torch.equal(gathered_values, values)
+    gathered_keys.zero_()
+    blocks[0].zero_()
+    assert keys.abs().sum() > 0 and torch.equal(kernels.gather_kv_blocks(blocks[1:])[0], keys[:, :, 5:])
+    states = [torch.randn(1, 4, 3), torch.randn(1, 4, 2)]
+    copies = kernels.copy_states(states)
+    assert all(torch.equal(c, s) and c.data_ptr() != s.data_ptr() for c, s in zip(copies, states))
+
+
+def test_paged_copy_errors():
+    with pytest.raises(ValueError, match="at least one block"):
+        kernels.gather_kv_blocks([])
+    with pytest.raises(ValueError, match="share shape, dtype and device"):
+        kernels.gather_kv_blocks([torch.zeros(2, 1, 4, 3), torch.zeros(2, 1, 4, 3, dtype=torch.bfloat16)])
+    with pytest.raises(ValueError, match=r"\[2, Hkv, block_size, D\]"):
+        kernels.gather_kv_blocks([torch.zeros(1, 4, 3)])
+    with pytest.raises(ValueError, match="within the 10 live tokens"):
+        kernels.scatter_kv_blocks(torch.zeros(1, 1, 10, 2), torch.zeros(1, 1, 10, 2), [2], 4)

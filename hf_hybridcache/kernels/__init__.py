@@ -6,10 +6,24 @@ without ``triton`` installed.
 
 from .backend import BACKENDS, get_backend, set_backend, use_backend
 from .mamba1_scan import selective_scan, selective_scan_chunked, selective_scan_ref
+from .paged_copy import (
+    copy_states,
+    copy_states_ref,
+    gather_kv_blocks,
+    gather_kv_blocks_ref,
+    scatter_kv_blocks,
+    scatter_kv_blocks_ref,
+)
 
 __all__ = [
     "BACKENDS",
+    "copy_states",
+    "copy_states_ref",
+    "gather_kv_blocks",
+    "gather_kv_blocks_ref",
     "get_backend",
+    "scatter_kv_blocks",
+    "scatter_kv_blocks_ref",
     "selective_scan",
     "selective_scan_chunked",
     "selective_scan_ref",

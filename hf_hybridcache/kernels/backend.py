@@ -89,6 +89,8 @@ def resolve(device: torch.device, fast: str = "torch") -> str:
         if triton_available():
             return "triton"
         if not _warned_no_triton:
-            warnings.warn("triton is not installed; hf_hybridcache uses its torch kernels on CUDA (pip install triton).")
+            warnings.warn(
+                "triton is not installed; hf_hybridcache uses its torch kernels on CUDA (pip install triton)."
+            )
             _warned_no_triton = True
     return fast

@@ -17,6 +17,7 @@ Shapes: B batch, I channels (``intermediate_size``), T tokens, N state size.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +41,7 @@ def check_emit_positions(emit_positions: Sequence[int], seq_len: int) -> list[in
         ValueError: a position is out of range or the positions are not strictly increasing.
     """
     positions = [int(t) for t in emit_positions]
-    if any(t < 1 or t > seq_len for t in positions) or any(a >= b for a, b in zip(positions, positions[1:])):
+    if any(t < 1 or t > seq_len for t in positions) or any(a >= b for a, b in pairwise(positions)):
         raise ValueError(
             f"emit_positions must be strictly increasing token counts in [1, {seq_len}] (the state after t of the "
             f"{seq_len} tokens); got {positions}."
@@ -123,7 +124,6 @@ def selective_scan_ref(
     return _gate(y, u, D, z), ssm_state.float(), emitted
 
 
-
 def selective_scan_chunked(
     u: torch.Tensor,
     delta: torch.Tensor,
@@ -183,7 +183,7 @@ def selective_scan_chunked(
     token_bytes = batch * channels * state_size * 4
     segment = min(padded_len, -(-segment_tokens // chunk_tokens) * chunk_tokens)
     segment = max(chunk_tokens, min(segment, WORKSPACE_BYTES // token_bytes // chunk_tokens * chunk_tokens))
-    work = dict(dtype=torch.float32, device=u.device)
+    work = {"dtype": torch.float32, "device": u.device}
     decay_buf = torch.empty(batch, segment, state_size, channels, **work)
     states_buf = torch.empty(batch, segment, state_size, channels, **work)
     starts_buf = torch.empty(batch, segment // chunk_tokens, 1, state_size, channels, **work)
