@@ -5,6 +5,7 @@ import torch
 
 from hf_hybridcache import kernels
 from hf_hybridcache.kernels import backend, selective_scan, selective_scan_chunked, selective_scan_ref
+from hf_hybridcache.kernels.mamba2_recurrence import mamba2_scan_recurrent_ref
 
 # fp32 round-off of sums of a few hundred terms of magnitude <= ~100.
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
@@ -29,6 +30,25 @@ def scan_inputs(batch, channels, seq_len, state_size, *, seed=0, dtype=torch.flo
         True,  # delta_softplus
     )
     return args, randn(batch, channels, state_size)
+
+
+def mamba2_inputs(batch, seq_len, heads, head_dim, groups, state_size, *, seed=0):
+    """Random Mamba-2 scan arguments: positional ``(x, dt, A, B, C)``, keyword ``D``/``dt_bias``/``dt_softplus``,
+    and an initial state ``[B, H, P, N]``."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g)
+
+    args = (
+        randn(batch, seq_len, heads, head_dim),
+        randn(batch, seq_len, heads),
+        -torch.exp(randn(heads)),
+        randn(batch, seq_len, groups, state_size),
+        randn(batch, seq_len, groups, state_size),
+    )
+    kwargs = {"D": randn(heads), "dt_bias": 0.1 * randn(heads), "dt_softplus": True}
+    return args, kwargs, randn(batch, heads, head_dim, state_size)
 
 
 def assert_scans_close(actual, expected, **tol):
@@ -106,7 +126,9 @@ def test_dispatch_follows_the_backend(monkeypatch):
     args, h0 = scan_inputs(1, 5, 20, 3)
     calls = []
     monkeypatch.setattr(
-        kernels.mamba1_scan, "selective_scan_chunked", lambda *a: calls.append("torch") or selective_scan_ref(*a)
+        kernels.mamba1_scan,
+        "selective_scan_chunked",
+        lambda *a, **kw: calls.append("torch") or selective_scan_ref(*a, **kw),
     )
     with kernels.use_backend("reference"):
         assert backend.resolve(torch.device("cpu")) == "reference"
@@ -135,7 +157,7 @@ def test_forcing_triton_on_cpu_without_the_interpreter_raises(monkeypatch):
 def test_paged_copy_references_round_trip():
     """Blocks scattered out of live KV and gathered back give the live KV; every result is a copy."""
     keys, values = torch.randn(1, 2, 15, 3), torch.randn(1, 2, 15, 3)
-    blocks = kernels.scatter_kv_blocks(keys, values, [0, 1, 2], 5)
+    blocks = kernels.scatter_kv_blocks(keys, values, [0, 5, 10], 5)
     assert [tuple(b.shape) for b in blocks] == [(2, 2, 5, 3)] * 3
     gathered_keys, gathered_values = kernels.gather_kv_blocks(blocks)
     assert torch.equal(gathered_keys, keys) and torch.equal(gathered_values, values)
@@ -154,5 +176,23 @@ def test_paged_copy_errors():
         kernels.gather_kv_blocks([torch.zeros(2, 1, 4, 3), torch.zeros(2, 1, 4, 3, dtype=torch.bfloat16)])
     with pytest.raises(ValueError, match=r"\[2, Hkv, block_size, D\]"):
         kernels.gather_kv_blocks([torch.zeros(1, 4, 3)])
+    live = torch.zeros(2, 1, 10, 2)
     with pytest.raises(ValueError, match="within the 10 live tokens"):
-        kernels.scatter_kv_blocks(torch.zeros(1, 1, 10, 2), torch.zeros(1, 1, 10, 2), [2], 4)
+        kernels.scatter_kv_blocks(live, live, [7], 4)
+    with pytest.raises(ValueError, match="Row 2 does not exist"):
+        kernels.scatter_kv_blocks(live, live, [0], 4, row=2)
+
+
+def test_mamba2_recurrence_resumes_from_its_emitted_states():
+    """The Triton Mamba-2 kernel's stand-in reference: running the first t tokens, then the rest from the state
+    emitted at t, gives the outputs and final state of one run."""
+    args, kwargs, h0 = mamba2_inputs(2, 19, 4, 3, 2, 5)
+    y, final, (at_7,) = mamba2_scan_recurrent_ref(*args, initial_state=h0, emit_positions=[7], **kwargs)
+    head = [a[:, :7] for a in args[:2]] + [args[2]] + [a[:, :7] for a in args[3:]]
+    tail = [a[:, 7:] for a in args[:2]] + [args[2]] + [a[:, 7:] for a in args[3:]]
+    y_head, final_head, _ = mamba2_scan_recurrent_ref(*head, initial_state=h0, **kwargs)
+    y_tail, final_tail, _ = mamba2_scan_recurrent_ref(*tail, initial_state=at_7, **kwargs)
+    torch.testing.assert_close(final_head, at_7, **FP32)
+    torch.testing.assert_close(torch.cat([y_head, y_tail], dim=1), y, **FP32)
+    torch.testing.assert_close(final_tail, final, **FP32)
+    assert (mamba2_scan_recurrent_ref(*tail, **kwargs)[1] - final).abs().max() > 1e-2

@@ -243,12 +243,23 @@ def selective_scan(
     """Selective scan from ``initial_state`` with state emission; same arguments, results and errors as
     :func:`selective_scan_ref`. Runs Triton on CUDA, :func:`selective_scan_chunked` on CPU, the reference when the
     ``"reference"`` backend is forced (:func:`hf_hybridcache.kernels.set_backend`)."""
-    args = (u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, emit_positions)
     choice = backend.resolve(u.device)
     if choice == "triton":
-        from .mamba1_scan_triton import selective_scan_triton
-
-        return selective_scan_triton(*args)
-    if choice == "torch":
-        return selective_scan_chunked(*args)
-    return selective_scan_ref(*args)
+        from .mamba1_scan_triton import selective_scan_triton as scan
+    elif choice == "torch":
+        scan = selective_scan_chunked
+    else:
+        scan = selective_scan_ref
+    return scan(
+        u,
+        delta,
+        A,
+        B,
+        C,
+        D=D,
+        z=z,
+        delta_bias=delta_bias,
+        delta_softplus=delta_softplus,
+        initial_state=initial_state,
+        emit_positions=emit_positions,
+    )

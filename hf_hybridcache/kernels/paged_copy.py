@@ -28,15 +28,11 @@ def gather_kv_blocks_ref(blocks: Sequence[torch.Tensor]) -> tuple[torch.Tensor, 
 
 
 def scatter_kv_blocks_ref(
-    keys: torch.Tensor, values: torch.Tensor, block_indices: Sequence[int], block_size: int
+    keys: torch.Tensor, values: torch.Tensor, block_starts: Sequence[int], block_size: int, row: int = 0
 ) -> list[torch.Tensor]:
-    """Copies ``[2, Hkv, block_size, D]`` of blocks ``block_indices`` (tokens ``[i * block_size, (i + 1) *
-    block_size)``) of row 0 of live ``keys`` / ``values`` ``[B, Hkv, T, D]``."""
-    blocks = []
-    for index in block_indices:
-        span = slice(index * block_size, (index + 1) * block_size)
-        blocks.append(torch.stack([keys[0, :, span], values[0, :, span]]))
-    return blocks
+    """Copies ``[2, Hkv, block_size, D]`` of the blocks of ``row`` of live ``keys`` / ``values`` ``[B, Hkv, T, D]``
+    that start at the token offsets ``block_starts`` (tokens ``[s, s + block_size)``; left padding included)."""
+    return [torch.stack([keys[row, :, s : s + block_size], values[row, :, s : s + block_size]]) for s in block_starts]
 
 
 def copy_states_ref(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -59,12 +55,15 @@ def _check_blocks(blocks: Sequence[torch.Tensor]) -> None:
             )
 
 
-def _check_span(keys: torch.Tensor, block_indices: Sequence[int], block_size: int) -> None:
-    num_tokens = keys.shape[2]
-    if block_size < 1 or any(i < 0 or (i + 1) * block_size > num_tokens for i in block_indices):
+def _check_span(keys: torch.Tensor, block_starts: Sequence[int], block_size: int, row: int) -> None:
+    num_rows, _, num_tokens, _ = keys.shape
+    if block_size < 1 or any(s < 0 or s + block_size > num_tokens for s in block_starts):
         raise ValueError(
-            f"Blocks {list(block_indices)} of {block_size} tokens do not lie within the {num_tokens} live tokens."
+            f"Blocks of {block_size} tokens starting at {list(block_starts)} do not lie within the {num_tokens} live "
+            "tokens."
         )
+    if not 0 <= row < num_rows:
+        raise ValueError(f"Row {row} does not exist in live KV of {num_rows} rows.")
 
 
 def gather_kv_blocks(blocks: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,19 +81,19 @@ def gather_kv_blocks(blocks: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torc
 
 
 def scatter_kv_blocks(
-    keys: torch.Tensor, values: torch.Tensor, block_indices: Sequence[int], block_size: int
+    keys: torch.Tensor, values: torch.Tensor, block_starts: Sequence[int], block_size: int, row: int = 0
 ) -> list[torch.Tensor]:
     """Dispatching form of :func:`scatter_kv_blocks_ref` (same arguments and results).
 
     Raises:
-        ValueError: a block reaches past the live tokens.
+        ValueError: a block reaches outside the live tokens, or ``row`` does not exist.
     """
-    _check_span(keys, block_indices, block_size)
+    _check_span(keys, block_starts, block_size, row)
     if backend.resolve(keys.device, fast="reference") == "triton":
         from .paged_copy_triton import scatter_kv_blocks_triton
 
-        return scatter_kv_blocks_triton(keys, values, block_indices, block_size)
-    return scatter_kv_blocks_ref(keys, values, block_indices, block_size)
+        return scatter_kv_blocks_triton(keys, values, block_starts, block_size, row)
+    return scatter_kv_blocks_ref(keys, values, block_starts, block_size, row)
 
 
 def copy_states(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

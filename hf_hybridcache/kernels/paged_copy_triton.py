@@ -78,17 +78,18 @@ def gather_kv_blocks_triton(blocks: Sequence[torch.Tensor]) -> tuple[torch.Tenso
 
 
 def scatter_kv_blocks_triton(
-    keys: torch.Tensor, values: torch.Tensor, block_indices: Sequence[int], block_size: int
+    keys: torch.Tensor, values: torch.Tensor, block_starts: Sequence[int], block_size: int, row: int = 0
 ) -> list[torch.Tensor]:
     """See :func:`~hf_hybridcache.kernels.paged_copy.scatter_kv_blocks_ref`."""
-    if not (_dense_heads(keys[0]) and _dense_heads(values[0])):
+    keys, values = keys[row], values[row]
+    if not (_dense_heads(keys) and _dense_heads(values)):
         keys, values = keys.contiguous(), values.contiguous()
-    shape = (2, keys.shape[1], block_size, keys.shape[3])
-    blocks = [torch.empty(shape, dtype=keys.dtype, device=keys.device) for _ in block_indices]
+    shape = (2, keys.shape[0], block_size, keys.shape[2])
+    blocks = [torch.empty(shape, dtype=keys.dtype, device=keys.device) for _ in block_starts]
     rows = []
-    for index, block in zip(block_indices, blocks):
+    for start, block in zip(block_starts, blocks):
         for half, live in ((0, keys), (1, values)):
-            src = _head_rows(live[0], index * block_size, block_size)
+            src = _head_rows(live, start, block_size)
             dst = _head_rows(block[half], 0, block_size)
             rows += [(s, d, n) for (s, n), (d, _) in zip(src, dst)]
     _copy_rows(rows, keys.device)
