@@ -6,13 +6,15 @@ CPU at tiny odd sizes. ``triton`` is a test dependency: a missing install fails 
 
 import pytest
 import torch
-from test_kernels import FP32, assert_scans_close, scan_inputs
+from test_kernels import FP32, assert_scans_close, mamba2_inputs, scan_inputs
 
 from hf_hybridcache import kernels
 from hf_hybridcache.checkpoints import CheckpointStore
 from hf_hybridcache.kernels import backend, paged_copy
 from hf_hybridcache.kernels.mamba1_scan import selective_scan_ref
 from hf_hybridcache.kernels.mamba1_scan_triton import selective_scan_triton
+from hf_hybridcache.kernels.mamba2_recurrence import mamba2_scan_recurrent_ref
+from hf_hybridcache.kernels.mamba2_scan_triton import mamba2_chunk_scan_triton
 from hf_hybridcache.kernels.paged_copy_triton import (
     copy_states_triton,
     gather_kv_blocks_triton,
@@ -82,13 +84,14 @@ def test_gather_kv_blocks_triton_equals_reference(dtype):
 
 
 def test_scatter_kv_blocks_triton_equals_reference():
-    keys, values = torch.randn(1, 3, 23, 7, device=DEVICE), torch.randn(1, 3, 23, 7, device=DEVICE)
-    indices = [0, 3, 2]
-    actual = scatter_kv_blocks_triton(keys, values, indices, 5)
-    expected = paged_copy.scatter_kv_blocks_ref(keys, values, indices, 5)
+    """Blocks of row 1 of two rows, at offsets that are not multiples of the block size (left padding)."""
+    keys, values = torch.randn(2, 3, 23, 7, device=DEVICE), torch.randn(2, 3, 23, 7, device=DEVICE)
+    starts = [2, 17, 7]
+    actual = scatter_kv_blocks_triton(keys, values, starts, 5, row=1)
+    expected = paged_copy.scatter_kv_blocks_ref(keys, values, starts, 5, row=1)
     assert all(torch.equal(a, e) for a, e in zip(actual, expected))
     strided_keys = keys.transpose(2, 3).contiguous().transpose(2, 3)
-    again = scatter_kv_blocks_triton(strided_keys, values, indices, 5)
+    again = scatter_kv_blocks_triton(strided_keys, values, starts, 5, row=1)
     assert all(torch.equal(a, e) for a, e in zip(again, expected))
 
 
@@ -120,3 +123,33 @@ def test_stores_copy_through_triton_when_forced():
     for idx, (conv, ssm) in states.items():
         assert torch.equal(copy[idx][0], conv) and torch.equal(copy[idx][1], ssm)
         assert copy[idx][1].data_ptr() != ssm.data_ptr()
+
+
+MAMBA2_CASES = {
+    # (batch, seq_len, heads, head_dim, groups, state_size, kernel_chunk, emit positions)
+    "odd-within-one-chunk": (1, 13, 2, 5, 1, 3, 16, [1, 7, 13]),
+    "chunks-and-groups": (2, 37, 4, 5, 2, 3, 16, [5, 16, 32, 37]),
+    "wide-tiles": (1, 21, 1, 17, 1, 20, 32, [21]),
+}
+
+
+@pytest.mark.parametrize("case", MAMBA2_CASES.values(), ids=MAMBA2_CASES.keys())
+@pytest.mark.parametrize("from_state", [False, True], ids=["zero-state", "initial-state"])
+def test_mamba2_chunk_scan_triton_matches_reference(case, from_state):
+    """States emitted on and off the kernel's chunk boundaries; partial last chunks; groups shared by heads."""
+    batch, seq_len, heads, head_dim, groups, state_size, kernel_chunk, positions = case
+    args, kwargs, h0 = mamba2_inputs(batch, seq_len, heads, head_dim, groups, state_size)
+    args, h0 = to_device(args), h0.to(DEVICE)
+    kwargs = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    initial = h0 if from_state else None
+    expected = mamba2_scan_recurrent_ref(*args, initial_state=initial, emit_positions=positions, **kwargs)
+    actual = mamba2_chunk_scan_triton(
+        *args, initial_state=initial, emit_positions=positions, kernel_chunk=kernel_chunk, **kwargs
+    )
+    assert_scans_close(actual, expected, **FP32)
+
+
+def test_mamba2_chunk_scan_triton_rejects_a_bad_kernel_chunk():
+    args, _, _ = mamba2_inputs(1, 4, 1, 2, 1, 2)
+    with pytest.raises(ValueError, match="kernel_chunk"):
+        mamba2_chunk_scan_triton(*to_device(args), kernel_chunk=24)
