@@ -16,6 +16,7 @@ Shapes: B batch, I channels (``intermediate_size``), T tokens, N state size.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from itertools import pairwise
 
@@ -65,6 +66,33 @@ def _gate(y: torch.Tensor, u: torch.Tensor, D: torch.Tensor | None, z: torch.Ten
     if z is not None:
         y = y * F.silu(z)
     return y
+
+
+#: Rows moved per copy when changing between channel-major and token-major layouts on CPU.
+_TRANSPOSE_BLOCK = 16
+
+
+def _token_major(tensor: torch.Tensor, padded_len: int) -> torch.Tensor:
+    """``[B, C, T]`` -> contiguous ``[B, padded_len, C]``, zero past ``T``."""
+    batch, channels, seq_len = tensor.shape
+    out = tensor.new_empty(batch, padded_len, channels)
+    out[:, seq_len:].zero_()
+    # A CPU transposing copy in narrow bands keeps its writes within few pages (about 3x faster than in one go).
+    step = _TRANSPOSE_BLOCK if tensor.device.type == "cpu" else channels
+    for c in range(0, channels, step):
+        out[:, :seq_len, c : c + step].copy_(tensor[:, c : c + step].transpose(1, 2))
+    return out
+
+
+def _channel_major(tensor: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``[B, T', C]`` -> contiguous ``[B, C, seq_len]`` (the first ``seq_len`` tokens)."""
+    batch, _, channels = tensor.shape
+    out = tensor.new_empty(batch, channels, seq_len)
+    step = _TRANSPOSE_BLOCK if tensor.device.type == "cpu" else seq_len
+    for t in range(0, seq_len, step):
+        end = min(t + step, seq_len)
+        out[:, :, t:end].copy_(tensor[:, t:end].transpose(1, 2))
+    return out
 
 
 def selective_scan_ref(
@@ -172,13 +200,12 @@ def selective_scan_chunked(
 
     # Zero padding to whole chunks: dt = 0 gives a = 1 and x = 0, so the padded tokens leave the state unchanged.
     # Work layout [B, T, N, I]: channels innermost, so every elementwise op runs over long contiguous rows.
-    pad = -seq_len % chunk_tokens
-    dt = F.pad(_time_steps(delta, delta_bias, delta_softplus).float(), (0, pad)).transpose(1, 2).contiguous()
-    x = dt * F.pad(u.float(), (0, pad)).transpose(1, 2)
-    B_t = F.pad(B.float(), (0, pad)).transpose(1, 2).contiguous()
-    C_t = F.pad(C.float(), (0, pad)).transpose(1, 2).contiguous()
-    A_t = A.float().t().contiguous()
-    padded_len = seq_len + pad
+    padded_len = seq_len + (-seq_len % chunk_tokens)
+    dt = _time_steps(delta, delta_bias, delta_softplus).float()
+    dt, x = _token_major(dt, padded_len), _token_major(dt * u.float(), padded_len)
+    B_t, C_t = _token_major(B.float(), padded_len), _token_major(C.float(), padded_len)
+    # exp2 of a pre-scaled exponent: the same decays to fp32 round-off, about 3x faster than exp on CPU.
+    A_t = (A.float() * math.log2(math.e)).t().contiguous()
 
     token_bytes = batch * channels * state_size * 4
     segment = min(padded_len, -(-segment_tokens // chunk_tokens) * chunk_tokens)
@@ -202,7 +229,7 @@ def selective_scan_chunked(
         decay = decay_buf[:, :n]
         states = states_buf[:, :n]
         torch.mul(dt[:, start : start + n, None, :], A_t, out=decay)
-        decay.exp_()
+        decay.exp2_()
         torch.mul(x[:, start : start + n, None, :], B_t[:, start : start + n, :, None], out=states)
 
         # Pass 1: local states (zero at each chunk start) and decays since the chunk start, in place.
@@ -223,7 +250,7 @@ def selective_scan_chunked(
             next_emit += 1
         torch.matmul(C_t[:, start : start + n, None, :], states, out=y[:, start : start + n])
 
-    y = y[:, :seq_len, 0].transpose(1, 2).to(input_dtype)
+    y = _channel_major(y[:, :, 0], seq_len).to(input_dtype)
     return _gate(y, u, D, z), state.transpose(1, 2).contiguous(), emitted
 
 
