@@ -13,7 +13,7 @@ from hf_hybridcache.checkpoints import CheckpointStore
 from hf_hybridcache.kernels import backend, paged_copy
 from hf_hybridcache.kernels.mamba1_scan import selective_scan_ref
 from hf_hybridcache.kernels.mamba1_scan_triton import selective_scan_triton
-from hf_hybridcache.kernels.mamba2_recurrence import mamba2_scan_recurrent_ref
+from hf_hybridcache.kernels.mamba2_scan import mamba2_chunk_scan_ref
 from hf_hybridcache.kernels.mamba2_scan_triton import mamba2_chunk_scan_triton
 from hf_hybridcache.kernels.paged_copy_triton import (
     copy_states_triton,
@@ -126,26 +126,36 @@ def test_stores_copy_through_triton_when_forced():
 
 
 MAMBA2_CASES = {
-    # (batch, seq_len, heads, head_dim, groups, state_size, kernel_chunk, emit positions)
-    "odd-within-one-chunk": (1, 13, 2, 5, 1, 3, 16, [1, 7, 13]),
-    "chunks-and-groups": (2, 37, 4, 5, 2, 3, 16, [5, 16, 32, 37]),
-    "wide-tiles": (1, 21, 1, 17, 1, 20, 32, [21]),
+    # (batch, seq_len, heads, head_dim, groups, state_size, reference chunk_size, kernel_chunk, emit positions)
+    "odd-within-one-chunk": (1, 13, 2, 5, 1, 3, 8, 16, [1, 7, 13]),
+    "chunks-and-groups": (2, 37, 4, 5, 2, 3, 8, 16, [5, 16, 32, 37]),
+    "wide-tiles": (1, 21, 1, 17, 1, 20, 5, 32, [21]),
 }
 
 
 @pytest.mark.parametrize("case", MAMBA2_CASES.values(), ids=MAMBA2_CASES.keys())
 @pytest.mark.parametrize("from_state", [False, True], ids=["zero-state", "initial-state"])
 def test_mamba2_chunk_scan_triton_matches_reference(case, from_state):
-    """States emitted on and off the kernel's chunk boundaries; partial last chunks; groups shared by heads."""
-    batch, seq_len, heads, head_dim, groups, state_size, kernel_chunk, positions = case
+    """States emitted on and off both chunkings' boundaries; partial last chunks; groups shared by heads."""
+    batch, seq_len, heads, head_dim, groups, state_size, chunk_size, kernel_chunk, positions = case
     args, kwargs, h0 = mamba2_inputs(batch, seq_len, heads, head_dim, groups, state_size)
     args, h0 = to_device(args), h0.to(DEVICE)
     kwargs = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     initial = h0 if from_state else None
-    expected = mamba2_scan_recurrent_ref(*args, initial_state=initial, emit_positions=positions, **kwargs)
+    expected = mamba2_chunk_scan_ref(*args, chunk_size, initial_state=initial, emit_positions=positions, **kwargs)
     actual = mamba2_chunk_scan_triton(
-        *args, initial_state=initial, emit_positions=positions, kernel_chunk=kernel_chunk, **kwargs
+        *args, chunk_size, initial_state=initial, emit_positions=positions, kernel_chunk=kernel_chunk, **kwargs
     )
+    assert_scans_close(actual, expected, **FP32)
+
+
+def test_mamba2_dispatch_runs_triton_when_forced():
+    args, kwargs, h0 = mamba2_inputs(1, 6, 2, 3, 1, 4)
+    args, h0 = to_device(args), h0.to(DEVICE)
+    kwargs = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    with kernels.use_backend("triton"):
+        actual = kernels.mamba2_chunk_scan(*args, 4, initial_state=h0, emit_positions=[3], **kwargs)
+    expected = mamba2_chunk_scan_ref(*args, 4, initial_state=h0, emit_positions=[3], **kwargs)
     assert_scans_close(actual, expected, **FP32)
 
 

@@ -6,6 +6,7 @@ without ``triton`` installed.
 
 from .backend import BACKENDS, get_backend, set_backend, use_backend
 from .mamba1_scan import selective_scan, selective_scan_chunked, selective_scan_ref
+from .mamba2_scan import mamba2_chunk_scan, mamba2_chunk_scan_ref, mamba2_recurrent_ref
 from .paged_copy import (
     copy_states,
     copy_states_ref,
@@ -22,6 +23,9 @@ __all__ = [
     "gather_kv_blocks",
     "gather_kv_blocks_ref",
     "get_backend",
+    "mamba2_chunk_scan",
+    "mamba2_chunk_scan_ref",
+    "mamba2_recurrent_ref",
     "scatter_kv_blocks",
     "scatter_kv_blocks_ref",
     "selective_scan",

@@ -1,7 +1,7 @@
 """Triton Mamba-2 chunked scan (SSD) from an initial state, emitting the states after arbitrary token counts.
 
-Reference: :func:`~hf_hybridcache.kernels.mamba2_recurrence.mamba2_scan_recurrent_ref` (same signature and results;
-also the signature of the package's Mamba-2 chunked reference ``mamba2_chunk_scan_ref``).
+Reference: :func:`~hf_hybridcache.kernels.mamba2_scan.mamba2_chunk_scan_ref` (same signature and results), which
+:func:`~hf_hybridcache.kernels.mamba2_scan.mamba2_chunk_scan` runs off CUDA.
 
 The SSD algorithm of Dao & Gu 2024 ("Transformers are SSMs", section 6; ``mamba_chunk_scan_combined`` in
 state-spaces/mamba) in three launches:
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .mamba1_scan import check_emit_positions
-from .mamba2_recurrence import discretize_dt
+from .mamba2_scan import _discretize_dt
 
 
 @triton.jit
@@ -176,9 +176,8 @@ def mamba2_chunk_scan_triton(
     *,
     kernel_chunk: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """Same arguments, results and errors as
-    :func:`~hf_hybridcache.kernels.mamba2_recurrence.mamba2_scan_recurrent_ref`; CUDA tensors (or CPU tensors under
-    ``TRITON_INTERPRET=1``). ``kernel_chunk`` (a power of two >= 16) is the kernel's tokens per chunk; ``chunk_size``
+    """Same arguments and results as :func:`~hf_hybridcache.kernels.mamba2_scan.mamba2_chunk_scan_ref`; CUDA tensors
+    (or CPU tensors under ``TRITON_INTERPRET=1``). ``kernel_chunk`` (a power of two >= 16) is the kernel's tokens per chunk; ``chunk_size``
     is accepted for the model's signature and changes nothing but round-off.
 
     Raises:
@@ -190,7 +189,7 @@ def mamba2_chunk_scan_triton(
     if kernel_chunk < 16 or kernel_chunk & (kernel_chunk - 1):
         raise ValueError(f"kernel_chunk must be a power of two >= 16 (a tl.dot tile); got {kernel_chunk}.")
     device = x.device
-    dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit).float()
+    dt = _discretize_dt(dt, dt_bias, dt_softplus, dt_limit).float()
     A = A.float().contiguous()
     length = kernel_chunk
     num_chunks = triton.cdiv(seq_len, length)
