@@ -39,10 +39,7 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def tiny_config(family: str = "jamba", **overrides):
-    """A small config of ``family`` (only ``"jamba"`` so far) sized for CPU tests; ``overrides`` win."""
-    if family != "jamba":
-        raise ValueError(f"No tiny config for family {family!r}; available: 'jamba'.")
+def _jamba_config(**overrides):
     from transformers import JambaConfig
 
     kwargs = dict(
@@ -71,6 +68,49 @@ def tiny_config(family: str = "jamba", **overrides):
     return JambaConfig(**kwargs)
 
 
+def _zamba_config(**overrides):
+    from transformers import ZambaConfig
+
+    kwargs = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=5,
+        # Two hybrid layers, so the shared transformer block writes KV at two layer indices.
+        layers_block_type=["linear_attention", "linear_attention", "hybrid", "linear_attention", "hybrid"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        n_mamba_heads=2,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_dt_rank=8,
+        initializer_range=0.1,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        # As in the released Zamba checkpoints; transformers also ties the shared block's copies only when this is
+        # True (with False every hybrid layer gets its own transformer block).
+        tie_word_embeddings=True,
+    )
+    kwargs.update(overrides)
+    return ZambaConfig(**kwargs)
+
+
+_TINY_CONFIGS = {"jamba": _jamba_config, "zamba": _zamba_config}
+
+
+def tiny_config(family: str = "jamba", **overrides):
+    """A small config of ``family`` (one of ``_TINY_CONFIGS``) sized for CPU tests; ``overrides`` win.
+
+    Raises:
+        ValueError: no tiny config for ``family``.
+    """
+    if family not in _TINY_CONFIGS:
+        raise ValueError(f"No tiny config for family {family!r}; available: {', '.join(map(repr, _TINY_CONFIGS))}.")
+    return _TINY_CONFIGS[family](**overrides)
+
+
 def long_memory_init_(model: torch.nn.Module, a_log: float = -3.0, step: float = 0.2) -> torch.nn.Module:
     """Give every Mamba mixer ``A_log = a_log`` and a dt bias with ``softplus(bias) = step`` (in place)."""
     dt_bias = math.log(math.expm1(step))
@@ -81,6 +121,8 @@ def long_memory_init_(model: torch.nn.Module, a_log: float = -3.0, step: float =
                 dt_proj = getattr(module, "dt_proj", None)
                 if dt_proj is not None and dt_proj.bias is not None:
                     dt_proj.bias.fill_(dt_bias)
+                elif hasattr(module, "dt_proj_bias"):  # Zamba keeps one dt bias per head as a bare parameter
+                    module.dt_proj_bias.fill_(dt_bias)
                 elif hasattr(module, "dt_bias"):
                     module.dt_bias.fill_(dt_bias)
     return model

@@ -8,7 +8,7 @@ from hf_hybridcache.toy import VOCAB_SIZE, build_model
 NEW_TOKENS = 16
 
 #: Every supported family runs the whole exactness suite.
-FAMILIES = ["jamba"]
+FAMILIES = ["jamba", "zamba"]
 
 _COLD_MODELS: dict[str, torch.nn.Module] = {}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .base import ModelSupport
 from .jamba import SUPPORT as _JAMBA
+from .zamba import SUPPORT as _ZAMBA
 
 _REGISTRY: dict[str, ModelSupport] = {}
 
@@ -35,3 +36,4 @@ def support_for(model) -> ModelSupport:
 
 
 register(_JAMBA)
+register(_ZAMBA)
