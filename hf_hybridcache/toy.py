@@ -111,13 +111,22 @@ def tiny_config(family: str = "jamba", **overrides):
     return _TINY_CONFIGS[family](**overrides)
 
 
-def long_memory_init_(model: torch.nn.Module, a_log: float = -3.0, step: float = 0.2) -> torch.nn.Module:
-    """Give every Mamba mixer ``A_log = a_log`` and a dt bias with ``softplus(bias) = step`` (in place)."""
+def long_memory_init_(
+    model: torch.nn.Module, a_log: float = -3.0, step: float = 0.2, x_proj_std: float = 0.3
+) -> torch.nn.Module:
+    """Give every Mamba mixer ``A_log = a_log`` and a dt bias with ``softplus(bias) = step`` (in place).
+
+    Zamba's mixer has no norm on B and C (Jamba's has), so with ``initializer_range`` 0.1 its SSM states stay near 0.07
+    and barely reach the logits; its per-head ``x_proj_weight`` is redrawn with std ``x_proj_std`` (from the global
+    RNG) so that the SSM state is O(1) and a zeroed state moves the logits by about 1 instead of 0.1.
+    """
     dt_bias = math.log(math.expm1(step))
     with torch.no_grad():
         for module in model.modules():
             if hasattr(module, "A_log"):
                 module.A_log.fill_(a_log)
+                if hasattr(module, "x_proj_weight"):
+                    module.x_proj_weight.normal_(0.0, x_proj_std)
                 dt_proj = getattr(module, "dt_proj", None)
                 if dt_proj is not None and dt_proj.bias is not None:
                     dt_proj.bias.fill_(dt_bias)
