@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -115,6 +116,12 @@ def install_forward_hooks(model, on_pre: Callable, on_post: Callable) -> None:
     model.register_forward_pre_hook(lambda m, args, kwargs: on_pre(m, args, kwargs), with_kwargs=True)
     model.register_forward_hook(lambda m, args, kwargs, out: on_post(m, kwargs), with_kwargs=True)
     model._hf_hybridcache_forward_hooks = True
+
+
+def run_forward(model, input_ids: torch.Tensor, cache) -> None:
+    """One forward of ``input_ids`` over ``cache``, keeping only the last position's logits where the model can."""
+    kwargs = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    model(input_ids, past_key_values=cache, use_cache=True, **kwargs)
 
 
 def forward_input_ids(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache
@@ -23,9 +23,10 @@ from transformers.cache_utils import Cache
 from . import _compat
 from .checkpoints import LayerState
 from .config import DEFAULT_MAX_CACHE_BYTES, CacheOptions
-from .hashing import BlockHash, model_identity, root_hash
+from .hashing import model_identity, root_hash
 from .models import support_for
 from .policy import last_boundary, retained_boundaries
+from .request import Request, Row, store_row_blocks, store_row_checkpoint
 from .store import PrefixStore
 
 logger = logging.getLogger("hf_hybridcache")
@@ -63,24 +64,6 @@ class PrefixCacheStats:
     def token_hit_rate(self) -> float:
         """``hit_tokens / prompt_tokens`` (0.0 before any request)."""
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
-@dataclass
-class _Request:
-    """Bookkeeping of the request whose state is live."""
-
-    prompt_tokens: int
-    tracking: bool
-    token_ids: list[int] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[BlockHash] = field(default_factory=list)
-    storing: bool = True
-    forward_start: int = 0
-    forward_end: int = 0
-    retained: frozenset[int] = frozenset()
-    emit_positions: tuple[int, ...] = ()
-    captured: dict[int, dict[int, LayerState]] = field(default_factory=dict)
-    tentative_block: int | None = None
 
 
 class HybridPrefixCache(Cache):
@@ -137,7 +120,7 @@ class HybridPrefixCache(Cache):
 
         root = root_hash(os.urandom(32) if seed is None else seed, model_identity(model))
         self._store = PrefixStore(self.spec, root, self.options.max_cache_bytes)
-        self._request: _Request | None = None
+        self._request: Request | None = None
         self._counters = dict(requests=0, prompt_tokens=0, hit_tokens=0)
         self.last_hit_tokens: list[int] = []
 
@@ -209,7 +192,8 @@ class HybridPrefixCache(Cache):
 
     def checkpoint_positions(self, seq_len: int) -> tuple[int, ...]:
         """Token counts ``1 <= t < seq_len`` of the running forward after which a Mamba mixer must hand its state to
-        :meth:`capture_states`. The state at the forward's end is read from the live layers instead."""
+        :meth:`capture_states` (single-row forwards only). The state at the forward's end is read from the live
+        layers instead."""
         request = self._request
         if request is None or not request.tracking or request.forward_end - request.forward_start != seq_len:
             return ()
@@ -222,156 +206,230 @@ class HybridPrefixCache(Cache):
         for t, state in zip(positions, states):
             request.captured.setdefault(request.forward_start + t, {})[layer_idx] = state
 
+    # ------------------------------------------------------------------ batch reordering stops the row bookkeeping
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._stop_tracking("beam reordering")
+        super().reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._stop_tracking("batch expansion")
+        super().batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._stop_tracking("batch selection")
+        super().batch_select_indices(indices)
+
+    def _stop_tracking(self, why: str) -> None:
+        if self._request is not None and self._request.tracking:
+            logger.debug("%s: the rest of this request is not stored", why)
+            self._request.tracking = False
+
     # ------------------------------------------------------------------ request life cycle
 
     def _begin_request(
         self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, num_rows: int
     ) -> None:
-        """Start a request: fresh live layers, then the lookup and restore of the longest hit (one row only)."""
+        """Start a request: fresh live layers, then per row the lookup and restore of its longest hit.
+
+        Rows are left-padded to a common length; a row's restored prefix and replay are run alone (padding between a
+        restored state and its tail would make the SSM state decay), then the rows are assembled in the padded layout
+        with all but each row's last token consumed, so ``generate()``'s own prefill runs one batched step.
+        """
         self._end_request()
         self.layers = _compat.new_live_layers(self.model.config)
-        padded = attention_mask is not None and not bool((attention_mask == 1).all())
-        tracking = input_ids is not None and num_rows == 1 and not padded
-        if tracking:
-            token_ids = input_ids[0].tolist()
-            request = _Request(prompt_tokens=len(token_ids), tracking=True)
-            hit_tokens = self._restore(request, token_ids)
-            prompt_tokens = [len(token_ids)]
-        else:
-            request = _Request(prompt_tokens=0, tracking=False)
-            hit_tokens = 0
-            if input_ids is None:
-                prompt_tokens = [0] * num_rows
-            elif attention_mask is None:
-                prompt_tokens = [input_ids.shape[1]] * num_rows
-            else:
-                prompt_tokens = attention_mask.sum(dim=1).tolist()
+        rows_tokens = _unpadded_rows(input_ids, attention_mask)
+        if rows_tokens is None:
+            request = Request(rows=[], tracking=False)
+            prompt_tokens = [0] * num_rows if input_ids is None else attention_mask_lengths(input_ids, attention_mask)
             logger.debug(
                 "no prefix reuse for this call (%s); it runs like a fresh cache",
-                "inputs_embeds without input_ids" if input_ids is None else f"{num_rows} rows or padding",
+                "inputs_embeds without input_ids" if input_ids is None else "padding other than left padding",
             )
+        elif num_rows == 1:
+            request = Request(rows=[self._restore_row(rows_tokens[0])], tracking=True)
+            request.forward_end = request.rows[0].hit_tokens
+            prompt_tokens = [len(rows_tokens[0])]
+        else:
+            request = self._prefill_rows(rows_tokens, input_ids.shape[1])
+            prompt_tokens = [len(t) for t in rows_tokens]
         self._request = request
-        self.last_hit_tokens = [hit_tokens] * num_rows
+        self.last_hit_tokens = [row.hit_tokens for row in request.rows] or [0] * num_rows
         c = self._counters
         c["requests"] += 1
         c["prompt_tokens"] += sum(prompt_tokens)
-        c["hit_tokens"] += hit_tokens
+        c["hit_tokens"] += sum(self.last_hit_tokens)
         logger.debug(
-            "request %d: %d prompt tokens, hit %d, replay %d",
+            "request %d: prompt tokens %s, hit %s, replay %d",
             c["requests"],
-            sum(prompt_tokens),
-            hit_tokens,
-            sum(prompt_tokens) - hit_tokens,
+            prompt_tokens,
+            self.last_hit_tokens,
+            sum(prompt_tokens) - sum(self.last_hit_tokens),
         )
 
     def _end_request(self) -> None:
-        """Release the live request's blocks; its last decode-boundary checkpoint stays as the decode-end one."""
+        """Release the live request's chains; the last checkpoint each row reached stays as its decode-end one."""
         request, self._request = self._request, None
         self._in_forward = False
-        if request is None or not request.block_ids:
-            return
-        self._store.release(request.block_ids)
+        if request is not None:
+            for row in request.rows:
+                self._store.release(row.block_ids)
 
-    def _restore(self, request: _Request, token_ids: list[int]) -> int:
-        """Copy the longest stored prefix of ``token_ids`` into the (fresh) live layers; returns its length."""
+    def _restore_row(self, token_ids: list[int]) -> Row:
+        """Copy the longest stored prefix of ``token_ids`` into the (fresh, single-row) live layers."""
         hit = self._store.lookup(token_ids)
-        request.token_ids = token_ids[: hit.hit_tokens]
-        request.forward_end = hit.hit_tokens
+        row = Row(prompt_tokens=len(token_ids), token_ids=token_ids[: hit.hit_tokens], hit_tokens=hit.hit_tokens)
         if not hit.hit_tokens:
-            return 0
+            return row
         for attn in self.spec.attention:
             keys, values = self._store.gather_kv(attn.layer_idx, hit.block_ids)
             _compat.set_kv(self.layers[attn.layer_idx], keys, values)
         for layer_idx, (conv, ssm) in self._store.checkpoint_copy(hit.block_ids[-1]).items():
             _compat.set_linear_state(self.layers[layer_idx], conv, ssm)
         self._store.pin(hit.block_ids)
-        request.block_ids, request.block_hashes = list(hit.block_ids), list(hit.block_hashes)
-        return hit.hit_tokens
+        row.block_ids, row.block_hashes = list(hit.block_ids), list(hit.block_hashes)
+        return row
+
+    def _prefill_rows(self, rows_tokens: list[list[int]], padded_length: int) -> Request:
+        """Restore and replay each row alone up to its last token, then assemble the batch's live layers."""
+        rows: list[Row] = []
+        row_layers: list[list] = []
+        for tokens in rows_tokens:
+            twin = next((i for i, other in enumerate(rows_tokens[: len(rows)]) if other == tokens), None)
+            if twin is not None:  # beams and num_return_sequences repeat rows: replay once, share the chain
+                row = Row(**{**vars(rows[twin]), "token_ids": list(rows[twin].token_ids),
+                             "block_ids": list(rows[twin].block_ids), "block_hashes": list(rows[twin].block_hashes)})
+                self._store.pin(row.block_ids)
+                rows.append(row)
+                row_layers.append(row_layers[twin])
+                continue
+            self.layers = _compat.new_live_layers(self.model.config)
+            row = self._restore_row(tokens)
+            self._request = Request(rows=[row], tracking=True, forward_end=row.hit_tokens)
+            tail = tokens[row.hit_tokens : len(tokens) - 1]
+            if tail:
+                _compat.run_forward(self.model, torch.tensor([tail], device=self.model.device), self)
+            self._request = None
+            rows.append(row)
+            row_layers.append(self.layers)
+        consumed = padded_length - 1
+        for row in rows:
+            row.pad = consumed - len(row.token_ids)
+        self.layers = _compat.new_live_layers(self.model.config)
+        if consumed:
+            self._assemble_rows(row_layers, [row.pad for row in rows])
+        return Request(rows=rows, tracking=True, forward_start=consumed, forward_end=consumed)
+
+    def _assemble_rows(self, row_layers: list[list], pads: list[int]) -> None:
+        """Fill the fresh live layers with the rows' layers, each KV left-padded by ``pads[r]`` zero positions
+        (masked out by the attention mask) and a missing state (a row that consumed nothing) as zeros."""
+        device = self.model.device
+        for attn in self.spec.attention:
+            keys, values = [], []
+            for layers, pad in zip(row_layers, pads):
+                kv = _compat.get_kv(layers[attn.layer_idx])
+                if kv is None:
+                    kv = (torch.zeros(1, attn.num_kv_heads, 0, attn.head_dim, dtype=attn.dtype, device=device),) * 2
+                keys.append(torch.nn.functional.pad(kv[0], (0, 0, pad, 0)))
+                values.append(torch.nn.functional.pad(kv[1], (0, 0, pad, 0)))
+            _compat.set_kv(self.layers[attn.layer_idx], torch.cat(keys), torch.cat(values))
+        for m in self.spec.mamba:
+            convs, ssms = [], []
+            for layers in row_layers:
+                state = _compat.get_linear_state(layers[m.layer_idx])
+                if state is None:
+                    state = (torch.zeros(1, *m.conv.shape, dtype=m.conv.dtype, device=device),
+                             torch.zeros(1, *m.ssm.shape, dtype=m.ssm.dtype, device=device))
+                convs.append(state[0])
+                ssms.append(state[1])
+            _compat.set_linear_state(self.layers[m.layer_idx], torch.cat(convs), torch.cat(ssms))
 
     # ------------------------------------------------------------------ around every forward
 
     def _before_forward(self, input_ids: torch.Tensor | None, num_rows: int, num_tokens: int) -> None:
         if self._request is None:  # a forward outside generate(): one request that starts with this forward
-            self._request = _Request(prompt_tokens=num_tokens, tracking=num_rows == 1 and input_ids is not None)
+            tracking = num_rows == 1 and input_ids is not None
+            self._request = Request(rows=[Row(prompt_tokens=num_tokens)] if tracking else [], tracking=tracking)
         request = self._request
         self._in_forward = True
         request.captured.clear()
         request.forward_start = request.forward_end
         request.forward_end += num_tokens
+        request.emit_positions = ()
         if not request.tracking:
             return
-        if input_ids is None or num_rows != 1:
-            request.tracking = False
+        if input_ids is None or num_rows != len(request.rows):
+            self._stop_tracking("a forward without input_ids or with another batch size")
             return
-        request.token_ids.extend(input_ids[0].tolist())
-        start, end, bs = request.forward_start, request.forward_end, self.block_size
-        request.retained = frozenset(
-            retained_boundaries(start, end, request.prompt_tokens, bs, self.options.retention_tokens)
-        )
-        # Besides the retained boundaries, the last boundary reached is wanted: it becomes the decode-end
-        # checkpoint if the request stops before the next one.
-        wanted = request.retained | {last_boundary(end, bs)}
-        request.emit_positions = tuple(sorted(b - start for b in wanted if start < b < end))
+        for row, ids in zip(request.rows, input_ids.tolist()):
+            row.token_ids.extend(ids)
+        if num_rows == 1:  # the mixers emit interior checkpoints for single-row forwards
+            row, start, end = request.rows[0], request.forward_start, request.forward_end
+            bs = self.block_size
+            retained = retained_boundaries(start, end, row.prompt_tokens, bs, self.options.retention_tokens)
+            # Besides the retained boundaries the last boundary reached is wanted: it becomes the decode-end
+            # checkpoint if the request stops before the next one.
+            wanted = set(retained) | {last_boundary(end, bs)}
+            request.emit_positions = tuple(sorted(b - start for b in wanted if start < b < end))
 
     def _after_forward(self) -> None:
         request = self._request
         self._in_forward = False
         if request is None or not request.tracking:
             return
-        self._store_blocks(request)
-        end = request.forward_end
-        if end % self.block_size == 0 and end > request.forward_start:
-            request.captured[end] = {
-                idx: tuple(t.clone() for t in _compat.get_linear_state(self.layers[idx]))
-                for idx in self._store.checkpoints.mamba_layers
-            }
-        for boundary in sorted(request.captured):
-            self._store_checkpoint(request, boundary, request.captured[boundary], boundary not in request.retained)
+        bs = self.block_size
+        num_tokens = request.forward_end - request.forward_start
+        for index, row in enumerate(request.rows):
+            store_row_blocks(self._store, row, lambda block: self._live_block_kv(index, row.pad, block))
+            end = len(row.token_ids)
+            captured = dict(request.captured) if len(request.rows) == 1 else {}
+            if end % bs == 0:
+                captured[end] = self._live_row_states(index)
+            retained = retained_boundaries(end - num_tokens, end, row.prompt_tokens, bs, self.options.retention_tokens)
+            for boundary in sorted(captured):
+                store_row_checkpoint(self._store, row, boundary, captured[boundary], boundary not in retained)
         request.captured.clear()
 
-    # ------------------------------------------------------------------ storing under the budget
-
-    def _store_blocks(self, request: _Request) -> None:
-        """Store every full block of live KV not stored yet, pinned by the running request."""
-        bs = self.block_size
-        while request.storing and len(request.block_ids) < len(request.token_ids) // bs:
-            index = len(request.block_ids)
-            added = self._store.add_block(
-                request.block_ids[-1] if index else None,
-                request.block_hashes[-1] if index else None,
-                tuple(request.token_ids[index * bs : (index + 1) * bs]),
-                lambda: self._live_block_kv(index),
-            )
-            if added is None:
-                request.storing = False
-                logger.debug("KV block %d does not fit in the budget; the rest of this request is not stored", index)
-                return
-            request.block_ids.append(added[0])
-            request.block_hashes.append(added[1])
-
-    def _live_block_kv(self, index: int) -> dict[int, torch.Tensor]:
-        """Copies of block ``index`` of the live KV: ``{attention layer idx: [2, Hkv, block_size, D]}``."""
-        span = slice(index * self.block_size, (index + 1) * self.block_size)
+    def _live_block_kv(self, row: int, pad: int, block: int) -> dict[int, torch.Tensor]:
+        """Copies of a row's block ``block`` of live KV: ``{attention layer idx: [2, Hkv, block_size, D]}``."""
+        span = slice(pad + block * self.block_size, pad + (block + 1) * self.block_size)
         kv = {}
         for attn in self.spec.attention:
             keys, values = _compat.get_kv(self.layers[attn.layer_idx])
-            kv[attn.layer_idx] = torch.stack([keys[0, :, span], values[0, :, span]])
+            kv[attn.layer_idx] = torch.stack([keys[row, :, span], values[row, :, span]])
         return kv
 
-    def _store_checkpoint(self, request: _Request, boundary: int, states: dict[int, LayerState], tentative: bool):
-        index = boundary // self.block_size - 1
-        if index >= len(request.block_ids) or set(states) != set(self._store.checkpoints.mamba_layers):
-            return
-        block_id = request.block_ids[index]
-        stored = self._store.add_checkpoint(block_id, states)
-        if stored is None:
-            logger.debug("checkpoint at %d tokens does not fit in the budget", boundary)
-            return
-        previous, request.tentative_block = request.tentative_block, (block_id if stored and tentative else None)
-        if previous is not None and previous != block_id:
-            # Beyond the retained boundaries, only the last boundary a request reaches keeps its checkpoint: the
-            # decode-end checkpoint that lets the next chat turn reuse the reply.
-            self._store.drop_checkpoint(previous)
+    def _live_row_states(self, row: int) -> dict[int, LayerState]:
+        """Copies of one row's live Mamba states: ``{mamba layer idx: (conv [1, C, W], ssm)}``."""
+        states = {}
+        for m in self.spec.mamba:
+            conv, ssm = _compat.get_linear_state(self.layers[m.layer_idx])
+            states[m.layer_idx] = (conv[row : row + 1].clone(), ssm[row : row + 1].clone())
+        return states
+
+
+def _unpadded_rows(input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> list[list[int]] | None:
+    """Each row's tokens without its left padding; None when there are no ids or the padding is not all on the
+    left (then nothing can be reused exactly)."""
+    if input_ids is None:
+        return None
+    rows = input_ids.tolist()
+    if attention_mask is None:
+        return rows
+    lengths = attention_mask.sum(dim=1).tolist()
+    left_padded = all(
+        bool(mask_row[len(row) - n :].all()) and not bool(mask_row[: len(row) - n].any())
+        for mask_row, row, n in zip(attention_mask, rows, lengths)
+    )
+    if not left_padded or 0 in lengths:
+        return None
+    return [row[len(row) - n :] for row, n in zip(rows, lengths)]
+
+
+def attention_mask_lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
+    if attention_mask is None:
+        return [input_ids.shape[1]] * input_ids.shape[0]
+    return attention_mask.sum(dim=1).tolist()
 
 
 # ---------------------------------------------------------------------- hooks installed on the model

@@ -53,10 +53,10 @@ def greedy(model, ids, cache=None, new_tokens=NEW_TOKENS, **kwargs):
     return out.sequences, out.logits[0]
 
 
-def assert_matches_cold(model, cold_model, cache, ids, new_tokens=NEW_TOKENS):
+def assert_matches_cold(model, cold_model, cache, ids, new_tokens=NEW_TOKENS, **kwargs):
     """Generate with the cache and without it; tokens must be identical and first-step logits within 1e-4."""
-    seq, logits = greedy(model, ids, cache, new_tokens)
-    ref_seq, ref_logits = greedy(cold_model, ids, None, new_tokens)
+    seq, logits = greedy(model, ids, cache, new_tokens, **kwargs)
+    ref_seq, ref_logits = greedy(cold_model, ids, None, new_tokens, **kwargs)
     assert torch.equal(seq, ref_seq), f"tokens differ from the cold run (hit {cache.last_hit_tokens})"
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-4)
     return seq

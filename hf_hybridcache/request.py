@@ -1,0 +1,95 @@
+"""Bookkeeping of the live request: per batch row, the tokens fed to the model and the stored chain they map to.
+
+A row's blocks are stored as soon as they are full; its checkpoints at the retained boundaries are kept for good,
+and the checkpoint at the last boundary it reached is kept until a later boundary replaces it (so the last one a
+request reaches becomes its decode-end checkpoint).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .checkpoints import LayerState
+from .hashing import BlockHash
+from .store import PrefixStore
+
+logger = logging.getLogger("hf_hybridcache")
+
+
+@dataclass
+class Row:
+    """One batch row of the live request.
+
+    Attributes:
+        prompt_tokens: the row's prompt length L (without padding).
+        pad: live-layout positions before the row's first token (left padding).
+        token_ids: tokens this row has put through the model (or restored), in order.
+        hit_tokens: prefix tokens restored at the start of the request.
+        block_ids, block_hashes: the stored chain of the row's full blocks, pinned while the request lives.
+        storing: False once a block could not be stored (the chain cannot continue).
+        tentative_block: block whose checkpoint is the last boundary reached and not retained.
+    """
+
+    prompt_tokens: int
+    pad: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    hit_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    storing: bool = True
+    tentative_block: int | None = None
+
+
+@dataclass
+class Request:
+    """The live request: its rows, the live-layout span of the running forward and what it captured."""
+
+    rows: list[Row]
+    tracking: bool
+    forward_start: int = 0
+    forward_end: int = 0
+    emit_positions: tuple[int, ...] = ()
+    captured: dict[int, dict[int, LayerState]] = field(default_factory=dict)
+
+
+def store_row_blocks(store: PrefixStore, row: Row, live_block_kv: Callable[[int], dict[int, torch.Tensor]]) -> None:
+    """Store every full block of ``row`` not stored yet; ``live_block_kv(index)`` copies block ``index`` of the row's
+    live KV (``{attention layer idx: [2, Hkv, block_size, D]}``)."""
+    bs = store.block_size
+    while row.storing and len(row.block_ids) < len(row.token_ids) // bs:
+        index = len(row.block_ids)
+        added = store.add_block(
+            row.block_ids[-1] if index else None,
+            row.block_hashes[-1] if index else None,
+            tuple(row.token_ids[index * bs : (index + 1) * bs]),
+            lambda: live_block_kv(index),
+        )
+        if added is None:
+            row.storing = False
+            logger.debug("KV block %d does not fit in the budget; the rest of this row is not stored", index)
+            return
+        row.block_ids.append(added[0])
+        row.block_hashes.append(added[1])
+
+
+def store_row_checkpoint(
+    store: PrefixStore, row: Row, boundary: int, states: dict[int, LayerState], tentative: bool
+) -> None:
+    """Store the row's state after ``boundary`` tokens (copies), if the block ending there is stored."""
+    index = boundary // store.block_size - 1
+    if index >= len(row.block_ids) or set(states) != set(store.checkpoints.mamba_layers):
+        return
+    block_id = row.block_ids[index]
+    stored = store.add_checkpoint(block_id, states)
+    if stored is None:
+        logger.debug("checkpoint at %d tokens does not fit in the budget", boundary)
+        return
+    previous, row.tentative_block = row.tentative_block, (block_id if stored and tentative else None)
+    if previous is not None and previous != block_id:
+        # Beyond the retained boundaries only the last boundary reached keeps its checkpoint: the decode-end one,
+        # which lets the next chat turn reuse the reply.
+        store.drop_checkpoint(previous)

@@ -1,0 +1,68 @@
+"""Batches with left padding: every row restores its own hit and equals that row run alone, cold."""
+
+import torch
+
+from conftest import NEW_TOKENS, assert_matches_cold, greedy, random_ids
+from hf_hybridcache import HybridPrefixCache
+
+
+def left_pad(rows: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(r.shape[1] for r in rows)
+    ids = torch.full((len(rows), width), pad_id)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - r.shape[1] :] = r[0]
+        mask[i, width - r.shape[1] :] = 1
+    return ids, mask
+
+
+def assert_rows_match_cold(model, cold_model, cache, rows, new_tokens=NEW_TOKENS):
+    ids, mask = left_pad(rows)
+    out, logits = greedy(model, ids, cache, new_tokens, attention_mask=mask)
+    for i, row in enumerate(rows):
+        ref, ref_logits = greedy(cold_model, row, None, new_tokens)
+        assert torch.equal(out[i, ids.shape[1] :], ref[0, row.shape[1] :]), f"row {i} differs from its cold run"
+        torch.testing.assert_close(logits[i], ref_logits[0], rtol=0, atol=1e-4)
+    return out
+
+
+def test_three_rows_with_different_hits(model, cold_model):
+    cache = HybridPrefixCache(model)
+    trunk_a, trunk_b = random_ids(97, seed=100), random_ids(33, seed=101)
+    assert_matches_cold(model, cold_model, cache, trunk_a)  # checkpoints at 96 (prompt end) and 112 (decode end)
+    assert_matches_cold(model, cold_model, cache, trunk_b)  # checkpoints at 32 and 48
+    rows = [
+        torch.cat([trunk_a, random_ids(3, seed=102)], dim=1),  # 100 tokens
+        torch.cat([trunk_a, random_ids(4, seed=103)], dim=1),  # 101 tokens
+        torch.cat([trunk_b, random_ids(12, seed=104)], dim=1),  # 45 tokens
+    ]
+    assert_rows_match_cold(model, cold_model, cache, rows)
+    assert cache.last_hit_tokens == [96, 96, 32]
+    assert cache.stats.hit_tokens == 96 + 96 + 32
+
+
+def test_rows_that_miss_hit_and_repeat(model, cold_model):
+    cache = HybridPrefixCache(model)
+    seen = random_ids(50, seed=110)
+    assert_matches_cold(model, cold_model, cache, seen)
+    rows = [random_ids(20, seed=111), seen, random_ids(1, seed=112), seen]
+    assert_rows_match_cold(model, cold_model, cache, rows)
+    assert cache.last_hit_tokens == [0, 48, 0, 48]
+
+
+def test_batch_rows_are_stored_for_later_requests(model, cold_model):
+    cache = HybridPrefixCache(model)
+    rows = [random_ids(40, seed=120), random_ids(70, seed=121)]
+    out = assert_rows_match_cold(model, cold_model, cache, rows)
+    assert cache.last_hit_tokens == [0, 0]
+    for i, row in enumerate(rows):  # each row's prompt-end checkpoint serves the same prompt alone
+        assert_matches_cold(model, cold_model, cache, row)
+        assert cache.last_hit_tokens == [((row.shape[1] - 1) // 16) * 16]
+    # the second row's reply was stored during the batched decode: its next turn hits inside the reply
+    width = out.shape[1] - NEW_TOKENS
+    turn = torch.cat([rows[1], out[1:, width:], random_ids(5, seed=122)], dim=1)
+    seq, logits = greedy(model, turn, cache, attention_mask=torch.ones_like(turn))  # the reply holds a pad id
+    ref, ref_logits = greedy(cold_model, turn, attention_mask=torch.ones_like(turn))
+    assert torch.equal(seq, ref)
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-4)
+    assert cache.last_hit_tokens == [80]

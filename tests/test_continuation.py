@@ -1,0 +1,67 @@
+"""The patched mixers continue a multi-token forward from the cached state (transformers 5.23 restarts from zero)."""
+
+import torch
+from transformers import DynamicCache
+
+from conftest import random_ids
+from hf_hybridcache import HybridPrefixCache
+
+
+def _split_run(model, ids, split):
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :split], past_key_values=cache, use_cache=True)
+        logits = model(ids[:, split:], past_key_values=cache, use_cache=True).logits
+    return logits, cache
+
+
+def _full_run(model, ids):
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        logits = model(ids, past_key_values=cache, use_cache=True).logits
+    return logits, cache
+
+
+def test_40_then_25_tokens_equals_one_65_token_forward(model, cold_model):
+    HybridPrefixCache(model)  # patches this model instance
+    ids = random_ids(65, seed=80)
+    full_logits, full_cache = _full_run(cold_model, ids)
+    split_logits, split_cache = _split_run(model, ids, 40)
+    torch.testing.assert_close(split_logits, full_logits[:, 40:], rtol=0, atol=1e-4)
+    for idx, layer in enumerate(full_cache.layers):
+        other = split_cache.layers[idx]
+        if hasattr(layer, "recurrent_states"):
+            torch.testing.assert_close(other.recurrent_states[0], layer.recurrent_states[0], rtol=0, atol=1e-5)
+            torch.testing.assert_close(other.conv_states[0], layer.conv_states[0], rtol=0, atol=1e-5)
+        else:
+            torch.testing.assert_close(other.keys, layer.keys, rtol=0, atol=1e-5)
+
+
+def test_unpatched_model_restarts_from_zero(cold_model):
+    """Documents the upstream bug the patch fixes (and that the test above has power)."""
+    ids = random_ids(65, seed=80)
+    full_logits, _ = _full_run(cold_model, ids)
+    split_logits, _ = _split_run(cold_model, ids, 40)
+    assert (split_logits - full_logits[:, 40:]).abs().max() > 0.1
+
+
+def test_patched_model_without_prefix_cache_is_bit_identical(model, cold_model):
+    HybridPrefixCache(model)
+    ids = random_ids(70, seed=81)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, cold_model(ids).logits)
+    assert torch.equal(
+        model.generate(ids, max_new_tokens=16, do_sample=False),
+        cold_model.generate(ids, max_new_tokens=16, do_sample=False),
+    )
+
+
+def test_installing_twice_and_other_instances_are_untouched(model, cold_model):
+    first = HybridPrefixCache(model)
+    second = HybridPrefixCache(model)
+    ids = random_ids(40, seed=82)
+    model.generate(ids, past_key_values=first, max_new_tokens=4, do_sample=False)
+    model.generate(ids, past_key_values=second, max_new_tokens=4, do_sample=False)
+    assert first.last_hit_tokens == [0] and second.last_hit_tokens == [0]
+    assert not getattr(cold_model, "_hf_hybridcache_prefill_hook", False)
+    assert all(not getattr(m, "_hf_hybridcache_patched", False) for m in cold_model.modules())
