@@ -89,9 +89,11 @@ def _zamba_config(**overrides):
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
-        # As in the released Zamba checkpoints; transformers also ties the shared block's copies only when this is
-        # True (with False every hybrid layer gets its own transformer block).
-        tie_word_embeddings=True,
+        # Tied embeddings make this tiny model repeat the last prompt token forever (the input embedding dominates
+        # the residual stream), which leaves greedy comparisons and stop strings nothing to check. transformers ties
+        # the shared block's copies only when this is True, so here each hybrid layer has its own block; the cache
+        # layout (KV on each hybrid layer index) is the same either way.
+        tie_word_embeddings=False,
     )
     kwargs.update(overrides)
     return ZambaConfig(**kwargs)
