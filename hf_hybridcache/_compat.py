@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable
@@ -93,20 +94,88 @@ def patch_instance_forward(module: torch.nn.Module, make_forward: Callable[[Call
     return True
 
 
-def install_prefill_hook(model, on_prefill: Callable) -> None:
-    """Call ``on_prefill(model, input_ids, model_kwargs)`` at the start of every ``generate()`` prefill, before
-    ``_prefill`` reads ``get_seq_length()`` to slice the prompt. Instance-level and idempotent."""
-    if getattr(model, "_hf_hybridcache_prefill_hook", False):
-        return
-    original = model._prefill
+def install_request_hooks(model, on_request: Callable, on_generate: Callable) -> None:
+    """Hook the start of every request, instance-level and idempotent.
 
-    @functools.wraps(original)
+    ``generate()`` looks its decoding methods up on the class, so the hooks sit on the instance methods they call:
+
+    - ``on_request(model, input_ids, model_kwargs)`` runs at the start of ``_prefill`` (greedy, sampling, beams),
+      before it reads ``get_seq_length()`` to slice the prompt, and in ``_get_candidate_generator``, which assisted
+      decoding (prompt lookup, assistant models) calls before its first forward; it returns the restored tokens.
+    - Assisted decoding's first forward feeds the whole prompt (``next_sequence_length=None``); when tokens were
+      restored, ``prepare_inputs_for_generation`` slices it to the uncached part as ``_prefill`` would.
+    - ``on_generate(model, kwargs)`` wraps ``generate()`` and returns a context manager for the call.
+    """
+    if getattr(model, "_hf_hybridcache_request_hooks", False):
+        return
+    prefill, candidates, prepare, generate = (
+        model._prefill,
+        model._get_candidate_generator,
+        model.prepare_inputs_for_generation,
+        model.generate,
+    )
+    pending_slice: dict[int, int] = {}
+
+    @functools.wraps(prefill)
     def _prefill(input_ids, generation_config, model_kwargs, *args, **kwargs):
-        on_prefill(model, input_ids, model_kwargs)
-        return original(input_ids, generation_config, model_kwargs, *args, **kwargs)
+        on_request(model, input_ids, model_kwargs)
+        return prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
+
+    @functools.wraps(candidates)
+    def _get_candidate_generator(*args, **kwargs):
+        bound = inspect.signature(candidates).bind(*args, **kwargs).arguments
+        input_ids, model_kwargs = bound["input_ids"], bound["model_kwargs"]
+        restored = on_request(model, input_ids, model_kwargs)
+        if restored:
+            pending_slice[id(find_cache(model_kwargs))] = restored
+        return candidates(*args, **kwargs)
+
+    @functools.wraps(prepare)
+    def prepare_inputs_for_generation(input_ids, *args, **kwargs):
+        restored = pending_slice.pop(id(find_cache(kwargs)), None)
+        if restored and not args and kwargs.get("next_sequence_length") is None:
+            kwargs["next_sequence_length"] = input_ids.shape[1] - restored
+        return prepare(input_ids, *args, **kwargs)
+
+    @functools.wraps(generate)
+    def _generate(*args, **kwargs):
+        try:
+            with on_generate(model, kwargs):
+                return generate(*args, **kwargs)
+        finally:
+            pending_slice.pop(id(find_cache(kwargs)), None)
 
     model._prefill = _prefill
-    model._hf_hybridcache_prefill_hook = True
+    model._get_candidate_generator = _get_candidate_generator
+    model.prepare_inputs_for_generation = prepare_inputs_for_generation
+    model.generate = _generate
+    model._hf_hybridcache_request_hooks = True
+
+
+def allow_speculative_decoding(model):
+    """Context manager: let ``generate()`` accept prompt lookup / assistant models for this stateful model (it refuses
+    them because a recurrent state cannot be rolled back; a HybridPrefixCache can roll it back)."""
+    return _instance_attribute(model, "_is_stateful", False)
+
+
+@contextlib.contextmanager
+def _instance_attribute(obj, name: str, value):
+    had = name in vars(obj)
+    old = vars(obj).get(name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(obj, name, old)
+        else:
+            delattr(obj, name)
+
+
+def crop_kv(layer, num_tokens: int) -> None:
+    """Drop the last ``num_tokens`` positions of an attention layer's live KV."""
+    layer.keys = layer.keys[..., :-num_tokens, :]
+    layer.values = layer.values[..., :-num_tokens, :]
 
 
 def install_forward_hooks(model, on_pre: Callable, on_post: Callable) -> None:
@@ -119,9 +188,15 @@ def install_forward_hooks(model, on_pre: Callable, on_post: Callable) -> None:
 
 
 def run_forward(model, input_ids: torch.Tensor, cache) -> None:
-    """One forward of ``input_ids`` over ``cache``, keeping only the last position's logits where the model can."""
+    """One forward of ``input_ids`` over ``cache``, keeping only the last position's logits where the model can.
+
+    Position ids are passed as ``generate()`` passes them: Bamba's forward numbers positions from 0 when they are
+    missing, whatever the cache already holds (transformers 5.23).
+    """
     kwargs = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    model(input_ids, past_key_values=cache, use_cache=True, **kwargs)
+    past = cache.get_seq_length()
+    position_ids = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)[None]
+    model(input_ids, past_key_values=cache, use_cache=True, position_ids=position_ids, **kwargs)
 
 
 def forward_input_ids(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:

@@ -13,6 +13,7 @@ request: a block pool with paged KV blocks and a checkpoint store. A ``generate(
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -114,7 +115,7 @@ class HybridPrefixCache(Cache):
             )
         self.model = model
         support.install(model)
-        _compat.install_prefill_hook(model, _on_prefill)
+        _compat.install_request_hooks(model, _on_request, _on_generate)
         _compat.install_forward_hooks(model, _on_forward_pre, _on_forward_post)
         super().__init__(layers=_compat.new_live_layers(model.config))
 
@@ -179,6 +180,8 @@ class HybridPrefixCache(Cache):
             )
 
     _in_forward = False
+    _awaiting_request = False
+    _rollback_next_request = False
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self._check_owner()
@@ -220,6 +223,48 @@ class HybridPrefixCache(Cache):
         self._stop_tracking("batch selection")
         super().batch_select_indices(indices)
 
+    # ------------------------------------------------------------------ speculative decoding: roll back rejected tokens
+
+    def activate_past_recording(self) -> None:
+        """Called by transformers before assisted / prompt-lookup decoding: from now on every forward of the request
+        keeps the state after each of its tokens, so :meth:`crop` can roll rejected draft tokens back exactly (the
+        per-token states of vLLM's Mamba speculative decoding)."""
+        if self._awaiting_request:  # assisted decoding asks before its request begins
+            self._rollback_next_request = True
+        elif self._request is not None:
+            self._request.rollback = True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``abs(tokens_to_remove)`` tokens of the last forward: KV is cut, the Mamba state is set back
+        to the copy taken after the kept tokens.
+
+        Raises:
+            ValueError: the tokens were not all fed by the last forward, or states were not kept
+                (:meth:`activate_past_recording` was not called), or the batch has more than one row.
+        """
+        num_tokens = abs(tokens_to_remove)
+        if num_tokens == 0:
+            return
+        request = self._request
+        keep = None if request is None else request.forward_end - num_tokens
+        states = None if keep is None or len(request.rows) != 1 else request.captured.get(keep)
+        if states is None or not request.rollback:
+            raise ValueError(
+                "HybridPrefixCache can only roll back tokens fed by the last forward of a single-row request after "
+                "activate_past_recording(); a Mamba state cannot be cut at an earlier token otherwise."
+            )
+        for attn in self.spec.attention:
+            _compat.crop_kv(self.layers[attn.layer_idx], num_tokens)
+        for layer_idx, (conv, ssm) in states.items():
+            _compat.set_linear_state(self.layers[layer_idx], conv.clone(), ssm.clone())
+        row = request.rows[0]
+        del row.token_ids[keep:]
+        full_blocks = keep // self.block_size
+        self._store.release(row.block_ids[full_blocks:])
+        del row.block_ids[full_blocks:], row.block_hashes[full_blocks:]
+        request.forward_end = keep
+        request.captured.clear()
+
     def _stop_tracking(self, why: str) -> None:
         if self._request is not None and self._request.tracking:
             logger.debug("%s: the rest of this request is not stored", why)
@@ -240,19 +285,23 @@ class HybridPrefixCache(Cache):
         self.layers = _compat.new_live_layers(self.model.config)
         rows_tokens = _unpadded_rows(input_ids, attention_mask)
         if rows_tokens is None:
-            request = Request(rows=[], tracking=False)
             prompt_tokens = [0] * num_rows if input_ids is None else attention_mask_lengths(input_ids, attention_mask)
+            # Nothing is looked up or stored, but a single row still keeps the states speculative decoding needs.
+            single = input_ids is not None and num_rows == 1
+            request = Request(rows=[Row(prompt_tokens=input_ids.shape[1], storing=False)] if single else [],
+                              tracking=single)
             logger.debug(
                 "no prefix reuse for this call (%s); it runs like a fresh cache",
                 "inputs_embeds without input_ids" if input_ids is None else "padding other than left padding",
             )
-        elif num_rows == 1:
+        elif num_rows == 1 and len(rows_tokens[0]) == input_ids.shape[1]:
             request = Request(rows=[self._restore_row(rows_tokens[0])], tracking=True)
             request.forward_end = request.rows[0].hit_tokens
             prompt_tokens = [len(rows_tokens[0])]
         else:
             request = self._prefill_rows(rows_tokens, input_ids.shape[1])
             prompt_tokens = [len(t) for t in rows_tokens]
+        request.rollback, self._rollback_next_request, self._awaiting_request = self._rollback_next_request, False, False
         self._request = request
         self.last_hit_tokens = [row.hit_tokens for row in request.rows] or [0] * num_rows
         c = self._counters
@@ -363,14 +412,17 @@ class HybridPrefixCache(Cache):
             return
         for row, ids in zip(request.rows, input_ids.tolist()):
             row.token_ids.extend(ids)
-        if num_rows == 1:  # the mixers emit interior checkpoints for single-row forwards
+        if num_rows == 1:  # the mixers emit interior states for single-row forwards
             row, start, end = request.rows[0], request.forward_start, request.forward_end
             bs = self.block_size
             retained = retained_boundaries(start, end, row.prompt_tokens, bs, self.options.retention_tokens)
             # Besides the retained boundaries the last boundary reached is wanted: it becomes the decode-end
             # checkpoint if the request stops before the next one.
-            wanted = set(retained) | {last_boundary(end, bs)}
-            request.emit_positions = tuple(sorted(b - start for b in wanted if start < b < end))
+            request.wanted = frozenset(retained) | {last_boundary(end, bs)}
+            positions = {b - start for b in request.wanted if start < b < end}
+            if request.rollback:  # draft tokens past the prompt may be rejected: keep every state after them
+                positions.update(range(max(1, row.prompt_tokens - start), end - start))
+            request.emit_positions = tuple(sorted(positions))
 
     def _after_forward(self) -> None:
         request = self._request
@@ -382,13 +434,18 @@ class HybridPrefixCache(Cache):
         for index, row in enumerate(request.rows):
             store_row_blocks(self._store, row, lambda block: self._live_block_kv(index, row.pad, block))
             end = len(row.token_ids)
-            captured = dict(request.captured) if len(request.rows) == 1 else {}
+            captured = (
+                {b: request.captured[b] for b in request.wanted if b in request.captured}
+                if len(request.rows) == 1
+                else {}
+            )
             if end % bs == 0:
                 captured[end] = self._live_row_states(index)
             retained = retained_boundaries(end - num_tokens, end, row.prompt_tokens, bs, self.options.retention_tokens)
             for boundary in sorted(captured):
                 store_row_checkpoint(self._store, row, boundary, captured[boundary], boundary not in retained)
-        request.captured.clear()
+        if not request.rollback:
+            request.captured.clear()
 
     def _live_block_kv(self, row: int, pad: int, block: int) -> dict[int, torch.Tensor]:
         """Copies of a row's block ``block`` of live KV: ``{attention layer idx: [2, Hkv, block_size, D]}``."""
@@ -448,15 +505,30 @@ def _cache_for(model, kwargs) -> HybridPrefixCache | None:
     return cache
 
 
-def _on_prefill(model, input_ids, model_kwargs) -> None:
+def _on_request(model, input_ids, model_kwargs) -> int:
     cache = _cache_for(model, model_kwargs)
     if cache is None:
-        return
+        return 0
     embeds = model_kwargs.get("inputs_embeds")
     if embeds is not None:
         cache._begin_request(None, None, embeds.shape[0])
     else:
         cache._begin_request(input_ids, model_kwargs.get("attention_mask"), input_ids.shape[0])
+    return cache.last_hit_tokens[0]
+
+
+@contextlib.contextmanager
+def _on_generate(model, kwargs):
+    cache = _cache_for(model, kwargs)
+    if cache is None:
+        yield
+        return
+    cache._awaiting_request = True
+    try:
+        with _compat.allow_speculative_decoding(model):
+            yield
+    finally:
+        cache._awaiting_request = cache._rollback_next_request = False
 
 
 def _on_forward_pre(model, args, kwargs) -> None:

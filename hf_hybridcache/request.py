@@ -46,13 +46,22 @@ class Row:
 
 @dataclass
 class Request:
-    """The live request: its rows, the live-layout span of the running forward and what it captured."""
+    """The live request: its rows, the live-layout span of the running forward and what it captured.
+
+    Attributes:
+        emit_positions: token counts inside the running forward after which the mixers hand over their states.
+        wanted: boundaries of the running forward whose checkpoints are stored (single-row forwards).
+        rollback: keep every state of the last forward so that rejected draft tokens can be cropped.
+        captured: ``{live position: {mamba layer idx: (conv, ssm)}}`` handed over by the mixers.
+    """
 
     rows: list[Row]
     tracking: bool
     forward_start: int = 0
     forward_end: int = 0
     emit_positions: tuple[int, ...] = ()
+    wanted: frozenset[int] = frozenset()
+    rollback: bool = False
     captured: dict[int, dict[int, LayerState]] = field(default_factory=dict)
 
 

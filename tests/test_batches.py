@@ -66,3 +66,15 @@ def test_batch_rows_are_stored_for_later_requests(model, cold_model):
     assert torch.equal(seq, ref)
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-4)
     assert cache.last_hit_tokens == [80]
+
+
+def test_single_left_padded_row(model, cold_model):
+    cache = HybridPrefixCache(model)
+    row = random_ids(50, seed=130)
+    assert_matches_cold(model, cold_model, cache, row)
+    ids, mask = left_pad([row, random_ids(60, seed=131)])
+    out, logits = greedy(model, ids[:1], cache, attention_mask=mask[:1])
+    ref, ref_logits = greedy(cold_model, row)
+    assert torch.equal(out[0, ids.shape[1] :], ref[0, row.shape[1] :])
+    torch.testing.assert_close(logits[0], ref_logits[0], rtol=0, atol=1e-4)
+    assert cache.last_hit_tokens == [48]

@@ -1,17 +1,24 @@
-"""The patched mixers continue a multi-token forward from the cached state (transformers 5.23 restarts from zero)."""
+"""The patched mixers continue a multi-token forward from the cached state (transformers 5.23 restarts from zero for
+Mamba-1 mixers)."""
 
+import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import random_ids
+from conftest import MAMBA1_FAMILIES, MAMBA2_FAMILIES, random_ids
 from hf_hybridcache import HybridPrefixCache
+
+
+def positions(start, end):
+    """Explicit position ids, as generate() passes them (Bamba's forward restarts them at 0 when they are missing)."""
+    return torch.arange(start, end)[None]
 
 
 def _split_run(model, ids, split):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(ids[:, :split], past_key_values=cache, use_cache=True)
-        logits = model(ids[:, split:], past_key_values=cache, use_cache=True).logits
+        logits = model(ids[:, split:], past_key_values=cache, use_cache=True, position_ids=positions(split, ids.shape[1])).logits
     return logits, cache
 
 
@@ -37,12 +44,28 @@ def test_40_then_25_tokens_equals_one_65_token_forward(model, cold_model):
             torch.testing.assert_close(other.keys, layer.keys, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", MAMBA1_FAMILIES)
 def test_unpatched_model_restarts_from_zero(cold_model):
     """Documents the upstream bug the patch fixes (and that the test above has power)."""
     ids = random_ids(65, seed=80)
     full_logits, _ = _full_run(cold_model, ids)
     split_logits, _ = _split_run(cold_model, ids, 40)
     assert (split_logits - full_logits[:, 40:]).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("family", MAMBA2_FAMILIES)
+def test_unpatched_mamba2_model_continues_from_the_cached_state(cold_model):
+    """transformers 5.23's Mamba-2 mixers continue from the cached conv and SSM state (the patched mixers call them
+    whenever no checkpoint is wanted), also across a piece shorter than the conv width."""
+    ids = random_ids(65, seed=80)
+    full_logits, _ = _full_run(cold_model, ids)
+    cache = DynamicCache(config=cold_model.config)
+    with torch.no_grad():
+        pieces = [
+            cold_model(ids[:, a:b], past_key_values=cache, use_cache=True, position_ids=positions(a, b)).logits
+            for a, b in [(0, 40), (40, 42), (42, 65)]
+        ]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full_logits, rtol=0, atol=1e-4)
 
 
 def test_patched_model_without_prefix_cache_is_bit_identical(model, cold_model):

@@ -68,10 +68,10 @@ def test_inputs_embeds_only_runs_without_reuse(model, cold_model):
     kwargs = dict(inputs_embeds=embeds, max_new_tokens=8, do_sample=False)
     try:
         ref = cold_model.generate(**kwargs)
-    except ValueError as upstream:  # ZambaForCausalLM (transformers 5.23) cannot generate from embeddings at all
-        with pytest.raises(ValueError) as refused:
+    except ValueError as refusal:  # Zamba, Zamba2, Falcon-H1, Bamba, NemotronH: generate() refuses inputs_embeds
+        with pytest.raises(ValueError, match="inputs_embeds"):
             model.generate(past_key_values=cache, **kwargs)
-        assert str(refused.value) == str(upstream)
+        assert "inputs_embeds" in str(refusal)
     else:
         assert torch.equal(model.generate(past_key_values=cache, **kwargs), ref)
         assert cache.last_hit_tokens == [0]

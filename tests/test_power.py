@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import assert_matches_cold, greedy, random_ids
+from conftest import MAMBA1_FAMILIES, assert_matches_cold, greedy, random_ids
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.checkpoints import CheckpointStore
 from hf_hybridcache.kv_store import KVStore
@@ -54,6 +54,7 @@ def test_corrupted_restored_kv_fails_the_check(model, cold_model, monkeypatch):
     assert cache.last_hit_tokens == [96]
 
 
+@pytest.mark.parametrize("family", MAMBA1_FAMILIES)
 def test_replay_from_a_zero_state_fails_the_check(model, cold_model, monkeypatch):
     """transformers 5.23's own continuation (scan restarts from zero) would fail the exactness check."""
     from hf_hybridcache.kernels import mamba1_scan

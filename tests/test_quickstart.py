@@ -6,11 +6,11 @@ import pathlib
 QUICKSTART = pathlib.Path(__file__).parent.parent / "examples" / "quickstart.py"
 
 
-def test_quickstart_small_setting(capsys):
+def test_quickstart_small_setting(capsys, family):
     spec = importlib.util.spec_from_file_location("quickstart", QUICKSTART)
     quickstart = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(quickstart)
-    result = quickstart.main(["--system-tokens", "300", "--questions", "3", "--new-tokens", "8"])
+    result = quickstart.main(["--family", family, "--system-tokens", "300", "--questions", "3", "--new-tokens", "8"])
     rows = result["rows"]
     assert all(r["identical"] for r in rows)
     assert rows[0]["hit"] == 0

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from .bamba import SUPPORT as _BAMBA
 from .base import ModelSupport
+from .falcon_h1 import SUPPORT as _FALCON_H1
+from .granitemoehybrid import SUPPORT as _GRANITEMOEHYBRID
 from .jamba import SUPPORT as _JAMBA
+from .nemotron_h import SUPPORT as _NEMOTRON_H
 from .zamba import SUPPORT as _ZAMBA
+from .zamba2 import SUPPORT as _ZAMBA2
 
 _REGISTRY: dict[str, ModelSupport] = {}
 
@@ -37,3 +42,8 @@ def support_for(model) -> ModelSupport:
 
 register(_JAMBA)
 register(_ZAMBA)
+register(_ZAMBA2)
+register(_FALCON_H1)
+register(_BAMBA)
+register(_GRANITEMOEHYBRID)
+register(_NEMOTRON_H)

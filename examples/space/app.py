@@ -1,0 +1,552 @@
+"""Gradio chat on a hybrid attention + Mamba model that shows hf_hybridcache at work.
+
+Every chat turn is one ``generate()`` call with one shared :class:`~hf_hybridcache.HybridPrefixCache`: the second turn
+of a chat finds the first turn's prompt and reply in the cache (KV blocks for the attention layers, a checkpoint of the
+Mamba states at the reply's end) and runs only the new text. Beside each reply the app shows the prompt tokens, the
+hit (tokens restored), the replayed tokens (run through the model) and the time to first token (TTFT); with "compare"
+on it also runs the same prompt without the cache and checks that the reply is token for token the same.
+
+Run it with one command (it prints the URL, http://127.0.0.1:7860 by default)::
+
+    pip install -e ".[demo]"
+    python examples/space/app.py                          # the built-in random Jamba-shaped model, no downloads
+    python examples/space/app.py --model-id ai21labs/Jamba-tiny-dev   # a real checkpoint (needs a hub)
+
+Several browser sessions share the one cache (a second user with the same system prompt gets a hit on their first
+turn); each session keeps its own chat history. ``generate()`` on one cache from several threads is not safe yet, so
+all model work runs one request at a time: the events that touch the model share one Gradio queue slot
+(``concurrency_id="model"``, limit 1) and the engine holds a lock around each ``generate()`` for calls that do not
+come through the queue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+import gradio as gr  # noqa: E402
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer  # noqa: E402
+
+try:
+    import hf_hybridcache  # noqa: F401
+except ImportError:  # run from a source checkout without `pip install -e .`: the package sits two folders up
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from hf_hybridcache import HybridPrefixCache, supported_model_types  # noqa: E402
+from hf_hybridcache.toy import build_model, byte_tokenizer  # noqa: E402
+
+#: The built-in model: a random-init Jamba-shaped model (6.2M parameters, 2 attention + 6 Mamba layers) with the
+#: long-memory init, big enough that a 1000-token prefill takes visibly longer than replaying one block on 2 CPU cores.
+BUILTIN_MODEL = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    mamba_dt_rank=16,
+)
+#: The built-in model may only write these characters (and end its reply): its random weights write gibberish, and a
+#: small alphabet keeps it readable and free of Markdown, and makes the reply's text give back the reply's tokens.
+BUILTIN_ALPHABET = "abcdefghijklmnopqrstuvwxyz ,."
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are the assistant of a demo of hf_hybridcache, a prefix cache for hybrid language models that mix "
+    "attention layers with Mamba state space layers. Attention layers keep a key and a value for every token, so any "
+    "prefix of their cache can be reused. A Mamba layer keeps one fixed-size state, the conv window and the SSM "
+    "state, which cannot be cut back to an earlier token. The cache therefore copies the Mamba states out at block "
+    "boundaries while a prompt runs, and stores them as checkpoints next to the paged attention KV blocks. A later "
+    "request that starts with the same tokens restores the deepest checkpoint it shares and replays only the tokens "
+    "after it. In a chat, the next turn starts with the whole previous turn, so it starts almost at once. Answer "
+    "briefly and kindly."
+)
+
+RETENTION_CHOICES = [
+    ("0: prompt end and reply end only", "0"),
+    ("dense: every block boundary", "dense"),
+    ("every 64 tokens", "64"),
+    ("every 256 tokens", "256"),
+]
+BUDGET_CHOICES_MIB = [1, 4, 16, 64, 256]
+#: Defaults: a checkpoint every 64 tokens lets a second visitor with the same system prompt hit on their first turn
+#: (with 0 only prompt ends and reply ends are kept); 64 MiB holds a few dozen chat turns of the built-in model.
+DEFAULT_RETENTION, DEFAULT_BUDGET_MIB = "64", 64
+MIB = 1024**2
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """What the shared cache is built with, on the first message after start or after "clear cache"."""
+
+    retention_interval: int | str = int(DEFAULT_RETENTION)
+    eviction: str = "lru"
+    max_cache_mib: int = DEFAULT_BUDGET_MIB
+
+    @classmethod
+    def from_ui(cls, retention: str, eviction: str, budget_mib) -> CacheSettings:
+        return cls(retention if retention == "dense" else int(retention), eviction, int(budget_mib))
+
+
+@dataclass(frozen=True)
+class TurnStats:
+    """Numbers of one chat turn. TTFT is measured from the ``generate()`` call to the first new token, in ms."""
+
+    prompt_tokens: int
+    hit_tokens: int
+    replayed_tokens: int
+    new_tokens: int
+    ttft_ms: float
+    cold_ttft_ms: float | None = None
+    identical_to_cold: bool | None = None
+
+
+@dataclass(frozen=True)
+class ChatUpdate:
+    """What the chat shows while a turn runs: the reply so far, a status line, and the numbers once it is done."""
+
+    text: str
+    status: str = ""
+    turn: TurnStats | None = None
+
+
+class TimedStreamer(TextIteratorStreamer):
+    """``TextIteratorStreamer`` that also notes when the first generated token arrives (``perf_counter`` seconds)."""
+
+    def __init__(self, tokenizer, **kwargs) -> None:
+        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True, **kwargs)
+        self.first_token_time: float | None = None
+
+    def put(self, value) -> None:
+        if self.first_token_time is None and not self.next_tokens_are_prompt:
+            self.first_token_time = time.perf_counter()
+        super().put(value)
+
+
+class ChatEngine:
+    """One model, its tokenizer and the one :class:`HybridPrefixCache` that every browser session shares.
+
+    The cache is built lazily on the first message (so its settings can be chosen first) and dropped by
+    :meth:`clear_cache`. ``self.lock`` is held around every ``generate()``: one request in the model at a time.
+    """
+
+    def __init__(self, model, tokenizer, name: str, max_new_tokens: int = 48, suppress_tokens=None) -> None:
+        if tokenizer.chat_template is None:
+            raise ValueError(
+                f"The tokenizer of {name!r} has no chat template; pick a chat or instruct checkpoint, or set "
+                "`tokenizer.chat_template` before building the engine."
+            )
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.generation_kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False)
+        if suppress_tokens:
+            self.generation_kwargs["suppress_tokens"] = list(suppress_tokens)
+        self.lock = threading.Lock()
+        self.cache: HybridPrefixCache | None = None
+        self.settings: CacheSettings | None = None
+        self.hit_history: list[dict] = []
+        self._totals = [0, 0]  # prompt tokens, hit tokens over the app's life (clears included)
+
+    # ------------------------------------------------------------------ building
+
+    @classmethod
+    def builtin(cls, max_new_tokens: int = 48) -> ChatEngine:
+        """The built-in random Jamba-shaped model and the byte-level tokenizer: no downloads, starts in ~1 s."""
+        tokenizer = byte_tokenizer()
+        allowed = {tokenizer.convert_tokens_to_ids(tokenizer.tokenize(ch))[0] for ch in BUILTIN_ALPHABET}
+        allowed.add(tokenizer.eos_token_id)
+        suppress = [i for i in range(len(tokenizer)) if i not in allowed]
+        model = build_model("jamba", seed=0, **BUILTIN_MODEL)
+        name = f"built-in random Jamba-shaped model ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params)"
+        return cls(model, tokenizer, name, max_new_tokens, suppress)
+
+    @classmethod
+    def from_pretrained(cls, model_id: str, max_new_tokens: int = 48) -> ChatEngine:
+        """A hub checkpoint or a local ``save_pretrained`` folder (bf16 on a GPU, fp32 on CPU).
+
+        Raises:
+            ValueError: the model type is not supported by hf_hybridcache, or the tokenizer has no chat template.
+        """
+        tokenizer = AutoTokenizer.from_pretrained(model_id)
+        on_gpu = torch.cuda.is_available()
+        model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.bfloat16 if on_gpu else torch.float32)
+        if model.config.model_type not in supported_model_types():
+            raise ValueError(
+                f"{model_id!r} is a {model.config.model_type!r} model; hf_hybridcache supports "
+                f"{', '.join(supported_model_types())}. Pick a checkpoint of one of those."
+            )
+        return cls(model.to("cuda" if on_gpu else "cpu").eval(), tokenizer, model_id, max_new_tokens)
+
+    @staticmethod
+    def eviction_choices() -> list[str]:
+        """The eviction policies this version of the cache offers (only LRU until the cache takes ``eviction=``)."""
+        if "eviction" not in inspect.signature(HybridPrefixCache).parameters:
+            return ["lru"]
+        return ["lru", "flop_aware"]
+
+    def warm_up(self) -> None:
+        """One short ``generate()`` without the cache, so that one-time costs (lazy inits, first calls of each op)
+        do not land in the first visitor's TTFT."""
+        ids = self.prompt_ids([{"role": "user", "content": "warm up"}])
+        with self.lock:
+            self.model.generate(ids, **{**self.generation_kwargs, "max_new_tokens": 2})
+
+    # ------------------------------------------------------------------ the shared cache
+
+    def _cache_for(self, settings: CacheSettings) -> HybridPrefixCache:
+        """The shared cache; built with ``settings`` if there is none yet. Call with ``self.lock`` held."""
+        if self.cache is None:
+            extra = {} if settings.eviction == "lru" else {"eviction": settings.eviction}
+            self.cache = HybridPrefixCache(
+                self.model,
+                retention_interval=settings.retention_interval,
+                max_cache_bytes=settings.max_cache_mib * MIB,
+                **extra,
+            )
+            self.settings = settings
+        return self.cache
+
+    def clear_cache(self) -> None:
+        """Drop the shared cache (every stored block and checkpoint); the next message builds a new one."""
+        with self.lock:
+            self.cache, self.settings = None, None
+
+    # ------------------------------------------------------------------ chat turns
+
+    def prompt_ids(self, messages: list[dict]) -> torch.Tensor:
+        """Token ids ``[1, L]`` of the chat so far plus the assistant prefix, from the tokenizer's chat template."""
+        encoded = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+        return encoded["input_ids"].to(self.model.device)
+
+    def _generate(self, ids: torch.Tensor, cache: HybridPrefixCache | None, streamer: TimedStreamer):
+        start = time.perf_counter()
+        try:
+            sequences = self.model.generate(ids, past_key_values=cache, streamer=streamer, **self.generation_kwargs)
+        finally:
+            streamer.end()  # a second end() after generate's own is harmless: the reader stops at the first
+        return sequences[0, ids.shape[1] :], 1000 * ((streamer.first_token_time or time.perf_counter()) - start)
+
+    def chat(self, messages: list[dict], settings: CacheSettings, compare: bool) -> Iterator[ChatUpdate]:
+        """Run one turn: stream the cached reply, then (``compare``) the same prompt without the cache.
+
+        Yields the reply so far while it streams, and a last update with :class:`TurnStats`.
+        """
+        ids = self.prompt_ids(messages)
+        streamer = TimedStreamer(self.tokenizer)
+        result: dict = {}
+
+        def work() -> None:
+            try:
+                with self.lock:
+                    cache = self._cache_for(settings)
+                    result["new_ids"], result["ttft_ms"] = self._generate(ids, cache, streamer)
+                    result["hit_tokens"] = cache.last_hit_tokens[0]
+                    self._record(ids.shape[1], result["hit_tokens"])
+            except BaseException as error:  # handed to the reader below, which raises it in the request's thread
+                result["error"] = error
+                streamer.end()
+
+        worker = threading.Thread(target=work, daemon=True)
+        worker.start()
+        shown = ""
+        for piece in streamer:
+            shown += piece
+            yield ChatUpdate(shown, "generating")
+        worker.join()
+        if "error" in result:
+            raise result["error"]
+        new_ids = result["new_ids"]
+        text = self.tokenizer.decode(new_ids, skip_special_tokens=True)
+        prompt_tokens, hit_tokens = ids.shape[1], result["hit_tokens"]
+        turn = TurnStats(prompt_tokens, hit_tokens, prompt_tokens - hit_tokens, len(new_ids), result["ttft_ms"])
+        if compare:
+            yield ChatUpdate(text, "running the same prompt without the cache")
+            with self.lock:
+                cold_ids, cold_ttft_ms = self._generate(ids, None, TimedStreamer(self.tokenizer))
+            same = torch.equal(cold_ids, new_ids)
+            turn = TurnStats(**{**asdict(turn), "cold_ttft_ms": cold_ttft_ms, "identical_to_cold": same})
+        yield ChatUpdate(text, "", turn)
+
+    def _record(self, prompt_tokens: int, hit_tokens: int) -> None:
+        self._totals[0] += prompt_tokens
+        self._totals[1] += hit_tokens
+        request = len(self.hit_history) // 2 + 1
+        self.hit_history.append({"request": request, "hit_rate": hit_tokens / prompt_tokens, "series": "this request"})
+        self.hit_history.append(
+            {"request": request, "hit_rate": self._totals[1] / self._totals[0], "series": "all requests so far"}
+        )
+
+    # ------------------------------------------------------------------ what the cache panel shows
+
+    def panel_html(self) -> str:
+        cache, settings = self.cache, self.settings
+        if cache is None:
+            return (
+                "<div id='cache-empty'><b>No cache yet.</b> Pick the settings below; the first message builds the "
+                "shared cache with them.</div>"
+            )
+        s = cache.stats
+        used = s.stored_bytes / s.max_cache_bytes
+        rows = [
+            ("stored", f"{s.stored_bytes / MIB:.2f} MiB of {s.max_cache_bytes / MIB:.0f} MiB ({100 * used:.1f} %)"),
+            ("KV blocks", f"{s.kv_blocks} ({cache.block_size} tokens each)"),
+            ("checkpoints", str(s.checkpoints)),
+            ("evicted", f"{s.evicted_kv_blocks} KV blocks, {s.evicted_checkpoints} checkpoints"),
+            ("requests", str(s.requests)),
+            ("token hit rate", f"{100 * s.token_hit_rate:.1f} % ({s.hit_tokens} of {s.prompt_tokens} tokens)"),
+            ("settings", f"retention {settings.retention_interval}, eviction {settings.eviction}"),
+        ]
+        table = "".join(f"<tr><th>{k}</th><td data-stat='{k}'>{v}</td></tr>" for k, v in rows)
+        bar = (
+            "<div style='background:#e5e7eb;border-radius:4px;height:10px;margin:4px 0 8px'>"
+            f"<div style='background:#6366f1;border-radius:4px;height:10px;width:{min(100.0, 100 * used):.1f}%'>"
+            "</div></div>"
+        )
+        return f"<div id='cache-stats'>{bar}<table>{table}</table></div>"
+
+    def hit_plot(self) -> pd.DataFrame | None:
+        """Token hit rate per request and over all requests so far (clears included), two rows per request; None
+        before the first request (Gradio 6's plot stays blank for good after an empty typed frame)."""
+        return pd.DataFrame(self.hit_history) if self.hit_history else None
+
+
+# ---------------------------------------------------------------------- rendering
+
+
+def _badge(turn: TurnStats) -> str:
+    text = (
+        f"⚡ hit {turn.hit_tokens} of {turn.prompt_tokens} prompt tokens · replayed {turn.replayed_tokens} · "
+        f"TTFT {turn.ttft_ms:.0f} ms"
+    )
+    if turn.cold_ttft_ms is not None:
+        same = "identical to cold ✓" if turn.identical_to_cold else "DIFFERS from cold ✗"
+        text += f" (without cache {turn.cold_ttft_ms:.0f} ms) · {same}"
+    return text
+
+
+def render_chat(conversation: list[dict], turns: list[TurnStats], pending: ChatUpdate | None = None) -> list[dict]:
+    """Chatbot messages: each reply followed by a collapsed box whose title holds the turn's numbers."""
+    shown: list[dict] = []
+    for i, message in enumerate(conversation):
+        shown.append({"role": message["role"], "content": message["content"]})
+        turn_index = i // 2
+        if message["role"] == "assistant" and turn_index < len(turns):
+            turn = turns[turn_index]
+            details = (
+                f"Prompt tokens {turn.prompt_tokens}: {turn.hit_tokens} restored from the cache, "
+                f"{turn.replayed_tokens} run through the model. {turn.new_tokens} new tokens."
+            )
+            badge = {"title": _badge(turn), "status": "done"}
+            shown.append({"role": "assistant", "content": details, "metadata": badge})
+    if pending is not None:
+        shown.append({"role": "assistant", "content": pending.text or "…"})
+        if pending.status:
+            status = {"title": pending.status, "status": "pending"}
+            shown.append({"role": "assistant", "content": "", "metadata": status})
+    return shown
+
+
+def turns_markdown(turns: list[TurnStats]) -> str:
+    if not turns:
+        return "_No turns yet in this session._"
+    lines = [
+        "| # | prompt tokens | hit tokens | replayed tokens | TTFT (ms) | TTFT without cache (ms) "
+        "| identical to cold |",
+        "|---:|---:|---:|---:|---:|---:|:---:|",
+    ]
+    for i, t in enumerate(turns, 1):
+        cold = "–" if t.cold_ttft_ms is None else f"{t.cold_ttft_ms:.0f}"
+        same = "–" if t.identical_to_cold is None else ("yes" if t.identical_to_cold else "NO")
+        cells = [i, t.prompt_tokens, t.hit_tokens, t.replayed_tokens, f"{t.ttft_ms:.0f}", cold, same]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- the app
+
+
+INTRO = """\
+# hf_hybridcache: prefix caching for hybrid attention + Mamba models
+Chat with **{name}**. Every turn is one `generate()` call with one `HybridPrefixCache` that all visitors share: the
+second turn restores the first turn's attention KV blocks and Mamba state checkpoint and runs only the new text, so it
+starts sooner. Beside each reply: prompt tokens, hit (restored) tokens, replayed tokens and the time to first token;
+tick **compare** to also run the prompt without the cache and check that the reply is the same token for token.
+{model_note}
+One request runs in the model at a time (the cache is not yet safe for parallel `generate()` calls); others wait in the
+queue. Your chat history is yours; the cache is shared, so another visitor with the same system prompt gets a hit on
+their first turn (with a retention interval other than 0).
+"""
+BUILTIN_NOTE = (
+    "The built-in model has **random weights: its replies are gibberish, by design** (no downloads; letters only). "
+    "Run the app with `--model-id` for a real checkpoint."
+)
+
+
+def build_demo(engine: ChatEngine) -> gr.Blocks:
+    """The Gradio app around ``engine``. Model events share one queue slot (``concurrency_id="model"``)."""
+    is_builtin = "suppress_tokens" in engine.generation_kwargs
+
+    def settings_updates():
+        locked = engine.settings
+        if locked is None:
+            return [gr.update(interactive=True)] * 3
+        retention = "dense" if locked.retention_interval == "dense" else str(locked.retention_interval)
+        return [
+            gr.update(value=retention, interactive=False),
+            gr.update(value=locked.eviction, interactive=False),
+            gr.update(value=locked.max_cache_mib, interactive=False),
+        ]
+
+    def panel_outputs():
+        return [engine.panel_html(), engine.hit_plot(), *settings_updates()]
+
+    def send(message, system_prompt, compare, retention, eviction, budget, conversation, turns):
+        message = (message or "").strip()
+        if not message:
+            raise gr.Error("Type a message first.")
+        settings = CacheSettings.from_ui(retention, eviction, budget)
+        asked = conversation + [{"role": "user", "content": message}]
+        messages = ([{"role": "system", "content": system_prompt}] if (system_prompt or "").strip() else []) + asked
+        yield {
+            chatbot: render_chat(asked, turns, ChatUpdate("", "waiting for the model")),
+            msg: "",
+            system: gr.update(interactive=False),
+        }
+        try:
+            for update in engine.chat(messages, settings, bool(compare)):
+                if update.turn is None:
+                    yield {chatbot: render_chat(asked, turns, update)}
+                    continue
+                conversation = asked + [{"role": "assistant", "content": update.text}]
+                turns = turns + [update.turn]
+                yield {
+                    chatbot: render_chat(conversation, turns),
+                    state_conversation: conversation,
+                    state_turns: turns,
+                    turns_md: turns_markdown(turns),
+                    last_turn: asdict(update.turn),
+                    **dict(zip(panel, panel_outputs())),
+                }
+        except ValueError as error:  # a clear message from the cache or the tokenizer; the cache stays usable
+            raise gr.Error(str(error)) from error
+
+    def new_chat():
+        return [], [], [], turns_markdown([]), None, gr.update(interactive=True)
+
+    def clear_cache():
+        engine.clear_cache()
+        return panel_outputs()
+
+    with gr.Blocks(title="hf_hybridcache demo") as demo:
+        state_conversation = gr.State([])
+        state_turns = gr.State([])
+        gr.Markdown(INTRO.format(name=engine.name, model_note=BUILTIN_NOTE if is_builtin else ""))
+        with gr.Tab("Chat"):
+            with gr.Row():
+                with gr.Column(scale=3):
+                    with gr.Accordion("System prompt (fixed after your first message)", open=False):
+                        system = gr.Textbox(
+                            DEFAULT_SYSTEM_PROMPT, show_label=False, lines=3, max_lines=8, elem_id="system-prompt"
+                        )
+                    chatbot = gr.Chatbot(
+                        label="Chat",
+                        height=500,
+                        elem_id="chatbot",
+                        group_consecutive_messages=False,
+                        buttons=["copy_all"],
+                    )
+                    with gr.Row():
+                        msg = gr.Textbox(
+                            placeholder="Type a message and press Enter", show_label=False, scale=5, elem_id="msg"
+                        )
+                        send_btn = gr.Button("Send", variant="primary", scale=1, elem_id="send")
+                    with gr.Row():
+                        compare = gr.Checkbox(
+                            False, label="compare: also run without the cache (TTFT, same output)", elem_id="compare"
+                        )
+                        new_btn = gr.Button("New chat", size="sm", elem_id="new-chat")
+                    turns_md = gr.Markdown(turns_markdown([]), elem_id="turns")
+                    with gr.Accordion("Last turn (raw numbers)", open=False):
+                        last_turn = gr.JSON(label="last turn", elem_id="last-turn")
+                with gr.Column(scale=2):
+                    gr.Markdown("### Cache (shared by all sessions)")
+                    panel_box = gr.HTML(engine.panel_html(), elem_id="cache-panel")
+                    plot = gr.LinePlot(
+                        engine.hit_plot(),
+                        x="request",
+                        y="hit_rate",
+                        color="series",
+                        y_lim=[0, 1],
+                        y_title="token hit rate",
+                        title="Token hit rate per request (all sessions)",
+                        height=220,
+                        elem_id="hit-plot",
+                    )
+                    retention = gr.Dropdown(
+                        RETENTION_CHOICES,
+                        value=DEFAULT_RETENTION,
+                        label="Retention interval (checkpoints kept during prefill)",
+                        elem_id="retention",
+                    )
+                    eviction = gr.Dropdown(
+                        engine.eviction_choices(), value="lru", label="Eviction policy", elem_id="eviction"
+                    )
+                    budget = gr.Dropdown(
+                        BUDGET_CHOICES_MIB, value=DEFAULT_BUDGET_MIB, label="Budget (MiB)", elem_id="budget"
+                    )
+                    gr.Markdown("Settings apply when the cache is built: before the first message, or after clearing.")
+                    with gr.Row():
+                        refresh_btn = gr.Button("Refresh", size="sm", elem_id="refresh")
+                        clear_btn = gr.Button("Clear cache", size="sm", variant="stop", elem_id="clear-cache")
+        with gr.Tab("How it works"):
+            gr.Markdown(__doc__.split("Run it with")[0])
+        panel = [panel_box, plot, retention, eviction, budget]
+
+        send_inputs = [msg, system, compare, retention, eviction, budget, state_conversation, state_turns]
+        send_outputs = [chatbot, msg, system, state_conversation, state_turns, turns_md, last_turn, *panel]
+        model_event = dict(concurrency_limit=1, concurrency_id="model")
+        msg.submit(send, send_inputs, send_outputs, api_name="send", show_progress="minimal", **model_event)
+        send_btn.click(
+            send, send_inputs, send_outputs, api_visibility="private", show_progress="minimal", **model_event
+        )
+        new_chat_outputs = [chatbot, state_conversation, state_turns, turns_md, last_turn, system]
+        new_btn.click(new_chat, None, new_chat_outputs, api_name="new_chat")
+        clear_btn.click(clear_cache, None, panel, api_name="clear_cache", **model_event)
+        refresh_btn.click(panel_outputs, None, panel, api_name="cache_panel")
+        demo.load(panel_outputs, None, panel, api_visibility="private")
+    return demo
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--model-id",
+        default=os.environ.get("MODEL_ID"),
+        help="hub id or local folder of a supported checkpoint (default: $MODEL_ID, else the built-in model)",
+    )
+    parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    args = parser.parse_args(argv)
+    if args.model_id:
+        engine = ChatEngine.from_pretrained(args.model_id, args.max_new_tokens)
+    else:
+        engine = ChatEngine.builtin(args.max_new_tokens)
+    engine.warm_up()
+    demo = build_demo(engine)
+    demo.queue(default_concurrency_limit=1)
+    demo.launch(server_name=args.host, server_port=args.port)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""Shared Mamba-2 pieces: the patched mixer forward that emits checkpoints, and the per-layer state specs.
+
+transformers 5.23's Mamba-2 mixers (Zamba2, Falcon-H1, Bamba, GraniteMoeHybrid, NemotronH) already continue from a
+cached state on a multi-token forward: the causal conv runs over the cached conv window + the new inputs, and the
+chunked scan takes the cached SSM state as ``initial_states``. What they cannot do is hand out the state at a block
+boundary inside the forward. The patched mixer therefore calls the original forward whenever no checkpoint is wanted
+(bit-identical), and otherwise runs the same chunk path through :func:`~hf_hybridcache.kernels.mamba2_chunk_scan`,
+which emits the states at arbitrary token positions; its outputs equal the original's.
+
+The mixers differ only in how the input projection is scaled and how the gate and norm are applied after the scan,
+so a family file is a :class:`Mamba2Variant` handed to :func:`mamba2_support`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+from .. import _compat
+from ..config import AttentionLayerSpec, MambaLayerSpec, ModelStateSpec, TensorSpec
+from ..kernels import mamba2_chunk_scan
+from .base import ModelSupport
+from .mamba1 import apply_padding_mask, checkpoint_positions, conv_states_at
+
+
+def causal_conv(full_inputs: torch.Tensor, mixer, seq_len: int) -> torch.Tensor:
+    """The mixer's depthwise causal conv + activation over ``full_inputs`` ``[B, C, W' + T]`` (cached window + new
+    inputs); returns the last ``seq_len`` outputs ``[B, C, T]`` in the inputs' dtype. The activation runs on the
+    same (strided) view as in transformers' ``causal_conv1d_fn``: CPU kernels round differently on contiguous and
+    strided inputs, and the outputs must stay bit-identical."""
+    weight = mixer.conv1d.weight.squeeze(1)
+    length = full_inputs.shape[-1]
+    out = F.conv1d(
+        full_inputs.to(weight.dtype),
+        weight.unsqueeze(1),
+        mixer.conv1d.bias,
+        padding=weight.shape[-1] - 1,
+        groups=weight.shape[0],
+    )[:, :, :length]
+    out = ACT2FN[mixer.activation](out).to(full_inputs.dtype)
+    return out[:, :, -seq_len:]
+
+
+def _plain_projection(mixer, hidden_states: torch.Tensor) -> torch.Tensor:
+    return mixer.in_proj(hidden_states)
+
+
+def _gated_norm(mixer, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return mixer.norm(y, gate)
+
+
+@dataclass(frozen=True)
+class Mamba2Variant:
+    """One family's Mamba-2 mixer and attention classes, and how its mixer differs from the plain one (the plain one
+    is shared by Zamba2, Bamba, GraniteMoeHybrid and NemotronH).
+
+    Attributes:
+        mixer_class: class name of the Mamba-2 mixer (matched by name, so no model module is imported).
+        attention_class: class name of the attention module whose KV the cache layer of the same index holds.
+        project: ``(mixer, hidden_states [B, T, hidden]) -> [B, T, gate + conv channels + H]``, the input projection
+            of the padding-masked hidden states.
+        gate_and_norm: ``(mixer, y [B, T, H*D] float32, gate [B, T, H*D]) -> [B, T, H*D]``, applied after the scan.
+    """
+
+    mixer_class: str
+    attention_class: str
+    project: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] = _plain_projection
+    gate_and_norm: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = _gated_norm
+
+
+@_compat.force_accelerate_hooks(["conv1d"])
+def _forward_with_checkpoints(
+    mixer,
+    variant: Mamba2Variant,
+    hidden_states: torch.Tensor,
+    cache,
+    attention_mask: torch.Tensor | None,
+    positions: Sequence[int],
+) -> torch.Tensor:
+    """The chunk path of transformers' Mamba-2 mixer forward, from the cached state, handing the conv and SSM states
+    after each of ``positions`` tokens to ``cache.capture_states``."""
+    batch_size, seq_len, _ = hidden_states.shape
+    dtype, layer_idx = hidden_states.dtype, mixer.layer_idx
+    conv_state = cache.get_conv_state(layer_idx)
+    ssm_state = cache.get_recurrent_state(layer_idx)
+
+    projected = variant.project(mixer, apply_padding_mask(hidden_states, attention_mask))
+    gate, conv_inputs, dt = projected.split([mixer.intermediate_size, mixer.conv_dim, mixer.num_heads], dim=-1)
+    conv_inputs = conv_inputs.transpose(1, 2)
+    conv_checkpoints = conv_states_at(conv_inputs, conv_state, mixer.conv_kernel_size, positions)
+    full_inputs = cache.update_conv_state(conv_inputs, layer_idx, conv_kernel_size=mixer.conv_kernel_size)
+    conv_out = causal_conv(full_inputs, mixer, seq_len)
+    conv_out = apply_padding_mask(conv_out.transpose(1, 2), attention_mask)
+
+    state_channels = mixer.n_groups * mixer.ssm_state_size
+    x, B, C = torch.split(conv_out, [mixer.intermediate_size, state_channels, state_channels], dim=-1)
+    y, final_state, ssm_checkpoints = mamba2_chunk_scan(
+        x.reshape(batch_size, seq_len, mixer.num_heads, mixer.head_dim),
+        dt,
+        -torch.exp(mixer.A_log.float()),
+        B.reshape(batch_size, seq_len, mixer.n_groups, mixer.ssm_state_size),
+        C.reshape(batch_size, seq_len, mixer.n_groups, mixer.ssm_state_size),
+        chunk_size=mixer.chunk_size,
+        D=mixer.D,
+        dt_bias=mixer.dt_bias,
+        dt_softplus=True,
+        dt_limit=mixer.time_step_limit,
+        initial_state=ssm_state,
+        emit_positions=positions,
+    )
+    cache.update_recurrent_state(final_state, layer_idx)
+    cache.capture_states(layer_idx, positions, list(zip(conv_checkpoints, ssm_checkpoints)))
+    y = variant.gate_and_norm(mixer, y.reshape(batch_size, seq_len, -1), gate)
+    return mixer.out_proj(y.to(dtype))
+
+
+def _make_forward(mixer, variant: Mamba2Variant):
+    def make(original):
+        @functools.wraps(original)
+        def forward(*args, **kwargs):
+            hidden_states, cache, attention_mask = _compat.split_mixer_call(args, kwargs)
+            seq_len = hidden_states.shape[1]
+            if cache is None or seq_len == 1 or mixer.training or cache.is_recording_past(mixer.layer_idx):
+                return original(*args, **kwargs)
+            positions = checkpoint_positions(cache, seq_len)
+            if not positions:
+                return original(*args, **kwargs)
+            return _forward_with_checkpoints(mixer, variant, hidden_states, cache, attention_mask, positions)
+
+        return forward
+
+    return make
+
+
+def install_mixers(model: torch.nn.Module, variant: Mamba2Variant) -> None:
+    """Patch every ``variant.mixer_class`` module of ``model`` (this instance only; idempotent)."""
+    for module in model.modules():
+        if type(module).__name__ == variant.mixer_class:
+            _compat.patch_instance_forward(module, _make_forward(module, variant))
+
+
+def mamba_layer_spec(layer_idx: int, mixer) -> MambaLayerSpec:
+    """State of one Mamba-2 layer: conv state ``[conv channels, W]`` in the model dtype and SSM state
+    ``[H, D, N]`` in float32 (the chunked scan and the decode step keep it in float32 in every dtype)."""
+    return MambaLayerSpec(
+        layer_idx,
+        conv=TensorSpec((mixer.conv_dim, mixer.conv_kernel_size), mixer.in_proj.weight.dtype),
+        ssm=TensorSpec((mixer.num_heads, mixer.head_dim, mixer.ssm_state_size), torch.float32),
+    )
+
+
+def attention_layer_spec(layer_idx: int, attention) -> AttentionLayerSpec:
+    """KV of one attention module with ``k_proj`` and ``head_dim`` (GQA heads counted from ``k_proj``)."""
+    num_kv_heads = attention.k_proj.out_features // attention.head_dim
+    return AttentionLayerSpec(layer_idx, num_kv_heads, attention.head_dim, attention.k_proj.weight.dtype)
+
+
+def state_spec(model: torch.nn.Module, block_size: int, variant: Mamba2Variant) -> ModelStateSpec:
+    """Decoder layer ``i`` (``model.model.layers[i]``) holding a mixer or an attention module (or both: Zamba2's
+    hybrid layers, every Falcon-H1 layer) is cache layer ``i``, as transformers' ``layer_types`` lay it out."""
+    attention, mamba = [], []
+    for idx, layer in enumerate(model.model.layers):
+        found = {variant.mixer_class: [], variant.attention_class: []}
+        for module in layer.modules():
+            found.get(type(module).__name__, []).append(module)
+        mixers, attentions = found[variant.mixer_class], found[variant.attention_class]
+        assert len(mixers) <= 1 and len(attentions) <= 1, f"layer {idx} holds several mixers or attention modules"
+        if mixers:
+            mamba.append(mamba_layer_spec(idx, mixers[0]))
+        if attentions:
+            attention.append(attention_layer_spec(idx, attentions[0]))
+    return ModelStateSpec(tuple(attention), tuple(mamba), block_size)
+
+
+def mamba2_support(model_types: tuple[str, ...], variant: Mamba2Variant) -> ModelSupport:
+    """The :class:`ModelSupport` of a Mamba-2 hybrid family described by ``variant``."""
+    return ModelSupport(
+        model_types=model_types,
+        install=functools.partial(install_mixers, variant=variant),
+        state_spec=functools.partial(state_spec, variant=variant),
+    )

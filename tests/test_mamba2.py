@@ -1,0 +1,199 @@
+"""Mamba-2 families (Zamba2, Falcon-H1): the chunk scan with state emission, the patched mixers, block sizes against
+the chunk size, unaligned forwards, bf16, save/load; and a power check for every family."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from conftest import MAMBA2_FAMILIES, assert_matches_cold, assert_restored_states_match, greedy, random_ids
+from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache.kernels import mamba2_chunk_scan_ref, mamba2_recurrent_ref
+from hf_hybridcache.models import support_for
+from hf_hybridcache.toy import build_model
+
+CHUNK_SIZE_KEY = {
+    "zamba2": "chunk_size",
+    "falcon_h1": "mamba_chunk_size",
+    "bamba": "mamba_chunk_size",
+    "granitemoehybrid": "mamba_chunk_size",
+    "nemotron_h": "chunk_size",
+}
+MIXER_CLASS = {
+    "zamba2": "Zamba2MambaMixer",
+    "falcon_h1": "FalconH1Mixer",
+    "bamba": "BambaMixer",
+    "granitemoehybrid": "GraniteMoeHybridMambaLayer",
+    "nemotron_h": "NemotronHMamba2Mixer",
+}
+
+
+def scan_inputs(seq_len, heads=4, head_dim=3, groups=2, state=5, batch=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return dict(
+        x=torch.randn(batch, seq_len, heads, head_dim, generator=g),
+        dt=torch.randn(batch, seq_len, heads, generator=g),
+        A=-torch.rand(heads, generator=g) * 0.5,
+        B=torch.randn(batch, seq_len, groups, state, generator=g),
+        C=torch.randn(batch, seq_len, groups, state, generator=g),
+        D=torch.randn(heads, generator=g),
+        dt_bias=torch.randn(heads, generator=g),
+        dt_softplus=True,
+        initial_state=torch.randn(batch, heads, head_dim, state, generator=g),
+    )
+
+
+@pytest.mark.parametrize(
+    "seq_len,chunk_size,positions",
+    [
+        (37, 8, (1, 5, 8, 16, 21, 37)),  # aligned and unaligned, the last token, a padded last chunk
+        (24, 8, (8, 16, 24)),  # only chunk boundaries
+        (13, 32, (4, 12)),  # one chunk longer than the sequence
+        (9, 1, (3, 9)),  # chunks of one token
+    ],
+    ids=["mixed", "aligned", "chunk>T", "chunk=1"],
+)
+@pytest.mark.parametrize("from_state", [False, True], ids=["zero-state", "initial-state"])
+def test_chunk_scan_matches_the_recurrence(seq_len, chunk_size, positions, from_state):
+    inputs = scan_inputs(seq_len)
+    if not from_state:
+        inputs["initial_state"] = None
+    y, final, emitted = mamba2_chunk_scan_ref(chunk_size=chunk_size, emit_positions=positions, **inputs)
+    ref_y, ref_final, ref_emitted = mamba2_recurrent_ref(emit_positions=positions, **inputs)
+    assert y.dtype == final.dtype == torch.float32 and len(emitted) == len(positions)
+    torch.testing.assert_close(y, ref_y, rtol=0, atol=1e-4)
+    torch.testing.assert_close(final, ref_final, rtol=0, atol=1e-5)
+    for state, ref_state in zip(emitted, ref_emitted):
+        torch.testing.assert_close(state, ref_state, rtol=0, atol=1e-5)
+
+
+def test_chunk_scan_is_bit_identical_to_the_transformers_torch_path():
+    from transformers.models.zamba2 import modeling_zamba2
+
+    inputs = scan_inputs(29)
+    y, final, _ = mamba2_chunk_scan_ref(chunk_size=8, emit_positions=(5, 16), **inputs)
+    x, dt, A, B, C = (inputs.pop(name) for name in ("x", "dt", "A", "B", "C"))
+    inputs["initial_states"] = inputs.pop("initial_state")
+    ref_y, ref_final = modeling_zamba2.mamba2_chunk_scan(x, dt, A, B, C, 8, return_final_states=True, **inputs)
+    assert torch.equal(y, ref_y) and torch.equal(final, ref_final)
+
+
+class _RecordingCache(DynamicCache):
+    """A DynamicCache that asks the patched mixers for states after ``positions`` tokens of a forward."""
+
+    def __init__(self, config, positions):
+        super().__init__(config=config)
+        self.positions = positions
+        self.captured = {}
+
+    def checkpoint_positions(self, seq_len):
+        return self.positions
+
+    def capture_states(self, layer_idx, positions, states):
+        self.captured = dict(zip(positions, states))
+
+
+@pytest.mark.parametrize(
+    "family,overrides",
+    [(family, {}) for family in MAMBA2_FAMILIES] + [("falcon_h1", {"mamba_rms_norm": True})],
+    ids=MAMBA2_FAMILIES + ["falcon_h1-rms-norm"],
+)
+def test_patched_mixer_is_bit_identical_and_emits_the_cold_states(family, overrides):
+    model = build_model(family, **overrides)
+    HybridPrefixCache(model)  # patches the mixers of this instance
+    mixer = next(m for m in model.modules() if type(m).__name__ == MIXER_CLASS[family])
+    original = type(mixer).forward
+    hidden = torch.randn(1, 53, model.config.hidden_size, generator=torch.Generator().manual_seed(71))
+    positions = (3, 12, 27, 39)
+    recording = _RecordingCache(model.config, positions)
+    plain = DynamicCache(config=model.config)
+    with torch.no_grad():
+        for cache in (recording, plain):  # a prefix of 13 tokens first, so the second forward starts from a state
+            original(mixer, hidden[:, :13], cache_params=cache)
+        out = mixer(hidden[:, 13:], cache_params=recording)
+        ref = original(mixer, hidden[:, 13:], cache_params=plain)
+    assert torch.equal(out, ref)
+    live, ref_layer = recording.layers[mixer.layer_idx], plain.layers[mixer.layer_idx]
+    assert torch.equal(live.recurrent_states[0], ref_layer.recurrent_states[0])
+    assert torch.equal(live.conv_states[0], ref_layer.conv_states[0])
+    assert sorted(recording.captured) == list(positions)
+    for t, (conv, ssm) in recording.captured.items():
+        cold = DynamicCache(config=model.config)
+        with torch.no_grad():
+            original(mixer, hidden[:, : 13 + t], cache_params=cold)
+        torch.testing.assert_close(conv, cold.layers[mixer.layer_idx].conv_states[0], rtol=0, atol=0)
+        torch.testing.assert_close(ssm, cold.layers[mixer.layer_idx].recurrent_states[0], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", MAMBA2_FAMILIES)
+def test_long_memory_init_reaches_every_mixer(family, model):
+    mixers = [m for m in model.modules() if type(m).__name__ == MIXER_CLASS[family]]
+    assert mixers
+    for mixer in mixers:
+        assert torch.all(mixer.A_log == -3.0)
+        torch.testing.assert_close(F.softplus(mixer.dt_bias), torch.full_like(mixer.dt_bias, 0.2), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", MAMBA2_FAMILIES)
+@pytest.mark.parametrize("block_size", [4, 12, 16, 24], ids=["divides", "smaller-not-dividing", "equal", "larger-not-multiple"])
+def test_block_size_against_the_chunk_size(family, block_size):
+    """Chunk size 16; checkpoints at every block boundary, restored states and outputs equal a cold run."""
+    overrides = {CHUNK_SIZE_KEY[family]: 16}
+    model, cold_model = build_model(family, **overrides), build_model(family, **overrides)
+    cache = HybridPrefixCache(model, block_size=block_size, retention_interval="dense")
+    trunk = random_ids(50, seed=72)
+    assert_matches_cold(model, cold_model, cache, torch.cat([trunk, random_ids(9, seed=73)], dim=1), new_tokens=4)
+    second = torch.cat([trunk, random_ids(7, seed=74)], dim=1)
+    expected_hit = 50 // block_size * block_size
+    assert_restored_states_match(cache, cold_model, second, expected_hit)
+    assert_matches_cold(model, cold_model, cache, second, new_tokens=4)
+    assert cache.last_hit_tokens == [expected_hit]
+
+
+@pytest.mark.parametrize("family", MAMBA2_FAMILIES)
+def test_forward_starting_at_an_unaligned_position(family, model, cold_model):
+    """Two direct forwards (0-37, 37-90) over the cache: the second starts from a state, off every block and chunk
+    boundary, and must still leave exact checkpoints at 48, 64 and 80."""
+    cache = HybridPrefixCache(model, retention_interval="dense")
+    ids = random_ids(90, seed=75)
+    with torch.no_grad():
+        model(ids[:, :37], past_key_values=cache, use_cache=True)
+        model(ids[:, 37:], past_key_values=cache, use_cache=True, position_ids=torch.arange(37, 90)[None])
+    second = torch.cat([ids, random_ids(6, seed=76)], dim=1)
+    assert_restored_states_match(cache, cold_model, second, 80)
+    for boundary in (48, 64):
+        assert_restored_states_match(cache, cold_model, second[:, : boundary + 1], boundary)
+    assert_matches_cold(model, cold_model, cache, second)
+    assert cache.last_hit_tokens == [80]
+
+
+@pytest.mark.parametrize("family", MAMBA2_FAMILIES)
+def test_bf16_checkpoints_keep_the_live_dtypes_and_tokens_match(family):
+    model, cold_model = build_model(family, dtype=torch.bfloat16), build_model(family, dtype=torch.bfloat16)
+    cache = HybridPrefixCache(model)
+    ids = random_ids(70, seed=77)
+    seq, _ = greedy(model, ids, cache)
+    ref_seq, _ = greedy(cold_model, ids)
+    assert torch.equal(seq, ref_seq)
+    seq, _ = greedy(model, ids, cache)
+    assert cache.last_hit_tokens == [64]
+    assert torch.equal(seq, ref_seq)
+    for m in cache.spec.mamba:
+        assert (m.conv.dtype, m.ssm.dtype) == (torch.bfloat16, torch.float32)
+        live = cache.layers[m.layer_idx]
+        assert (live.conv_states[0].dtype, live.recurrent_states[0].dtype) == (torch.bfloat16, torch.float32)
+    for states in cache._store.checkpoints._entries.values():
+        assert all((conv.dtype, ssm.dtype) == (torch.bfloat16, torch.float32) for conv, ssm in states.values())
+    assert all(a.dtype == torch.bfloat16 for a in cache.spec.attention)
+
+
+@pytest.mark.parametrize("family", MAMBA2_FAMILIES)
+def test_save_pretrained_round_trip_then_a_cached_run(family, model, cold_model, tmp_path):
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert support_for(loaded) is support_for(model)
+    cache = HybridPrefixCache(loaded)
+    ids = random_ids(40, seed=78)
+    assert_matches_cold(loaded, cold_model, cache, ids)
+    assert_matches_cold(loaded, cold_model, cache, ids)
+    assert cache.last_hit_tokens == [32]

@@ -1,0 +1,266 @@
+"""The Spaces demo (examples/space/app.py) end to end: started as a user starts it, driven through its API with
+gradio_client and in a real browser (headless Debian Chromium through Playwright).
+
+The demo extra (``pip install -e ".[demo]"``) and /usr/bin/chromium are required in CI (``.ci/run`` installs both);
+elsewhere the tests that need them are skipped with a reason. ``SPACE_SCREENSHOT=docs/space.png`` copies the browser
+test's screenshot there (that is how the README's screenshot is made).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+APP = ROOT / "examples" / "space" / "app.py"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+BLOCK_SIZE = 16  # the app builds its cache with the default block size
+TURN_TIMEOUT_MS = 120_000
+
+
+def _need(module: str):
+    """Import ``module``; in CI a missing one fails the test, elsewhere it skips it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"{module} is not installed: pip install -e '.[demo]'")
+
+
+def _app_module():
+    """examples/space/app.py imported as the module ``space_app`` (once)."""
+    _need("gradio")
+    if "space_app" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("space_app", APP)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["space_app"] = module  # dataclasses look their module up while the file runs
+        spec.loader.exec_module(module)
+    return sys.modules["space_app"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app_url(tmp_path_factory):
+    """``python examples/space/app.py --port N`` in a subprocess; the URL it prints once it serves."""
+    _need("gradio")
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("space") / "app.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GRADIO_ANALYTICS_ENABLED": "False"}
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, str(APP), "--port", str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    try:
+        while f"Running on local URL:  {url}" not in log_path.read_text():
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the app did not start (exit code {process.poll()}):\n{log_path.read_text()}")
+            time.sleep(0.25)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _decode_end_boundary(turn: dict) -> int:
+    """The block boundary the next turn's hit reaches at least: the model saw prompt + new - 1 tokens."""
+    return (turn["prompt_tokens"] + turn["new_tokens"] - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+# ---------------------------------------------------------------------- gradio_client
+
+
+def test_api_two_turns_reuse_the_first_and_match_cold(app_url):
+    client_module = _need("gradio_client")
+    client = client_module.Client(app_url, verbose=False)
+    first = client.predict(message="API visitor here: what is a checkpoint?", compare=True, api_name="/send")
+    second = client.predict(message="Thanks. And a block?", compare=True, api_name="/send")
+    turn1, turn2 = first[4], second[4]  # outputs without the states: chat, box, system prompt, table, last turn, ...
+
+    assert turn1["identical_to_cold"] and turn2["identical_to_cold"]
+    assert turn2["hit_tokens"] >= _decode_end_boundary(turn1) > 0, (turn1, turn2)
+    assert turn2["replayed_tokens"] == turn2["prompt_tokens"] - turn2["hit_tokens"]
+    assert turn2["prompt_tokens"] > turn1["prompt_tokens"] + turn1["new_tokens"]
+    chat = second[0]
+    assert [m["role"] for m in chat if not m["metadata"]] == ["user", "assistant", "user", "assistant"]
+    assert "identical to cold" in chat[-1]["metadata"]["title"]
+
+    panel_html = client.predict(api_name="/clear_cache")[0]
+    assert "No cache yet" in panel_html
+    cold = client_module.Client(app_url, verbose=False).predict(message="After the clear", api_name="/send")[4]
+    assert cold["hit_tokens"] == 0 and cold["cold_ttft_ms"] is None
+
+
+# ---------------------------------------------------------------------- the browser
+
+
+def _is_loopback(url: str) -> bool:
+    host = urlparse(url).hostname
+    return url.startswith(("data:", "blob:")) or host in ("127.0.0.1", "localhost", "::1")
+
+
+def _turn_rows(page) -> list[dict[str, str]]:
+    headers = page.locator("#turns table thead th").all_inner_texts()
+    return [
+        dict(zip(headers, row.locator("td").all_inner_texts()))
+        for row in page.locator("#turns table tbody tr").all()
+    ]
+
+
+def _send(page, text: str) -> None:
+    box = page.locator("#msg textarea")
+    box.fill(text)
+    box.press("Enter")
+
+
+def _wait_turns(page, count: int) -> list[dict[str, str]]:
+    page.wait_for_function(
+        "n => document.querySelectorAll('#turns table tbody tr').length >= n", arg=count, timeout=TURN_TIMEOUT_MS
+    )
+    return _turn_rows(page)
+
+
+def _open(context, url: str):
+    page = context.new_page()
+    page.goto(url)
+    page.locator("#msg textarea").wait_for(timeout=60_000)
+    page.locator("#compare input[type=checkbox]").check()
+    return page
+
+
+def test_browser_chat_shows_the_cache_at_work(app_url, tmp_path):
+    sync_api = _need("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{CHROMIUM} is missing: .ci/run installs it with apt-get")
+        pytest.skip(f"{CHROMIUM} is missing: apt-get install chromium")
+
+    with sync_api.sync_playwright() as playwright:
+        context = playwright.chromium.launch_persistent_context(
+            str(tmp_path / "profile"),  # a fresh user-data dir
+            executable_path=CHROMIUM,
+            headless=True,
+            args=CHROMIUM_FLAGS,
+            viewport={"width": 1440, "height": 1100},
+        )
+        # The page must work offline: nothing but the app itself is reached.
+        context.route("**/*", lambda route: route.continue_() if _is_loopback(route.request.url) else route.abort())
+        try:
+            page = _open(context, app_url)
+            assert "gibberish" in page.locator("body").inner_text()
+
+            _send(page, "Hello! What makes a hybrid model hybrid?")
+            first = _wait_turns(page, 1)[0]
+            _send(page, "And why does the second turn start sooner?")
+            rows = _wait_turns(page, 2)
+            second = rows[1]
+            assert [row["identical to cold"] for row in rows] == ["yes", "yes"], rows
+            prompt1, hit2 = int(first["prompt tokens"]), int(second["hit tokens"])
+            # The second turn reuses at least the whole first prompt (down to a block boundary), plus the reply.
+            assert hit2 >= prompt1 // BLOCK_SIZE * BLOCK_SIZE > 0, rows
+            assert int(second["replayed tokens"]) == int(second["prompt tokens"]) - hit2
+            chat_text = page.locator("#chatbot").inner_text()
+            assert chat_text.count("identical to cold ✓") == 2, chat_text
+            panel = page.locator("#cache-panel")
+            assert int(panel.locator("[data-stat='requests']").inner_text()) >= 2
+            page.locator("#hit-plot canvas, #hit-plot svg").first.wait_for(timeout=30_000)
+            assert page.locator("#retention input").is_disabled()  # settings are fixed once the cache exists
+
+            screenshot = tmp_path / "space.png"
+            page.screenshot(path=str(screenshot), full_page=True)
+            assert screenshot.stat().st_size > 10_000
+            if os.environ.get("SPACE_SCREENSHOT"):
+                target = ROOT / os.environ["SPACE_SCREENSHOT"]
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(screenshot, target)
+
+            # A second visitor (its own Gradio session) and the first one send at the same time: the queue runs
+            # them one after the other, each history stays its own, both match cold, and the second visitor's first
+            # turn hits the shared system prompt.
+            other = _open(context, app_url)
+            _send(other, "A second visitor says hello.")
+            _send(page, "A third turn while someone else is waiting.")
+            other_rows = _wait_turns(other, 1)
+            rows = _wait_turns(page, 3)
+            assert other_rows[0]["identical to cold"] == "yes" and rows[2]["identical to cold"] == "yes"
+            assert int(other_rows[0]["hit tokens"]) > 0, other_rows
+            assert len(other_rows) == 1
+            other_chat = other.locator("#chatbot").inner_text()
+            assert "second visitor" in other_chat and "hybrid model hybrid" not in other_chat
+        finally:
+            context.close()
+
+
+# ---------------------------------------------------------------------- loading a checkpoint (MODEL_ID)
+
+
+def test_engine_loads_a_saved_checkpoint_and_chats(tmp_path):
+    app = _app_module()
+    from hf_hybridcache.toy import build_model, byte_tokenizer
+
+    build_model("jamba", seed=1).save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    engine = app.ChatEngine.from_pretrained(str(tmp_path), max_new_tokens=8)
+    settings = app.CacheSettings()
+    messages = [{"role": "system", "content": "s" * 60}, {"role": "user", "content": "first question"}]
+
+    updates = list(engine.chat(messages, settings, compare=True))
+    turn1, reply = updates[-1].turn, updates[-1].text
+    assert [u.text for u in updates if u.status == "generating"][-1] == reply  # the stream adds up to the reply
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "second"}]
+    turn2 = list(engine.chat(messages, settings, compare=True))[-1].turn
+
+    assert turn1.identical_to_cold and turn2.identical_to_cold
+    assert turn1.hit_tokens == 0 and turn2.hit_tokens > 0
+    assert engine.cache.stats.requests == 2
+
+
+def test_engine_refuses_an_unsupported_checkpoint(tmp_path):
+    app = _app_module()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_hybridcache.toy import VOCAB_SIZE, byte_tokenizer
+
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="'llama' model; hf_hybridcache supports"):
+        app.ChatEngine.from_pretrained(str(tmp_path))

@@ -1,0 +1,85 @@
+"""Prompt-lookup and assisted decoding for hybrid models: rejected draft tokens roll back exactly."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import assert_matches_cold, random_ids
+from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache.toy import VOCAB_SIZE
+
+
+def repetitive_prompt(seed: int) -> torch.Tensor:
+    """A document quoted several times, so prompt lookup finds many n-gram matches to draft from."""
+    doc = random_ids(24, seed=seed)
+    return torch.cat([doc, random_ids(5, seed + 1), doc, random_ids(3, seed + 2), doc[:, :12]], dim=1)
+
+
+@pytest.fixture
+def crop_calls(monkeypatch):
+    calls = []
+    original = HybridPrefixCache.crop
+
+    def spy(self, tokens_to_remove):
+        calls.append(tokens_to_remove)
+        return original(self, tokens_to_remove)
+
+    monkeypatch.setattr(HybridPrefixCache, "crop", spy)
+    return calls
+
+
+@pytest.mark.parametrize("draft_tokens", [3, 10])
+def test_prompt_lookup_equals_greedy_on_a_cached_prompt(model, cold_model, crop_calls, draft_tokens):
+    cache = HybridPrefixCache(model)
+    ids = repetitive_prompt(seed=300)
+    assert_matches_cold(model, cold_model, cache, ids)
+    reference = cold_model.generate(ids, max_new_tokens=24, do_sample=False)
+    for expected_hit in (64, 64):
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=24, do_sample=False,
+                             prompt_lookup_num_tokens=draft_tokens)
+        assert torch.equal(out, reference)
+        assert cache.last_hit_tokens == [expected_hit]
+    assert any(n < 0 for n in crop_calls), "no draft token was rejected: the rollback path did not run"
+
+
+def test_prompt_lookup_on_a_miss(model, cold_model, crop_calls):
+    cache = HybridPrefixCache(model)
+    ids = repetitive_prompt(seed=310)
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=20, do_sample=False, prompt_lookup_num_tokens=4)
+    assert torch.equal(out, cold_model.generate(ids, max_new_tokens=20, do_sample=False))
+    assert cache.last_hit_tokens == [0]
+    assert_matches_cold(model, cold_model, cache, ids)  # what the speculative run stored serves a later request
+    assert cache.last_hit_tokens == [64]
+
+
+def test_assistant_model_equals_greedy(model, cold_model, crop_calls):
+    torch.manual_seed(0)
+    assistant = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                             pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
+    cache = HybridPrefixCache(model)
+    ids = random_ids(50, seed=320)
+    assert_matches_cold(model, cold_model, cache, ids)
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=16, do_sample=False, assistant_model=assistant)
+    assert torch.equal(out, cold_model.generate(ids, max_new_tokens=16, do_sample=False))
+    assert cache.last_hit_tokens == [48]
+    assert crop_calls
+
+
+def test_crop_refuses_what_it_cannot_roll_back(model):
+    cache = HybridPrefixCache(model)
+    model.generate(random_ids(20, seed=330), past_key_values=cache, max_new_tokens=3)
+    with pytest.raises(ValueError, match="roll back"):
+        cache.crop(-2)
+
+
+def test_prompt_lookup_with_padding_inside_the_prompt(model, cold_model, crop_calls):
+    """A pad id inside the prompt masks that position: no reuse, but rejected drafts still roll back."""
+    cache = HybridPrefixCache(model)
+    ids = repetitive_prompt(seed=340)
+    ids[0, 30] = 0  # the pad id: generate() masks it out
+    kwargs = dict(max_new_tokens=20, do_sample=False)
+    out = model.generate(ids, past_key_values=cache, prompt_lookup_num_tokens=5, **kwargs)
+    assert torch.equal(out, cold_model.generate(ids, **kwargs))
+    assert cache.last_hit_tokens == [0] and cache.stats.kv_blocks == 0
+    assert any(n < 0 for n in crop_calls)
