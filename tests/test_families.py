@@ -1,9 +1,12 @@
-"""Every family beyond the exactness suite: bf16 models and save_pretrained/from_pretrained round trips."""
+"""Every family beyond the exactness suite: bf16 models, save_pretrained/from_pretrained round trips; and the
+long-memory init of the Mamba-1 families (test_mamba2.py checks it for Mamba-2)."""
 
+import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from conftest import assert_matches_cold, cold_states, greedy, random_ids
+from conftest import MAMBA1_FAMILIES, assert_matches_cold, cold_states, greedy, random_ids
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.models import support_for
 from hf_hybridcache.toy import build_model
@@ -47,3 +50,15 @@ def test_save_pretrained_round_trip_then_a_cached_run(model, cold_model, tmp_pat
     assert_matches_cold(loaded, cold_model, cache, ids)
     assert_matches_cold(loaded, cold_model, cache, ids)
     assert cache.last_hit_tokens == [48]
+
+
+@pytest.mark.parametrize("family", MAMBA1_FAMILIES)
+def test_long_memory_init_reaches_every_mamba1_mixer(family, model):
+    mixers = [m for m in model.modules() if hasattr(m, "A_log")]
+    assert len(mixers) == len(support_for(model).state_spec(model, 16).mamba)
+    for mixer in mixers:
+        assert torch.all(mixer.A_log == -3.0)
+        dt_bias = mixer.dt_proj_bias if hasattr(mixer, "dt_proj_bias") else mixer.dt_proj.bias
+        torch.testing.assert_close(F.softplus(dt_bias), torch.full_like(dt_bias, 0.2), rtol=0, atol=1e-6)
+        if hasattr(mixer, "x_proj_weight"):  # Zamba: B and C without a norm need a larger projection
+            assert 0.25 < mixer.x_proj_weight.std().item() < 0.35
