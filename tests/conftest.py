@@ -20,7 +20,7 @@ NEW_TOKENS = 16
 torch.set_num_threads(1)
 
 #: Families with a Mamba-1 mixer, whose multi-token continuation restarts from a zero state in transformers 5.23.
-MAMBA1_FAMILIES = ["jamba"]
+MAMBA1_FAMILIES = ["jamba", "zamba"]
 #: Families with a Mamba-2 mixer, which continue from the cached state in 5.23 but cannot emit interior states.
 MAMBA2_FAMILIES = ["zamba2", "falcon_h1", "bamba", "granitemoehybrid", "nemotron_h"]
 #: Every supported family runs the whole exactness suite.
