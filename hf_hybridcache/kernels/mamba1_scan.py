@@ -268,9 +268,14 @@ def selective_scan(
     emit_positions: Sequence[int] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Selective scan from ``initial_state`` with state emission; same arguments, results and errors as
-    :func:`selective_scan_ref`. Runs Triton on CUDA, :func:`selective_scan_chunked` on CPU, the reference when the
-    ``"reference"`` backend is forced (:func:`hf_hybridcache.kernels.set_backend`)."""
+    :func:`selective_scan_ref`. Runs Triton on CUDA, :func:`selective_scan_chunked` on CPU for float32 inputs, the
+    reference for other CPU dtypes or when the ``"reference"`` backend is forced
+    (:func:`hf_hybridcache.kernels.set_backend`)."""
     choice = backend.resolve(u.device)
+    if choice == "torch" and u.dtype != torch.float32:
+        # transformers' own scan rounds each state to the input dtype before the C product; in bf16/fp16 only the
+        # token-by-token reference repeats that rounding, so a cached run keeps the cold run's greedy tokens.
+        choice = "reference"
     if choice == "triton":
         from .mamba1_scan_triton import selective_scan_triton as scan
     elif choice == "torch":
