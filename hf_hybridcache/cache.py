@@ -235,6 +235,12 @@ class HybridPrefixCache(Cache):
         elif self._request is not None:
             self._request.rollback = True
 
+    @property
+    def is_croppable(self) -> bool:
+        """True while the live request keeps the per-token states that :meth:`crop` rolls back to."""
+        request = self._request
+        return request is not None and request.rollback and len(request.rows) == 1
+
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``abs(tokens_to_remove)`` tokens of the last forward: KV is cut, the Mamba state is set back
         to the copy taken after the kept tokens.
