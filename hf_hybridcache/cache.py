@@ -103,6 +103,8 @@ class HybridPrefixCache(Cache):
         seed: bytes | None = None,
     ) -> None:
         support = support_for(model)
+        if seed is not None and not isinstance(seed, bytes):
+            raise ValueError(f"`seed` must be bytes (e.g. b'my-seed') or None for a random seed, got {seed!r}.")
         self.options = CacheOptions(
             block_size, retention_interval, DEFAULT_MAX_CACHE_BYTES if max_cache_bytes is None else max_cache_bytes
         )
@@ -171,13 +173,21 @@ class HybridPrefixCache(Cache):
     def is_compileable(self) -> bool:
         return False
 
+    def __deepcopy__(self, memo):
+        raise ValueError(
+            "A HybridPrefixCache cannot be deep-copied (it holds the model and the stored prefixes). To reuse a "
+            "prompt's cache across calls, pass the same HybridPrefixCache to every generate() call: each call "
+            "restores the longest stored prefix by copy, and nothing a call does changes what is stored for others."
+        )
+
     # ------------------------------------------------------------------ guards on the live layers
 
     def _check_owner(self) -> None:
         if self._request is None or not self._in_forward:
             raise ValueError(
-                f"This HybridPrefixCache was built for another model ({type(self.model).__name__} at "
-                f"{id(self.model):#x}); build one HybridPrefixCache per model and pass it only to that model."
+                f"This HybridPrefixCache serves generate()/forward() calls of the model it was built for "
+                f"({type(self.model).__name__} at {id(self.model):#x}), not of another model or of that model's "
+                "backbone; build one HybridPrefixCache per model and pass it to that model."
             )
 
     _in_forward = False
@@ -280,7 +290,12 @@ class HybridPrefixCache(Cache):
     # ------------------------------------------------------------------ request life cycle
 
     def _begin_request(
-        self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, num_rows: int
+        self,
+        input_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        num_rows: int,
+        prompt_tokens: int = 0,
+        pad_token_id: int | None = None,
     ) -> None:
         """Start a request: fresh live layers, then per row the lookup and restore of its longest hit.
 
@@ -292,7 +307,9 @@ class HybridPrefixCache(Cache):
         self.layers = _compat.new_live_layers(self.model.config)
         rows_tokens = _unpadded_rows(input_ids, attention_mask)
         if rows_tokens is None:
-            prompt_tokens = [0] * num_rows if input_ids is None else attention_mask_lengths(input_ids, attention_mask)
+            prompt_tokens = (
+                [prompt_tokens] * num_rows if input_ids is None else attention_mask_lengths(input_ids, attention_mask)
+            )
             # Nothing is looked up or stored, but a single row still keeps the states speculative decoding needs.
             single = input_ids is not None and num_rows == 1
             request = Request(rows=[Row(prompt_tokens=input_ids.shape[1], storing=False)] if single else [],
@@ -309,6 +326,7 @@ class HybridPrefixCache(Cache):
             request = self._prefill_rows(rows_tokens, input_ids.shape[1])
             prompt_tokens = [len(t) for t in rows_tokens]
         request.rollback, self._rollback_next_request, self._awaiting_request = self._rollback_next_request, False, False
+        request.pad_token_id = pad_token_id
         self._request = request
         self.last_hit_tokens = [row.hit_tokens for row in request.rows] or [0] * num_rows
         c = self._counters
@@ -350,6 +368,23 @@ class HybridPrefixCache(Cache):
         """Restore and replay each row alone up to its last token, then assemble the batch's live layers."""
         rows: list[Row] = []
         row_layers: list[list] = []
+        try:
+            self._replay_rows(rows_tokens, rows, row_layers)
+        except BaseException:  # an interrupted replay must not leave the finished rows' blocks pinned
+            for row in rows:
+                self._store.release(row.block_ids)
+            self._end_request()
+            raise
+        consumed = padded_length - 1
+        for row in rows:
+            row.pad = consumed - len(row.token_ids)
+        self.layers = _compat.new_live_layers(self.model.config)
+        if consumed:
+            self._assemble_rows(row_layers, [row.pad for row in rows])
+        return Request(rows=rows, tracking=True, forward_start=consumed, forward_end=consumed)
+
+    def _replay_rows(self, rows_tokens: list[list[int]], rows: list[Row], row_layers: list[list]) -> None:
+        """Restore and replay each row alone up to its last token, appending to ``rows`` and ``row_layers``."""
         for tokens in rows_tokens:
             twin = next((i for i, other in enumerate(rows_tokens[: len(rows)]) if other == tokens), None)
             if twin is not None:  # beams and num_return_sequences repeat rows: replay once, share the chain
@@ -368,13 +403,6 @@ class HybridPrefixCache(Cache):
             self._request = None
             rows.append(row)
             row_layers.append(self.layers)
-        consumed = padded_length - 1
-        for row in rows:
-            row.pad = consumed - len(row.token_ids)
-        self.layers = _compat.new_live_layers(self.model.config)
-        if consumed:
-            self._assemble_rows(row_layers, [row.pad for row in rows])
-        return Request(rows=rows, tracking=True, forward_start=consumed, forward_end=consumed)
 
     def _assemble_rows(self, row_layers: list[list], pads: list[int]) -> None:
         """Fill the fresh live layers with the rows' layers, each KV left-padded by ``pads[r]`` zero positions
@@ -418,7 +446,12 @@ class HybridPrefixCache(Cache):
             self._stop_tracking("a forward without input_ids or with another batch size")
             return
         for row, ids in zip(request.rows, input_ids.tolist()):
-            row.token_ids.extend(ids)
+            if num_rows > 1 and num_tokens == 1 and ids[0] == request.pad_token_id:
+                # generate() feeds the pad id to rows that already ended (EOS): stop the row where it really ended,
+                # so its decode-end checkpoint and blocks are not replaced by padding.
+                row.finished = True
+            if not row.finished:
+                row.token_ids.extend(ids)
         if num_rows == 1:  # the mixers emit interior states for single-row forwards
             row, start, end = request.rows[0], request.forward_start, request.forward_end
             bs = self.block_size
@@ -439,6 +472,8 @@ class HybridPrefixCache(Cache):
         bs = self.block_size
         num_tokens = request.forward_end - request.forward_start
         for index, row in enumerate(request.rows):
+            if row.finished:
+                continue
             store_row_blocks(self._store, row, lambda block: self._live_block_kv(index, row.pad, block))
             end = len(row.token_ids)
             captured = (
@@ -480,6 +515,7 @@ def _unpadded_rows(input_ids: torch.Tensor | None, attention_mask: torch.Tensor 
     rows = input_ids.tolist()
     if attention_mask is None:
         return rows
+    attention_mask = attention_mask.bool()
     lengths = attention_mask.sum(dim=1).tolist()
     left_padded = all(
         bool(mask_row[len(row) - n :].all()) and not bool(mask_row[: len(row) - n].any())
@@ -493,7 +529,7 @@ def _unpadded_rows(input_ids: torch.Tensor | None, attention_mask: torch.Tensor 
 def attention_mask_lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
     if attention_mask is None:
         return [input_ids.shape[1]] * input_ids.shape[0]
-    return attention_mask.sum(dim=1).tolist()
+    return attention_mask.bool().sum(dim=1).tolist()
 
 
 # ---------------------------------------------------------------------- hooks installed on the model
@@ -512,15 +548,24 @@ def _cache_for(model, kwargs) -> HybridPrefixCache | None:
     return cache
 
 
-def _on_request(model, input_ids, model_kwargs) -> int:
+def _on_request(model, input_ids, model_kwargs, generation_config) -> int:
     cache = _cache_for(model, model_kwargs)
     if cache is None:
         return 0
     embeds = model_kwargs.get("inputs_embeds")
-    if embeds is not None:
-        cache._begin_request(None, None, embeds.shape[0])
+    if model_kwargs.get("use_cache") is False:
+        # Each step re-feeds the whole sequence and nothing is cached between steps: there is nothing to store.
+        cache._begin_request(None, None, input_ids.shape[0], prompt_tokens=input_ids.shape[1])
+    elif embeds is not None:
+        cache._begin_request(None, None, embeds.shape[0], prompt_tokens=embeds.shape[1])
     else:
-        cache._begin_request(input_ids, model_kwargs.get("attention_mask"), input_ids.shape[0])
+        pad = generation_config._pad_token_tensor
+        cache._begin_request(
+            input_ids,
+            model_kwargs.get("attention_mask"),
+            input_ids.shape[0],
+            pad_token_id=None if pad is None else int(pad.reshape(-1)[0]),
+        )
     return cache.last_hit_tokens[0]
 
 
@@ -536,12 +581,15 @@ def _on_generate(model, kwargs):
             yield
     finally:
         cache._awaiting_request = cache._rollback_next_request = False
+        cache._slice_first_forward = 0
 
 
 def _on_forward_pre(model, args, kwargs) -> None:
     cache = _cache_for(model, kwargs)
     if cache is None:
         return
+    if kwargs.get("use_cache") is False:
+        cache._stop_tracking("a forward with use_cache=False")
     input_ids = _compat.forward_input_ids(args, kwargs)
     embeds = kwargs.get("inputs_embeds")
     if input_ids is not None:
@@ -550,7 +598,7 @@ def _on_forward_pre(model, args, kwargs) -> None:
         cache._before_forward(None, embeds.shape[0], embeds.shape[1])
 
 
-def _on_forward_post(model, kwargs) -> None:
+def _on_forward_post(model, args, kwargs, output) -> None:
     cache = _cache_for(model, kwargs)
     if cache is not None:
         cache._after_forward()

@@ -32,6 +32,7 @@ class Row:
         block_ids, block_hashes: the stored chain of the row's full blocks, pinned while the request lives.
         storing: False once a block could not be stored (the chain cannot continue).
         tentative_block: block whose checkpoint is the last boundary reached and not retained.
+        finished: the row ended (EOS) in a batch and is now fed padding, which is not recorded.
     """
 
     prompt_tokens: int
@@ -42,6 +43,7 @@ class Row:
     block_hashes: list[BlockHash] = field(default_factory=list)
     storing: bool = True
     tentative_block: int | None = None
+    finished: bool = False
 
 
 @dataclass
@@ -62,6 +64,7 @@ class Request:
     emit_positions: tuple[int, ...] = ()
     wanted: frozenset[int] = frozenset()
     rollback: bool = False
+    pad_token_id: int | None = None
     captured: dict[int, dict[int, LayerState]] = field(default_factory=dict)
 
 

@@ -27,23 +27,19 @@ def patch_mixers(model: torch.nn.Module, mixer_class: str, forward_from_state: F
     """
     for module in model.modules():
         if type(module).__name__ == mixer_class:
-            _compat.patch_instance_forward(module, functools.partial(_continuing_forward, module, forward_from_state))
+            _compat.patch_instance_forward(module, functools.partial(_continuing_forward, forward_from_state))
 
 
-def _continuing_forward(mixer, forward_from_state: ForwardFromState, original: Callable) -> Callable:
-    @functools.wraps(original)
-    def forward(*args, **kwargs):
-        hidden_states, cache, attention_mask = _compat.split_mixer_call(args, kwargs)
-        seq_len = hidden_states.shape[1]
-        if cache is None or seq_len == 1 or cache.is_recording_past(mixer.layer_idx):
-            return original(*args, **kwargs)
-        ssm_state = cache.get_recurrent_state(mixer.layer_idx)
-        positions = checkpoint_positions(cache, seq_len)
-        if ssm_state is None and not positions:
-            return original(*args, **kwargs)
-        return forward_from_state(mixer, hidden_states, cache, attention_mask, ssm_state, positions)
-
-    return forward
+def _continuing_forward(forward_from_state: ForwardFromState, mixer, original: Callable, *args, **kwargs):
+    hidden_states, cache, attention_mask = _compat.split_mixer_call(args, kwargs)
+    seq_len = hidden_states.shape[1]
+    if cache is None or seq_len == 1 or cache.is_recording_past(mixer.layer_idx):
+        return original(*args, **kwargs)
+    ssm_state = cache.get_recurrent_state(mixer.layer_idx)
+    positions = checkpoint_positions(cache, seq_len)
+    if ssm_state is None and not positions:
+        return original(*args, **kwargs)
+    return forward_from_state(mixer, hidden_states, cache, attention_mask, ssm_state, positions)
 
 
 def checkpoint_positions(cache, seq_len: int) -> tuple[int, ...]:
