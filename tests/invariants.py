@@ -1,0 +1,77 @@
+"""DESIGN.md's store invariants, checked from the outside after any operation (shared by the fuzz, thread and
+persistence tests and the soak benchmark)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from hf_hybridcache.hashing import block_hash
+
+
+def _digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def entry_digests(cache) -> dict[tuple[str, int, bytes], str]:
+    """SHA-256 of every stored entry, keyed by (kind, block id, block hash): ``"kv"`` over its KV tensors,
+    ``"checkpoint"`` over its conv and SSM states. Block ids are never reused within a store, so an entry evicted and
+    stored again (recomputed, maybe in another batch shape) gets a new key."""
+    store = cache._store
+    digests = {}
+    for block_id in store.pool.block_ids():
+        h = store.pool[block_id].block_hash
+        kv = store.kv.get(block_id)
+        digests[("kv", block_id, h)] = _digest(kv[idx] for idx in sorted(kv))
+        if block_id in store.checkpoints:
+            states = store.checkpoints.get(block_id)
+            digests[("checkpoint", block_id, h)] = _digest(t for idx in sorted(states) for t in states[idx])
+    return digests
+
+
+def by_hash(digests: dict) -> dict[tuple[str, bytes], str]:
+    """Entry digests keyed by (kind, block hash), to compare a saved cache with the one loaded from its file."""
+    return {(kind, h): digest for (kind, _, h), digest in digests.items()}
+
+
+def check_store(cache, before: dict | None = None) -> dict:
+    """Assert the invariants and return the entry digests (pass them as ``before`` next time).
+
+    - the budget is never exceeded, and ``stored_bytes`` is the bytes of the stored tensors;
+    - the stored blocks form a tree (every parent stored), each with its KV, and every checkpoint belongs to a stored
+      block, so a hit can never cross a missing piece;
+    - every block's hash chains from its parent's hash and its token ids;
+    - an entry that was stored before and still is was never written (same checksum): restores copy, decode writes
+      only the live cache;
+    - between requests nothing is pinned except the chain of the store's last request.
+    """
+    store = cache._store
+    assert store.stored_bytes <= store.max_cache_bytes, f"{store.stored_bytes} bytes stored over {store.max_cache_bytes}"
+    actual = 0
+    for block_id in store.pool.block_ids():
+        actual += sum(t.numel() * t.element_size() for t in store.kv.get(block_id).values())
+        if block_id in store.checkpoints:
+            actual += sum(t.numel() * t.element_size() for pair in store.checkpoints.get(block_id).values() for t in pair)
+    assert actual == store.stored_bytes, "stored_bytes is not the bytes of the stored tensors"
+    assert len(store.kv) == len(store.pool), "a stored block without KV (or KV without a block)"
+    for block_id in store.pool.block_ids():
+        block = store.pool[block_id]
+        assert block_id in store.kv
+        if block.parent_id is not None:
+            parent = store.pool[block.parent_id]  # KeyError: an orphaned block
+            assert block_hash(parent.block_hash, block.token_ids) == block.block_hash, "a hash does not chain"
+    assert set(store.kv.block_ids()) == set(store.pool.block_ids()), "stored KV and stored blocks differ"
+    assert set(store.checkpoints.block_ids()) <= set(store.pool.block_ids()), "a checkpoint without its block"
+    now = entry_digests(cache)
+    if before is not None:
+        changed = [key for key in now.keys() & before.keys() if now[key] != before[key]]
+        assert not changed, f"stored entries were written: {changed[:3]}"
+    active = cache._shared.active
+    pinned = {b for row in (active._request.rows if active is not None and active._request else ()) for b in row.block_ids}
+    for block_id in store.pool.block_ids():
+        assert store.pool[block_id].ref_count == 0 or block_id in pinned, f"block {block_id} is pinned by nobody"
+    return now
