@@ -116,10 +116,12 @@ class HybridPrefixCache(Cache):
             block_size, retention_interval, DEFAULT_MAX_CACHE_BYTES if max_cache_bytes is None else max_cache_bytes
         )
         if seed is not None and not isinstance(seed, bytes):
-            raise ValueError(f"`seed` must be bytes (e.g. b'my-app') or None for a random one, got {type(seed).__name__}.")
+            raise ValueError(
+                f"`seed` must be bytes (e.g. b'my-app') or None for a random one, got {type(seed).__name__}."
+            )
         self.spec = support.state_spec(model, block_size)
         self._check_budget(options.max_cache_bytes)
-        devices = layer_devices(model, [a.layer_idx for a in self.spec.attention] + [m.layer_idx for m in self.spec.mamba])
+        devices = layer_devices(model, [layer.layer_idx for layer in (*self.spec.attention, *self.spec.mamba)])
         placement = Placement(devices, offload)
         self.model = model
         support.install(model)
@@ -409,7 +411,8 @@ class HybridPrefixCache(Cache):
             )
         devices = layer_devices(self.model, shared.devices)
         if devices != shared.devices:
-            moved = {idx: f"{shared.devices[idx]} -> {devices[idx]}" for idx in devices if devices[idx] != shared.devices[idx]}
+            was = shared.devices
+            moved = {idx: f"{was[idx]} -> {now}" for idx, now in devices.items() if now != was[idx]}
             raise ValueError(
                 f"The model's layers moved to other devices since this HybridPrefixCache was built (layer: was -> now "
                 f"{moved}); move them back or build a new HybridPrefixCache after placing the model."
@@ -500,9 +503,7 @@ class HybridPrefixCache(Cache):
     def _restore_row(self, token_ids: list[int]) -> Row:
         """Copy the longest stored prefix of ``token_ids`` into the (fresh, single-row) live layers."""
         hit = self._store.lookup(token_ids, self._root)
-        row = Row(
-            prompt_tokens=len(token_ids), token_ids=token_ids[: hit.hit_tokens], hit_tokens=hit.hit_tokens, root=self._root
-        )
+        row = Row(len(token_ids), token_ids=token_ids[: hit.hit_tokens], hit_tokens=hit.hit_tokens, root=self._root)
         if not hit.hit_tokens:
             return row
         for attn in self.spec.attention:

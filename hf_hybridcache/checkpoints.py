@@ -57,7 +57,8 @@ class CheckpointStore:
         """A fresh copy of the checkpoint on each layer's device, safe to hand to the live cache (decode writes it in
         place)."""
         fetch = self.placement.fetch
-        return {idx: (fetch(idx, conv, True), fetch(idx, ssm, True)) for idx, (conv, ssm) in self._entries[block_id].items()}
+        entry = self._entries[block_id]
+        return {idx: (fetch(idx, conv, True), fetch(idx, ssm, True)) for idx, (conv, ssm) in entry.items()}
 
     def clear(self) -> None:
         self._entries.clear()

@@ -50,12 +50,13 @@ def check_store(cache, before: dict | None = None) -> dict:
     - between requests nothing is pinned except the chain of the store's last request.
     """
     store = cache._store
-    assert store.stored_bytes <= store.max_cache_bytes, f"{store.stored_bytes} bytes stored over {store.max_cache_bytes}"
+    assert store.stored_bytes <= store.max_cache_bytes, f"{store.stored_bytes} bytes over {store.max_cache_bytes}"
     actual = 0
     for block_id in store.pool.block_ids():
         actual += sum(t.numel() * t.element_size() for t in store.kv.get(block_id).values())
         if block_id in store.checkpoints:
-            actual += sum(t.numel() * t.element_size() for pair in store.checkpoints.get(block_id).values() for t in pair)
+            states = store.checkpoints.get(block_id).values()
+            actual += sum(t.numel() * t.element_size() for pair in states for t in pair)
     assert actual == store.stored_bytes, "stored_bytes is not the bytes of the stored tensors"
     assert len(store.kv) == len(store.pool), "a stored block without KV (or KV without a block)"
     for block_id in store.pool.block_ids():
@@ -71,7 +72,8 @@ def check_store(cache, before: dict | None = None) -> dict:
         changed = [key for key in now.keys() & before.keys() if now[key] != before[key]]
         assert not changed, f"stored entries were written: {changed[:3]}"
     active = cache._shared.active
-    pinned = {b for row in (active._request.rows if active is not None and active._request else ()) for b in row.block_ids}
+    rows = active._request.rows if active is not None and active._request is not None else []
+    pinned = {block_id for row in rows for block_id in row.block_ids}
     for block_id in store.pool.block_ids():
         assert store.pool[block_id].ref_count == 0 or block_id in pinned, f"block {block_id} is pinned by nobody"
     return now

@@ -52,7 +52,8 @@ def test_file_is_safetensors_with_json_metadata(warm):
         header = json.loads(f.read(header_len))
     meta = json.loads(header["__metadata__"]["meta"])
     assert header["__metadata__"]["format"] == "hf_hybridcache/1"
-    assert meta["versions"] == {"hf_hybridcache": hf_hybridcache.__version__, "transformers": _compat.TRANSFORMERS_VERSION}
+    versions = {"hf_hybridcache": hf_hybridcache.__version__, "transformers": _compat.TRANSFORMERS_VERSION}
+    assert meta["versions"] == versions
     assert meta["seed"] == cache._shared.seed.hex()
     assert len(meta["blocks"]) == cache.stats.kv_blocks and len(meta["checkpoints"]) == cache.stats.checkpoints
     with safe_open(path, framework="pt") as f:
