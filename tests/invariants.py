@@ -17,29 +17,29 @@ def _digest(tensors) -> str:
     return h.hexdigest()
 
 
-def entry_digests(cache) -> dict[tuple[str, int, bytes], str]:
-    """SHA-256 of every stored entry, keyed by (kind, block id, block hash): ``"kv"`` over its KV tensors,
-    ``"checkpoint"`` over its conv and SSM states. Block ids are never reused within a store, so an entry evicted and
-    stored again (recomputed, maybe in another batch shape) gets a new key."""
+def _entries(cache):
+    """``(kind, block id, block hash, entry)`` for every stored entry; ``entry`` is the store's own dict of tensors."""
     store = cache._store
-    digests = {}
     for block_id in store.pool.block_ids():
         h = store.pool[block_id].block_hash
-        kv = store.kv.get(block_id)
-        digests[("kv", block_id, h)] = _digest(kv[idx] for idx in sorted(kv))
+        yield "kv", block_id, h, store.kv.get(block_id)
         if block_id in store.checkpoints:
-            states = store.checkpoints.get(block_id)
-            digests[("checkpoint", block_id, h)] = _digest(t for idx in sorted(states) for t in states[idx])
-    return digests
+            yield "checkpoint", block_id, h, store.checkpoints.get(block_id)
 
 
-def by_hash(digests: dict) -> dict[tuple[str, bytes], str]:
-    """Entry digests keyed by (kind, block hash), to compare a saved cache with the one loaded from its file."""
-    return {(kind, h): digest for (kind, _, h), digest in digests.items()}
+def _entry_digest(entry) -> str:
+    return _digest(t for idx in sorted(entry) for t in (entry[idx] if isinstance(entry[idx], tuple) else [entry[idx]]))
+
+
+def entry_digests(cache) -> dict[tuple[str, bytes], str]:
+    """SHA-256 of every stored entry keyed by (kind, block hash): ``"kv"`` over its KV tensors, ``"checkpoint"``
+    over its conv and SSM states. Block hashes do not depend on block ids, so a saved cache and the cache loaded from
+    its file compare equal."""
+    return {(kind, h): _entry_digest(entry) for kind, _, h, entry in _entries(cache)}
 
 
 def check_store(cache, before: dict | None = None) -> dict:
-    """Assert the invariants and return the entry digests (pass them as ``before`` next time).
+    """Assert the invariants and return a snapshot of the entries (pass it as ``before`` next time).
 
     - the budget is never exceeded, and ``stored_bytes`` is the bytes of the stored tensors;
     - the stored blocks form a tree (every parent stored), each with its KV, and every checkpoint belongs to a stored
@@ -67,9 +67,12 @@ def check_store(cache, before: dict | None = None) -> dict:
             assert block_hash(parent.block_hash, block.token_ids) == block.block_hash, "a hash does not chain"
     assert set(store.kv.block_ids()) == set(store.pool.block_ids()), "stored KV and stored blocks differ"
     assert set(store.checkpoints.block_ids()) <= set(store.pool.block_ids()), "a checkpoint without its block"
-    now = entry_digests(cache)
+    # An entry is the store's dict of tensors: one that is still the same object must still hold the same values (a
+    # checkpoint dropped and stored again for the same block is a new object, recomputed maybe in another batch).
+    now = {(kind, block_id): (entry, _entry_digest(entry)) for kind, block_id, _, entry in _entries(cache)}
     if before is not None:
-        changed = [key for key in now.keys() & before.keys() if now[key] != before[key]]
+        same = [key for key in now.keys() & before.keys() if now[key][0] is before[key][0]]
+        changed = [key for key in same if now[key][1] != before[key][1]]
         assert not changed, f"stored entries were written: {changed[:3]}"
     active = cache._shared.active
     rows = active._request.rows if active is not None and active._request is not None else []
