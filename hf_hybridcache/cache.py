@@ -26,6 +26,7 @@ from . import _compat
 from .checkpoints import LayerState
 from .config import DEFAULT_MAX_CACHE_BYTES, CacheOptions
 from .hashing import model_identity, root_hash
+from .kernels.paged_copy import scatter_kv_blocks
 from .models import support_for
 from .placement import Placement, layer_devices
 from .policy import last_boundary, retained_boundaries
@@ -358,6 +359,12 @@ class HybridPrefixCache(Cache):
         elif self._request is not None:
             self._request.rollback = True
 
+    @property
+    def is_croppable(self) -> bool:
+        """True while the live request keeps the per-token states that :meth:`crop` rolls back to."""
+        request = self._request
+        return request is not None and request.rollback and len(request.rows) == 1
+
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``abs(tokens_to_remove)`` tokens of the last forward: KV is cut, the Mamba state is set back
         to the copy taken after the kept tokens.
@@ -645,11 +652,11 @@ class HybridPrefixCache(Cache):
 
     def _live_block_kv(self, row: int, pad: int, block: int) -> dict[int, torch.Tensor]:
         """Copies of a row's block ``block`` of live KV: ``{attention layer idx: [2, Hkv, block_size, D]}``."""
-        span = slice(pad + block * self.block_size, pad + (block + 1) * self.block_size)
+        start = pad + block * self.block_size
         kv = {}
         for attn in self.spec.attention:
             keys, values = _compat.get_kv(self.layers[attn.layer_idx])
-            kv[attn.layer_idx] = torch.stack([keys[row, :, span], values[row, :, span]])
+            kv[attn.layer_idx] = scatter_kv_blocks(keys, values, [start], self.block_size, row)[0]
         return kv
 
     def _live_row_states(self, row: int) -> dict[int, LayerState]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from .kernels.paged_copy import copy_states
 from .placement import Placement
 
 #: One Mamba layer's state: conv state ``[1, C, W]`` (model dtype) and SSM state (``[1, I, N]`` for Mamba-1,
@@ -55,9 +56,12 @@ class CheckpointStore:
 
     def get_copy(self, block_id: int) -> dict[int, LayerState]:
         """A fresh copy of the checkpoint on each layer's device, safe to hand to the live cache (decode writes it in
-        place)."""
-        fetch = self.placement.fetch
+        place). Entries kept on their layers' devices are copied by one Triton launch on CUDA."""
         entry = self._entries[block_id]
+        if self.placement.offload is None:
+            copies = iter(copy_states([t for pair in entry.values() for t in pair]))
+            return {idx: (next(copies), next(copies)) for idx in entry}
+        fetch = self.placement.fetch
         return {idx: (fetch(idx, conv, True), fetch(idx, ssm, True)) for idx, (conv, ssm) in entry.items()}
 
     def clear(self) -> None:

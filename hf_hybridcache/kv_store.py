@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .kernels.paged_copy import gather_kv_blocks
 from .placement import Placement
 
 
@@ -53,9 +54,11 @@ class KVStore:
 
     def gather(self, layer_idx: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``block_ids`` in order, as new tensors of shape ``[1, Hkv, len(block_ids) *
-        block_size, D]`` on the layer's device (a copy: writing them never touches the store)."""
-        kv = self.placement.fetch(layer_idx, torch.cat([self._blocks[b][layer_idx] for b in block_ids], dim=2), False)
-        return kv[0].unsqueeze(0), kv[1].unsqueeze(0)
+        block_size, D]`` on the layer's device (a copy: writing them never touches the store; one Triton launch on
+        CUDA, then a copy to the device when entries are offloaded)."""
+        keys, values = gather_kv_blocks([self._blocks[b][layer_idx] for b in block_ids])
+        fetch = self.placement.fetch
+        return fetch(layer_idx, keys, False), fetch(layer_idx, values, False)
 
     def clear(self) -> None:
         self._blocks.clear()

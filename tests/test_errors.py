@@ -69,7 +69,7 @@ def test_inputs_embeds_only_runs_without_reuse(model, cold_model):
     kwargs = dict(inputs_embeds=embeds, max_new_tokens=8, do_sample=False)
     try:
         ref = cold_model.generate(**kwargs)
-    except ValueError as refusal:  # Zamba2, Falcon-H1, Bamba, NemotronH: generate() refuses inputs_embeds
+    except ValueError as refusal:  # Zamba, Zamba2, Falcon-H1, Bamba, NemotronH: generate() refuses inputs_embeds
         with pytest.raises(ValueError, match="inputs_embeds"):
             model.generate(past_key_values=cache, **kwargs)
         assert "inputs_embeds" in str(refusal)

@@ -91,11 +91,22 @@ def test_store_operations_from_other_threads_wait_for_the_running_call(model, co
     generating = threading.Thread(target=generate)
     generating.start()
     assert started.wait(timeout=60)
-    waiting = [
-        threading.Thread(target=cache.clear),
-        threading.Thread(target=cache.save, args=(tmp_path / "c.safetensors",)),
-        threading.Thread(target=lambda: model(ids, past_key_values=cache.with_salt("direct"), use_cache=True)),
-    ]
+    errors = []
+
+    def direct_forward():
+        with torch.no_grad():
+            model(ids, past_key_values=cache.with_salt("direct"), use_cache=True)
+
+    def recording(operation):
+        def run():
+            try:
+                operation()
+            except BaseException as error:  # reported by the main thread
+                errors.append(error)
+
+        return threading.Thread(target=run)
+
+    waiting = [recording(cache.clear), recording(lambda: cache.save(tmp_path / "c.safetensors")), recording(direct_forward)]
     for thread in waiting:
         thread.start()
     for thread in waiting:
@@ -106,6 +117,7 @@ def test_store_operations_from_other_threads_wait_for_the_running_call(model, co
     for thread in waiting:
         thread.join(timeout=60)
         assert not thread.is_alive()
+    assert not errors, errors
     seq, logits = result["out"]
     ref_seq, ref_logits = greedy(cold_model, ids)
     assert torch.equal(seq, ref_seq)
