@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM
 
 from conftest import FAMILIES, assert_matches_cold, random_ids
 from hf_hybridcache import HybridPrefixCache, _compat
+from hf_hybridcache.checks import check_store
 from hf_hybridcache.toy import build_model
-from invariants import check_store
 
 CUDA = torch.cuda.is_available()
 

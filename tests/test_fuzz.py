@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from conftest import greedy
 from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache.checks import check_store, entry_digests
 from hf_hybridcache.toy import VOCAB_SIZE, build_model
-from invariants import check_store, entry_digests
 from test_batches import left_pad
 
 EXAMPLES = int(os.environ.get("HF_HYBRIDCACHE_FUZZ_EXAMPLES", "0"))

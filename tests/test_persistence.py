@@ -12,10 +12,9 @@ from transformers import AutoModelForCausalLM
 
 import hf_hybridcache
 from conftest import assert_matches_cold, assert_restored_states_match, random_ids
-from hf_hybridcache import HybridPrefixCache, _compat
-from hf_hybridcache import persistence
+from hf_hybridcache import HybridPrefixCache, _compat, persistence
+from hf_hybridcache.checks import check_store, entry_digests
 from hf_hybridcache.toy import build_model
-from invariants import check_store, entry_digests
 
 pytestmark = pytest.mark.parametrize("family", ["jamba", "zamba2"])
 
