@@ -106,7 +106,9 @@ def test_store_operations_from_other_threads_wait_for_the_running_call(model, co
 
         return threading.Thread(target=run)
 
-    save = lambda: cache.save(tmp_path / "c.safetensors")  # noqa: E731
+    def save():
+        cache.save(tmp_path / "c.safetensors")
+
     waiting = [recording(cache.clear), recording(save), recording(direct_forward)]
     for thread in waiting:
         thread.start()
