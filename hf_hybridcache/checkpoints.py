@@ -17,9 +17,9 @@ class CheckpointStore:
     """Checkpoints addressed by block id. Stored tensors are never handed out to the live cache: :meth:`get_copy`
     copies them (to the layer's device, which differs from where they are kept under ``offload="cpu"``)."""
 
-    def __init__(self, mamba_layers: tuple[int, ...], placement: Placement) -> None:
+    def __init__(self, mamba_layers: tuple[int, ...], placement: Placement | None = None) -> None:
         self.mamba_layers = mamba_layers
-        self.placement = placement
+        self.placement = placement or Placement()
         self._entries: dict[int, dict[int, LayerState]] = {}
         self._bytes: dict[int, int] = {}
         self.num_bytes = 0

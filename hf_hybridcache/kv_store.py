@@ -15,9 +15,9 @@ class KVStore:
     """Stored KV blocks of every attention layer, addressed by block id; ``placement`` says on which device each
     layer's blocks are kept and where restored copies go."""
 
-    def __init__(self, attention_layers: tuple[int, ...], placement: Placement) -> None:
+    def __init__(self, attention_layers: tuple[int, ...], placement: Placement | None = None) -> None:
         self.attention_layers = attention_layers
-        self.placement = placement
+        self.placement = placement or Placement()
         self._blocks: dict[int, dict[int, torch.Tensor]] = {}
         self._bytes: dict[int, int] = {}
         self.num_bytes = 0

@@ -21,28 +21,29 @@ class Placement:
 
     Args:
         devices: ``{layer idx: device}``, the device each cache layer's live tensors are on (the execution device of
-            the decoder layer).
+            the decoder layer); None keeps every tensor where it is given (stores used on their own).
         offload: None (keep entries on their layer's device) or ``"cpu"`` (keep them in host memory).
 
     Raises:
         ValueError: ``offload`` is not None or ``"cpu"``.
     """
 
-    def __init__(self, devices: dict[int, torch.device], offload: str | None = None) -> None:
+    def __init__(self, devices: dict[int, torch.device] | None = None, offload: str | None = None) -> None:
         if offload not in OFFLOAD_CHOICES:
             raise ValueError(
                 f"`offload` must be None (keep stored entries on their layer's device) or 'cpu' (keep them in host "
                 f"memory and copy them to the device on restore), got {offload!r}."
             )
-        self.devices = dict(devices)
+        self.devices = devices
         self.offload = offload
 
-    def storage_device(self, layer_idx: int) -> torch.device:
-        return torch.device("cpu") if self.offload else self.devices[layer_idx]
+    def device(self, layer_idx: int, tensor: torch.Tensor) -> torch.device:
+        """Where ``layer_idx``'s live tensors are (``tensor``'s own device when no devices were given)."""
+        return tensor.device if self.devices is None else self.devices[layer_idx]
 
     def stash(self, layer_idx: int, tensor: torch.Tensor) -> torch.Tensor:
         """The tensor to keep for ``layer_idx``, given a private copy (never a view of the live cache)."""
-        target = self.storage_device(layer_idx)
+        target = torch.device("cpu") if self.offload else self.device(layer_idx, tensor)
         if tensor.device == target:
             return tensor
         if target.type == "cpu" and tensor.is_cuda:
@@ -55,8 +56,7 @@ class Placement:
     def fetch(self, layer_idx: int, tensor: torch.Tensor, copy: bool) -> torch.Tensor:
         """``tensor`` on ``layer_idx``'s device; a new tensor when ``copy`` (pass False for a result that is already
         a private copy, such as a concatenation)."""
-        device = self.devices[layer_idx]
-        return tensor.to(device, non_blocking=tensor.is_pinned(), copy=copy)
+        return tensor.to(self.device(layer_idx, tensor), non_blocking=tensor.is_pinned(), copy=copy)
 
 
 def layer_devices(model: torch.nn.Module, layer_indices) -> dict[int, torch.device]:

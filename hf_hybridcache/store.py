@@ -40,10 +40,12 @@ class PrefixStore:
         root: parent hash of block 0 (seed + model identity) for chains without a cache salt; salted chains pass
             their own root (:func:`~hf_hybridcache.hashing.root_hash` with the salt).
         max_cache_bytes: the budget, bytes of the stored tensors.
-        placement: where stored tensors are kept and where restored copies go.
+        placement: where stored tensors are kept and where restored copies go (None: where they are given).
     """
 
-    def __init__(self, spec: ModelStateSpec, root: BlockHash, max_cache_bytes: int, placement: Placement) -> None:
+    def __init__(
+        self, spec: ModelStateSpec, root: BlockHash, max_cache_bytes: int, placement: Placement | None = None
+    ) -> None:
         self.spec = spec
         self.block_size = spec.block_size
         self.root = root
