@@ -156,6 +156,7 @@ def install_request_hooks(model, on_request: Callable, on_generate: Callable) ->
 
 
 _STATEFUL_LOCK = threading.Lock()
+_MISSING = object()
 
 
 @contextlib.contextmanager
@@ -181,9 +182,6 @@ def allow_speculative_decoding(model):
                     del model._is_stateful
                 else:
                     model._is_stateful = saved
-
-
-_MISSING = object()
 
 
 def crop_kv(layer, num_tokens: int) -> None:

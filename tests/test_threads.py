@@ -159,3 +159,24 @@ def test_reentrant_use_from_a_running_call_fails_fast(model, cold_model, tmp_pat
     check_store(cache, before)
     assert_matches_cold(model, cold_model, cache, ids)
     assert cache.last_hit_tokens == [48]
+
+
+def test_two_caches_on_one_model_run_in_parallel(model, cold_model):
+    """Caches do not share a lock: two of them on one model serve two threads at once, and generate()'s per-call
+    override of the model's stateful flag is left behind by neither."""
+    caches = [HybridPrefixCache(model), HybridPrefixCache(model)]
+    prompts = _prompts()[:2]
+    expected = {(t, c): greedy(cold_model, ids, new_tokens=6) for t in range(2) for c, ids in enumerate(prompts[t])}
+    got = {}
+
+    def worker(t):
+        for c, ids in enumerate(prompts[t]):
+            got[(t, c)] = greedy(model, ids, caches[t], new_tokens=6)
+
+    _run_threads(worker, 2)
+    for key, (ref_seq, ref_logits) in expected.items():
+        assert torch.equal(got[key][0], ref_seq), f"call {key} differs from its cold run"
+        torch.testing.assert_close(got[key][1], ref_logits, rtol=0, atol=1e-4)
+    assert "_is_stateful" not in vars(model)
+    for cache in caches:
+        check_store(cache)
