@@ -74,17 +74,17 @@ def load_cache(cls, path, model, max_cache_bytes, retention_interval, offload):
     except (KeyError, TypeError, AttributeError) as error:
         raise _invalid(path, f"its metadata lacks {error}") from error
     try:
-        block_size = meta["options"]["block_size"]
-        spec = support_for(model).state_spec(model, block_size)
+        options, seed = meta["options"], bytes.fromhex(meta["seed"])
+        spec = support_for(model).state_spec(model, options["block_size"])
         plan = _check_entries(meta, tensors, spec, model)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
         raise _invalid(path, f"its entries do not fit this model ({error})") from error
     cache = cls(
         model,
-        block_size=block_size,
-        retention_interval=meta["options"]["retention_interval"] if retention_interval is None else retention_interval,
-        max_cache_bytes=meta["options"]["max_cache_bytes"] if max_cache_bytes is None else max_cache_bytes,
-        seed=bytes.fromhex(meta["seed"]),
+        block_size=options["block_size"],
+        retention_interval=options["retention_interval"] if retention_interval is None else retention_interval,
+        max_cache_bytes=options["max_cache_bytes"] if max_cache_bytes is None else max_cache_bytes,
+        seed=seed,
         offload=offload,
     )
     _fill(cache, meta, tensors, plan)
@@ -178,9 +178,9 @@ def _read(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     if hashlib.sha256(text.encode()).hexdigest() != metadata.get("meta_sha256"):
         raise _invalid(path, "the checksum of its metadata does not match, so it is corrupted")
     meta = json.loads(text)
-    digests = meta.get("tensor_sha256", {})
-    if set(digests) != set(tensors):
-        raise _invalid(path, f"it holds tensors {sorted(tensors)} but its metadata lists {sorted(digests)}")
+    digests = meta.get("tensor_sha256", {}) if isinstance(meta, dict) else None
+    if not isinstance(digests, dict) or set(digests) != set(tensors):
+        raise _invalid(path, f"it holds tensors {sorted(tensors)} that its metadata does not list")
     for name, tensor in tensors.items():
         if _tensor_digest(tensor) != digests[name]:
             raise _invalid(path, f"the checksum of tensor {name!r} does not match, so it is corrupted")
