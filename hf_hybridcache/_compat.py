@@ -3,7 +3,8 @@
 - the names a cache travels under in ``generate()`` / ``forward()`` kwargs,
 - the live cache layers (``DynamicLayer``, ``LinearAttentionLayer`` and their hybrids) and their private fields,
 - ``GenerationMixin._prefill``, which reads ``cache.get_seq_length()`` once and slices the prompt to the uncached part,
-- accelerate's instance-level forward hooks, which instance patches must sit under.
+- accelerate's instance-level forward hooks, which instance patches must sit under, and its per-module execution
+  devices and offloaded weights.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Callable
+import itertools
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -178,24 +181,33 @@ def _hooked_generate(self, *args, **kwargs):
         return type(self).generate(self, *args, **kwargs)
 
 
-def allow_speculative_decoding(model):
-    """Context manager: let ``generate()`` accept prompt lookup / assistant models for this stateful model (it refuses
-    them because a recurrent state cannot be rolled back; a HybridPrefixCache can roll it back)."""
-    return _instance_attribute(model, "_is_stateful", False)
+_STATEFUL_LOCK = threading.Lock()
+_MISSING = object()
 
 
 @contextlib.contextmanager
-def _instance_attribute(obj, name: str, value):
-    had = name in vars(obj)
-    old = vars(obj).get(name)
-    setattr(obj, name, value)
+def allow_speculative_decoding(model):
+    """Context manager: let ``generate()`` accept prompt lookup / assistant models for this stateful model (it refuses
+    them because a recurrent state cannot be rolled back; a HybridPrefixCache can roll it back).
+
+    Counted per model, so that calls with different caches in several threads never leave the override behind."""
+    with _STATEFUL_LOCK:
+        depth = vars(model).get("_hf_hybridcache_stateful_depth", 0)
+        if depth == 0:
+            model._hf_hybridcache_stateful_saved = vars(model).get("_is_stateful", _MISSING)
+            model._is_stateful = False
+        model._hf_hybridcache_stateful_depth = depth + 1
     try:
         yield
     finally:
-        if had:
-            setattr(obj, name, old)
-        else:
-            delattr(obj, name)
+        with _STATEFUL_LOCK:
+            model._hf_hybridcache_stateful_depth -= 1
+            if model._hf_hybridcache_stateful_depth == 0:
+                saved = model._hf_hybridcache_stateful_saved
+                if saved is _MISSING:
+                    del model._is_stateful
+                else:
+                    model._is_stateful = saved
 
 
 def crop_kv(layer, num_tokens: int) -> None:
@@ -206,11 +218,12 @@ def crop_kv(layer, num_tokens: int) -> None:
 
 def install_forward_hooks(model, on_pre: Callable, on_post: Callable) -> None:
     """Run ``on_pre(model, args, kwargs)`` before and ``on_post(model, args, kwargs, output)`` after every top-level
-    forward (module-level functions, so the hooks survive deep copies and pickling)."""
+    forward; ``on_post`` also runs when the forward (or ``on_pre``) raised, with ``output=None``. Module-level
+    functions, so the hooks survive deep copies and pickling."""
     if getattr(model, "_hf_hybridcache_forward_hooks", False):
         return
     model.register_forward_pre_hook(on_pre, with_kwargs=True)
-    model.register_forward_hook(on_post, with_kwargs=True)
+    model.register_forward_hook(on_post, with_kwargs=True, always_call=True)
     model._hf_hybridcache_forward_hooks = True
 
 
@@ -240,3 +253,44 @@ def split_mixer_call(args: tuple, kwargs: dict[str, Any]):
     cache = args[1] if len(args) > 1 else find_cache(kwargs)
     attention_mask = args[2] if len(args) > 2 else kwargs.get("attention_mask")
     return hidden_states, cache, attention_mask
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder layers; layer ``i`` owns cache layer ``i`` in every supported family."""
+    return model.model.layers
+
+
+def _accelerate_hooks(module) -> list:
+    hook = getattr(module, "_hf_hook", None)
+    if hook is None:
+        return []
+    return list(getattr(hook, "hooks", [hook]))  # a SequentialHook holds several
+
+
+def execution_device(module: torch.nn.Module) -> torch.device | None:
+    """The device ``module`` computes on: the execution device of accelerate's hook on it or on a submodule
+    (offloaded weights sit on the meta device or in host memory and are moved there for each forward), else the
+    device of its first parameter or buffer that is not on the meta device; None if there is none."""
+    for sub in module.modules():
+        for hook in _accelerate_hooks(sub):
+            device = getattr(hook, "execution_device", None)
+            if device is not None:
+                return torch.device(device)
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        if tensor.device.type != "meta":
+            return tensor.device
+    return None
+
+
+def parameter_values(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(qualified name, value)`` of every parameter, in module order. A parameter that accelerate offloaded (on the
+    meta device between forwards) is read from its hook's weights map; one that cannot be found stays on meta."""
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            if param.device.type == "meta":
+                for hook in _accelerate_hooks(module):
+                    weights_map = getattr(hook, "weights_map", None)
+                    if weights_map is not None and name in weights_map:
+                        param = weights_map[name]
+                        break
+            yield f"{module_name}.{name}" if module_name else name, param

@@ -30,6 +30,7 @@ class Row:
         token_ids: tokens this row has put through the model (or restored), in order.
         hit_tokens: prefix tokens restored at the start of the request.
         block_ids, block_hashes: the stored chain of the row's full blocks, pinned while the request lives.
+        root: parent hash of the row's block 0 (None: the unsalted root; a cache salt gives its own root).
         storing: False once a block could not be stored (the chain cannot continue).
         tentative_block: block whose checkpoint is the last boundary reached and not retained.
         finished: the row ended (EOS) in a batch and is now fed padding, which is not recorded.
@@ -41,6 +42,7 @@ class Row:
     hit_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
+    root: BlockHash | None = None
     storing: bool = True
     tentative_block: int | None = None
     finished: bool = False
@@ -76,7 +78,7 @@ def store_row_blocks(store: PrefixStore, row: Row, live_block_kv: Callable[[int]
         index = len(row.block_ids)
         added = store.add_block(
             row.block_ids[-1] if index else None,
-            row.block_hashes[-1] if index else None,
+            row.block_hashes[-1] if index else row.root,
             tuple(row.token_ids[index * bs : (index + 1) * bs]),
             lambda: live_block_kv(index),
         )
