@@ -118,3 +118,14 @@ def test_backbone_call_gets_a_clear_error(model):
     cache = HybridPrefixCache(model)
     with pytest.raises(ValueError, match="backbone"):
         model.model(random_ids(10, seed=411), past_key_values=cache, use_cache=True)
+
+
+def test_direct_forward_with_gradients(model, cold_model, family):
+    """A forward with autograd on (e.g. scoring or training code) takes the differentiable scan."""
+    cache = HybridPrefixCache(model)
+    ids = random_ids(40, seed=412)
+    logits = model(ids, past_key_values=cache, use_cache=True).logits
+    logits[0, -1].sum().backward()
+    with torch.no_grad():
+        reference = cold_model(ids).logits
+    torch.testing.assert_close(logits.detach(), reference, rtol=0, atol=1e-4)

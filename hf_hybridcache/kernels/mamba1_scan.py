@@ -276,6 +276,10 @@ def selective_scan(
         # transformers' own scan rounds each state to the input dtype before the C product; in bf16/fp16 only the
         # token-by-token reference repeats that rounding, so a cached run keeps the cold run's greedy tokens.
         choice = "reference"
+    if choice != "reference" and torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (u, delta, A, B, C, D, z, delta_bias)
+    ):
+        choice = "reference"  # the fast paths write into preallocated buffers, which autograd cannot follow
     if choice == "triton":
         from .mamba1_scan_triton import selective_scan_triton as scan
     elif choice == "torch":
