@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/hit_rate.py                 # every workload, about half an hour on 2 CPU cores
     PYTHONPATH=. python benchmarks/hit_rate.py --workloads d_agent_tree --quick
+    PYTHONPATH=. python benchmarks/hit_rate.py --jsonl chats.jsonl     # your own chats, one {"messages": [...]} a line
 
 For each workload (``benchmarks/workloads.py``), the cache's own bookkeeping replays the requests
 (``benchmarks/simulate.py``) under each configuration and budget. Budgets are fractions of the bytes of all the
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.simulate import SimulationResult, jamba_mini_config, meta_model, replay, tokenize_workload
-from benchmarks.workloads import WORKLOADS
+from benchmarks.workloads import WORKLOADS, load_jsonl_chats
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.toy import byte_tokenizer
 
@@ -106,6 +107,7 @@ def chat_replay_check(requests, dataset, result: SimulationResult, block_size: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated names")
+    parser.add_argument("--jsonl", help="a local JSONL file of chats to replay instead of the built-in workloads")
     parser.add_argument("--quick", action="store_true", help="baseline and default configs only, no sweeps")
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
@@ -121,8 +123,11 @@ def main() -> None:
     csv_rows: list[dict] = []
     curves: dict[str, dict[str, list[tuple[float, float]]]] = {}
     alpha_curves: dict[str, list[tuple[float, float, float]]] = {}
-    for name in args.workloads.split(","):
-        dataset = WORKLOADS[name]()
+    sources = {os.path.basename(args.jsonl): lambda: load_jsonl_chats(args.jsonl)} if args.jsonl else {
+        name: WORKLOADS[name] for name in args.workloads.split(",")
+    }
+    for name, make_dataset in sources.items():
+        dataset = make_dataset()
         requests = tokenize_workload(dataset, tokenizer)
         tokens = sum(len(r.prompt_ids) for r in requests)
         started = time.perf_counter()
@@ -159,10 +164,11 @@ def main() -> None:
         print("\nAt the 10% budget: stored bytes at the end, FLOP hit rate, evictions:\n")
         print(markdown(["config", "KV GiB", "checkpoint GiB", "FLOP hit rate", "evicted checkpoints",
                         "divergence checkpoints"], stored_rows))
-        ratio = results[DEFAULT.name, 0.1].stats.token_hit_rate / max(results[BASELINE.name, 0.1].stats.token_hit_rate,
-                                                                      1e-9)
-        print(f"\n{DEFAULT.name} / {BASELINE.name} at the 10% budget: {ratio:.2f}x")
-        if name == "b_multi_turn":
+        default_rate = results[DEFAULT.name, 0.1].stats.token_hit_rate
+        baseline_rate = results[BASELINE.name, 0.1].stats.token_hit_rate
+        ratio = f"{default_rate / baseline_rate:.2f}x" if baseline_rate else "no baseline hits"
+        print(f"\n{DEFAULT.name} / {BASELINE.name} at the 10% budget: {ratio} ({default_rate:.3f} vs {baseline_rate:.3f})")
+        if name == "b_multi_turn" or args.jsonl:
             for fraction in budgets:
                 checked, within, worst = chat_replay_check(requests, dataset, results[DEFAULT.name, fraction],
                                                            probe.block_size)
@@ -186,7 +192,7 @@ def main() -> None:
                 for gib in ABSOLUTE_BUDGETS_GIB:
                     result = run(model, requests, config, int(gib * GIB))
                     abs_row.append(f"{result.stats.token_hit_rate:.3f}")
-                    if name == "b_multi_turn" and config is DEFAULT:
+                    if (name == "b_multi_turn" or args.jsonl) and config is DEFAULT:
                         checked, within, worst = chat_replay_check(requests, dataset, result, probe.block_size)
                         print(f"(b) {DEFAULT.name}, budget {gib:g} GiB: {within}/{checked} later turns within the "
                               f"bound (worst: {worst:+d} beyond the added tokens)")

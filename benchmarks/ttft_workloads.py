@@ -22,7 +22,7 @@ from tqdm import tqdm
 from transformers.generation.streamers import BaseStreamer
 
 from benchmarks.simulate import tokenize_workload
-from benchmarks.workloads import WORKLOADS
+from benchmarks.workloads import WORKLOADS, load_jsonl_chats
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.toy import build_model, byte_tokenizer
 
@@ -63,6 +63,7 @@ def first_token(model, ids: torch.Tensor, cache=None) -> tuple[float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", default="a_system_prompt", choices=sorted(WORKLOADS))
+    parser.add_argument("--jsonl", help="a local JSONL file of chats to run instead of the built-in workload")
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--out", default="results")
     parser.add_argument("--threads", type=int, default=1)
@@ -72,7 +73,12 @@ def main() -> None:
     tokenizer = byte_tokenizer()
     model = build_model("jamba", hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
                         num_key_value_heads=2, mamba_dt_rank=16, max_position_embeddings=16384)
-    requests = tokenize_workload(WORKLOADS[args.workload](**SMALL_WORKLOADS[args.workload]), tokenizer)
+    if args.jsonl:
+        args.workload = os.path.splitext(os.path.basename(args.jsonl))[0]
+        dataset = load_jsonl_chats(args.jsonl)
+    else:
+        dataset = WORKLOADS[args.workload](**SMALL_WORKLOADS[args.workload])
+    requests = tokenize_workload(dataset, tokenizer)
     requests = requests[: args.requests]
     first_token(model, torch.tensor([requests[0].prompt_ids[:32]]))  # warm up kernels and allocator
     cache = HybridPrefixCache(model)

@@ -95,6 +95,9 @@ def load(args):
     if args.family == "jamba":  # Jamba-shaped: one attention layer per eight, a mixture of experts every other layer
         overrides = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=8, attn_layer_period=8,
                          attn_layer_offset=4, num_experts=4, num_experts_per_tok=2, mamba_dt_rank=16)
+    elif args.family == "zamba":  # Zamba-shaped: the default layout, one shared attention block every six layers
+        overrides = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=13, layers_block_type=None,
+                         mamba_dt_rank=16, max_position_embeddings=8192)
     return build_model(args.family, seed=args.seed, **overrides), byte_tokenizer()
 
 

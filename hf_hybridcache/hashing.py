@@ -45,9 +45,21 @@ def chain_hashes(parent: BlockHash, token_ids: Sequence[int], block_size: int) -
     return hashes
 
 
-def model_identity(model: torch.nn.Module) -> str:
-    """A stable string naming the model class, config and dtype, mixed into every block hash."""
+#: Config entries that do not change the states a model computes: where it was loaded from, the version that wrote
+#: the config file, the class names and dtype that ``save_pretrained`` records (the model's dtype is mixed in itself).
+NON_IDENTITY_CONFIG_KEYS = ("_name_or_path", "transformers_version", "architectures", "dtype", "torch_dtype")
+
+
+def identity_config(model: torch.nn.Module) -> dict:
+    """The model's config as a JSON-ready dict, without :data:`NON_IDENTITY_CONFIG_KEYS`."""
     config = model.config.to_dict()
-    config.pop("transformers_version", None)
-    payload = {"class": type(model).__name__, "dtype": str(model.dtype), "config": config}
+    for key in NON_IDENTITY_CONFIG_KEYS:
+        config.pop(key, None)
+    return json.loads(json.dumps(config, sort_keys=True, default=str))
+
+
+def model_identity(model: torch.nn.Module) -> str:
+    """A stable string naming the model class, config (:func:`identity_config`) and dtype, mixed into every block
+    hash: the same model loaded from another folder, or saved with ``save_pretrained`` meanwhile, keeps it."""
+    payload = {"class": type(model).__name__, "dtype": str(model.dtype), "config": identity_config(model)}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()

@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import torch
 
+from .kernels.paged_copy import gather_kv_blocks
+from .placement import Placement
+
 
 class KVStore:
-    """Stored KV blocks of every attention layer, addressed by block id."""
+    """Stored KV blocks of every attention layer, addressed by block id; ``placement`` says on which device each
+    layer's blocks are kept and where restored copies go."""
 
-    def __init__(self, attention_layers: tuple[int, ...]) -> None:
+    def __init__(self, attention_layers: tuple[int, ...], placement: Placement | None = None) -> None:
         self.attention_layers = attention_layers
+        self.placement = placement or Placement()
         self._blocks: dict[int, dict[int, torch.Tensor]] = {}
         self._bytes: dict[int, int] = {}
         self.num_bytes = 0
@@ -23,11 +28,15 @@ class KVStore:
     def __contains__(self, block_id: int) -> bool:
         return block_id in self._blocks
 
+    def block_ids(self) -> list[int]:
+        return list(self._blocks)
+
     def put(self, block_id: int, kv: dict[int, torch.Tensor]) -> None:
         """Store ``kv[layer_idx]`` of shape ``[2, Hkv, block_size, D]`` for every attention layer. The tensors must
         not alias the live cache (pass copies)."""
         assert block_id not in self._blocks, "KV block stored twice"
         assert set(kv) == set(self.attention_layers), "a KV block needs every attention layer"
+        kv = {idx: self.placement.stash(idx, t) for idx, t in kv.items()}
         self._blocks[block_id] = kv
         self._bytes[block_id] = sum(t.numel() * t.element_size() for t in kv.values())
         self.num_bytes += self._bytes[block_id]
@@ -39,11 +48,17 @@ class KVStore:
     def block_bytes(self, block_id: int) -> int:
         return self._bytes[block_id]
 
+    def get(self, block_id: int) -> dict[int, torch.Tensor]:
+        """The stored tensors of one block, ``{layer idx: [2, Hkv, block_size, D]}``: read them, never write them."""
+        return self._blocks[block_id]
+
     def gather(self, layer_idx: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``block_ids`` in order, as new tensors of shape ``[1, Hkv, len(block_ids) *
-        block_size, D]`` (a copy: writing them never touches the store)."""
-        kv = torch.cat([self._blocks[b][layer_idx] for b in block_ids], dim=2)
-        return kv[0].unsqueeze(0), kv[1].unsqueeze(0)
+        block_size, D]`` on the layer's device (a copy: writing them never touches the store; one Triton launch on
+        CUDA, then a copy to the device when entries are offloaded)."""
+        keys, values = gather_kv_blocks([self._blocks[b][layer_idx] for b in block_ids])
+        fetch = self.placement.fetch
+        return fetch(layer_idx, keys, False), fetch(layer_idx, values, False)
 
     def clear(self) -> None:
         self._blocks.clear()

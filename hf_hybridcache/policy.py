@@ -74,6 +74,10 @@ class EvictionPolicy:
     def last_used(self, key: EntryKey) -> int:
         return self._last_used[key]
 
+    def oldest_first(self) -> list[EntryKey]:
+        """Every entry from least to most recently used (what :mod:`~hf_hybridcache.persistence` saves)."""
+        return sorted(self._last_used, key=self._last_used.__getitem__)
+
     def discard(self, key: EntryKey) -> None:
         self._last_used.pop(key, None)
 

@@ -30,10 +30,12 @@ class Row:
         token_ids: tokens this row has put through the model (or restored), in order.
         hit_tokens: prefix tokens restored at the start of the request.
         block_ids, block_hashes: the stored chain of the row's full blocks, pinned while the request lives.
+        root: parent hash of the row's block 0 (None: the unsalted root; a cache salt gives its own root).
         storing: False once a block could not be stored (the chain cannot continue).
         tentative_block: block whose checkpoint is the last boundary reached and not retained.
         divergence_tokens: boundary where the prompt leaves a stored token path, kept as a retained checkpoint
             (0: none, or divergence admission is off).
+        finished: the row ended (EOS) in a batch and is now fed padding, which is not recorded.
     """
 
     prompt_tokens: int
@@ -42,9 +44,11 @@ class Row:
     hit_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
+    root: BlockHash | None = None
     storing: bool = True
     tentative_block: int | None = None
     divergence_tokens: int = 0
+    finished: bool = False
 
 
 @dataclass
@@ -65,6 +69,7 @@ class Request:
     emit_positions: tuple[int, ...] = ()
     wanted: frozenset[int] = frozenset()
     rollback: bool = False
+    pad_token_id: int | None = None
     captured: dict[int, dict[int, LayerState]] = field(default_factory=dict)
 
 
@@ -76,7 +81,7 @@ def store_row_blocks(store: PrefixStore, row: Row, live_block_kv: Callable[[int]
         index = len(row.block_ids)
         added = store.add_block(
             row.block_ids[-1] if index else None,
-            row.block_hashes[-1] if index else None,
+            row.block_hashes[-1] if index else row.root,
             tuple(row.token_ids[index * bs : (index + 1) * bs]),
             lambda: live_block_kv(index),
         )

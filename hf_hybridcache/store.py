@@ -17,6 +17,7 @@ from .checkpoints import CheckpointStore, LayerState
 from .config import ModelStateSpec
 from .hashing import BlockHash, block_hash
 from .kv_store import KVStore
+from .placement import Placement
 from .policy import EntryKey, EntryValue, EvictionPolicy, LRUEviction
 
 logger = logging.getLogger("hf_hybridcache")
@@ -41,21 +42,28 @@ class PrefixStore:
 
     Args:
         spec: layers and per-entry byte sizes of the model.
-        root: parent hash of block 0 (seed + model identity).
+        root: parent hash of block 0 (seed + model identity) for chains without a cache salt; salted chains pass
+            their own root (:func:`~hf_hybridcache.hashing.root_hash` with the salt).
         max_cache_bytes: the budget, bytes of the stored tensors.
+        placement: where stored tensors are kept and where restored copies go (None: where they are given).
         eviction: ranks what to evict; least recently used when None.
     """
 
     def __init__(
-        self, spec: ModelStateSpec, root: BlockHash, max_cache_bytes: int, eviction: EvictionPolicy | None = None
+        self,
+        spec: ModelStateSpec,
+        root: BlockHash,
+        max_cache_bytes: int,
+        placement: Placement | None = None,
+        eviction: EvictionPolicy | None = None,
     ) -> None:
         self.spec = spec
         self.block_size = spec.block_size
         self.root = root
         self.max_cache_bytes = max_cache_bytes
         self.pool = BlockPool()
-        self.kv = KVStore(tuple(a.layer_idx for a in spec.attention))
-        self.checkpoints = CheckpointStore(tuple(m.layer_idx for m in spec.mamba))
+        self.kv = KVStore(tuple(a.layer_idx for a in spec.attention), placement)
+        self.checkpoints = CheckpointStore(tuple(m.layer_idx for m in spec.mamba), placement)
         self.eviction = LRUEviction() if eviction is None else eviction
         self.evicted_kv_blocks = 0
         self.evicted_checkpoints = 0
@@ -68,9 +76,10 @@ class PrefixStore:
 
     # ------------------------------------------------------------------ lookup and restore
 
-    def lookup(self, token_ids: list[int]) -> Hit:
+    def lookup(self, token_ids: list[int], root: BlockHash | None = None) -> Hit:
         """Longest hit P <= L-1, a multiple of ``block_size``, with every KV block of ``[0, P)`` stored and a
-        checkpoint at P; backs off past missing checkpoints down to a miss. Touches what it returns.
+        checkpoint at P; backs off past missing checkpoints down to a miss. Only chains grown from ``root`` (None:
+        the unsalted root) are searched. Touches what it returns.
 
         Also finds the divergence point (Marconi's admission rule): the prompt's full blocks match stored blocks up
         to D tokens, the stored block at D has children, and none of them is the prompt's next full block. A prompt
@@ -78,7 +87,7 @@ class PrefixStore:
         bs = self.block_size
         chain: list[int] = []
         hashes: list[BlockHash] = []
-        parent_hash, parent_id = self.root, None
+        parent_hash, parent_id = self.root if root is None else root, None
         for start in range(0, len(token_ids) - bs + 1, bs):
             tokens = tuple(token_ids[start : start + bs])
             parent_hash = block_hash(parent_hash, tokens)
@@ -116,7 +125,8 @@ class PrefixStore:
         make_kv: Callable[[], dict[int, torch.Tensor]],
     ) -> tuple[int, BlockHash] | None:
         """Find or store the block of ``token_ids`` after ``parent_id`` and pin it (unpin with :meth:`release`).
-        ``make_kv`` is called only when the block is new and fits. Returns (block id, hash), or None if it cannot fit."""
+        ``parent_hash`` is the parent's hash, or for block 0 the chain's root (None: the unsalted root). ``make_kv``
+        is called only when the block is new and fits. Returns (block id, hash), or None if it cannot fit."""
         h = block_hash(self.root if parent_hash is None else parent_hash, token_ids)
         block_id = self.pool.lookup(h, parent_id, token_ids)
         if block_id is None:

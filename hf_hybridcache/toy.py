@@ -68,6 +68,38 @@ def _tiny_jamba(**overrides):
     return JambaConfig(**kwargs)
 
 
+def _tiny_zamba(**overrides):
+    """Mamba-1 layers with two heads each and two hybrid layers, so the shared transformer block writes KV at two
+    layer indices."""
+    from transformers import ZambaConfig
+
+    kwargs = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=5,
+        layers_block_type=["linear_attention", "linear_attention", "hybrid", "linear_attention", "hybrid"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        n_mamba_heads=2,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_dt_rank=8,
+        initializer_range=0.1,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        # Tied embeddings make this tiny model repeat the last prompt token forever (the input embedding dominates
+        # the residual stream), which leaves greedy comparisons and stop strings nothing to check. transformers ties
+        # the shared block's copies only when this is True, so here each hybrid layer has its own block; the cache
+        # layout (KV on each hybrid layer index) is the same either way.
+        tie_word_embeddings=False,
+    )
+    kwargs.update(overrides)
+    return ZambaConfig(**kwargs)
+
+
 def _tiny_zamba2(**overrides):
     """Mamba-2 layers and two hybrid layers sharing one attention block (with rotary embeddings and per-layer
     adapters). ``chunk_size=12`` is neither a divisor nor a multiple of the default ``block_size`` 16, so block
@@ -220,6 +252,7 @@ def _tiny_nemotron_h(**overrides):
 
 _TINY_CONFIGS = {
     "jamba": _tiny_jamba,
+    "zamba": _tiny_zamba,
     "zamba2": _tiny_zamba2,
     "falcon_h1": _tiny_falcon_h1,
     "bamba": _tiny_bamba,
@@ -239,16 +272,27 @@ def tiny_config(family: str = "jamba", **overrides):
     return _TINY_CONFIGS[family](**overrides)
 
 
-def long_memory_init_(model: torch.nn.Module, a_log: float = -3.0, step: float = 0.2) -> torch.nn.Module:
-    """Give every Mamba mixer ``A_log = a_log`` and a dt bias with ``softplus(bias) = step`` (in place)."""
+def long_memory_init_(
+    model: torch.nn.Module, a_log: float = -3.0, step: float = 0.2, x_proj_std: float = 0.3
+) -> torch.nn.Module:
+    """Give every Mamba mixer ``A_log = a_log`` and a dt bias with ``softplus(bias) = step`` (in place).
+
+    Zamba's mixer has no norm on B and C (Jamba's has), so with ``initializer_range`` 0.1 its SSM states stay near 0.07
+    and barely reach the logits; its per-head ``x_proj_weight`` is redrawn with std ``x_proj_std`` (from the global
+    RNG) so that the SSM state is O(1) and a zeroed state moves the logits by about 0.5 instead of 0.08.
+    """
     dt_bias = math.log(math.expm1(step))
     with torch.no_grad():
         for module in model.modules():
             if hasattr(module, "A_log"):
                 module.A_log.fill_(a_log)
+                if hasattr(module, "x_proj_weight"):
+                    module.x_proj_weight.normal_(0.0, x_proj_std)
                 dt_proj = getattr(module, "dt_proj", None)
                 if dt_proj is not None and dt_proj.bias is not None:
                     dt_proj.bias.fill_(dt_bias)
+                elif hasattr(module, "dt_proj_bias"):  # Zamba keeps one dt bias per head as a bare parameter
+                    module.dt_proj_bias.fill_(dt_bias)
                 elif hasattr(module, "dt_bias"):
                     module.dt_bias.fill_(dt_bias)
     return model

@@ -5,8 +5,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import assert_matches_cold, greedy, random_ids
-from hf_hybridcache import DEFAULT_MAX_CACHE_BYTES, HybridPrefixCache
-from hf_hybridcache.toy import build_model
+from hf_hybridcache import DEFAULT_MAX_CACHE_BYTES, HybridPrefixCache, _compat
+from hf_hybridcache.checks import check_store, entry_digests
+from hf_hybridcache.toy import VOCAB_SIZE, build_model
 
 
 def test_unsupported_model_names_the_supported_families():
@@ -73,7 +74,7 @@ def test_inputs_embeds_only_runs_without_reuse(model, cold_model):
     kwargs = dict(inputs_embeds=embeds, max_new_tokens=8, do_sample=False)
     try:
         ref = cold_model.generate(**kwargs)
-    except ValueError as refusal:  # Zamba2, Falcon-H1, Bamba, NemotronH: generate() refuses inputs_embeds
+    except ValueError as refusal:  # Zamba, Zamba2, Falcon-H1, Bamba, NemotronH: generate() refuses inputs_embeds
         with pytest.raises(ValueError, match="inputs_embeds"):
             model.generate(past_key_values=cache, **kwargs)
         assert "inputs_embeds" in str(refusal)
@@ -99,3 +100,102 @@ def test_padding_in_the_middle_runs_without_reuse(model, cold_model):
     assert cache.stats.prompt_tokens == 60 + 60 + 55
     assert_matches_cold(model, cold_model, cache, ids)
     assert cache.last_hit_tokens == [48]
+
+
+@pytest.mark.parametrize(
+    "ids,match",
+    [
+        (torch.tensor([[5, 6, VOCAB_SIZE, 7]]), f"Token id {VOCAB_SIZE} is outside the model's vocabulary"),
+        (torch.tensor([[5, -1, 7]]), "Token id -1 is outside the model's vocabulary"),
+        (torch.empty(1, 0, dtype=torch.long), "The prompt is empty"),
+    ],
+)
+def test_bad_prompts_raise_before_anything_runs(model, cold_model, ids, match):
+    cache = HybridPrefixCache(model)
+    seen = random_ids(60, seed=94)
+    assert_matches_cold(model, cold_model, cache, seen)
+    before = entry_digests(cache)
+    with pytest.raises(ValueError, match=match):
+        model.generate(ids, past_key_values=cache, max_new_tokens=4)
+    assert entry_digests(cache) == before
+    assert_matches_cold(model, cold_model, cache, seen)
+    assert cache.last_hit_tokens == [48]
+
+
+def test_model_converted_to_another_dtype_is_refused(model, cold_model):
+    cache = HybridPrefixCache(model)
+    ids = random_ids(60, seed=95)
+    assert_matches_cold(model, cold_model, cache, ids)
+    model.to(torch.float64)  # and back: float32 -> float64 -> float32 is exact
+    with pytest.raises(ValueError, match="The model is torch.float64 but this HybridPrefixCache was built for it in"):
+        model.generate(ids, past_key_values=cache, max_new_tokens=4)
+    model.to(torch.float32)
+    assert_matches_cold(model, cold_model, cache, ids)
+    assert cache.last_hit_tokens == [48]
+
+
+def test_model_moved_to_other_devices_is_refused(model, cold_model, monkeypatch):
+    cache = HybridPrefixCache(model)
+    ids = random_ids(60, seed=96)
+    assert_matches_cold(model, cold_model, cache, ids)
+    first = cache.spec.attention[0].layer_idx
+    moved_layer = _compat.decoder_layers(model)[first]
+    real = _compat.execution_device
+    # A CPU-only machine has no second device: report the layer where a `.to("cuda:1")` would have put it.
+    monkeypatch.setattr(_compat, "execution_device", lambda m: torch.device("cuda", 1) if m is moved_layer else real(m))
+    with pytest.raises(ValueError, match=f"moved to other devices .*{first}: 'cpu -> cuda:1'"):
+        model.generate(ids, past_key_values=cache, max_new_tokens=4)
+    monkeypatch.undo()
+    assert_matches_cold(model, cold_model, cache, ids)
+    assert cache.last_hit_tokens == [48]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to move the model to")
+def test_model_moved_to_cuda_is_refused(model, cold_model):
+    cache = HybridPrefixCache(model)
+    ids = random_ids(60, seed=97)
+    assert_matches_cold(model, cold_model, cache, ids)
+    model.to("cuda")
+    with pytest.raises(ValueError, match="moved to other devices"):
+        model.generate(ids.cuda(), past_key_values=cache, max_new_tokens=4)
+    model.to("cpu")
+    assert_matches_cold(model, cold_model, cache, ids)
+
+
+def test_forward_that_raises_stores_nothing_and_the_cache_keeps_working(model, cold_model):
+    cache = HybridPrefixCache(model, retention_interval="dense")
+    seen = random_ids(60, seed=98)
+    assert_matches_cold(model, cold_model, cache, seen)
+    before = check_store(cache)
+    calls = []
+
+    def fail_on_third_forward(module, args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device lost")
+
+    handle = _compat.decoder_layers(model)[-1].register_forward_pre_hook(fail_on_third_forward)
+    longer = torch.cat([seen, random_ids(40, seed=99)], dim=1)
+    with pytest.raises(RuntimeError, match="device lost"):
+        model.generate(longer, past_key_values=cache, max_new_tokens=8, do_sample=False)
+    handle.remove()
+    after = check_store(cache, before)
+    assert set(after) >= set(before)  # the prefill was stored (it completed); the failed decode step stored nothing
+    assert all(not cache._store.pool[b].ref_count for b in cache._store.pool.block_ids())
+    assert_matches_cold(model, cold_model, cache, longer)
+    assert cache.last_hit_tokens == [96]
+
+
+@pytest.mark.parametrize("value", [1000, 0, "2GB", 1.5])
+def test_invalid_budget_change_keeps_the_old_one(model, value):
+    cache = HybridPrefixCache(model, max_cache_bytes=10**6)
+    with pytest.raises(ValueError, match="max_cache_bytes"):
+        cache.max_cache_bytes = value
+    assert cache.max_cache_bytes == 10**6
+    cache.max_cache_bytes = None
+    assert cache.max_cache_bytes == DEFAULT_MAX_CACHE_BYTES
+
+
+def test_invalid_offload(model):
+    with pytest.raises(ValueError, match="`offload` must be None .* or 'cpu'"):
+        HybridPrefixCache(model, offload="disk")

@@ -72,7 +72,7 @@ def test_dropped_checkpoint_backs_off_while_its_kv_stays(model, cold_model):
 @pytest.mark.parametrize(
     "eviction,expected_hits",
     [
-        # LRU under a budget of three checkpoints: dense retention of one trunk evicts the other trunk.
+        # LRU under a budget of four checkpoints: dense retention of one trunk evicts the other trunk.
         ("lru", [0, 32, 0, 0, 32, 0, 64, 0, 0, 0]),
         # FLOP-aware keeps the deep checkpoints (64 and 32 tokens saved) over the newer shallow ones.
         ("flop_aware", [0, 32, 0, 0, 32, 64, 64, 32, 64, 32]),
@@ -80,7 +80,7 @@ def test_dropped_checkpoint_backs_off_while_its_kv_stays(model, cold_model):
 )
 def test_tiny_budget_with_eviction_churn(model, cold_model, eviction, expected_hits):
     probe = HybridPrefixCache(model)
-    budget = 8 * probe.spec.kv_block_bytes + 3 * probe.spec.checkpoint_bytes
+    budget = 8 * probe.spec.kv_block_bytes + 4 * probe.spec.checkpoint_bytes
     cache = HybridPrefixCache(model, retention_interval="dense", max_cache_bytes=budget, eviction=eviction)
     trunks = [random_ids(40, seed=20), random_ids(70, seed=21)]
     hits = []

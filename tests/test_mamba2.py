@@ -1,15 +1,14 @@
 """Mamba-2 families (Zamba2, Falcon-H1): the chunk scan with state emission, the patched mixers, block sizes against
-the chunk size, unaligned forwards, bf16, save/load; and a power check for every family."""
+the chunk size, unaligned forwards; and a power check for every family (bf16 and save/load: test_families.py)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
-from conftest import MAMBA2_FAMILIES, assert_matches_cold, assert_restored_states_match, greedy, random_ids
+from conftest import MAMBA2_FAMILIES, assert_matches_cold, assert_restored_states_match, random_ids
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.kernels import mamba2_chunk_scan_ref, mamba2_recurrent_ref
-from hf_hybridcache.models import support_for
 from hf_hybridcache.toy import build_model
 
 CHUNK_SIZE_KEY = {
@@ -165,35 +164,3 @@ def test_forward_starting_at_an_unaligned_position(family, model, cold_model):
         assert_restored_states_match(cache, cold_model, second[:, : boundary + 1], boundary)
     assert_matches_cold(model, cold_model, cache, second)
     assert cache.last_hit_tokens == [80]
-
-
-@pytest.mark.parametrize("family", MAMBA2_FAMILIES)
-def test_bf16_checkpoints_keep_the_live_dtypes_and_tokens_match(family):
-    model, cold_model = build_model(family, dtype=torch.bfloat16), build_model(family, dtype=torch.bfloat16)
-    cache = HybridPrefixCache(model)
-    ids = random_ids(70, seed=77)
-    seq, _ = greedy(model, ids, cache)
-    ref_seq, _ = greedy(cold_model, ids)
-    assert torch.equal(seq, ref_seq)
-    seq, _ = greedy(model, ids, cache)
-    assert cache.last_hit_tokens == [64]
-    assert torch.equal(seq, ref_seq)
-    for m in cache.spec.mamba:
-        assert (m.conv.dtype, m.ssm.dtype) == (torch.bfloat16, torch.float32)
-        live = cache.layers[m.layer_idx]
-        assert (live.conv_states[0].dtype, live.recurrent_states[0].dtype) == (torch.bfloat16, torch.float32)
-    for states in cache._store.checkpoints._entries.values():
-        assert all((conv.dtype, ssm.dtype) == (torch.bfloat16, torch.float32) for conv, ssm in states.values())
-    assert all(a.dtype == torch.bfloat16 for a in cache.spec.attention)
-
-
-@pytest.mark.parametrize("family", MAMBA2_FAMILIES)
-def test_save_pretrained_round_trip_then_a_cached_run(family, model, cold_model, tmp_path):
-    model.save_pretrained(tmp_path)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert support_for(loaded) is support_for(model)
-    cache = HybridPrefixCache(loaded)
-    ids = random_ids(40, seed=78)
-    assert_matches_cold(loaded, cold_model, cache, ids)
-    assert_matches_cold(loaded, cold_model, cache, ids)
-    assert cache.last_hit_tokens == [32]

@@ -25,7 +25,7 @@ ONE_FLOP_PER_TOKEN = FlopModel(flops_per_token=1.0, flops_per_key=0.0)
 
 
 def make_store(policy, budget=10**6) -> PrefixStore:
-    return PrefixStore(SPEC, root_hash(b"seed", "test-model"), budget, policy)
+    return PrefixStore(SPEC, root_hash(b"seed", "test-model"), budget, eviction=policy)
 
 
 def run_request(store, tokens, checkpoints_at=()):

@@ -1,12 +1,36 @@
-"""Scan and gather kernels, each with a plain-torch reference beside it."""
+"""Scan and copy kernels, each with a plain-torch reference beside it, and the switch between them.
 
-from .mamba1_scan import selective_scan, selective_scan_ref
+Triton kernels live in ``*_triton`` modules that are imported only when a Triton backend runs, so the package works
+without ``triton`` installed.
+"""
+
+from .backend import BACKENDS, get_backend, set_backend, use_backend
+from .mamba1_scan import selective_scan, selective_scan_chunked, selective_scan_ref
 from .mamba2_scan import mamba2_chunk_scan, mamba2_chunk_scan_ref, mamba2_recurrent_ref
+from .paged_copy import (
+    copy_states,
+    copy_states_ref,
+    gather_kv_blocks,
+    gather_kv_blocks_ref,
+    scatter_kv_blocks,
+    scatter_kv_blocks_ref,
+)
 
 __all__ = [
+    "BACKENDS",
+    "copy_states",
+    "copy_states_ref",
+    "gather_kv_blocks",
+    "gather_kv_blocks_ref",
+    "get_backend",
     "mamba2_chunk_scan",
     "mamba2_chunk_scan_ref",
     "mamba2_recurrent_ref",
+    "scatter_kv_blocks",
+    "scatter_kv_blocks_ref",
     "selective_scan",
+    "selective_scan_chunked",
     "selective_scan_ref",
+    "set_backend",
+    "use_backend",
 ]

@@ -25,6 +25,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from . import backend
+
 
 def _discretize_dt(
     dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool, dt_limit: tuple[float, float]
@@ -212,7 +214,12 @@ def mamba2_recurrent_ref(
     return y, state, emitted
 
 
-def mamba2_chunk_scan(*args, **kwargs):
+def mamba2_chunk_scan(x: torch.Tensor, *args, **kwargs):
     """Dispatch point for the Mamba-2 chunked scan with initial state and state emission (same signature and
-    returns as :func:`mamba2_chunk_scan_ref`)."""
-    return mamba2_chunk_scan_ref(*args, **kwargs)
+    returns as :func:`mamba2_chunk_scan_ref`): the Triton kernel (``mamba2_scan_triton``) on CUDA, this reference
+    elsewhere or when the ``"reference"`` backend is forced (:func:`hf_hybridcache.kernels.set_backend`)."""
+    if backend.resolve(x.device, fast="reference") == "triton":
+        from .mamba2_scan_triton import mamba2_chunk_scan_triton
+
+        return mamba2_chunk_scan_triton(x, *args, **kwargs)
+    return mamba2_chunk_scan_ref(x, *args, **kwargs)

@@ -8,6 +8,7 @@ from .falcon_h1 import SUPPORT as _FALCON_H1
 from .granitemoehybrid import SUPPORT as _GRANITEMOEHYBRID
 from .jamba import SUPPORT as _JAMBA
 from .nemotron_h import SUPPORT as _NEMOTRON_H
+from .zamba import SUPPORT as _ZAMBA
 from .zamba2 import SUPPORT as _ZAMBA2
 
 _REGISTRY: dict[str, ModelSupport] = {}
@@ -40,6 +41,7 @@ def support_for(model) -> ModelSupport:
 
 
 register(_JAMBA)
+register(_ZAMBA)
 register(_ZAMBA2)
 register(_FALCON_H1)
 register(_BAMBA)

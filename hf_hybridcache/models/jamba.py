@@ -8,15 +8,13 @@ no cached state and no checkpoint wanted it calls the original code, so fresh pr
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .. import _compat
 from ..config import AttentionLayerSpec, MambaLayerSpec, ModelStateSpec, TensorSpec
 from ..kernels import selective_scan
 from .base import ModelSupport
-from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_states_at
+from .mamba1 import apply_padding_mask, causal_conv, conv_states_at, patch_mixers
 
 MIXER_CLASS = "JambaMambaMixer"
 
@@ -67,29 +65,8 @@ def _forward_from_state(mixer, hidden_states, cache, attention_mask, ssm_state, 
     return mixer.out_proj(y.transpose(1, 2).to(dtype))
 
 
-def _make_forward(mixer):
-    def make(original):
-        @functools.wraps(original)
-        def forward(*args, **kwargs):
-            hidden_states, cache, attention_mask = _compat.split_mixer_call(args, kwargs)
-            seq_len = hidden_states.shape[1]
-            if cache is None or seq_len == 1 or cache.is_recording_past(mixer.layer_idx):
-                return original(*args, **kwargs)
-            ssm_state = cache.get_recurrent_state(mixer.layer_idx)
-            positions = checkpoint_positions(cache, seq_len)
-            if ssm_state is None and not positions:
-                return original(*args, **kwargs)
-            return _forward_from_state(mixer, hidden_states, cache, attention_mask, ssm_state, positions)
-
-        return forward
-
-    return make
-
-
 def install(model: torch.nn.Module) -> None:
-    for module in model.modules():
-        if type(module).__name__ == MIXER_CLASS:
-            _compat.patch_instance_forward(module, _make_forward(module))
+    patch_mixers(model, MIXER_CLASS, _forward_from_state)
 
 
 def state_spec(model: torch.nn.Module, block_size: int) -> ModelStateSpec:

@@ -1,12 +1,45 @@
-"""Shared Mamba-1 pieces: the causal conv over a cached conv window, and the conv states at block boundaries."""
+"""Shared Mamba-1 pieces (Jamba, Zamba): the patch that makes a mixer continue from the cached state, the causal conv
+over a cached conv window, and the conv states at block boundaries."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
+
+from .. import _compat
+
+#: ``(mixer, hidden_states [B, T, hidden], cache, attention_mask [B, T] or None, ssm_state or None, positions)
+#: -> mixer output [B, T, hidden]``: the mixer's full-sequence path, starting from ``ssm_state`` (the cached SSM state,
+#: None for zeros) and handing the states after ``positions`` tokens to ``cache.capture_states``.
+ForwardFromState = Callable[..., torch.Tensor]
+
+
+def patch_mixers(model: torch.nn.Module, mixer_class: str, forward_from_state: ForwardFromState) -> None:
+    """Patch every ``mixer_class`` module of ``model`` (this instance only, idempotent).
+
+    The patched mixer runs ``forward_from_state`` on multi-token forwards over a cached state or with checkpoints
+    wanted; everything else (no cache, decode steps, past recording, a fresh prefill with no checkpoint wanted) goes to
+    the original forward, so fresh prompts stay bit-identical to the unpatched model.
+    """
+    for module in model.modules():
+        if type(module).__name__ == mixer_class:
+            _compat.patch_instance_forward(module, functools.partial(_continuing_forward, forward_from_state))
+
+
+def _continuing_forward(forward_from_state: ForwardFromState, mixer, original: Callable, *args, **kwargs):
+    hidden_states, cache, attention_mask = _compat.split_mixer_call(args, kwargs)
+    seq_len = hidden_states.shape[1]
+    if cache is None or seq_len == 1 or cache.is_recording_past(mixer.layer_idx):
+        return original(*args, **kwargs)
+    ssm_state = cache.get_recurrent_state(mixer.layer_idx)
+    positions = checkpoint_positions(cache, seq_len)
+    if ssm_state is None and not positions:
+        return original(*args, **kwargs)
+    return forward_from_state(mixer, hidden_states, cache, attention_mask, ssm_state, positions)
 
 
 def checkpoint_positions(cache, seq_len: int) -> tuple[int, ...]:
@@ -38,8 +71,10 @@ def conv_states_at(
         return []
     if conv_state is None:
         conv_state = inputs.new_zeros(*inputs.shape[:-1], width)
-    padded = torch.cat([conv_state, inputs], dim=-1)
-    return [padded[..., t : t + width].clone() for t in positions]
+    # Only windows are copied: concatenating the whole (often strided) forward input first cost ~1% of a prefill.
+    head = torch.cat([conv_state, inputs[..., :width]], dim=-1)
+    windows = [head[..., t : t + width] if t < width else inputs[..., t - width : t] for t in positions]
+    return [w.clone(memory_format=torch.contiguous_format) for w in windows]
 
 
 def apply_padding_mask(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:

@@ -119,29 +119,22 @@ def _forward_with_checkpoints(
     return mixer.out_proj(y.to(dtype))
 
 
-def _make_forward(mixer, variant: Mamba2Variant):
-    def make(original):
-        @functools.wraps(original)
-        def forward(*args, **kwargs):
-            hidden_states, cache, attention_mask = _compat.split_mixer_call(args, kwargs)
-            seq_len = hidden_states.shape[1]
-            if cache is None or seq_len == 1 or mixer.training or cache.is_recording_past(mixer.layer_idx):
-                return original(*args, **kwargs)
-            positions = checkpoint_positions(cache, seq_len)
-            if not positions:
-                return original(*args, **kwargs)
-            return _forward_with_checkpoints(mixer, variant, hidden_states, cache, attention_mask, positions)
-
-        return forward
-
-    return make
+def _checkpointing_forward(variant: Mamba2Variant, mixer, original, *args, **kwargs):
+    hidden_states, cache, attention_mask = _compat.split_mixer_call(args, kwargs)
+    seq_len = hidden_states.shape[1]
+    if cache is None or seq_len == 1 or mixer.training or cache.is_recording_past(mixer.layer_idx):
+        return original(*args, **kwargs)
+    positions = checkpoint_positions(cache, seq_len)
+    if not positions:
+        return original(*args, **kwargs)
+    return _forward_with_checkpoints(mixer, variant, hidden_states, cache, attention_mask, positions)
 
 
 def install_mixers(model: torch.nn.Module, variant: Mamba2Variant) -> None:
     """Patch every ``variant.mixer_class`` module of ``model`` (this instance only; idempotent)."""
     for module in model.modules():
         if type(module).__name__ == variant.mixer_class:
-            _compat.patch_instance_forward(module, _make_forward(module, variant))
+            _compat.patch_instance_forward(module, functools.partial(_checkpointing_forward, variant))
 
 
 def mamba_layer_spec(layer_idx: int, mixer) -> MambaLayerSpec:

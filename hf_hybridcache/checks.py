@@ -1,0 +1,95 @@
+"""DESIGN.md's store invariants, checked from the outside after any operation: used by the tests (fuzzing, threads,
+persistence) and the soak benchmark, and usable as a health check of a long-running cache (it reads every stored
+tensor, so it costs about one pass over the stored bytes; call it between requests)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from .hashing import block_hash
+
+
+def _digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def _require(condition: bool, message: str) -> None:
+    """Raise even under ``python -O`` (a health check must not vanish with asserts)."""
+    if not condition:
+        raise AssertionError(message)
+
+
+def _entries(cache):
+    """``(kind, block id, block hash, entry)`` for every stored entry; ``entry`` is the store's own dict of tensors."""
+    store = cache._store
+    for block_id in store.pool.block_ids():
+        h = store.pool[block_id].block_hash
+        yield "kv", block_id, h, store.kv.get(block_id)
+        if block_id in store.checkpoints:
+            yield "checkpoint", block_id, h, store.checkpoints.get(block_id)
+
+
+def _entry_digest(entry) -> str:
+    return _digest(t for idx in sorted(entry) for t in (entry[idx] if isinstance(entry[idx], tuple) else [entry[idx]]))
+
+
+def entry_digests(cache) -> dict[tuple[str, bytes], str]:
+    """SHA-256 of every stored entry keyed by (kind, block hash): ``"kv"`` over its KV tensors, ``"checkpoint"``
+    over its conv and SSM states. Block hashes do not depend on block ids, so a saved cache and the cache loaded from
+    its file compare equal."""
+    return {(kind, h): _entry_digest(entry) for kind, _, h, entry in _entries(cache)}
+
+
+def check_store(cache, before: dict | None = None) -> dict:
+    """Assert the invariants and return a snapshot of the entries (pass it as ``before`` next time).
+
+    - the budget is never exceeded, and ``stored_bytes`` is the bytes of the stored tensors;
+    - the stored blocks form a tree (every parent stored), each with its KV, and every checkpoint belongs to a stored
+      block, so a hit can never cross a missing piece;
+    - every block's hash chains from its parent's hash and its token ids;
+    - an entry that was stored before and still is was never written (same checksum): restores copy, decode writes
+      only the live cache;
+    - between requests nothing is pinned except the chain of the store's last request.
+
+    Raises:
+        AssertionError: naming the invariant that does not hold.
+    """
+    with cache._shared.lock:  # waits for a request running in another thread
+        store = cache._store
+        over = f"{store.stored_bytes} bytes stored over the budget of {store.max_cache_bytes}"
+        _require(store.stored_bytes <= store.max_cache_bytes, over)
+        actual = 0
+        for block_id in store.pool.block_ids():
+            actual += sum(t.numel() * t.element_size() for t in store.kv.get(block_id).values())
+            if block_id in store.checkpoints:
+                states = store.checkpoints.get(block_id).values()
+                actual += sum(t.numel() * t.element_size() for pair in states for t in pair)
+        _require(actual == store.stored_bytes, "stored_bytes is not the bytes of the stored tensors")
+        _require(len(store.kv) == len(store.pool), "a stored block without KV (or KV without a block)")
+        for block_id in store.pool.block_ids():
+            block = store.pool[block_id]
+            _require(block_id in store.kv, f"block {block_id} has no KV")
+            if block.parent_id is not None:
+                _require(block.parent_id in store.pool, f"block {block_id}'s parent is not stored")
+                parent = store.pool[block.parent_id]
+                _require(block_hash(parent.block_hash, block.token_ids) == block.block_hash, "a hash does not chain")
+        _require(set(store.kv.block_ids()) == set(store.pool.block_ids()), "stored KV and stored blocks differ")
+        _require(set(store.checkpoints.block_ids()) <= set(store.pool.block_ids()), "a checkpoint without its block")
+        # An entry is the store's dict of tensors: one that is still the same object must still hold the same values
+        # (a checkpoint dropped and stored again for the same block is a new object, maybe recomputed in a batch).
+        now = {(kind, block_id): (entry, _entry_digest(entry)) for kind, block_id, _, entry in _entries(cache)}
+        if before is not None:
+            same = [key for key in now.keys() & before.keys() if now[key][0] is before[key][0]]
+            changed = [key for key in same if now[key][1] != before[key][1]]
+            _require(not changed, f"stored entries were written: {changed[:3]}")
+        active = cache._shared.active
+        rows = active._request.rows if active is not None and active._request is not None else []
+        pinned = {block_id for row in rows for block_id in row.block_ids}
+        for block_id in store.pool.block_ids():
+            _require(store.pool[block_id].ref_count == 0 or block_id in pinned, f"block {block_id} is pinned by nobody")
+        return now

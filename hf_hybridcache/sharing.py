@@ -1,0 +1,92 @@
+"""What a :class:`~hf_hybridcache.HybridPrefixCache` and its salted views share, and the lock that serializes them.
+
+Threading model: a cache and every view made by ``with_salt`` share one store and one re-entrant lock.
+
+- A ``generate()`` call holds the lock from start to end, so calls from several threads (a Gradio or FastAPI app)
+  run one at a time and each sees a consistent store; the live state of a call is its view's live layers.
+- A ``forward()`` called directly with the cache holds the lock for that forward.
+- ``save()``, ``clear()``, ``reset()``, ``stats`` and budget changes take the lock too, so they wait for a running
+  call. From inside a running ``generate()`` (a streamer or stopping criterion, same thread) the operations that would
+  change the store under it, and a second ``generate()`` with the same cache, raise ``RuntimeError`` at once instead
+  of deadlocking or corrupting the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(eq=False)
+class SharedState:
+    """State shared by a cache and its views.
+
+    Attributes:
+        seed: bytes mixed into every root hash (saved with the cache so stored hashes stay valid).
+        identity: the model identity mixed into every root hash.
+        dtype, devices: the model's dtype and each cache layer's device when the cache was built; stored entries
+            are only valid while the model keeps them.
+        options: the validated :class:`~hf_hybridcache.config.CacheOptions`.
+        active: the view whose request is live (its chain is pinned); a new request on any view ends it first.
+    """
+
+    seed: bytes
+    identity: str
+    dtype: torch.dtype
+    devices: dict[int, torch.device]
+    options: Any
+    active: Any = None
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    generating_thread: int | None = None
+    _forwards: threading.local = field(default_factory=threading.local)
+
+    @contextlib.contextmanager
+    def generate_scope(self):
+        """Hold the lock for one ``generate()`` call.
+
+        Raises:
+            RuntimeError: this thread is already inside a ``generate()`` call with this cache or one of its views.
+        """
+        me = threading.get_ident()
+        if self.generating_thread == me:
+            raise RuntimeError(
+                "This HybridPrefixCache is already running a generate() call in this thread (a streamer, logits "
+                "processor or stopping criterion calling generate() again?); one cache serves one call at a time, "
+                "so call generate() again after the running call returns, or use another HybridPrefixCache."
+            )
+        with self.lock:
+            self.generating_thread = me
+            try:
+                yield
+            finally:
+                self.generating_thread = None
+
+    @contextlib.contextmanager
+    def idle(self, operation: str):
+        """Hold the lock for an operation that changes the store (waits for a call running in another thread).
+
+        Raises:
+            RuntimeError: called from inside a running ``generate()`` call in this thread.
+        """
+        if self.generating_thread == threading.get_ident():
+            raise RuntimeError(
+                f"{operation} cannot run while generate() is running with this HybridPrefixCache in the same thread "
+                "(from a streamer or a stopping criterion?); call it after generate() returns."
+            )
+        with self.lock:
+            yield
+
+    def enter_forward(self) -> None:
+        """Take the lock for one forward (re-entrant inside this thread's own ``generate()``)."""
+        self.lock.acquire()
+        self._forwards.depth = getattr(self._forwards, "depth", 0) + 1
+
+    def exit_forward(self) -> None:
+        """Give back what :meth:`enter_forward` took in this thread, if it took anything."""
+        if getattr(self._forwards, "depth", 0):
+            self._forwards.depth -= 1
+            self.lock.release()

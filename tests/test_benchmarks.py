@@ -1,0 +1,78 @@
+"""The hit-rate benchmark's parts: seeded workloads, the JSONL loader, and the trace simulator, whose hits must be the
+ones the cache gives when the model really runs (it replays the cache's own bookkeeping with meta tensors)."""
+
+import json
+
+import pytest
+import torch
+
+from benchmarks.simulate import TraceRequest, meta_model, replay, tokenize_workload
+from benchmarks.workloads import WORKLOADS, agent_tree, load_jsonl_chats, multi_turn_chats
+from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache.toy import build_model, byte_tokenizer
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_workloads_are_seeded(name):
+    small = dict(num_requests=6) if name in ("a_system_prompt", "c_few_shot") else {}
+    if name == "b_multi_turn":
+        small = dict(num_chats=3, turns=2)
+    if name == "d_agent_tree":
+        small = dict(num_tasks=2, max_steps=2)
+    first, again, other = (WORKLOADS[name](seed=s, **small) for s in (0, 0, 1))
+    assert first.to_list() == again.to_list()
+    assert first.to_list() != other.to_list()
+    assert {"request_id", "session", "messages", "reply"} <= set(first.column_names)
+
+
+def test_multi_turn_turn_k_extends_turn_k_minus_1():
+    chats = multi_turn_chats(num_chats=3, turns=3)
+    last = {}
+    for row in chats:
+        if row["session"] in last:
+            previous = last[row["session"]]
+            assert row["messages"][: len(previous["messages"]) + 1] == previous["messages"] + [
+                {"role": "assistant", "content": previous["reply"]}
+            ]
+        last[row["session"]] = row
+
+
+def test_jsonl_chats_give_one_request_per_assistant_message(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    chats = [
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+         {"role": "user", "content": "how are you"}, {"role": "assistant", "content": "fine"}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2"},
+         {"role": "assistant", "content": "4"}],
+    ]
+    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    requests = load_jsonl_chats(str(path))
+    assert requests["reply"] == ["hello", "fine", "4"]
+    assert requests["session"] == ["chat-0", "chat-0", "chat-1"]
+    assert requests["messages"][1] == chats[0][:3]
+
+
+@pytest.mark.parametrize("eviction", ["flop_aware", "lru"])
+def test_simulated_hits_equal_real_hits(eviction):
+    """Real greedy runs of an agent-tree trace under a budget that forces evictions, then the same trace (prompts and
+    the tokens generate() produced) through the simulator on a meta copy of the model: same hits, same stats."""
+    model = build_model("jamba", seed=0)
+    tokenizer = byte_tokenizer()
+    requests = tokenize_workload(agent_tree(num_tasks=3, max_steps=2, trunk_chars=1700, seed=3), tokenizer)[:6]
+    probe = HybridPrefixCache(model)
+    budget = 200 * probe.spec.kv_block_bytes + 3 * probe.spec.checkpoint_bytes
+    options = dict(max_cache_bytes=budget, eviction=eviction, seed=b"simulation")
+    cache = HybridPrefixCache(model, **options)
+    real_hits, trace = [], []
+    for request in requests:
+        ids = torch.tensor([request.prompt_ids])
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=5, do_sample=False)
+        real_hits.append(cache.last_hit_tokens[0])
+        trace.append(TraceRequest(request.prompt_ids, out[0, ids.shape[1]:].tolist()))
+    assert cache.stats.evicted_checkpoints > 0 and max(real_hits) > 0, "the trace must hit and evict"
+    simulated = replay(HybridPrefixCache(meta_model(model.config, model.dtype), **options), trace)
+    assert simulated.hits == real_hits
+    real, sim = cache.stats, simulated.stats
+    for name in ("kv_blocks", "checkpoints", "stored_bytes", "evicted_kv_blocks", "evicted_checkpoints",
+                 "divergence_checkpoints", "hit_tokens"):
+        assert getattr(sim, name) == getattr(real, name), name

@@ -1,0 +1,64 @@
+"""Every family beyond the exactness suite: bf16 models, save_pretrained/from_pretrained round trips; and the
+long-memory init of the Mamba-1 families (test_mamba2.py checks it for Mamba-2)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from conftest import MAMBA1_FAMILIES, assert_matches_cold, cold_states, greedy, random_ids
+from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache.models import support_for
+from hf_hybridcache.toy import build_model
+
+
+def test_bf16_checkpoints_keep_the_live_dtypes_and_tokens_match(family):
+    model, cold_model = build_model(family, dtype=torch.bfloat16), build_model(family, dtype=torch.bfloat16)
+    cache = HybridPrefixCache(model)
+    ids = random_ids(70, seed=77)
+    ref_seq, _ = greedy(cold_model, ids)
+    for expected_hit in (0, 64):
+        seq, _ = greedy(model, ids, cache)
+        assert cache.last_hit_tokens == [expected_hit]
+        assert torch.equal(seq, ref_seq), "bf16 tokens differ from the bf16 cold run"
+
+    live = cold_states(cold_model, ids, 64)  # what the unpatched bf16 model keeps: the SSM state stays float32
+    for m in cache.spec.mamba:
+        layer = live.layers[m.layer_idx]
+        live_dtypes = (layer.conv_states[0].dtype, layer.recurrent_states[0].dtype)
+        assert (m.conv.dtype, m.ssm.dtype) == live_dtypes == (torch.bfloat16, torch.float32)
+    for states in cache._store.checkpoints._entries.values():
+        assert all((conv.dtype, ssm.dtype) == (torch.bfloat16, torch.float32) for conv, ssm in states.values())
+    assert all(a.dtype == torch.bfloat16 for a in cache.spec.attention)
+    stats, spec = cache.stats, cache.spec
+    assert stats.stored_bytes == stats.kv_blocks * spec.kv_block_bytes + stats.checkpoints * spec.checkpoint_bytes
+
+
+def test_save_pretrained_round_trip_then_a_cached_run(model, cold_model, tmp_path):
+    cache = HybridPrefixCache(model)  # a model already patched by a cache saves like any other
+    assert_matches_cold(model, cold_model, cache, random_ids(40, seed=78))
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert support_for(loaded) is support_for(model)
+    expected, got = cold_model.state_dict(), loaded.state_dict()
+    assert expected.keys() == got.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+
+    cache = HybridPrefixCache(loaded)
+    ids = random_ids(60, seed=79)
+    assert_matches_cold(loaded, cold_model, cache, ids)
+    assert_matches_cold(loaded, cold_model, cache, ids)
+    assert cache.last_hit_tokens == [48]
+
+
+@pytest.mark.parametrize("family", MAMBA1_FAMILIES)
+def test_long_memory_init_reaches_every_mamba1_mixer(family, model):
+    mixers = [m for m in model.modules() if hasattr(m, "A_log")]
+    assert len(mixers) == len(support_for(model).state_spec(model, 16).mamba)
+    for mixer in mixers:
+        assert torch.all(mixer.A_log == -3.0)
+        dt_bias = mixer.dt_proj_bias if hasattr(mixer, "dt_proj_bias") else mixer.dt_proj.bias
+        torch.testing.assert_close(F.softplus(dt_bias), torch.full_like(dt_bias, 0.2), rtol=0, atol=1e-6)
+        if hasattr(mixer, "x_proj_weight"):  # Zamba: B and C without a norm need a larger projection
+            assert 0.25 < mixer.x_proj_weight.std().item() < 0.35
