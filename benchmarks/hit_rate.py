@@ -133,7 +133,9 @@ def main() -> None:
         started = time.perf_counter()
         unbounded = run(model, requests, DEFAULT, UNBOUNDED)
         all_checkpoints = unbounded.stats.checkpoints
-        budgets = {f: UNBOUNDED if f is None else int(f * all_checkpoints * checkpoint_bytes) for f in BUDGET_FRACTIONS}
+        smallest = kv_block_bytes + checkpoint_bytes  # a cache refuses less (small workloads, e.g. a short JSONL file)
+        budgets = {f: UNBOUNDED if f is None else max(int(f * all_checkpoints * checkpoint_bytes), smallest)
+                   for f in BUDGET_FRACTIONS}
         print(f"## {name}: {len(requests)} requests, {tokens} prompt tokens; the defaults store {all_checkpoints} "
               f"checkpoints ({all_checkpoints * checkpoint_bytes / GIB:.1f} GiB) without a budget")
         header = ["config"] + [f"{budget_label(f)} ({b / GIB:.2f} GiB)" if f else "unbounded" for f, b in budgets.items()]
@@ -172,7 +174,7 @@ def main() -> None:
             for fraction in budgets:
                 checked, within, worst = chat_replay_check(requests, dataset, results[DEFAULT.name, fraction],
                                                            probe.block_size)
-                print(f"(b) {DEFAULT.name}, budget {budget_label(fraction)}: {within}/{checked} later turns replay at "
+                print(f"chat turns, {DEFAULT.name}, budget {budget_label(fraction)}: {within}/{checked} later turns replay at "
                       f"most block_size + the added tokens (worst: {worst:+d} beyond the added tokens)")
         if not args.quick:
             alpha_rows = []
@@ -194,7 +196,7 @@ def main() -> None:
                     abs_row.append(f"{result.stats.token_hit_rate:.3f}")
                     if (name == "b_multi_turn" or args.jsonl) and config is DEFAULT:
                         checked, within, worst = chat_replay_check(requests, dataset, result, probe.block_size)
-                        print(f"(b) {DEFAULT.name}, budget {gib:g} GiB: {within}/{checked} later turns within the "
+                        print(f"chat turns, {DEFAULT.name}, budget {gib:g} GiB: {within}/{checked} later turns within the "
                               f"bound (worst: {worst:+d} beyond the added tokens)")
                 abs_rows.append(abs_row)
             print("\nBy absolute budget:\n")
