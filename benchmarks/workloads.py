@@ -163,7 +163,11 @@ def agent_tree(
 
 def load_jsonl_chats(path: str) -> datasets.Dataset:
     """A local JSONL file of chats (one ``{"messages": [{"role", "content"}, ...]}`` per line) as requests: one per
-    assistant message, whose prompt is the messages before it, chats in file order."""
+    assistant message, whose prompt is the messages before it, chats in file order.
+
+    Raises:
+        ValueError: no line has an assistant message after another message (nothing to replay).
+    """
     chats = datasets.load_dataset("json", data_files=path, split="train")
     rows = []
     for c, chat in enumerate(chats):
@@ -171,6 +175,11 @@ def load_jsonl_chats(path: str) -> datasets.Dataset:
         for i, message in enumerate(messages):
             if message["role"] == "assistant" and i > 0:
                 rows.append({"session": f"chat-{c}", "messages": messages[:i], "reply": message["content"]})
+    if not rows:
+        raise ValueError(
+            f"{path!r} holds no assistant message after another message, so it gives no request to replay; each line "
+            'needs {"messages": [..., {"role": "user", ...}, {"role": "assistant", ...}]}.'
+        )
     return _rows_to_dataset(rows)
 
 

@@ -191,8 +191,8 @@ class HybridPrefixCache(Cache):
 
     @max_cache_bytes.setter
     def max_cache_bytes(self, max_cache_bytes: int | None) -> None:
-        """Change the budget; when it shrinks, least-recently-used entries are evicted at once. Waits for a running
-        call in another thread.
+        """Change the budget; when it shrinks, the entries the eviction policy ranks lowest are evicted at once. Waits
+        for a running call in another thread.
 
         Raises:
             ValueError: not None or a positive int, or smaller than one KV block plus one checkpoint.

@@ -52,6 +52,15 @@ def test_jsonl_chats_give_one_request_per_assistant_message(tmp_path):
     assert requests["messages"][1] == chats[0][:3]
 
 
+def test_jsonl_without_replies_is_refused_with_advice(tmp_path):
+    """A file without an assistant reply used to give an empty dataset that crashed the benchmarks later with
+    "Column 'session' doesn't exist"."""
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "no reply"}]}) + "\n")
+    with pytest.raises(ValueError, match="no assistant message"):
+        load_jsonl_chats(str(path))
+
+
 @pytest.mark.parametrize("eviction", ["flop_aware", "lru"])
 def test_simulated_hits_equal_real_hits(eviction):
     """Real greedy runs of an agent-tree trace under a budget that forces evictions, then the same trace (prompts and

@@ -8,6 +8,7 @@ import torch
 
 from conftest import assert_matches_cold, greedy, random_ids
 from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache.checks import check_store
 from hf_hybridcache.toy import build_model
 from test_batches import left_pad
 
@@ -129,3 +130,20 @@ def test_direct_forward_with_gradients(model, cold_model, family):
     with torch.no_grad():
         reference = cold_model(ids).logits
     torch.testing.assert_close(logits.detach(), reference, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("eviction", ["lru", "flop_aware"])
+@pytest.mark.parametrize("family", ["jamba"])
+def test_tight_budget_keeps_a_checkpoint_instead_of_kv_no_hit_can_use(model, cold_model, eviction):
+    """A budget of one checkpoint plus three KV blocks: a 64-token prompt used to store all 4 of its KV blocks first,
+    and then none of its checkpoints fitted (its own pinned blocks cannot be evicted), so an identical re-run never
+    hit. KV past the deepest block whose checkpoint can fit next to its chain serves no hit; not storing it leaves
+    room for the prompt-end checkpoint at 48 (the last boundary below the prompt length)."""
+    cache = HybridPrefixCache(model, block_size=16, eviction=eviction)
+    cache.max_cache_bytes = 3 * cache.spec.kv_block_bytes + cache.spec.checkpoint_bytes
+    ids = random_ids(64, seed=5)
+    assert_matches_cold(model, cold_model, cache, ids, new_tokens=4)
+    assert (cache.stats.kv_blocks, cache.stats.checkpoints) == (3, 1)
+    assert_matches_cold(model, cold_model, cache, ids, new_tokens=4)
+    assert cache.last_hit_tokens == [48]
+    check_store(cache)
