@@ -84,7 +84,7 @@ class SimulationResult:
 
     Attributes:
         hits, replays, prompt_lengths: per request, restored tokens, tokens run at prefill and prompt length.
-        peak_stored_bytes: the most bytes stored at any forward's end.
+        peak_stored_bytes: the most bytes stored at the end of any request.
         stats: the cache's :class:`~hf_hybridcache.PrefixCacheStats` after the last request.
         flop_hit_rate: prefill FLOPs restored instead of computed, over all prompts' prefill FLOPs.
     """

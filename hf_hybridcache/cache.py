@@ -708,12 +708,17 @@ class HybridPrefixCache(Cache):
             )
             if end % bs == 0:
                 captured[end] = self._live_row_states(index)
+            start = end - num_tokens
             retained = retained_boundaries(
-                end - num_tokens, end, row.prompt_tokens, bs, self.options.retention_tokens, row.divergence_tokens
+                start, end, row.prompt_tokens, bs, self.options.retention_tokens, row.divergence_tokens
+            )
+            # A divergence checkpoint counts only where nothing else (retention, prompt end) would have kept one.
+            admitted = set(retained) - set(
+                retained_boundaries(start, end, row.prompt_tokens, bs, self.options.retention_tokens)
             )
             for boundary in sorted(captured):
                 stored = store_row_checkpoint(self._store, row, boundary, captured[boundary], boundary not in retained)
-                if stored and boundary == row.divergence_tokens:
+                if stored and boundary in admitted:
                     self._counters["divergence_checkpoints"] += 1
         if not request.rollback:
             request.captured.clear()

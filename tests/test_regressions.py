@@ -147,3 +147,21 @@ def test_tight_budget_keeps_a_checkpoint_instead_of_kv_no_hit_can_use(model, col
     assert_matches_cold(model, cold_model, cache, ids, new_tokens=4)
     assert cache.last_hit_tokens == [48]
     check_store(cache)
+
+
+
+def test_divergence_checkpoints_count_only_what_admission_added(model, cold_model, tmp_path):
+    """A path stored without retention, then loaded with dense retention: the next prompt diverges at 288, where dense
+    retention keeps a checkpoint anyway, so the stat must not count it as admitted (it did)."""
+    trunk = random_ids(300, seed=70)
+    prompts = [torch.cat([trunk, random_ids(30, seed=71 + i)], dim=1) for i in range(3)]
+    cache = HybridPrefixCache(model, retention_interval=0)
+    assert_matches_cold(model, cold_model, cache, prompts[0], 4)
+    cache.save(tmp_path / "cache")
+    cache = HybridPrefixCache.load(tmp_path / "cache", model, retention_interval="dense")
+    hits = []
+    for ids in prompts[1:]:
+        assert_matches_cold(model, cold_model, cache, ids, 4)
+        hits.append(cache.last_hit_tokens[0])
+    assert hits == [0, 288]
+    assert cache.stats.divergence_checkpoints == 0
