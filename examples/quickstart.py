@@ -11,8 +11,13 @@ request the prompt tokens, the hit, TTFT without vs with the cache and whether t
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
+
+# On a shared, oversubscribed CPU, OpenMP threads that spin at barriers stall every small torch op (set before torch
+# loads OpenMP; the same setting as benchmarks/ttft.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 from transformers.generation.streamers import BaseStreamer

@@ -7,6 +7,13 @@ from conftest import assert_matches_cold, assert_restored_states_match, random_i
 from hf_hybridcache import HybridPrefixCache
 
 
+@pytest.fixture(autouse=True, params=["flop_aware", "lru"])
+def eviction(request, monkeypatch):
+    """Every scenario runs under both eviction policies: the default a cache is built with is switched."""
+    monkeypatch.setitem(HybridPrefixCache.__init__.__kwdefaults__, "eviction", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("length,expected_hit", [(100, 96), (96, 80), (17, 16), (16, 0)])
 def test_same_prompt_twice(model, cold_model, length, expected_hit):
     cache = HybridPrefixCache(model)
@@ -69,19 +76,19 @@ def test_dropped_checkpoint_backs_off_while_its_kv_stays(model, cold_model):
     assert cache.last_hit_tokens == [96]
 
 
-@pytest.mark.parametrize(
-    "eviction,expected_hits",
-    [
-        # LRU under a budget of four checkpoints: dense retention of one trunk evicts the other trunk.
-        ("lru", [0, 32, 0, 0, 32, 0, 64, 0, 0, 0]),
-        # FLOP-aware keeps the deep checkpoints (64 and 32 tokens saved) over the newer shallow ones.
-        ("flop_aware", [0, 32, 0, 0, 32, 64, 64, 32, 64, 32]),
-    ],
-)
-def test_tiny_budget_with_eviction_churn(model, cold_model, eviction, expected_hits):
+CHURN_HITS = {
+    # LRU under a budget of four checkpoints: dense retention of one trunk evicts the other trunk.
+    "lru": [0, 32, 0, 0, 32, 0, 64, 0, 0, 0],
+    # FLOP-aware keeps the deep checkpoints (64 and 32 tokens saved) over the newer shallow ones.
+    "flop_aware": [0, 32, 0, 0, 32, 64, 64, 32, 64, 32],
+}
+
+
+def test_tiny_budget_with_eviction_churn(model, cold_model, eviction):
+    expected_hits = CHURN_HITS[eviction]
     probe = HybridPrefixCache(model)
     budget = 8 * probe.spec.kv_block_bytes + 4 * probe.spec.checkpoint_bytes
-    cache = HybridPrefixCache(model, retention_interval="dense", max_cache_bytes=budget, eviction=eviction)
+    cache = HybridPrefixCache(model, retention_interval="dense", max_cache_bytes=budget)
     trunks = [random_ids(40, seed=20), random_ids(70, seed=21)]
     hits = []
     for i, which in enumerate([0, 0, 1, 0, 0, 1, 1, 0, 1, 0]):
