@@ -238,8 +238,14 @@ class HybridPrefixCache(Cache):
         )
 
     def reset(self) -> None:
-        """End the live request and empty the live layers; stored blocks and checkpoints stay."""
-        with self._shared.lock:
+        """End the live request and empty the live layers; stored blocks and checkpoints stay. Waits for a running
+        call in another thread.
+
+        Raises:
+            RuntimeError: called from inside a running ``generate()`` in this thread (it would empty that call's live
+                layers).
+        """
+        with self._shared.idle("reset()"):
             self._end_request()
             self.layers = _compat.new_live_layers(self.model.config)
 

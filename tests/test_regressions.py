@@ -165,3 +165,27 @@ def test_divergence_checkpoints_count_only_what_admission_added(model, cold_mode
         hits.append(cache.last_hit_tokens[0])
     assert hits == [0, 288]
     assert cache.stats.divergence_checkpoints == 0
+
+
+def test_reset_from_a_running_call_fails_fast(model, cold_model):
+    """reset() from a streamer of a running generate() emptied the call's live layers, so the rest of the call
+    decoded from an empty state and its output differed from the cold run with no error."""
+    cache = HybridPrefixCache(model)
+    ids = random_ids(50, seed=531)
+    caught = []
+
+    class ResettingStreamer:
+        def put(self, value):
+            if not caught:
+                with pytest.raises(RuntimeError, match="generate"):
+                    cache.reset()
+                caught.append(True)
+
+        def end(self):
+            pass
+
+    out, _ = greedy(model, ids, cache, streamer=ResettingStreamer())
+    assert caught, "the streamer was never called"
+    assert torch.equal(out, greedy(cold_model, ids)[0])
+    assert_matches_cold(model, cold_model, cache, ids)
+    assert cache.last_hit_tokens == [48]
