@@ -1,6 +1,6 @@
 """Token hit rate and stored bytes per policy x budget, by trace simulation on a Jamba-1.5-Mini-sized model.
 
-    PYTHONPATH=. python benchmarks/hit_rate.py                 # every workload, about half an hour on 2 CPU cores
+    PYTHONPATH=. python benchmarks/hit_rate.py                 # every workload, about 20 minutes on 2 CPU cores
     PYTHONPATH=. python benchmarks/hit_rate.py --workloads d_agent_tree --quick
     PYTHONPATH=. python benchmarks/hit_rate.py --jsonl chats.jsonl     # your own chats, one {"messages": [...]} a line
 
