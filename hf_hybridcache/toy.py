@@ -39,225 +39,142 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def _tiny_jamba(**overrides):
-    from transformers import JambaConfig
+#: Settings every tiny config shares (``tiny_config`` adds each family's own on top).
+_COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    initializer_range=0.1,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
-    kwargs = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_layer_period=4,
-        attn_layer_offset=2,
-        expert_layer_period=2,
-        expert_layer_offset=1,
-        num_experts=1,
-        mamba_d_state=16,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        mamba_dt_rank=8,
-        initializer_range=0.1,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-    )
-    kwargs.update(overrides)
-    return JambaConfig(**kwargs)
-
-
-def _tiny_zamba(**overrides):
-    """Mamba-1 layers with two heads each and two hybrid layers, so the shared transformer block writes KV at two
-    layer indices."""
-    from transformers import ZambaConfig
-
-    kwargs = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=5,
-        layers_block_type=["linear_attention", "linear_attention", "hybrid", "linear_attention", "hybrid"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        n_mamba_heads=2,
-        mamba_d_state=16,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        mamba_dt_rank=8,
-        initializer_range=0.1,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        # Tied embeddings make this tiny model repeat the last prompt token forever (the input embedding dominates
-        # the residual stream), which leaves greedy comparisons and stop strings nothing to check. transformers ties
-        # the shared block's copies only when this is True, so here each hybrid layer has its own block; the cache
-        # layout (KV on each hybrid layer index) is the same either way.
-        tie_word_embeddings=False,
-    )
-    kwargs.update(overrides)
-    return ZambaConfig(**kwargs)
-
-
-def _tiny_zamba2(**overrides):
-    """Mamba-2 layers and two hybrid layers sharing one attention block (with rotary embeddings and per-layer
-    adapters). ``chunk_size=12`` is neither a divisor nor a multiple of the default ``block_size`` 16, so block
-    boundaries fall inside chunks."""
-    from transformers import Zamba2Config
-
-    kwargs = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid"],
-        num_attention_heads=4,
-        # transformers 5.23's adapters project to the full attention width, so they need as many KV heads as
-        # query heads (as in the published Zamba2 checkpoints that use them).
-        num_key_value_heads=4,
-        num_mem_blocks=1,
-        use_shared_attention_adapter=True,
-        adapter_rank=8,
-        use_mem_rope=True,
-        n_mamba_heads=4,
-        mamba_d_state=16,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        mamba_ngroups=2,
-        chunk_size=12,
-        max_position_embeddings=16384,  # the quickstart's prompts exceed the 2048/4096 defaults
-        initializer_range=0.1,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    kwargs.update(overrides)
-    return Zamba2Config(**kwargs)
-
-
-def _tiny_falcon_h1(**overrides):
-    """Attention and Mamba-2 side by side in every layer, with non-trivial µP multipliers. ``mamba_chunk_size=32``
-    is a multiple of the default ``block_size`` 16: every other block boundary is a chunk boundary."""
-    from transformers import FalconH1Config
-
-    kwargs = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        mamba_d_ssm=128,
-        mamba_n_heads=4,
-        mamba_d_state=16,
-        mamba_d_conv=4,
-        mamba_n_groups=2,
-        mamba_chunk_size=32,
-        ssm_in_multiplier=1.5,
-        ssm_multipliers=[1.0, 1.2, 0.8, 1.0, 1.1],
-        initializer_range=0.1,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    kwargs.update(overrides)
-    return FalconH1Config(**kwargs)
-
-
-def _tiny_bamba(**overrides):
-    """Mamba-2 layers around one attention layer; ``mamba_chunk_size=8`` divides the default ``block_size`` 16."""
-    from transformers import BambaConfig
-
-    kwargs = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        attn_layer_indices=[2],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        mamba_n_heads=4,
-        mamba_d_state=16,
-        mamba_d_conv=4,
-        mamba_n_groups=2,
-        mamba_chunk_size=8,
-        initializer_range=0.1,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    kwargs.update(overrides)
-    return BambaConfig(**kwargs)
-
-
-def _tiny_granitemoehybrid(**overrides):
-    """Mamba-2 layers around one attention layer, dense MLPs (no experts), no position embedding as in Granite 4.0-H;
-    ``mamba_chunk_size=16`` equals the default ``block_size``."""
-    from transformers import GraniteMoeHybridConfig
-
-    kwargs = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        shared_intermediate_size=128,
-        num_local_experts=0,
-        num_hidden_layers=4,
-        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        mamba_n_heads=4,
-        mamba_d_state=16,
-        mamba_d_conv=4,
-        mamba_n_groups=2,
-        mamba_chunk_size=16,
-        max_position_embeddings=16384,  # the quickstart's prompts exceed the 2048/4096 defaults
-        initializer_range=0.1,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    kwargs.update(overrides)
-    return GraniteMoeHybridConfig(**kwargs)
-
-
-def _tiny_nemotron_h(**overrides):
-    """Mamba-2, MLP and attention layers; ``chunk_size=20`` is neither a divisor nor a multiple of the default
-    ``block_size`` 16."""
-    from transformers import NemotronHConfig
-
-    kwargs = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        mamba_num_heads=4,
-        mamba_head_dim=32,
-        ssm_state_size=16,
-        n_groups=2,
-        conv_kernel=4,
-        chunk_size=20,
-        max_position_embeddings=16384,  # the quickstart's prompts exceed the 2048/4096 defaults
-        initializer_range=0.1,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    kwargs.update(overrides)
-    return NemotronHConfig(**kwargs)
-
-
+#: family -> (transformers config class, the family's own settings).
 _TINY_CONFIGS = {
-    "jamba": _tiny_jamba,
-    "zamba": _tiny_zamba,
-    "zamba2": _tiny_zamba2,
-    "falcon_h1": _tiny_falcon_h1,
-    "bamba": _tiny_bamba,
-    "granitemoehybrid": _tiny_granitemoehybrid,
-    "nemotron_h": _tiny_nemotron_h,
+    "jamba": (
+        "JambaConfig",
+        dict(
+            num_hidden_layers=4,
+            attn_layer_period=4,
+            attn_layer_offset=2,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=1,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_dt_rank=8,
+            tie_word_embeddings=False,
+        ),
+    ),
+    # Mamba-1 layers with two heads each and two hybrid layers, so the shared transformer block writes KV at two
+    # layer indices.
+    "zamba": (
+        "ZambaConfig",
+        dict(
+            num_hidden_layers=5,
+            layers_block_type=["linear_attention", "linear_attention", "hybrid", "linear_attention", "hybrid"],
+            n_mamba_heads=2,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_dt_rank=8,
+            # Tied embeddings make this tiny model repeat the last prompt token forever (the input embedding
+            # dominates the residual stream), which leaves greedy comparisons and stop strings nothing to check.
+            # transformers ties the shared block's copies only when this is True, so here each hybrid layer has its
+            # own block; the cache layout (KV on each hybrid layer index) is the same either way.
+            tie_word_embeddings=False,
+        ),
+    ),
+    # Mamba-2 layers and two hybrid layers sharing one attention block (with rotary embeddings and per-layer
+    # adapters). ``chunk_size=12`` is neither a divisor nor a multiple of the default ``block_size`` 16, so block
+    # boundaries fall inside chunks.
+    "zamba2": (
+        "Zamba2Config",
+        dict(
+            num_hidden_layers=4,
+            layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid"],
+            # transformers 5.23's adapters project to the full attention width, so they need as many KV heads as
+            # query heads (as in the published Zamba2 checkpoints that use them).
+            num_key_value_heads=4,
+            num_mem_blocks=1,
+            use_shared_attention_adapter=True,
+            adapter_rank=8,
+            use_mem_rope=True,
+            n_mamba_heads=4,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_ngroups=2,
+            chunk_size=12,
+            max_position_embeddings=16384,  # the quickstart's prompts exceed the 2048/4096 defaults
+        ),
+    ),
+    # Attention and Mamba-2 side by side in every layer, with non-trivial µP multipliers. ``mamba_chunk_size=32`` is
+    # a multiple of the default ``block_size`` 16: every other block boundary is a chunk boundary.
+    "falcon_h1": (
+        "FalconH1Config",
+        dict(
+            num_hidden_layers=3,
+            mamba_d_ssm=128,
+            mamba_n_heads=4,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_n_groups=2,
+            mamba_chunk_size=32,
+            ssm_in_multiplier=1.5,
+            ssm_multipliers=[1.0, 1.2, 0.8, 1.0, 1.1],
+        ),
+    ),
+    # Mamba-2 layers around one attention layer; ``mamba_chunk_size=8`` divides the default ``block_size`` 16.
+    "bamba": (
+        "BambaConfig",
+        dict(
+            num_hidden_layers=4,
+            attn_layer_indices=[2],
+            mamba_n_heads=4,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_n_groups=2,
+            mamba_chunk_size=8,
+        ),
+    ),
+    # Mamba-2 layers around one attention layer, dense MLPs (no experts), no position embedding as in Granite 4.0-H;
+    # ``mamba_chunk_size=16`` equals the default ``block_size``.
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        dict(
+            shared_intermediate_size=128,
+            num_local_experts=0,
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+            mamba_n_heads=4,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_n_groups=2,
+            mamba_chunk_size=16,
+            max_position_embeddings=16384,  # the quickstart's prompts exceed the 2048/4096 defaults
+        ),
+    ),
+    # Mamba-2, MLP and attention layers; ``chunk_size=20`` is neither a divisor nor a multiple of the default
+    # ``block_size`` 16.
+    "nemotron_h": (
+        "NemotronHConfig",
+        dict(
+            layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention"],
+            head_dim=16,
+            mamba_num_heads=4,
+            mamba_head_dim=32,
+            ssm_state_size=16,
+            n_groups=2,
+            conv_kernel=4,
+            chunk_size=20,
+            max_position_embeddings=16384,  # the quickstart's prompts exceed the 2048/4096 defaults
+        ),
+    ),
 }
 
 
@@ -269,7 +186,10 @@ def tiny_config(family: str = "jamba", **overrides):
     """
     if family not in _TINY_CONFIGS:
         raise ValueError(f"No tiny config for family {family!r}; available: {', '.join(sorted(_TINY_CONFIGS))}.")
-    return _TINY_CONFIGS[family](**overrides)
+    import transformers
+
+    class_name, settings = _TINY_CONFIGS[family]
+    return getattr(transformers, class_name)(**{**_COMMON, **settings, **overrides})
 
 
 def long_memory_init_(

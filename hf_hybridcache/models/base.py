@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ModelStateSpec
+from ..config import AttentionLayerSpec, ModelStateSpec
 
 
 @dataclass(frozen=True)
@@ -23,3 +23,9 @@ class ModelSupport:
     model_types: tuple[str, ...]
     install: Callable[[torch.nn.Module], None]
     state_spec: Callable[[torch.nn.Module, int], ModelStateSpec]
+
+
+def attention_layer_spec(layer_idx: int, attention: torch.nn.Module) -> AttentionLayerSpec:
+    """KV of one attention module with ``k_proj`` and ``head_dim`` (GQA heads counted from ``k_proj``)."""
+    num_kv_heads = attention.k_proj.out_features // attention.head_dim
+    return AttentionLayerSpec(layer_idx, num_kv_heads, attention.head_dim, attention.k_proj.weight.dtype)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from .. import _compat
-from ..config import AttentionLayerSpec, MambaLayerSpec, ModelStateSpec, TensorSpec
+from ..config import MambaLayerSpec, ModelStateSpec, TensorSpec
 from ..kernels import selective_scan
-from .base import ModelSupport
+from .base import ModelSupport, attention_layer_spec
 from .mamba1 import apply_padding_mask, causal_conv, conv_states_at, patch_mixers
 
 MIXER_CLASS = "JambaMambaMixer"
@@ -83,9 +83,7 @@ def state_spec(model: torch.nn.Module, block_size: int) -> ModelStateSpec:
                 )
             )
         else:
-            attn = layer.self_attn
-            num_kv_heads = attn.k_proj.out_features // attn.head_dim
-            attention.append(AttentionLayerSpec(idx, num_kv_heads, attn.head_dim, attn.k_proj.weight.dtype))
+            attention.append(attention_layer_spec(idx, layer.self_attn))
     return ModelStateSpec(tuple(attention), tuple(mamba), block_size)
 
 

@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from .. import _compat
-from ..config import AttentionLayerSpec, MambaLayerSpec, ModelStateSpec, TensorSpec
+from ..config import MambaLayerSpec, ModelStateSpec, TensorSpec
 from ..kernels import mamba2_chunk_scan
-from .base import ModelSupport
+from .base import ModelSupport, attention_layer_spec
 from .mamba1 import apply_padding_mask, checkpoint_positions, conv_states_at
 
 
@@ -145,12 +145,6 @@ def mamba_layer_spec(layer_idx: int, mixer) -> MambaLayerSpec:
         conv=TensorSpec((mixer.conv_dim, mixer.conv_kernel_size), mixer.in_proj.weight.dtype),
         ssm=TensorSpec((mixer.num_heads, mixer.head_dim, mixer.ssm_state_size), torch.float32),
     )
-
-
-def attention_layer_spec(layer_idx: int, attention) -> AttentionLayerSpec:
-    """KV of one attention module with ``k_proj`` and ``head_dim`` (GQA heads counted from ``k_proj``)."""
-    num_kv_heads = attention.k_proj.out_features // attention.head_dim
-    return AttentionLayerSpec(layer_idx, num_kv_heads, attention.head_dim, attention.k_proj.weight.dtype)
 
 
 def state_spec(model: torch.nn.Module, block_size: int, variant: Mamba2Variant) -> ModelStateSpec:
