@@ -714,17 +714,17 @@ class HybridPrefixCache(Cache):
             )
             if end % bs == 0:
                 captured[end] = self._live_row_states(index)
-            start = end - num_tokens
-            retained = retained_boundaries(
-                start, end, row.prompt_tokens, bs, self.options.retention_tokens, row.divergence_tokens
-            )
+            if not captured:  # most decode steps
+                continue
+            start, divergence = end - num_tokens, row.divergence_tokens
+            retained = retained_boundaries(start, end, row.prompt_tokens, bs, self.options.retention_tokens, divergence)
             # A divergence checkpoint counts only where nothing else (retention, prompt end) would have kept one.
-            admitted = set(retained) - set(
-                retained_boundaries(start, end, row.prompt_tokens, bs, self.options.retention_tokens)
+            admitted = divergence in captured and divergence not in retained_boundaries(
+                start, end, row.prompt_tokens, bs, self.options.retention_tokens
             )
             for boundary in sorted(captured):
                 stored = store_row_checkpoint(self._store, row, boundary, captured[boundary], boundary not in retained)
-                if stored and boundary in admitted:
+                if stored and admitted and boundary == divergence:
                     self._counters["divergence_checkpoints"] += 1
         if not request.rollback:
             request.captured.clear()
