@@ -186,7 +186,7 @@ def main() -> None:
                     alpha_curves.setdefault(name, []).append((fraction, alpha, rate))
                     row.append(f"{rate:.3f}")
                 alpha_rows.append(row)
-            print(f"\nflop_aware + divergence admission, retention 0: token hit rate by alpha:\n")
+            print("\nflop_aware + divergence admission, retention 0: token hit rate by alpha:\n")
             print(markdown(["budget"] + [f"alpha {a:g}" for a in ALPHAS], alpha_rows))
             abs_rows = []
             for config in (BASELINE, DEFAULT):

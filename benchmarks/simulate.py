@@ -24,8 +24,7 @@ import datasets
 import torch
 from transformers import AutoModelForCausalLM, JambaConfig
 
-from hf_hybridcache import HybridPrefixCache
-from hf_hybridcache import _compat
+from hf_hybridcache import HybridPrefixCache, _compat
 from hf_hybridcache.flops import FlopModel
 
 

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
         identical.append(torch.equal(row[: len(alone)], alone) and bool((row[len(alone) :] == tokenizer.pad_token_id).all()))
         length = int(batch["attention_mask"][i].sum())
         print(f"{i:>3} {length:>7} {cache.last_hit_tokens[i]:>6} {length - cache.last_hit_tokens[i]:>8} "
-              f"{str(identical[-1]):>33}")
+              f"{identical[-1]!s:>33}")
     print(f"batched generate: {cold_seconds:.2f} s without the cache, {cached_seconds:.2f} s with it "
           f"({cold_seconds / cached_seconds:.1f}x); same tokens as the uncached batch: {torch.equal(cold, cached)}")
     return {"hits": list(cache.last_hit_tokens), "identical": identical, "speedup": cold_seconds / cached_seconds}

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
         name = "greedy" if r["draft"] is None else f"prompt lookup, {r['draft']} drafts"
         r["identical"] = torch.equal(r["out"], plain["out"])
         print(f"{name:<24} {args.new_tokens / r['seconds']:>9.1f} {plain['seconds'] / r['seconds']:>8.2f}x "
-              f"{str(r['identical']):>20}")
+              f"{r['identical']!s:>20}")
     distinct = len(set(plain["out"][0, ids.shape[1] :].tolist()))
     print(f"the greedy reply uses {distinct} distinct tokens: {tokenizer.decode(plain['out'][0, ids.shape[1]:])[:60]!r}...")
     return {"speedups": {r["draft"]: plain["seconds"] / r["seconds"] for r in rows[1:]},

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{'speed-up':>8} {'identical':>9}")
     for i, r in enumerate(rows, 1):
         print(f"{i:>7} {r['prompt']:>7} {r['hit']:>6} {r['prompt'] - r['hit']:>8} {r['ttft_cold'] * 1e3:>11.0f} ms "
-              f"{r['ttft_cached'] * 1e3:>9.0f} ms {r['ttft_cold'] / r['ttft_cached']:>7.1f}x {str(r['identical']):>9}")
+              f"{r['ttft_cached'] * 1e3:>9.0f} ms {r['ttft_cold'] / r['ttft_cached']:>7.1f}x {r['identical']!s:>9}")
     stats = cache.stats
     print(f"stats: {stats}")
     print(f"token hit rate {stats.token_hit_rate:.1%}, stored {stats.stored_bytes / 2**20:.1f} MiB of "

@@ -1,8 +1,8 @@
 """Batches with left padding: every row restores its own hit and equals that row run alone, cold."""
 
 import torch
-
 from conftest import NEW_TOKENS, assert_matches_cold, greedy, random_ids
+
 from hf_hybridcache import HybridPrefixCache
 
 

@@ -3,9 +3,9 @@ Mamba-1 mixers)."""
 
 import pytest
 import torch
+from conftest import MAMBA1_FAMILIES, MAMBA2_FAMILIES, random_ids
 from transformers import DynamicCache
 
-from conftest import MAMBA1_FAMILIES, MAMBA2_FAMILIES, random_ids
 from hf_hybridcache import HybridPrefixCache
 
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 from accelerate import dispatch_model, infer_auto_device_map
 from accelerate.utils import compute_module_sizes
+from conftest import FAMILIES, assert_matches_cold, random_ids
 from transformers import AutoModelForCausalLM
 
-from conftest import FAMILIES, assert_matches_cold, random_ids
 from hf_hybridcache import HybridPrefixCache, _compat
 from hf_hybridcache.checks import check_store
 from hf_hybridcache.toy import build_model

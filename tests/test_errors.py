@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from conftest import assert_matches_cold, greedy, random_ids
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import assert_matches_cold, greedy, random_ids
 from hf_hybridcache import DEFAULT_MAX_CACHE_BYTES, HybridPrefixCache, _compat
 from hf_hybridcache.checks import check_store, entry_digests
 from hf_hybridcache.toy import VOCAB_SIZE, build_model

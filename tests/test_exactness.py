@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import assert_matches_cold, assert_restored_states_match, random_ids
+
 from hf_hybridcache import HybridPrefixCache
 
 

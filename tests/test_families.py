@@ -4,9 +4,9 @@ long-memory init of the Mamba-1 families (test_mamba2.py checks it for Mamba-2).
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import MAMBA1_FAMILIES, assert_matches_cold, cold_states, greedy, random_ids
 from transformers import AutoModelForCausalLM
 
-from conftest import MAMBA1_FAMILIES, assert_matches_cold, cold_states, greedy, random_ids
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.models import support_for
 from hf_hybridcache.toy import build_model

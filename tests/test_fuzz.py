@@ -8,14 +8,14 @@ CI runs a fixed, bounded set of examples; ``HF_HYBRIDCACHE_FUZZ_EXAMPLES=500`` r
 import os
 
 import torch
+from conftest import greedy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_batches import left_pad
 
-from conftest import greedy
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.checks import check_store, entry_digests
 from hf_hybridcache.toy import VOCAB_SIZE, build_model
-from test_batches import left_pad
 
 EXAMPLES = int(os.environ.get("HF_HYBRIDCACHE_FUZZ_EXAMPLES", "0"))
 FAMILY = "jamba"

@@ -4,9 +4,9 @@ import threading
 
 import pytest
 import torch
+from conftest import assert_matches_cold, greedy, random_ids
 from transformers import TextIteratorStreamer, TextStreamer, pipeline
 
-from conftest import assert_matches_cold, greedy, random_ids
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.toy import byte_tokenizer
 

@@ -4,9 +4,9 @@ the chunk size, unaligned forwards; and a power check for every family (bf16 and
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import MAMBA2_FAMILIES, assert_matches_cold, assert_restored_states_match, random_ids
 from transformers import DynamicCache
 
-from conftest import MAMBA2_FAMILIES, assert_matches_cold, assert_restored_states_match, random_ids
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.kernels import mamba2_chunk_scan_ref, mamba2_recurrent_ref
 from hf_hybridcache.toy import build_model

@@ -7,11 +7,11 @@ import struct
 
 import pytest
 import torch
+from conftest import assert_matches_cold, assert_restored_states_match, random_ids
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 import hf_hybridcache
-from conftest import assert_matches_cold, assert_restored_states_match, random_ids
 from hf_hybridcache import HybridPrefixCache, _compat, persistence
 from hf_hybridcache.checks import check_store, entry_digests
 from hf_hybridcache.toy import build_model

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import MAMBA1_FAMILIES, assert_matches_cold, greedy, random_ids
+
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.checkpoints import CheckpointStore
 from hf_hybridcache.kv_store import KVStore

@@ -5,8 +5,8 @@ import random
 
 import pytest
 import torch
-
 from conftest import greedy
+
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.toy import VOCAB_SIZE, build_model
 

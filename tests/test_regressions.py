@@ -5,12 +5,12 @@ import io
 
 import pytest
 import torch
-
 from conftest import assert_matches_cold, greedy, random_ids
+from test_batches import left_pad
+
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.checks import check_store
 from hf_hybridcache.toy import build_model
-from test_batches import left_pad
 
 
 def pinned_blocks(cache):

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from conftest import assert_matches_cold, random_ids
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import assert_matches_cold, random_ids
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.toy import VOCAB_SIZE
 

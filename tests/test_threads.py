@@ -5,8 +5,8 @@ import threading
 
 import pytest
 import torch
-
 from conftest import assert_matches_cold, greedy, random_ids
+
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.checks import check_store
 

@@ -32,18 +32,18 @@ from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-import gradio as gr  # noqa: E402
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer  # noqa: E402
+import gradio as gr
+import pandas as pd
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer
 
 try:
-    import hf_hybridcache  # noqa: F401
+    import hf_hybridcache
 except ImportError:  # run from a source checkout without `pip install -e .`: the package sits two folders up
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hf_hybridcache import HybridPrefixCache, supported_model_types  # noqa: E402
-from hf_hybridcache.toy import build_model, byte_tokenizer  # noqa: E402
+from hf_hybridcache import HybridPrefixCache, supported_model_types
+from hf_hybridcache.toy import build_model, byte_tokenizer
 
 #: The built-in model: a random-init Jamba-shaped model (6.2M parameters, 2 attention + 6 Mamba layers) with the
 #: long-memory init, big enough that a 1000-token prefill takes visibly longer than replaying one block on 2 CPU cores.
