@@ -24,7 +24,7 @@ import datasets
 import torch
 from transformers import AutoModelForCausalLM, JambaConfig
 
-from hf_hybridcache import HybridPrefixCache, _compat
+from hf_hybridcache import HybridPrefixCache, _compat, lifecycle
 from hf_hybridcache.flops import FlopModel
 
 
@@ -111,7 +111,6 @@ class CacheDriver:
         bs = spec.block_size
         self._block = {idx: torch.empty(2, heads, bs, dim, dtype=dtype, device="meta")
                        for idx, (heads, dim, dtype) in self._kv.items()}
-        cache._live_block_kv = lambda row, pad, block: {idx: t.clone() for idx, t in self._block.items()}
         cache._store.gather_kv = self._gather_kv
 
     def _gather_kv(self, layer_idx: int, block_ids) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +121,8 @@ class CacheDriver:
     def request(self, prompt_ids: list[int], generated_ids: list[int]) -> int:
         """Serve one request; returns its hit (restored tokens)."""
         cache = self.cache
-        cache._begin_request(torch.tensor([prompt_ids]), None, 1)
+        lifecycle.start_request(cache, torch.tensor([prompt_ids]), None, 1)
+        cache._request._live_block_kv = lambda row, pad, block: {idx: t.clone() for idx, t in self._block.items()}
         hit = cache.last_hit_tokens[0]
         for layer_idx, (conv, ssm) in self._states.items():
             if _compat.get_linear_state(cache.layers[layer_idx]) is None:
@@ -134,7 +134,8 @@ class CacheDriver:
 
     def forward(self, token_ids: list[int]) -> None:
         cache, num_tokens = self.cache, len(token_ids)
-        cache._before_forward(torch.tensor([token_ids]), 1, num_tokens)
+        request = cache._request
+        request.before_forward(torch.tensor([token_ids]), 1, num_tokens)
         positions = cache.checkpoint_positions(num_tokens)
         # The model appends the new tokens' KV; a fresh meta tensor of the new length stands for that (torch.cat
         # on meta tensors costs tens of microseconds in Python and would dominate the replay).
@@ -147,7 +148,7 @@ class CacheDriver:
         if positions:
             for layer_idx, state in self._states.items():
                 cache.capture_states(layer_idx, positions, [state] * len(positions))
-        cache._after_forward()
+        request.after_forward()
 
 
 def simulate(model, requests: list[TraceRequest], **cache_kwargs) -> SimulationResult:

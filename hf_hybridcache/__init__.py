@@ -1,6 +1,7 @@
 """Cross-request prefix caching for hybrid attention + Mamba models in Hugging Face transformers."""
 
-from .cache import HybridPrefixCache, PrefixCacheStats
+from .cache import HybridPrefixCache
+from .stats import PrefixCacheStats
 from .config import DEFAULT_MAX_CACHE_BYTES
 from .models import supported_model_types
 

@@ -4,7 +4,9 @@ Threading model: a cache and every view made by ``with_salt`` share one store an
 
 - A ``generate()`` call holds the lock from start to end, so calls from several threads (a Gradio or FastAPI app)
   run one at a time and each sees a consistent store; the live state of a call is its view's live layers.
-- A ``forward()`` called directly with the cache holds the lock for that forward.
+- Every forward with the cache holds the lock for that forward (re-entrant inside the thread's own ``generate()``);
+  both are released in ``finally`` blocks, so a ``KeyboardInterrupt`` or ``SystemExit`` inside a call leaves no lock
+  held.
 - ``save()``, ``clear()``, ``reset()``, ``stats`` and budget changes take the lock too, so they wait for a running
   call. From inside a running ``generate()`` (a streamer or stopping criterion, same thread) the operations that would
   change the store under it, and a second ``generate()`` with the same cache, raise ``RuntimeError`` at once instead
@@ -42,7 +44,6 @@ class SharedState:
     active: Any = None
     lock: threading.RLock = field(default_factory=threading.RLock)
     generating_thread: int | None = None
-    _forwards: threading.local = field(default_factory=threading.local)
 
     @contextlib.contextmanager
     def generate_scope(self):
@@ -79,14 +80,3 @@ class SharedState:
             )
         with self.lock:
             yield
-
-    def enter_forward(self) -> None:
-        """Take the lock for one forward (re-entrant inside this thread's own ``generate()``)."""
-        self.lock.acquire()
-        self._forwards.depth = getattr(self._forwards, "depth", 0) + 1
-
-    def exit_forward(self) -> None:
-        """Give back what :meth:`enter_forward` took in this thread, if it took anything."""
-        if getattr(self._forwards, "depth", 0):
-            self._forwards.depth -= 1
-            self.lock.release()

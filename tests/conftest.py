@@ -88,7 +88,7 @@ def cold_states(cold_model, ids, upto: int):
 
 def assert_restored_states_match(cache: HybridPrefixCache, cold_model, ids, expected_hit: int):
     """Run the cache's own lookup + restore for ids and compare the live layers with a cold run at P."""
-    cache._begin_request(ids, None, 1)
+    cache.restore(ids)
     try:
         assert cache.last_hit_tokens == [expected_hit]
         ref = cold_states(cold_model, ids, expected_hit)

@@ -137,7 +137,7 @@ def test_miss_after_many_hits_starts_from_a_fresh_state(model, cold_model):
         assert_matches_cold(model, cold_model, cache, ids)
     assert cache.last_hit_tokens == [48]
     other = random_ids(50, seed=51)
-    cache._begin_request(other, None, 1)
+    cache.restore(other)
     assert cache.last_hit_tokens == [0]
     assert cache.get_seq_length() == 0
     assert not any(cache.has_previous_state(m.layer_idx) for m in cache.spec.mamba)

@@ -1,4 +1,4 @@
-"""Bookkeeping of the live request: per batch row, the tokens fed to the model and the stored chain they map to.
+"""Per batch row of the live request: the tokens fed to the model, the stored chain they map to, and storing them.
 
 A row's blocks are stored as soon as they are full; its checkpoints at the retained boundaries are kept for good,
 and the checkpoint at the last boundary it reached is kept until a later boundary replaces it (so the last one a
@@ -49,28 +49,6 @@ class Row:
     tentative_block: int | None = None
     divergence_tokens: int = 0
     finished: bool = False
-
-
-@dataclass
-class Request:
-    """The live request: its rows, the live-layout span of the running forward and what it captured.
-
-    Attributes:
-        emit_positions: token counts inside the running forward after which the mixers hand over their states.
-        wanted: boundaries of the running forward whose checkpoints are stored (single-row forwards).
-        rollback: keep every state of the last forward so that rejected draft tokens can be cropped.
-        captured: ``{live position: {mamba layer idx: (conv, ssm)}}`` handed over by the mixers.
-    """
-
-    rows: list[Row]
-    tracking: bool
-    forward_start: int = 0
-    forward_end: int = 0
-    emit_positions: tuple[int, ...] = ()
-    wanted: frozenset[int] = frozenset()
-    rollback: bool = False
-    pad_token_id: int | None = None
-    captured: dict[int, dict[int, LayerState]] = field(default_factory=dict)
 
 
 def store_row_blocks(store: PrefixStore, row: Row, live_block_kv: Callable[[int], dict[int, torch.Tensor]]) -> None:

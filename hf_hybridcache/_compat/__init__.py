@@ -1,0 +1,87 @@
+"""The integration layer: the only code that knows transformers' and accelerate's internals.
+
+Private APIs touched, and why each is needed (transformers 5.23 - 5.24):
+
+- ``GenerationMixin._prefill`` (wrapped on the model instance): the one place that runs before ``generate()`` reads
+  ``cache.get_seq_length()`` to slice the prompt, for greedy, sampling and beam search. The lookup + restore of a
+  request runs there, so ``generate()`` feeds only the uncached tail.
+- ``GenerationMixin._get_candidate_generator`` (wrapped): assisted decoding (prompt lookup, assistant models) never
+  calls ``_prefill``; its request starts here.
+- ``prepare_inputs_for_generation``'s ``next_sequence_length`` (wrapped): assisted decoding's first forward re-feeds
+  the whole prompt; after a restore it must feed only the tail, as ``_prefill`` would.
+- ``PreTrainedModel._is_stateful`` (set per call): ``generate()`` refuses speculative decoding for stateful models;
+  a HybridPrefixCache can roll a recurrent state back, so the refusal is lifted during its calls.
+- ``DynamicLayer`` / ``LinearAttentionLayer`` fields (``keys``, ``values``, ``conv_states``, ``recurrent_states``,
+  ``has_previous_state``, ``lazy_initialization``): restoring a prefix fills fresh live layers, and rolling back a
+  draft token sets their state; there is no public setter.
+- The mixer call convention ``(hidden_states, cache_params | cache, attention_mask)``: the patched mixers read the
+  cache they are given; the kwarg was renamed after 5.23.
+- accelerate's ``_hf_hook`` / ``_old_forward`` / ``weights_map`` / ``execution_device`` and transformers'
+  ``force_accelerate_hooks``: instance patches must sit under accelerate's hooks, and offloaded weights and layer
+  devices are read from them.
+
+Everything here is reached through the names this package re-exports; the model is wrapped per instance (other
+instances and the classes are untouched), and :func:`check_version` guards the tested range at construction.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import transformers
+from packaging.version import Version
+
+from .accelerate import execution_device, force_accelerate_hooks, parameter_values, patch_instance_forward
+from .generation import (
+    Hooks,
+    allow_speculative_decoding,
+    find_cache,
+    install_hooks,
+    run_forward,
+    split_mixer_call,
+)
+from .layers import crop_kv, decoder_layers, get_kv, get_linear_state, new_live_layers, set_kv, set_linear_state
+
+TRANSFORMERS_VERSION = transformers.__version__
+#: The transformers releases the suite runs on (CI runs both ends).
+TESTED_RANGE = (Version("5.23.0"), Version("5.25.0"))
+
+__all__ = [
+    "Hooks", "TESTED_RANGE", "TRANSFORMERS_VERSION", "allow_speculative_decoding", "check_version", "crop_kv",
+    "decoder_layers", "execution_device", "find_cache", "force_accelerate_hooks", "get_kv", "get_linear_state",
+    "install_hooks", "new_live_layers", "parameter_values", "patch_instance_forward", "run_forward", "set_kv",
+    "set_linear_state", "split_mixer_call",
+]
+
+_warned_versions: set[str] = set()
+
+
+def check_version() -> None:
+    """Warn once per process when the installed transformers is outside :data:`TESTED_RANGE`, and refuse it when a
+    private API this layer needs is missing.
+
+    Raises:
+        ValueError: ``GenerationMixin`` lacks ``_prefill`` or ``_get_candidate_generator``, or the cache layers lack
+            the fields a restore writes; names the version and what to install.
+    """
+    from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
+    from transformers.generation.utils import GenerationMixin
+
+    missing = [name for name in ("_prefill", "_get_candidate_generator") if not hasattr(GenerationMixin, name)]
+    missing += [f"{cls.__name__}.lazy_initialization" for cls in (DynamicLayer, LinearAttentionLayer)
+                if not hasattr(cls, "lazy_initialization")]
+    if missing:
+        raise ValueError(
+            f"hf_hybridcache needs transformers internals that transformers {TRANSFORMERS_VERSION} does not have "
+            f"({', '.join(missing)}); install a tested version: pip install 'transformers>={TESTED_RANGE[0]},"
+            f"<{TESTED_RANGE[1]}'."
+        )
+    version = Version(TRANSFORMERS_VERSION)
+    if not TESTED_RANGE[0] <= version < TESTED_RANGE[1] and TRANSFORMERS_VERSION not in _warned_versions:
+        _warned_versions.add(TRANSFORMERS_VERSION)
+        warnings.warn(
+            f"hf_hybridcache is tested with transformers >={TESTED_RANGE[0]},<{TESTED_RANGE[1]} and this is "
+            f"{TRANSFORMERS_VERSION}: outputs are still compared with the model's own code by the tests, but hooks "
+            "into generate() may break; pin a tested version if anything looks off.",
+            stacklevel=3,
+        )

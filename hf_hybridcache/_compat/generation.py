@@ -1,0 +1,195 @@
+"""The generate() and forward() wrappers: where a call enters the package.
+
+``generate()`` looks its decoding methods up on the class, so the wrappers sit on the instance methods it calls
+(each an :class:`~hf_hybridcache._compat.accelerate._InstanceHook`, so deep copies and pickles of the model keep
+them):
+
+- ``generate`` -> ``hooks.generate_call(cache)``, a context manager around the whole call (the cache's lock);
+- ``_prefill`` (greedy, sampling, beams) and ``_get_candidate_generator`` (assisted decoding) ->
+  ``hooks.begin_request(cache, ...)`` before ``generate()`` reads ``cache.get_seq_length()`` and slices the prompt;
+- ``prepare_inputs_for_generation``: assisted decoding's first forward re-feeds the whole prompt, so after a restore
+  it is sliced to the uncached tail as ``_prefill`` would;
+- ``forward`` -> ``hooks.forward_call(cache, ...)``, a context manager around every forward (also direct
+  ``model(ids, past_key_values=cache)`` calls).
+
+The context managers release what they take in ``finally``, so any ``BaseException`` (``KeyboardInterrupt``,
+``SystemExit``) raised inside a call leaves no lock held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .accelerate import _InstanceHook, patch_instance_forward
+
+#: The kwarg a cache travels under: ``past_key_values`` (renamed ``cache`` in transformers 5.24; mixers got
+#: ``cache_params`` up to 5.23).
+CACHE_KWARG_NAMES = ("past_key_values", "cache", "cache_params")
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What the package does at each point of a call (module-level functions, so the model still deep-copies).
+
+    Attributes:
+        find: ``(model, kwargs) -> cache or None``: the package's cache in a call's kwargs (raises ``ValueError`` for
+            a cache built for another model).
+        generate_call: ``cache -> context manager`` held for one ``generate()`` call.
+        begin_request: ``(cache, *, input_ids, attention_mask, inputs_embeds, use_cache, pad_token_id) -> int``:
+            start a request, return the restored prompt tokens.
+        forward_call: ``(cache, *, input_ids, inputs_embeds, use_cache) -> context manager`` held for one forward.
+    """
+
+    find: Callable[[torch.nn.Module, dict], Any]
+    generate_call: Callable[[Any], AbstractContextManager]
+    begin_request: Callable[..., int]
+    forward_call: Callable[..., AbstractContextManager]
+
+
+def find_cache(kwargs: dict[str, Any]) -> Any:
+    """The cache object in a forward()/generate() kwargs dict, under whichever name this version uses."""
+    for name in CACHE_KWARG_NAMES:
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    return None
+
+
+def install_hooks(model: torch.nn.Module, hooks: Hooks) -> None:
+    """Wrap this model instance's ``generate``, ``_prefill``, ``_get_candidate_generator``,
+    ``prepare_inputs_for_generation`` and ``forward`` (idempotent; other instances and the class stay untouched)."""
+    if getattr(model, "_hf_hybridcache_hooks", None) is not None:
+        return
+    model._hf_hybridcache_hooks = hooks
+    for name, wrapper in (
+        ("_prefill", _hooked_prefill),
+        ("_get_candidate_generator", _hooked_candidate_generator),
+        ("prepare_inputs_for_generation", _hooked_prepare_inputs),
+        ("generate", _hooked_generate),
+    ):
+        setattr(model, name, _InstanceHook(model, name, wrapper))
+    patch_instance_forward(model, _wrapped_forward)
+
+
+def _hooked_generate(self, *args, **kwargs):
+    hooks = self._hf_hybridcache_hooks
+    cache = hooks.find(self, kwargs)
+    if cache is None:
+        return type(self).generate(self, *args, **kwargs)
+    with hooks.generate_call(cache), allow_speculative_decoding(self):
+        try:
+            return type(self).generate(self, *args, **kwargs)
+        finally:
+            cache._slice_first_forward = 0
+
+
+def _begin_request(model, input_ids, model_kwargs: dict, generation_config) -> int:
+    hooks = model._hf_hybridcache_hooks
+    cache = hooks.find(model, model_kwargs)
+    if cache is None:
+        return 0
+    pad = generation_config._pad_token_tensor
+    return hooks.begin_request(
+        cache,
+        input_ids=input_ids,
+        attention_mask=model_kwargs.get("attention_mask"),
+        inputs_embeds=model_kwargs.get("inputs_embeds"),
+        use_cache=model_kwargs.get("use_cache"),
+        pad_token_id=None if pad is None else int(pad.reshape(-1)[0]),
+    )
+
+
+def _hooked_prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
+    _begin_request(self, input_ids, model_kwargs, generation_config)
+    return type(self)._prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
+
+
+def _hooked_candidate_generator(self, *args, **kwargs):
+    bound = inspect.signature(type(self)._get_candidate_generator).bind(self, *args, **kwargs).arguments
+    model_kwargs = bound["model_kwargs"]
+    restored = _begin_request(self, bound["input_ids"], model_kwargs, bound["generation_config"])
+    if restored:
+        find_cache(model_kwargs)._slice_first_forward = restored
+    return type(self)._get_candidate_generator(self, *args, **kwargs)
+
+
+def _hooked_prepare_inputs(self, input_ids, *args, **kwargs):
+    cache = find_cache(kwargs)
+    restored = getattr(cache, "_slice_first_forward", 0)
+    if restored and not args and kwargs.get("next_sequence_length") is None:
+        cache._slice_first_forward = 0
+        kwargs["next_sequence_length"] = input_ids.shape[1] - restored
+    return type(self).prepare_inputs_for_generation(self, input_ids, *args, **kwargs)
+
+
+def _wrapped_forward(model, original_forward, *args, **kwargs):
+    hooks = model._hf_hybridcache_hooks
+    cache = hooks.find(model, kwargs)
+    if cache is None:
+        return original_forward(*args, **kwargs)
+    input_ids = kwargs.get("input_ids")
+    if input_ids is None and args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
+        input_ids = args[0]
+    scope = hooks.forward_call(
+        cache, input_ids=input_ids, inputs_embeds=kwargs.get("inputs_embeds"), use_cache=kwargs.get("use_cache")
+    )
+    with scope:
+        return original_forward(*args, **kwargs)
+
+
+_STATEFUL_LOCK = threading.Lock()
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def allow_speculative_decoding(model):
+    """Context manager: let ``generate()`` accept prompt lookup / assistant models for this stateful model (it refuses
+    them because a recurrent state cannot be rolled back; a HybridPrefixCache can roll it back).
+
+    Counted per model, so that calls with different caches in several threads never leave the override behind."""
+    with _STATEFUL_LOCK:
+        depth = vars(model).get("_hf_hybridcache_stateful_depth", 0)
+        if depth == 0:
+            model._hf_hybridcache_stateful_saved = vars(model).get("_is_stateful", _MISSING)
+            model._is_stateful = False
+        model._hf_hybridcache_stateful_depth = depth + 1
+    try:
+        yield
+    finally:
+        with _STATEFUL_LOCK:
+            model._hf_hybridcache_stateful_depth -= 1
+            if model._hf_hybridcache_stateful_depth == 0:
+                saved = model._hf_hybridcache_stateful_saved
+                if saved is _MISSING:
+                    del model._is_stateful
+                else:
+                    model._is_stateful = saved
+
+
+def run_forward(model, input_ids: torch.Tensor, cache) -> None:
+    """One forward of ``input_ids`` ``[1, T]`` over ``cache``, keeping only the last position's logits where the model
+    can.
+
+    Position ids are passed as ``generate()`` passes them: Bamba's forward numbers positions from 0 when they are
+    missing, whatever the cache already holds (transformers 5.23).
+    """
+    kwargs = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    past = cache.get_seq_length()
+    position_ids = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)[None]
+    model(input_ids, past_key_values=cache, use_cache=True, position_ids=position_ids, **kwargs)
+
+
+def split_mixer_call(args: tuple, kwargs: dict[str, Any]):
+    """(hidden_states, cache, attention_mask) of a Mamba mixer call ``(hidden_states, cache_params, attention_mask)``;
+    the cache kwarg is ``cache_params`` up to 5.23 and ``cache`` later."""
+    hidden_states = args[0] if args else kwargs["hidden_states"]
+    cache = args[1] if len(args) > 1 else find_cache(kwargs)
+    attention_mask = args[2] if len(args) > 2 else kwargs.get("attention_mask")
+    return hidden_states, cache, attention_mask

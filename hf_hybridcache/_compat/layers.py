@@ -1,0 +1,53 @@
+"""The live cache layers transformers builds (``DynamicLayer``, ``LinearAttentionLayer`` and their hybrids): reading
+and writing their private fields, because restoring a prefix and rolling back a draft token have no public setter."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+
+def new_live_layers(config) -> list:
+    """Fresh per-layer cache objects, exactly as ``DynamicCache(config=...)`` builds them for this model."""
+    return DynamicCache(config=config.get_text_config(decoder=True)).layers
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder layers; layer ``i`` owns cache layer ``i`` in every supported family."""
+    return model.model.layers
+
+
+def get_kv(layer) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Live keys and values ``[B, Hkv, T, D]`` of an attention layer, or None before its first update."""
+    if not layer.is_initialized or layer.keys is None or layer.keys.numel() == 0:
+        return None
+    return layer.keys, layer.values
+
+
+def set_kv(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Make a fresh attention layer hold ``keys``/``values`` ``[B, Hkv, P, D]`` (taken over, not copied)."""
+    layer.lazy_initialization(keys[..., :0, :], values[..., :0, :])
+    layer.keys, layer.values = keys, values
+
+
+def crop_kv(layer, num_tokens: int) -> None:
+    """Drop the last ``num_tokens`` positions of an attention layer's live KV."""
+    layer.keys = layer.keys[..., :-num_tokens, :]
+    layer.values = layer.values[..., :-num_tokens, :]
+
+
+def get_linear_state(layer, state_idx: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Live (conv state ``[B, C, W]``, SSM state) of a Mamba layer, or None before its first update."""
+    if not layer.has_previous_state[state_idx]:
+        return None
+    return layer.conv_states[state_idx], layer.recurrent_states[state_idx]
+
+
+def set_linear_state(layer, conv: torch.Tensor, ssm: torch.Tensor, state_idx: int = 0) -> None:
+    """Make a fresh Mamba layer hold ``conv``/``ssm`` (taken over, not copied) and say that a state exists, so the
+    mixer continues from it instead of treating the next tokens as a fresh prefill."""
+    layer.lazy_initialization(conv_states=conv, state_idx=state_idx, conv_kernel_size=conv.shape[-1])
+    layer.conv_states[state_idx] = conv
+    layer.lazy_initialization(recurrent_states=ssm, state_idx=state_idx)
+    layer.recurrent_states[state_idx] = ssm
+    layer.has_previous_state[state_idx] = True

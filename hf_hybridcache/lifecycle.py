@@ -1,0 +1,198 @@
+"""The life of one call, in the order it happens; the integration layer (``_compat.generation``) calls these.
+
+1. :func:`generate_call` holds the cache's lock for the whole ``generate()`` call (released in ``finally``).
+2. :func:`begin_request` runs before ``generate()`` reads ``get_seq_length()``: it checks the request, ends the
+   previous one, restores each row's longest stored prefix into fresh live layers (:mod:`~hf_hybridcache.live`;
+   batches via :mod:`~hf_hybridcache.batch`) and makes the new :class:`~hf_hybridcache.live.LiveRequest` live.
+3. :func:`forward_call` wraps every forward: ``before_forward`` plans the boundaries the patched mixers hand their
+   states over at, ``after_forward`` stores new full blocks and checkpoints; a forward that raises (any
+   ``BaseException``) ends the request, since its live state is half-written.
+4. The request stays live after ``generate()`` returns (a direct forward may continue it) and ends when the next one
+   begins, or on ``reset()``/``clear()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from . import _compat
+from .batch import mask_lengths, replay_rows, unpadded_rows
+from .live import LiveRequest, restore_row
+from .placement import layer_devices
+from .rows import Row
+
+logger = logging.getLogger("hf_hybridcache")
+
+
+@contextlib.contextmanager
+def generate_call(cache):
+    """Around one ``generate()`` call: hold the cache's lock; if the call raises, end its request (the live state is
+    half-written and nothing more of it is stored)."""
+    with cache._shared.generate_scope():
+        cache._awaiting_request = True
+        try:
+            yield
+        except BaseException:
+            end_request(cache)
+            raise
+        finally:
+            cache._awaiting_request = cache._rollback_next_request = False
+
+
+def begin_request(cache, *, input_ids, attention_mask, inputs_embeds, use_cache, pad_token_id) -> int:
+    """Start the request of a ``generate()`` call; returns the restored tokens of its first row."""
+    if use_cache is False:
+        # Each step re-feeds the whole sequence and nothing is cached between steps: there is nothing to store.
+        start_request(cache, None, None, input_ids.shape[0], prompt_tokens=input_ids.shape[1])
+        return 0
+    if inputs_embeds is not None:
+        check_request(cache, None)
+        start_request(cache, None, None, inputs_embeds.shape[0], prompt_tokens=inputs_embeds.shape[1])
+    else:
+        check_request(cache, input_ids)
+        start_request(cache, input_ids, attention_mask, input_ids.shape[0], pad_token_id=pad_token_id)
+    return cache.last_hit_tokens[0]
+
+
+@contextlib.contextmanager
+def forward_call(cache, *, input_ids, inputs_embeds, use_cache):
+    """Around one forward with ``cache``: the lock (re-entrant inside this thread's own ``generate()``), the request's
+    bookkeeping before and after, and the end of the request if the forward raises."""
+    with cache._shared.lock:
+        try:
+            if use_cache is False and cache._request is not None:
+                cache._request.stop_tracking("a forward with use_cache=False")
+            if input_ids is not None:
+                _before_forward(cache, input_ids, input_ids.shape[0], input_ids.shape[1])
+            elif inputs_embeds is not None:
+                _before_forward(cache, None, inputs_embeds.shape[0], inputs_embeds.shape[1])
+            yield
+            if cache._request is not None:
+                cache._request.after_forward()
+        except BaseException:
+            end_request(cache)
+            raise
+
+
+def _before_forward(cache, input_ids: torch.Tensor | None, num_rows: int, num_tokens: int) -> None:
+    if cache._request is None:  # a forward outside generate(): one request that starts with this forward
+        end_active_request(cache)
+        # Live layers that hold tokens nobody tracked (a failed or ended request) must not be stored as if they held
+        # this forward's prefix.
+        tracking = num_rows == 1 and input_ids is not None and _live_is_empty(cache)
+        rows = [Row(prompt_tokens=num_tokens, root=cache._root)] if tracking else []
+        cache._request = LiveRequest(cache, rows, tracking)
+        cache._shared.active = cache
+    cache._request.before_forward(input_ids, num_rows, num_tokens)
+
+
+def start_request(
+    cache,
+    input_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    num_rows: int,
+    prompt_tokens: int = 0,
+    pad_token_id: int | None = None,
+) -> None:
+    """End the store's live request, then restore each row's longest hit into fresh live layers and make the new
+    request live. ``input_ids`` ``[B, T]`` (None: nothing is looked up, e.g. ``inputs_embeds``); ``prompt_tokens``
+    counts the prompt when there are no ids."""
+    end_active_request(cache)
+    cache.layers = _compat.new_live_layers(cache.model.config)
+    rows_tokens = unpadded_rows(input_ids, attention_mask)
+    if rows_tokens is None:
+        lengths = [prompt_tokens] * num_rows if input_ids is None else mask_lengths(input_ids, attention_mask)
+        # Nothing is looked up or stored, but a single row still keeps the states speculative decoding needs.
+        single = input_ids is not None and num_rows == 1
+        rows = [Row(prompt_tokens=input_ids.shape[1], storing=False)] if single else []
+        request = LiveRequest(cache, rows, tracking=single)
+        logger.debug(
+            "no prefix reuse for this call (%s); it runs like a fresh cache",
+            "inputs_embeds without input_ids" if input_ids is None else "padding other than left padding",
+        )
+    elif num_rows == 1 and len(rows_tokens[0]) == input_ids.shape[1]:
+        row = restore_row(cache, rows_tokens[0])
+        request = LiveRequest(cache, [row], tracking=True, forward_end=row.hit_tokens)
+        lengths = [len(rows_tokens[0])]
+    else:
+        request = replay_rows(cache, rows_tokens, input_ids)
+        lengths = [len(t) for t in rows_tokens]
+    request.rollback, cache._rollback_next_request, cache._awaiting_request = cache._rollback_next_request, False, False
+    request.pad_token_id = pad_token_id
+    cache._request = request
+    cache._shared.active = cache
+    cache.last_hit_tokens = [row.hit_tokens for row in request.rows] or [0] * num_rows
+    counters = cache._counters
+    counters["requests"] += 1
+    counters["prompt_tokens"] += sum(lengths)
+    counters["hit_tokens"] += sum(cache.last_hit_tokens)
+    logger.debug(
+        "request %d: prompt tokens %s, hit %s, replay %d, divergence at %s",
+        counters["requests"],
+        lengths,
+        cache.last_hit_tokens,
+        sum(lengths) - sum(cache.last_hit_tokens),
+        [row.divergence_tokens for row in request.rows],
+    )
+
+
+def end_request(cache) -> None:
+    """End ``cache``'s live request (if any) and unpin its chains."""
+    request, cache._request = cache._request, None
+    if cache._shared.active is cache:
+        cache._shared.active = None
+    if request is not None:
+        request.end()
+
+
+def end_active_request(cache) -> None:
+    """End the live request of whichever view of the store has one. A request stays live after ``generate()``
+    returns (a direct forward may continue it); only one per store, so views made per call pin nothing for long."""
+    active = cache._shared.active
+    if active is not None:
+        end_request(active)
+
+
+def _live_is_empty(cache) -> bool:
+    return all(_compat.get_kv(cache.layers[a.layer_idx]) is None for a in cache.spec.attention) and all(
+        _compat.get_linear_state(cache.layers[m.layer_idx]) is None for m in cache.spec.mamba
+    )
+
+
+def check_request(cache, input_ids: torch.Tensor | None) -> None:
+    """Refuse, before anything changes, a request that cannot run: the model changed dtype or devices since the cache
+    was built, an empty prompt, token ids outside the vocabulary.
+
+    Raises:
+        ValueError: with what to do.
+    """
+    shared, model = cache._shared, cache.model
+    if model.dtype != shared.dtype:
+        raise ValueError(
+            f"The model is {model.dtype} but this HybridPrefixCache was built for it in {shared.dtype}, and its "
+            f"stored entries are {shared.dtype}; convert the model back or build a new HybridPrefixCache."
+        )
+    devices = layer_devices(model, shared.devices)
+    if devices != shared.devices:
+        moved = {idx: f"{shared.devices[idx]} -> {now}" for idx, now in devices.items() if now != shared.devices[idx]}
+        raise ValueError(
+            f"The model's layers moved to other devices since this HybridPrefixCache was built (layer: was -> now "
+            f"{moved}); move them back or build a new HybridPrefixCache after placing the model."
+        )
+    if input_ids is None:
+        return
+    if input_ids.shape[-1] == 0:
+        raise ValueError(
+            "The prompt is empty: pass at least one token id (e.g. the BOS token); a prefix cache has nothing to "
+            "look up and the model nothing to continue."
+        )
+    vocab_size = model.get_input_embeddings().num_embeddings
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(
+            f"Token id {low if low < 0 else high} is outside the model's vocabulary [0, {vocab_size}); check that "
+            "the tokenizer belongs to this model."
+        )

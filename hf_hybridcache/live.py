@@ -1,0 +1,227 @@
+"""The live request: what one ``generate()`` call (or a run of direct forwards) is doing to a cache's live layers.
+
+A :class:`LiveRequest` is made when a request begins (:mod:`hf_hybridcache.lifecycle`), after the longest stored
+prefix of each row was restored into the live layers (:func:`restore_row`). Around every forward it is told
+:meth:`~LiveRequest.before_forward` (which block boundaries the patched mixers must hand their states over at) and
+:meth:`~LiveRequest.after_forward` (store the new full blocks and the captured checkpoints); :meth:`~LiveRequest.crop`
+rolls rejected draft tokens back, and :meth:`~LiveRequest.end` unpins its chains. It never decides what a store
+keeps beyond what the retention plan says, and never touches transformers' internals except through ``_compat``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import _compat
+from .checkpoints import LayerState
+from .kernels.paged_copy import scatter_kv_blocks
+from .policy import last_boundary, retained_boundaries
+from .rows import Row, store_row_blocks, store_row_checkpoint
+
+logger = logging.getLogger("hf_hybridcache")
+
+
+def restore_row(cache, token_ids: list[int]) -> Row:
+    """Copy the longest stored prefix of ``token_ids`` into ``cache``'s (fresh, single-row) live layers and pin its
+    chain. Returns the row, whose ``hit_tokens`` is the restored length P (0 on a miss)."""
+    store, root = cache._store, cache._root
+    hit = store.lookup(token_ids, root)
+    row = Row(len(token_ids), token_ids=token_ids[: hit.hit_tokens], hit_tokens=hit.hit_tokens, root=root)
+    if cache.options.admit_divergence:
+        row.divergence_tokens = hit.divergence_tokens
+    if not hit.hit_tokens:
+        return row
+    for attn in cache.spec.attention:
+        keys, values = store.gather_kv(attn.layer_idx, hit.block_ids)
+        _compat.set_kv(cache.layers[attn.layer_idx], keys, values)
+    for layer_idx, (conv, ssm) in store.checkpoint_copy(hit.block_ids[-1]).items():
+        _compat.set_linear_state(cache.layers[layer_idx], conv, ssm)
+    store.pin(hit.block_ids)
+    row.block_ids, row.block_hashes = list(hit.block_ids), list(hit.block_hashes)
+    return row
+
+
+class LiveRequest:
+    """The live request of one cache view: its rows, the live-layout span of the running forward and the states the
+    mixers captured in it.
+
+    Args:
+        cache: the :class:`~hf_hybridcache.HybridPrefixCache` (or view) whose live layers the request runs in.
+        rows: one per batch row; empty when nothing is tracked.
+        tracking: False when nothing of the request is stored (unsupported inputs, beam reordering, ...).
+        forward_end: live positions already held (the restored prefix, or the rows assembled for a batch).
+
+    Attributes:
+        emit_positions: token counts inside the running forward after which the mixers hand over their states.
+        wanted: boundaries of the running forward whose checkpoints are stored (single-row forwards).
+        rollback: keep every state of the last forward so that rejected draft tokens can be cropped.
+        captured: ``{live position: {mamba layer idx: (conv, ssm)}}`` handed over by the mixers.
+        in_forward: a forward of this request is running.
+    """
+
+    def __init__(self, cache, rows: list[Row], tracking: bool, forward_end: int = 0) -> None:
+        self.cache = cache
+        self.rows = rows
+        self.tracking = tracking
+        self.forward_start = self.forward_end = forward_end
+        self.emit_positions: tuple[int, ...] = ()
+        self.wanted: frozenset[int] = frozenset()
+        self.rollback = False
+        self.pad_token_id: int | None = None
+        self.captured: dict[int, dict[int, LayerState]] = {}
+        self.in_forward = False
+        store = cache._store
+        self.evicted_at_start = (store.evicted_kv_blocks, store.evicted_checkpoints)
+
+    # ------------------------------------------------------------------ around every forward
+
+    def before_forward(self, input_ids: torch.Tensor | None, num_rows: int, num_tokens: int) -> None:
+        """Record the forward's tokens per row and plan the boundaries the mixers emit states at."""
+        self.in_forward = True
+        self.captured.clear()
+        self.forward_start = self.forward_end
+        self.forward_end += num_tokens
+        self.emit_positions = ()
+        if not self.tracking:
+            return
+        if input_ids is None or num_rows != len(self.rows):
+            self.stop_tracking("a forward without input_ids or with another batch size")
+            return
+        for row, ids in zip(self.rows, input_ids.tolist()):
+            if num_rows > 1 and num_tokens == 1 and ids[0] == self.pad_token_id:
+                # generate() feeds the pad id to rows that already ended (EOS): stop the row where it really ended,
+                # so its decode-end checkpoint and blocks are not replaced by padding.
+                row.finished = True
+            if not row.finished:
+                row.token_ids.extend(ids)
+        if num_rows == 1:  # the mixers emit interior states for single-row forwards
+            self._plan_emits(self.rows[0])
+
+    def _plan_emits(self, row: Row) -> None:
+        start, end, options = self.forward_start, self.forward_end, self.cache.options
+        retained = retained_boundaries(
+            start, end, row.prompt_tokens, options.block_size, options.retention_tokens, row.divergence_tokens
+        )
+        # Besides the retained boundaries the last boundary reached is wanted: it becomes the decode-end checkpoint
+        # if the request stops before the next one.
+        self.wanted = frozenset(retained) | {last_boundary(end, options.block_size)}
+        positions = {b - start for b in self.wanted if start < b < end}
+        if self.rollback:  # draft tokens past the prompt may be rejected: keep every state after them
+            positions.update(range(max(1, row.prompt_tokens - start), end - start))
+        self.emit_positions = tuple(sorted(positions))
+
+    def checkpoint_positions(self, seq_len: int) -> tuple[int, ...]:
+        """Token counts ``1 <= t < seq_len`` of the running forward after which a mixer hands over its state."""
+        if not self.tracking or self.forward_end - self.forward_start != seq_len:
+            return ()
+        return self.emit_positions
+
+    def capture_states(self, layer_idx: int, positions, states: list[LayerState]) -> None:
+        for t, state in zip(positions, states):
+            self.captured.setdefault(self.forward_start + t, {})[layer_idx] = state
+
+    def after_forward(self) -> None:
+        """Store each row's new full blocks and the checkpoints at its retained and last-reached boundaries."""
+        self.in_forward = False
+        if not self.tracking:
+            return
+        options, store = self.cache.options, self.cache._store
+        num_tokens = self.forward_end - self.forward_start
+        for index, row in enumerate(self.rows):
+            if row.finished:
+                continue
+            store_row_blocks(store, row, lambda block: self._live_block_kv(index, row.pad, block))
+            end = len(row.token_ids)
+            single = len(self.rows) == 1
+            captured = {b: self.captured[b] for b in self.wanted if b in self.captured} if single else {}
+            if end % options.block_size == 0:
+                captured[end] = self._live_row_states(index)
+            if not captured:  # most decode steps
+                continue
+            start, divergence = end - num_tokens, row.divergence_tokens
+            plan = (start, end, row.prompt_tokens, options.block_size, options.retention_tokens)
+            retained = retained_boundaries(*plan, divergence)
+            # A divergence checkpoint counts only where nothing else (retention, prompt end) would have kept one.
+            admitted = divergence in captured and divergence not in retained_boundaries(*plan)
+            for boundary in sorted(captured):
+                stored = store_row_checkpoint(store, row, boundary, captured[boundary], boundary not in retained)
+                if stored and admitted and boundary == divergence:
+                    self.cache._counters["divergence_checkpoints"] += 1
+        if not self.rollback:
+            self.captured.clear()
+
+    def _live_block_kv(self, row: int, pad: int, block: int) -> dict[int, torch.Tensor]:
+        """Copies of a row's block ``block`` of live KV: ``{attention layer idx: [2, Hkv, block_size, D]}``."""
+        cache, block_size = self.cache, self.cache.options.block_size
+        start = pad + block * block_size
+        kv = {}
+        for attn in cache.spec.attention:
+            keys, values = _compat.get_kv(cache.layers[attn.layer_idx])
+            kv[attn.layer_idx] = scatter_kv_blocks(keys, values, [start], block_size, row)[0]
+        return kv
+
+    def _live_row_states(self, row: int) -> dict[int, LayerState]:
+        """Copies of one row's live Mamba states: ``{mamba layer idx: (conv [1, C, W], ssm)}``."""
+        states = {}
+        for m in self.cache.spec.mamba:
+            conv, ssm = _compat.get_linear_state(self.cache.layers[m.layer_idx])
+            states[m.layer_idx] = (conv[row : row + 1].clone(), ssm[row : row + 1].clone())
+        return states
+
+    # ------------------------------------------------------------------ rollback and the end
+
+    @property
+    def is_croppable(self) -> bool:
+        return self.rollback and len(self.rows) == 1
+
+    def crop(self, num_tokens: int) -> None:
+        """Drop the last ``num_tokens`` tokens of the last forward: KV is cut, the Mamba state is set back to the copy
+        taken after the kept tokens, and stored blocks past the kept tokens are unpinned.
+
+        Raises:
+            ValueError: the tokens were not all fed by the last forward, or states were not kept, or the batch has
+                more than one row.
+        """
+        keep = self.forward_end - num_tokens
+        states = self.captured.get(keep) if len(self.rows) == 1 else None
+        if states is None or not self.rollback:
+            raise ValueError(
+                "HybridPrefixCache can only roll back tokens fed by the last forward of a single-row request after "
+                "activate_past_recording(); a Mamba state cannot be cut at an earlier token otherwise."
+            )
+        cache = self.cache
+        for attn in cache.spec.attention:
+            _compat.crop_kv(cache.layers[attn.layer_idx], num_tokens)
+        for layer_idx, (conv, ssm) in states.items():
+            _compat.set_linear_state(cache.layers[layer_idx], conv.clone(), ssm.clone())
+        row = self.rows[0]
+        del row.token_ids[keep:]
+        full_blocks = keep // cache.options.block_size
+        cache._store.release(row.block_ids[full_blocks:])
+        del row.block_ids[full_blocks:], row.block_hashes[full_blocks:]
+        self.forward_end = keep
+        self.captured.clear()
+
+    def stop_tracking(self, why: str) -> None:
+        """Store nothing more of this request (its live state no longer maps to its rows' tokens)."""
+        if self.tracking:
+            logger.debug("%s: the rest of this request is not stored", why)
+            self.tracking = False
+
+    def end(self) -> None:
+        """Unpin the rows' chains; the last checkpoint each row reached stays as its decode-end one."""
+        self.in_forward = False
+        store = self.cache._store
+        for row in self.rows:
+            store.release(row.block_ids)
+        kv_blocks, checkpoints = self.evicted_at_start
+        logger.debug(
+            "request %d ended: it evicted %d KV blocks and %d checkpoints; stored %d bytes of KV and %d of checkpoints",
+            self.cache._counters["requests"],
+            store.evicted_kv_blocks - kv_blocks,
+            store.evicted_checkpoints - checkpoints,
+            store.kv.num_bytes,
+            store.checkpoints.num_bytes,
+        )

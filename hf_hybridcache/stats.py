@@ -1,0 +1,45 @@
+"""Counters of a :class:`~hf_hybridcache.HybridPrefixCache`, as a frozen snapshot."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """Counters of a :class:`HybridPrefixCache` (a snapshot; token counts are summed over requests and rows).
+
+    Attributes:
+        requests: ``generate()`` calls (prefills) served.
+        prompt_tokens: prompt tokens seen.
+        hit_tokens: prompt tokens restored from the cache instead of computed.
+        computed_prompt_tokens: prompt tokens run through the model (``prompt_tokens - hit_tokens``).
+        kv_blocks: KV blocks stored now.
+        checkpoints: checkpoints stored now.
+        stored_bytes: bytes of stored KV blocks + checkpoints now (``kv_bytes + checkpoint_bytes``).
+        kv_bytes: bytes of the stored KV blocks now.
+        checkpoint_bytes: bytes of the stored checkpoints now.
+        max_cache_bytes: the budget ``stored_bytes`` never exceeds.
+        evicted_kv_blocks: KV blocks evicted so far.
+        evicted_checkpoints: checkpoints evicted so far.
+        divergence_checkpoints: checkpoints admitted at divergence points so far.
+    """
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    computed_prompt_tokens: int = 0
+    kv_blocks: int = 0
+    checkpoints: int = 0
+    stored_bytes: int = 0
+    kv_bytes: int = 0
+    checkpoint_bytes: int = 0
+    max_cache_bytes: int = 0
+    evicted_kv_blocks: int = 0
+    evicted_checkpoints: int = 0
+    divergence_checkpoints: int = 0
+
+    @property
+    def token_hit_rate(self) -> float:
+        """``hit_tokens / prompt_tokens`` (0.0 before any request)."""
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
