@@ -65,7 +65,10 @@ def causal_conv(
 
     Mirrors ``causal_conv1d_fn``'s torch fallback (``modeling_jamba.py`` / ``modeling_zamba.py``, transformers 5.23.0)
     on the output of ``update_conv_state``, then the mixers' ``[:, :, -seq_len:]`` slice, taken here before the
-    activation (elementwise, so the values are the same)."""
+    activation. On a fresh prompt both views are the same tensor, so the outputs are bit-identical; over a cached
+    window the activation runs on a shorter view than upstream's, which CPU kernels may round differently (see
+    :func:`.mamba2.causal_conv`); the continued forward is held to fp32 round-off against one unsplit forward
+    (tests/test_continuation.py)."""
     width = weight.shape[-1]
     out = F.conv1d(full_inputs.to(weight.dtype), weight.unsqueeze(1), bias, padding=width - 1, groups=weight.shape[0])
     out = out[:, :, : full_inputs.shape[-1]][:, :, -seq_len:]
