@@ -4,8 +4,10 @@
 is why a multi-token forward over an existing cache restarts the recurrence in transformers 5.23. Three
 implementations share one signature (the ``initial_states`` / final-state hooks of state-spaces/mamba, Gu & Dao 2023):
 
-- :func:`selective_scan_ref` mirrors transformers' sequential loop (``modeling_jamba.mamba_selective_scan``) operation
-  for operation, adding the initial state and the state emission that checkpoints need;
+- :func:`selective_scan_ref` mirrors the sequential loop ("Recurrent iteration") of ``mamba_selective_scan`` in
+  ``transformers/models/jamba/modeling_jamba.py`` (transformers 5.23.0; ``modeling_zamba.py`` holds the same function)
+  operation for operation, adding the initial state and the state emission that checkpoints need; from a zero state
+  its outputs and final state are bit-identical to upstream's (tests/test_upstream_mixers.py);
 - :func:`selective_scan_chunked` is the fast exact torch path (CPU, or CUDA without Triton);
 - ``selective_scan_triton`` (in ``mamba1_scan_triton``) is the CUDA kernel.
 
@@ -51,7 +53,8 @@ def check_emit_positions(emit_positions: Sequence[int], seq_len: int) -> list[in
 
 
 def _time_steps(delta: torch.Tensor, delta_bias: torch.Tensor | None, delta_softplus: bool) -> torch.Tensor:
-    """``softplus(delta + delta_bias)`` in ``delta``'s dtype, exactly as transformers computes it."""
+    """``softplus(delta + delta_bias)`` in ``delta``'s dtype, the first lines of ``mamba_selective_scan``
+    (``modeling_jamba.py``, transformers 5.23.0), copied."""
     dt = delta
     if delta_bias is not None:
         dt = dt + delta_bias.to(dt.dtype)[..., None]
@@ -61,6 +64,7 @@ def _time_steps(delta: torch.Tensor, delta_bias: torch.Tensor | None, delta_soft
 
 
 def _gate(y: torch.Tensor, u: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None) -> torch.Tensor:
+    """``(y + u * D) * silu(z)``: the last lines of ``mamba_selective_scan`` (``modeling_jamba.py``, 5.23.0), copied."""
     if D is not None:
         y = y + u * D[None, :, None]
     if z is not None:
@@ -108,7 +112,10 @@ def selective_scan_ref(
     initial_state: torch.Tensor | None = None,
     emit_positions: Sequence[int] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """Token-by-token selective scan.
+    """Token-by-token selective scan: the sequential branch of ``mamba_selective_scan``
+    (``transformers/models/jamba/modeling_jamba.py``, transformers 5.23.0), copied. Changed: the state starts from
+    ``initial_state`` (cast to float32) when one is given (upstream: always zeros in the input dtype, as here without
+    one), and is cloned after each of ``emit_positions``. Not copied: upstream's ``mambapy`` and ``associative_scan`` alternatives.
 
     Args:
         u: inputs ``[B, I, T]``, model dtype.

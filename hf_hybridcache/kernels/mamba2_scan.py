@@ -9,9 +9,12 @@ contributions; that is exactly the state a scan split at ``t`` would hand to its
 splitting, so the outputs stay those of one unsplit scan. A position on a chunk boundary is read from the inter-chunk
 states directly.
 
-:func:`mamba2_chunk_scan_ref` mirrors transformers' torch path (``modeling_zamba2.mamba2_chunk_scan``, shared by
-Zamba2, Falcon-H1, Bamba, GraniteMoeHybrid and NemotronH) operation for operation, so its outputs and final state are
-bit-identical to it; :func:`mamba2_recurrent_ref` is the token-by-token recurrence the tests hold both against.
+:func:`mamba2_chunk_scan_ref` mirrors transformers' torch path (``mamba2_chunk_scan`` in
+``transformers/models/zamba2/modeling_zamba2.py``, transformers 5.23.0; ``modeling_falcon_h1.py``,
+``modeling_bamba.py``, ``modeling_granitemoehybrid.py`` and ``modeling_nemotron_h.py`` hold the same function)
+operation for operation, so its outputs and final state are bit-identical to it (tests/test_mamba2.py,
+tests/test_upstream_mixers.py);
+:func:`mamba2_recurrent_ref` is the token-by-token recurrence the tests hold both against.
 
 Shapes: B batch, T tokens, H heads, D head dim (``mamba_headdim``), G groups (``n_groups``, divides H), N state size.
 Mamba's own names for the parameters are kept: ``B``/``C`` are the input/output projections (not the batch size) and
@@ -52,14 +55,16 @@ def _pad_time(tensor: torch.Tensor, pad_size: int) -> torch.Tensor:
 
 
 def _chunks(tensor: torch.Tensor, pad_size: int, chunk_size: int) -> torch.Tensor:
-    """``[B, T, ...]`` -> ``[B, T' / chunk_size, chunk_size, ...]`` after zero-padding T to ``T'``."""
+    """``[B, T, ...]`` -> ``[B, T' / chunk_size, chunk_size, ...]`` after zero-padding T to ``T'``
+    (``pad_tensor_by_size`` + ``reshape_into_chunks`` of ``modeling_zamba2.py``, transformers 5.23.0, for any rank)."""
     tensor = _pad_time(tensor, pad_size)
     return tensor.reshape(tensor.shape[0], -1, chunk_size, *tensor.shape[2:])
 
 
 def _segment_sum(x: torch.Tensor) -> torch.Tensor:
     """``[..., L]`` -> ``[..., L, L]`` with ``out[..., i, j] = sum(x[..., j+1 : i+1])`` for ``j <= i``, else -inf
-    (cumsum of a masked copy, as transformers does it, for stability)."""
+    (cumsum of a masked copy, for stability): ``segment_sum`` of ``modeling_zamba2.py`` (transformers 5.23.0),
+    copied."""
     size = x.size(-1)
     x = x[..., None].expand(*x.size(), size)
     x = x.masked_fill(~torch.tril(torch.ones(size, size, device=x.device, dtype=torch.bool), diagonal=-1), 0)
@@ -82,6 +87,10 @@ def mamba2_chunk_scan_ref(
     emit_positions: Sequence[int] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Chunked Mamba-2 scan from ``initial_state``, emitting the states after the requested numbers of tokens.
+
+    ``mamba2_chunk_scan`` of ``transformers/models/zamba2/modeling_zamba2.py`` (transformers 5.23.0), copied; it
+    already takes ``initial_states``. Changed: ``emit_positions`` (the states after those token counts, from
+    :func:`_state_after`), and the final state is always returned.
 
     Args:
         x: inputs ``[B, T, H, D]``, model dtype.

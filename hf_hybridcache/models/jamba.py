@@ -2,8 +2,15 @@
 
 transformers 5.23's mixer runs a multi-token forward through a selective scan that starts from a zero state, even
 when the cache holds one (so chunked prefill and "reuse a prompt cache" are silently wrong for Jamba). The patched
-mixer continues from the cached state and emits the states the prefix cache asks for, inside the same forward. With
-no cached state and no checkpoint wanted it calls the original code, so fresh prompts stay bit-identical.
+mixer continues from the cached state and emits the states the prefix cache asks for, inside the same forward.
+
+Upstream code mirrored: :func:`_forward_from_state` copies the full-sequence path of ``JambaMambaMixer.forward`` in
+``transformers/models/jamba/modeling_jamba.py`` (transformers 5.23.0). With no cached state and no checkpoint wanted
+(a prompt that reaches no block boundary, a cache other than HybridPrefixCache) the original forward runs, so those
+calls are bit-identical. A fresh prompt that reaches a block boundary wants checkpoints, so it runs the copy: its
+outputs and states equal upstream's bit for bit under the ``"reference"`` kernel backend, and within fp32 round-off
+(about 3e-7 on the tiny test models) under the default CPU scan, which reassociates the recurrence
+(tests/test_upstream_mixers.py).
 """
 
 from __future__ import annotations
@@ -21,7 +28,17 @@ MIXER_CLASS = "JambaMambaMixer"
 
 @_compat.force_accelerate_hooks(["conv1d", "dt_proj"])
 def _forward_from_state(mixer, hidden_states, cache, attention_mask, ssm_state, positions):
-    """transformers' JambaMambaMixer full-sequence path, starting from ``ssm_state`` and emitting checkpoints."""
+    """The full-sequence path of ``JambaMambaMixer.forward`` (``transformers/models/jamba/modeling_jamba.py``,
+    transformers 5.23.0), starting from ``ssm_state`` and emitting checkpoints.
+
+    Kept as upstream: the padding masks, ``in_proj``, the causal conv over ``cache.update_conv_state``'s output (the
+    cached window + the new inputs), ``x_proj``, the dt/B/C RMS norms, the ``dt_proj`` matmul (and its quantized-model
+    variant), ``D`` and the ``silu(gate)`` gate. Changed: ``mamba_selective_scan`` (which always starts from zeros)
+    becomes :func:`~hf_hybridcache.kernels.selective_scan` with ``initial_state=ssm_state`` and
+    ``emit_positions=positions``; the conv window and SSM state after each of ``positions`` tokens go to
+    ``cache.capture_states``. Not copied: upstream's decode branch (``seq_len == 1``, handled by the original forward)
+    and its ``use_mambapy`` / ``use_associative_scan`` alternatives to the sequential scan (both start from zeros).
+    """
     layer_idx, seq_len, dtype = mixer.layer_idx, hidden_states.shape[1], hidden_states.dtype
     conv_state = cache.get_conv_state(layer_idx)
     hidden_states = apply_padding_mask(hidden_states, attention_mask)

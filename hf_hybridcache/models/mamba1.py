@@ -1,5 +1,12 @@
 """Shared Mamba-1 pieces (Jamba, Zamba): the patch that makes a mixer continue from the cached state, the causal conv
-over a cached conv window, and the conv states at block boundaries."""
+over a cached conv window, and the conv states at block boundaries.
+
+Upstream code mirrored (transformers 5.23.0; the Jamba and Zamba copies of these helpers are identical):
+:func:`causal_conv` is the torch fallback of ``causal_conv1d_fn`` in ``transformers/models/jamba/modeling_jamba.py`` /
+``transformers/models/zamba/modeling_zamba.py`` followed by the mixers' ``[:, :, -seq_len:]`` slice;
+:func:`apply_padding_mask` is their ``apply_mask_to_padding_states``; :func:`conv_states_at` gives the window that
+``LinearAttentionLayer.update_conv_state`` in ``transformers/cache_utils.py`` keeps, at interior positions.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +30,8 @@ def patch_mixers(model: torch.nn.Module, mixer_class: str, forward_from_state: F
 
     The patched mixer runs ``forward_from_state`` on multi-token forwards over a cached state or with checkpoints
     wanted; everything else (no cache, decode steps, past recording, a fresh prefill with no checkpoint wanted) goes to
-    the original forward, so fresh prompts stay bit-identical to the unpatched model.
+    the original forward, bit-identical to the unpatched model. Decode steps (``seq_len == 1``) take upstream's
+    recurrent branch, which already continues from the cached state.
     """
     for module in model.modules():
         if type(module).__name__ == mixer_class:
@@ -53,7 +61,14 @@ def causal_conv(
     full_inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None, seq_len: int
 ) -> torch.Tensor:
     """Depthwise causal conv over ``full_inputs`` ``[B, C, W' + T]`` (cached window + new inputs); returns the
-    outputs of the last ``seq_len`` positions ``[B, C, T]`` in the inputs' dtype. ``weight`` is ``[C, W]``."""
+    outputs of the last ``seq_len`` positions ``[B, C, T]`` in the inputs' dtype. ``weight`` is ``[C, W]``.
+
+    Mirrors ``causal_conv1d_fn``'s torch fallback (``modeling_jamba.py`` / ``modeling_zamba.py``, transformers 5.23.0)
+    on the output of ``update_conv_state``, then the mixers' ``[:, :, -seq_len:]`` slice, taken here before the
+    activation. On a fresh prompt both views are the same tensor, so the outputs are bit-identical; over a cached
+    window the activation runs on a shorter view than upstream's, which CPU kernels may round differently (see
+    :func:`.mamba2.causal_conv`); the continued forward is held to fp32 round-off against one unsplit forward
+    (tests/test_continuation.py)."""
     width = weight.shape[-1]
     out = F.conv1d(full_inputs.to(weight.dtype), weight.unsqueeze(1), bias, padding=width - 1, groups=weight.shape[0])
     out = out[:, :, : full_inputs.shape[-1]][:, :, -seq_len:]
@@ -66,7 +81,11 @@ def conv_states_at(
     inputs: torch.Tensor, conv_state: torch.Tensor | None, width: int, positions: Sequence[int]
 ) -> list[torch.Tensor]:
     """Conv state (the last ``width`` raw conv inputs) after ``t`` tokens of ``inputs`` ``[B, C, T]``, for each ``t``
-    in ``positions``; a missing ``conv_state`` means zeros (as a fresh prefill pads). Returns copies ``[B, C, W]``."""
+    in ``positions``; a missing ``conv_state`` means zeros (as a fresh prefill pads). Returns copies ``[B, C, W]``.
+
+    The window equals what ``LinearAttentionLayer.update_conv_state`` (``transformers/cache_utils.py``, 5.23.0) would
+    keep after a forward ending at ``t``: the last ``width`` inputs, left-padded with zeros on a fresh prefill shorter
+    than ``width``. Shared with the Mamba-2 families, whose conv state is the same window."""
     if not positions:
         return []
     if conv_state is None:
@@ -78,7 +97,8 @@ def conv_states_at(
 
 
 def apply_padding_mask(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """Zero the padded positions (``attention_mask`` is 2D ``[B, T]`` or None), as transformers' mixers do."""
+    """Zero the padded positions (``attention_mask`` is 2D ``[B, T]`` or None): ``apply_mask_to_padding_states`` of
+    every supported family's modeling file (transformers 5.23.0), copied."""
     if attention_mask is None:
         return hidden_states
     return (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)

@@ -9,6 +9,17 @@ which emits the states at arbitrary token positions; its outputs equal the origi
 
 The mixers differ only in how the input projection is scaled and how the gate and norm are applied after the scan,
 so a family file is a :class:`Mamba2Variant` handed to :func:`mamba2_support`.
+
+Upstream code mirrored (transformers 5.23.0): :func:`_forward_with_checkpoints` copies the chunk-form path of
+``Zamba2MambaMixer.forward`` in ``transformers/models/zamba2/modeling_zamba2.py``. ``BambaMixer.forward``
+(``models/bamba/modeling_bamba.py``), ``GraniteMoeHybridMambaLayer.forward``
+(``models/granitemoehybrid/modeling_granitemoehybrid.py``) and ``NemotronHMamba2Mixer.forward``
+(``models/nemotron_h/modeling_nemotron_h.py``) are line for line the same code in 5.23.0; ``FalconH1Mixer.forward``
+(``models/falcon_h1/modeling_falcon_h1.py``) differs only where :mod:`.falcon_h1` supplies its own
+``project`` / ``gate_and_norm``. :func:`causal_conv` is the torch fallback of ``causal_conv1d_fn`` (identical in those
+five files). On CPU the copy's outputs and final states are bit-identical to upstream's, on a fresh prompt and from a
+cached state (tests/test_mamba2.py, tests/test_upstream_mixers.py); the states emitted at interior positions equal
+upstream's state after a forward of that prefix within fp32 round-off.
 """
 
 from __future__ import annotations
@@ -32,7 +43,10 @@ def causal_conv(full_inputs: torch.Tensor, mixer, seq_len: int) -> torch.Tensor:
     """The mixer's depthwise causal conv + activation over ``full_inputs`` ``[B, C, W' + T]`` (cached window + new
     inputs); returns the last ``seq_len`` outputs ``[B, C, T]`` in the inputs' dtype. The activation runs on the
     same (strided) view as in transformers' ``causal_conv1d_fn``: CPU kernels round differently on contiguous and
-    strided inputs, and the outputs must stay bit-identical."""
+    strided inputs, and the outputs must stay bit-identical.
+
+    Mirrors ``causal_conv1d_fn``'s torch fallback (``modeling_zamba2.py`` and its copies, transformers 5.23.0) on the
+    output of ``update_conv_state``, then the mixers' ``[:, :, -seq_len:]`` slice."""
     weight = mixer.conv1d.weight.squeeze(1)
     length = full_inputs.shape[-1]
     out = F.conv1d(
@@ -82,8 +96,18 @@ def _forward_with_checkpoints(
     attention_mask: torch.Tensor | None,
     positions: Sequence[int],
 ) -> torch.Tensor:
-    """The chunk path of transformers' Mamba-2 mixer forward, from the cached state, handing the conv and SSM states
-    after each of ``positions`` tokens to ``cache.capture_states``."""
+    """The chunk-form path of ``Zamba2MambaMixer.forward`` (``transformers/models/zamba2/modeling_zamba2.py``,
+    transformers 5.23.0, shared line for line by Bamba, GraniteMoeHybrid and NemotronH; Falcon-H1 through
+    ``variant``), from the cached state, handing the conv and SSM states after each of ``positions`` tokens to
+    ``cache.capture_states``.
+
+    Kept as upstream: the padding masks, the projection and its split into gate / conv inputs / dt, the causal conv
+    over ``cache.update_conv_state``'s output, the x/B/C split, the chunked scan from ``initial_states`` = the cached
+    SSM state with ``D``, ``dt_bias``, softplus and ``time_step_limit``, the gate and norm, ``out_proj``. Changed:
+    upstream's ``mamba2_chunk_scan`` becomes :func:`~hf_hybridcache.kernels.mamba2_chunk_scan`, which also returns the
+    states after ``positions`` tokens; the conv windows at those positions are cut from the inputs. Not copied: the
+    decode branch (``seq_len == 1``) and the training-only fused kernel path, both left to the original forward.
+    """
     batch_size, seq_len, _ = hidden_states.shape
     dtype, layer_idx = hidden_states.dtype, mixer.layer_idx
     conv_state = cache.get_conv_state(layer_idx)

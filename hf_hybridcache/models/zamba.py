@@ -8,6 +8,12 @@ index appears both among the attention layers and among the Mamba layers of the 
 
 transformers 5.23's mixer starts every multi-token forward from a zero SSM state, even over a cache that holds one
 (the same root cause as Jamba's); the patched mixer continues from the cached state, one scan per head.
+
+Upstream code mirrored: :func:`_forward_from_state` copies the full-sequence path of ``ZambaMambaMixer.forward`` in
+``transformers/models/zamba/modeling_zamba.py`` (transformers 5.23.0). As for Jamba, calls with no cached state and no
+checkpoint wanted run the original forward (bit-identical); a fresh prompt that reaches a block boundary runs the
+copy, bit-identical to upstream under the ``"reference"`` kernel backend and within fp32 round-off under the default
+CPU scan (tests/test_upstream_mixers.py).
 """
 
 from __future__ import annotations
@@ -25,8 +31,18 @@ MIXER_CLASS = "ZambaMambaMixer"
 
 @_compat.force_accelerate_hooks(["conv1d"])
 def _forward_from_state(mixer, hidden_states, cache, attention_mask, ssm_state, positions):
-    """transformers' ZambaMambaMixer full-sequence path, starting from ``ssm_state`` ``[B, H, I/H, N]`` and emitting
-    checkpoints."""
+    """The full-sequence path of ``ZambaMambaMixer.forward`` (``transformers/models/zamba/modeling_zamba.py``,
+    transformers 5.23.0), starting from ``ssm_state`` ``[B, H, I/H, N]`` and emitting checkpoints.
+
+    Kept as upstream: the padding masks, the interleaved ``in_proj`` split into conv inputs and gate, the causal conv
+    over ``cache.update_conv_state``'s output, the per-head ``x_proj_weight`` / ``dt_proj_weight`` matmuls, ``D`` and
+    the ``silu(gate)`` gate, one scan per head. Changed: each head's ``mamba_selective_scan`` (zero start) becomes
+    :func:`~hf_hybridcache.kernels.selective_scan` from that head's slice of ``ssm_state``, emitting the states after
+    ``positions`` tokens, which are stacked per head (dim 1, as upstream stacks the final states) and handed to
+    ``cache.capture_states`` with the conv windows. Not copied: the decode branch (``seq_len == 1``, handled by the
+    original forward), the ``use_associative_scan`` alternative, and the ``seq_idx`` kwarg upstream forwards to
+    ``causal_conv1d_fn`` (read only by the ``causal-conv1d`` kernel, never by its torch fallback).
+    """
     batch_size, seq_len, _ = hidden_states.shape
     layer_idx, dtype = mixer.layer_idx, hidden_states.dtype
     heads, head_dim = mixer.n_mamba_heads, mixer.mamba_head_dim
