@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import assert_matches_cold, greedy, random_ids
 
-from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache import HybridPrefixCache, _compat
 from hf_hybridcache.checks import check_store
 
 pytestmark = pytest.mark.parametrize("family", ["jamba", "zamba2"])
@@ -180,3 +180,39 @@ def test_two_caches_on_one_model_run_in_parallel(model, cold_model):
     assert "_is_stateful" not in vars(model)
     for cache in caches:
         check_store(cache)
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit], ids=["ctrl-c", "system-exit"])
+@pytest.mark.parametrize("call", ["generate", "direct forward", "batch replay"])
+def test_an_interrupt_inside_a_forward_releases_the_lock(model, cold_model, call, interrupt):
+    """A BaseException that is not an Exception (Ctrl-C, SystemExit) raised inside a forward in one thread must leave
+    the cache's lock free: a generate() from another thread then completes and matches its cold run."""
+    cache = HybridPrefixCache(model, retention_interval="dense")
+    ids = random_ids(40, seed=700)
+    greedy(model, ids, cache, new_tokens=2)  # stored entries, so the batch replays a hit
+
+    def raise_interrupt(module, args):
+        raise interrupt()
+
+    handle = _compat.decoder_layers(model)[-1].register_forward_pre_hook(raise_interrupt)
+    caught = []
+
+    def interrupted():
+        try:
+            if call == "generate":
+                model.generate(ids, past_key_values=cache, max_new_tokens=4)
+            elif call == "direct forward":
+                model(ids, past_key_values=cache, use_cache=True)
+            else:
+                batch = torch.cat([ids, random_ids(40, seed=701)])
+                model.generate(batch, past_key_values=cache, max_new_tokens=4)
+        except interrupt:
+            caught.append(call)
+
+    _run_threads(lambda t: interrupted(), 1)
+    handle.remove()
+    assert caught == [call]
+    other = torch.cat([ids[:, :32], random_ids(9, seed=702)], dim=1)
+    _run_threads(lambda t: assert_matches_cold(model, cold_model, cache, other, new_tokens=6), 1)
+    assert cache.last_hit_tokens == [32]
+    check_store(cache)
