@@ -24,17 +24,18 @@ from .config import DEFAULT_MAX_CACHE_BYTES, CacheOptions
 from .flops import FlopModel
 from .hashing import model_identity, root_hash
 from .live import LiveRequest
+from .live_cache import LiveCache
 from .models import support_for
 from .placement import Placement, layer_devices
 from .policy import make_eviction
-from .sharing import SharedState
+from .sharing import SharedState, hash_seed
 from .stats import PrefixCacheStats
 from .store import PrefixStore
 
 __all__ = ["HybridPrefixCache", "PrefixCacheStats"]
 
 
-class HybridPrefixCache(Cache):
+class HybridPrefixCache(LiveCache):
     """Cross-request prefix cache for hybrid attention + Mamba models; pass it to every ``generate()`` call.
 
     Example::
@@ -85,6 +86,7 @@ class HybridPrefixCache(Cache):
     ) -> None:
         _compat.check_version()
         support = support_for(model)
+        hash_seed(seed)  # validates before anything is patched
         options = CacheOptions(
             block_size,
             retention_interval,
@@ -92,12 +94,8 @@ class HybridPrefixCache(Cache):
             admit_divergence,
             eviction,
         )
-        if seed is not None and not isinstance(seed, bytes):
-            raise ValueError(
-                f"`seed` must be bytes (e.g. b'my-app') or None for a random one, got {type(seed).__name__}."
-            )
         self.spec = support.state_spec(model, block_size)
-        self._check_budget(options.max_cache_bytes)
+        self.spec.check_budget(options.max_cache_bytes)
         devices = layer_devices(model, [layer.layer_idx for layer in (*self.spec.attention, *self.spec.mamba)])
         placement = Placement(devices, offload)
         self.model = model
@@ -105,8 +103,7 @@ class HybridPrefixCache(Cache):
         _compat.install_hooks(model, _HOOKS)
         super().__init__(layers=_compat.new_live_layers(model.config))
 
-        seed = os.urandom(32) if seed is None else seed
-        identity = model_identity(model)
+        seed, identity = hash_seed(seed), model_identity(model)
         self._shared = SharedState(seed, identity, model.dtype, devices, options)
         policy = make_eviction(options.eviction, FlopModel.from_model(model, self.spec))
         self._store = PrefixStore(self.spec, root_hash(seed, identity), options.max_cache_bytes, placement, policy)
@@ -121,15 +118,6 @@ class HybridPrefixCache(Cache):
         self._awaiting_request = self._rollback_next_request = False
         self._slice_first_forward = 0  # owned by _compat.generation (assisted decoding's first forward)
         self.last_hit_tokens: list[int] = []
-
-    def _check_budget(self, max_cache_bytes: int) -> None:
-        minimum = self.spec.kv_block_bytes + self.spec.checkpoint_bytes
-        if max_cache_bytes < minimum:
-            raise ValueError(
-                f"`max_cache_bytes={max_cache_bytes}` cannot hold one KV block plus one checkpoint of "
-                f"this model ({self.spec.kv_block_bytes} + {self.spec.checkpoint_bytes} bytes); pass at least "
-                f"{minimum}, or None for the default of {DEFAULT_MAX_CACHE_BYTES} bytes."
-            )
 
     # ------------------------------------------------------------------ public API
 
@@ -156,7 +144,7 @@ class HybridPrefixCache(Cache):
         """
         value = DEFAULT_MAX_CACHE_BYTES if max_cache_bytes is None else max_cache_bytes
         options = replace(self.options, max_cache_bytes=value)
-        self._check_budget(value)
+        self.spec.check_budget(value)
         with self._shared.idle("Changing max_cache_bytes"):
             lifecycle.end_active_request(self)  # unpins the last request's chain, so everything above the budget can go
             self._store.max_cache_bytes = value
@@ -173,22 +161,7 @@ class HybridPrefixCache(Cache):
     def stats(self) -> PrefixCacheStats:
         """Counters of this cache and all its :meth:`with_salt` views (they share one store)."""
         with self._shared.lock:
-            c = self._counters
-            return PrefixCacheStats(
-                requests=c["requests"],
-                prompt_tokens=c["prompt_tokens"],
-                hit_tokens=c["hit_tokens"],
-                computed_prompt_tokens=c["prompt_tokens"] - c["hit_tokens"],
-                kv_blocks=len(self._store.kv),
-                checkpoints=len(self._store.checkpoints),
-                stored_bytes=self.stored_bytes,
-                kv_bytes=self._store.kv.num_bytes,
-                checkpoint_bytes=self._store.checkpoints.num_bytes,
-                max_cache_bytes=self.max_cache_bytes,
-                evicted_kv_blocks=self._store.evicted_kv_blocks,
-                evicted_checkpoints=self._store.evicted_checkpoints,
-                divergence_checkpoints=c["divergence_checkpoints"],
-            )
+            return PrefixCacheStats.snapshot(self._counters, self._store)
 
     def reset(self) -> None:
         """End the live request and empty the live layers; stored blocks and checkpoints stay. Waits for a running
@@ -289,17 +262,10 @@ class HybridPrefixCache(Cache):
             "restores the longest stored prefix by copy, and nothing a call does changes what is stored for others."
         )
 
-
     def restore(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[int]:
-        """Start a request outside ``generate()``: restore each row's longest stored prefix into the live layers, for
-        a decoding loop of your own. Feed ``input_ids[:, hit:]`` next with ``model(..., past_key_values=cache)``;
-        ``generate()`` calls this by itself.
-
-        Args:
-            input_ids: ``[B, T]`` int64 prompt token ids (left-padded rows with ``attention_mask`` ``[B, T]``).
-
-        Returns:
-            The restored tokens per row (``last_hit_tokens``), each a multiple of ``block_size`` and ``<= T - 1``.
+        """Start a request outside ``generate()`` (which does this by itself): restore each row of ``input_ids``
+        ``[B, T]`` int64 (left-padded rows with ``attention_mask`` ``[B, T]``) from its longest stored prefix, for a
+        decoding loop of your own that feeds ``input_ids[:, hit:]`` next. Returns the restored tokens per row.
 
         Raises:
             ValueError: an empty prompt, ids outside the vocabulary, or a model that changed dtype or devices.
@@ -309,87 +275,6 @@ class HybridPrefixCache(Cache):
             lifecycle.check_request(self, input_ids)
             lifecycle.start_request(self, input_ids, attention_mask, input_ids.shape[0])
             return list(self.last_hit_tokens)
-
-    # ------------------------------------------------------------------ Cache methods transformers calls
-
-    def _check_owner(self) -> None:
-        if self._request is None or not self._request.in_forward:
-            raise ValueError(
-                f"This HybridPrefixCache serves generate()/forward() calls of the model it was built for "
-                f"({type(self.model).__name__} at {id(self.model):#x}), not of another model or of that model's "
-                "backbone; build one HybridPrefixCache per model and pass it to that model."
-            )
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        self._check_owner()
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-    def update_conv_state(self, conv_states, layer_idx, *args, **kwargs):
-        self._check_owner()
-        return super().update_conv_state(conv_states, layer_idx, *args, **kwargs)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._stop_tracking("beam reordering")
-        super().reorder_cache(beam_idx)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._stop_tracking("batch expansion")
-        super().batch_repeat_interleave(repeats)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._stop_tracking("batch selection")
-        super().batch_select_indices(indices)
-
-    def _stop_tracking(self, why: str) -> None:
-        if self._request is not None:
-            self._request.stop_tracking(why)
-
-    # ------------------------------------------------------------------ called by the patched mixers
-
-    def checkpoint_positions(self, seq_len: int) -> tuple[int, ...]:
-        """Token counts ``1 <= t < seq_len`` of the running forward after which a Mamba mixer must hand its state to
-        :meth:`capture_states` (single-row forwards only). The state at the forward's end is read from the live
-        layers instead."""
-        return () if self._request is None else self._request.checkpoint_positions(seq_len)
-
-    def capture_states(self, layer_idx: int, positions, states: list) -> None:
-        """Receive one Mamba layer's (conv state ``[1, C, W]``, SSM state) copies after each of ``positions`` tokens
-        of the running forward."""
-        self._request.capture_states(layer_idx, positions, states)
-
-    # ------------------------------------------------------------------ speculative decoding: roll back rejected tokens
-
-    def activate_past_recording(self) -> None:
-        """Called by transformers before assisted / prompt-lookup decoding: from now on every forward of the request
-        keeps the state after each of its tokens, so :meth:`crop` can roll rejected draft tokens back exactly (the
-        per-token states of vLLM's Mamba speculative decoding)."""
-        if self._awaiting_request:  # assisted decoding asks before its request begins
-            self._rollback_next_request = True
-        elif self._request is not None:
-            self._request.rollback = True
-
-    @property
-    def is_croppable(self) -> bool:
-        """True while the live request keeps the per-token states that :meth:`crop` rolls back to."""
-        return self._request is not None and self._request.is_croppable
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last ``abs(tokens_to_remove)`` tokens of the last forward: KV is cut, the Mamba state is set back
-        to the copy taken after the kept tokens.
-
-        Raises:
-            ValueError: the tokens were not all fed by the last forward, or states were not kept
-                (:meth:`activate_past_recording` was not called), or the batch has more than one row.
-        """
-        num_tokens = abs(tokens_to_remove)
-        if num_tokens == 0:
-            return
-        if self._request is None:
-            raise ValueError(
-                "HybridPrefixCache can only roll back tokens fed by the last forward of a single-row request after "
-                "activate_past_recording(); no request is running."
-            )
-        self._request.crop(num_tokens)
 
 
 def _find_cache(model, kwargs) -> HybridPrefixCache | None:

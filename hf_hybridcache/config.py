@@ -73,6 +73,16 @@ class ModelStateSpec:
         """Bytes of one checkpoint (conv + SSM state of every Mamba layer)."""
         return sum(m.num_bytes for m in self.mamba)
 
+    def check_budget(self, max_cache_bytes: int) -> None:
+        """Raises ``ValueError`` when ``max_cache_bytes`` cannot hold one KV block plus one checkpoint."""
+        minimum = self.kv_block_bytes + self.checkpoint_bytes
+        if max_cache_bytes < minimum:
+            raise ValueError(
+                f"`max_cache_bytes={max_cache_bytes}` cannot hold one KV block plus one checkpoint of this model "
+                f"({self.kv_block_bytes} + {self.checkpoint_bytes} bytes); pass at least {minimum}, or None for the "
+                f"default of {DEFAULT_MAX_CACHE_BYTES} bytes."
+            )
+
 
 @dataclass(frozen=True)
 class CacheOptions:

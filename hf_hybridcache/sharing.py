@@ -16,11 +16,23 @@ Threading model: a cache and every view made by ``with_salt`` share one store an
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+
+def hash_seed(seed: bytes | None) -> bytes:
+    """``seed``, or 32 random bytes when it is None.
+
+    Raises:
+        ValueError: ``seed`` is neither bytes nor None.
+    """
+    if seed is not None and not isinstance(seed, bytes):
+        raise ValueError(f"`seed` must be bytes (e.g. b'my-app') or None for a random one, got {type(seed).__name__}.")
+    return os.urandom(32) if seed is None else seed
 
 
 @dataclass(eq=False)

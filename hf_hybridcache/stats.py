@@ -39,6 +39,25 @@ class PrefixCacheStats:
     evicted_checkpoints: int = 0
     divergence_checkpoints: int = 0
 
+    @classmethod
+    def snapshot(cls, counters: dict[str, int], store) -> PrefixCacheStats:
+        """The counters of past requests plus what ``store`` (a :class:`~hf_hybridcache.store.PrefixStore`) holds."""
+        return cls(
+            requests=counters["requests"],
+            prompt_tokens=counters["prompt_tokens"],
+            hit_tokens=counters["hit_tokens"],
+            computed_prompt_tokens=counters["prompt_tokens"] - counters["hit_tokens"],
+            kv_blocks=len(store.kv),
+            checkpoints=len(store.checkpoints),
+            stored_bytes=store.stored_bytes,
+            kv_bytes=store.kv.num_bytes,
+            checkpoint_bytes=store.checkpoints.num_bytes,
+            max_cache_bytes=store.max_cache_bytes,
+            evicted_kv_blocks=store.evicted_kv_blocks,
+            evicted_checkpoints=store.evicted_checkpoints,
+            divergence_checkpoints=counters["divergence_checkpoints"],
+        )
+
     @property
     def token_hit_rate(self) -> float:
         """``hit_tokens / prompt_tokens`` (0.0 before any request)."""

@@ -47,10 +47,26 @@ TRANSFORMERS_VERSION = transformers.__version__
 TESTED_RANGE = (Version("5.23.0"), Version("5.25.0"))
 
 __all__ = [
-    "Hooks", "TESTED_RANGE", "TRANSFORMERS_VERSION", "allow_speculative_decoding", "check_version", "crop_kv",
-    "decoder_layers", "execution_device", "find_cache", "force_accelerate_hooks", "get_kv", "get_linear_state",
-    "install_hooks", "new_live_layers", "parameter_values", "patch_instance_forward", "run_forward", "set_kv",
-    "set_linear_state", "split_mixer_call",
+    "TESTED_RANGE",
+    "TRANSFORMERS_VERSION",
+    "Hooks",
+    "allow_speculative_decoding",
+    "check_version",
+    "crop_kv",
+    "decoder_layers",
+    "execution_device",
+    "find_cache",
+    "force_accelerate_hooks",
+    "get_kv",
+    "get_linear_state",
+    "install_hooks",
+    "new_live_layers",
+    "parameter_values",
+    "patch_instance_forward",
+    "run_forward",
+    "set_kv",
+    "set_linear_state",
+    "split_mixer_call",
 ]
 
 _warned_versions: set[str] = set()

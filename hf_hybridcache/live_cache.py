@@ -1,0 +1,110 @@
+"""The face a :class:`~hf_hybridcache.HybridPrefixCache` shows transformers and the patched mixers during a call.
+
+transformers' ``Cache`` API is what the model's own code calls on the cache while a forward runs: ``update`` and
+``update_conv_state`` write the live layers, beam search reorders them, speculative decoding rolls them back with
+``crop``, and the patched Mamba mixers ask where to hand over their states. :class:`LiveCache` answers these by
+delegating to the live request (:class:`~hf_hybridcache.live.LiveRequest`); the user-facing half (options, stats,
+views, persistence) is :class:`~hf_hybridcache.HybridPrefixCache`.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+from .live import LiveRequest
+
+
+class LiveCache(Cache):
+    """The transformers ``Cache`` methods of a HybridPrefixCache; its ``layers`` are the live cache layers.
+
+    Attributes:
+        _request: the live request of this view, or None between requests.
+        _awaiting_request: a ``generate()`` call is running and its request has not begun yet.
+        _rollback_next_request: assisted decoding asked for per-token states before its request began.
+        _slice_first_forward: restored tokens that assisted decoding's first forward must skip (set by ``_compat``).
+    """
+
+    model: torch.nn.Module
+    _request: LiveRequest | None
+
+    # ------------------------------------------------------------------ Cache methods transformers calls
+
+    def _check_owner(self) -> None:
+        if self._request is None or not self._request.in_forward:
+            raise ValueError(
+                f"This HybridPrefixCache serves generate()/forward() calls of the model it was built for "
+                f"({type(self.model).__name__} at {id(self.model):#x}), not of another model or of that model's "
+                "backbone; build one HybridPrefixCache per model and pass it to that model."
+            )
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self._check_owner()
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def update_conv_state(self, conv_states, layer_idx, *args, **kwargs):
+        self._check_owner()
+        return super().update_conv_state(conv_states, layer_idx, *args, **kwargs)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._stop_tracking("beam reordering")
+        super().reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._stop_tracking("batch expansion")
+        super().batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._stop_tracking("batch selection")
+        super().batch_select_indices(indices)
+
+    def _stop_tracking(self, why: str) -> None:
+        if self._request is not None:
+            self._request.stop_tracking(why)
+
+    # ------------------------------------------------------------------ called by the patched mixers
+
+    def checkpoint_positions(self, seq_len: int) -> tuple[int, ...]:
+        """Token counts ``1 <= t < seq_len`` of the running forward after which a Mamba mixer must hand its state to
+        :meth:`capture_states` (single-row forwards only). The state at the forward's end is read from the live
+        layers instead."""
+        return () if self._request is None else self._request.checkpoint_positions(seq_len)
+
+    def capture_states(self, layer_idx: int, positions, states: list) -> None:
+        """Receive one Mamba layer's (conv state ``[1, C, W]``, SSM state) copies after each of ``positions`` tokens
+        of the running forward."""
+        self._request.capture_states(layer_idx, positions, states)
+
+    # ------------------------------------------------------------------ speculative decoding: roll back rejected tokens
+
+    def activate_past_recording(self) -> None:
+        """Called by transformers before assisted / prompt-lookup decoding: from now on every forward of the request
+        keeps the state after each of its tokens, so :meth:`crop` can roll rejected draft tokens back exactly (the
+        per-token states of vLLM's Mamba speculative decoding)."""
+        if self._awaiting_request:  # assisted decoding asks before its request begins
+            self._rollback_next_request = True
+        elif self._request is not None:
+            self._request.rollback = True
+
+    @property
+    def is_croppable(self) -> bool:
+        """True while the live request keeps the per-token states that :meth:`crop` rolls back to."""
+        return self._request is not None and self._request.is_croppable
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``abs(tokens_to_remove)`` tokens of the last forward: KV is cut, the Mamba state is set back
+        to the copy taken after the kept tokens.
+
+        Raises:
+            ValueError: the tokens were not all fed by the last forward, or states were not kept
+                (:meth:`activate_past_recording` was not called), or the batch has more than one row.
+        """
+        num_tokens = abs(tokens_to_remove)
+        if num_tokens == 0:
+            return
+        if self._request is None:
+            raise ValueError(
+                "HybridPrefixCache can only roll back tokens fed by the last forward of a single-row request after "
+                "activate_past_recording(); no request is running."
+            )
+        self._request.crop(num_tokens)
