@@ -115,7 +115,8 @@ def selective_scan_ref(
     """Token-by-token selective scan: the sequential branch of ``mamba_selective_scan``
     (``transformers/models/jamba/modeling_jamba.py``, transformers 5.23.0), copied. Changed: the state starts from
     ``initial_state`` (cast to float32) when one is given (upstream: always zeros in the input dtype, as here without
-    one), and is cloned after each of ``emit_positions``. Not copied: upstream's ``mambapy`` and ``associative_scan`` alternatives.
+    one), and is cloned after each of ``emit_positions``. Not copied: upstream's ``mambapy`` and ``associative_scan``
+    alternatives.
 
     Args:
         u: inputs ``[B, I, T]``, model dtype.

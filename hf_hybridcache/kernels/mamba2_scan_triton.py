@@ -177,8 +177,8 @@ def mamba2_chunk_scan_triton(
     kernel_chunk: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Same arguments and results as :func:`~hf_hybridcache.kernels.mamba2_scan.mamba2_chunk_scan_ref`; CUDA tensors
-    (or CPU tensors under ``TRITON_INTERPRET=1``). ``kernel_chunk`` (a power of two >= 16) is the kernel's tokens per chunk; ``chunk_size``
-    is accepted for the model's signature and changes nothing but round-off.
+    (or CPU tensors under ``TRITON_INTERPRET=1``). ``kernel_chunk`` (a power of two >= 16) is the kernel's tokens per
+    chunk; ``chunk_size`` is accepted for the model's signature and changes nothing but round-off.
 
     Raises:
         ValueError: ``emit_positions`` out of range or not strictly increasing; a bad ``kernel_chunk``.

@@ -11,4 +11,6 @@ from __future__ import annotations
 
 from .mamba2 import Mamba2Variant, mamba2_support
 
-SUPPORT = mamba2_support(("granitemoehybrid",), Mamba2Variant("GraniteMoeHybridMambaLayer", "GraniteMoeHybridAttention"))
+SUPPORT = mamba2_support(
+    ("granitemoehybrid",), Mamba2Variant("GraniteMoeHybridMambaLayer", "GraniteMoeHybridAttention")
+)
