@@ -60,21 +60,33 @@ def begin_request(cache, *, input_ids, attention_mask, inputs_embeds, use_cache,
 @contextlib.contextmanager
 def forward_call(cache, *, input_ids, inputs_embeds, use_cache):
     """Around one forward with ``cache``: the lock (re-entrant inside this thread's own ``generate()``), the request's
-    bookkeeping before and after, and the end of the request if the forward raises."""
+    bookkeeping before and after, and the end of the request if the forward raises.
+
+    A forward with ``use_cache=False`` runs on fresh, empty live layers and stores nothing, so it computes exactly
+    what the model computes without a cache (``generate(use_cache=False)`` re-feeds the whole sequence each step)."""
+    ids_or_embeds = input_ids if input_ids is not None else inputs_embeds
     with cache._shared.lock:
         try:
-            if use_cache is False and cache._request is not None:
-                cache._request.stop_tracking("a forward with use_cache=False")
-            if input_ids is not None:
-                _before_forward(cache, input_ids, input_ids.shape[0], input_ids.shape[1])
-            elif inputs_embeds is not None:
-                _before_forward(cache, None, inputs_embeds.shape[0], inputs_embeds.shape[1])
+            if ids_or_embeds is not None:
+                num_rows, num_tokens = ids_or_embeds.shape[:2]
+                if use_cache is False:
+                    _begin_uncached_forward(cache)
+                _before_forward(cache, input_ids, num_rows, num_tokens)
             yield
             if cache._request is not None:
                 cache._request.after_forward()
         except BaseException:
             end_request(cache)
             raise
+
+
+def _begin_uncached_forward(cache) -> None:
+    if cache._request is None:
+        end_active_request(cache)
+        cache._request = LiveRequest(cache, [], tracking=False)
+        cache._shared.active = cache
+    cache._request.stop_tracking("a forward with use_cache=False")
+    cache.layers = _compat.new_live_layers(cache.model.config)
 
 
 def _before_forward(cache, input_ids: torch.Tensor | None, num_rows: int, num_tokens: int) -> None:

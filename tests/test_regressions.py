@@ -60,6 +60,45 @@ def test_use_cache_false_stores_nothing(model, cold_model):
     assert cache.last_hit_tokens == [0]
 
 
+@pytest.mark.parametrize("how", ["kwarg", "generation_config"])
+def test_use_cache_false_generates_what_the_model_generates_without_a_cache(model, cold_model, how):
+    # The live layers held state across the steps that each re-feed the whole sequence, so the tokens differed from
+    # a run without the cache; a generation_config saying use_cache=False (common after gradient checkpointing) did
+    # the same with no flag passed.
+    cache = HybridPrefixCache(model, retention_interval="dense")
+    ids = random_ids(40, seed=420)
+    greedy(model, ids, cache, new_tokens=3)  # entries stored and a live request holding state
+    stored = (cache.stats.kv_blocks, cache.stats.checkpoints)
+    kwargs = {"use_cache": False}
+    if how == "generation_config":
+        model.generation_config.use_cache = cold_model.generation_config.use_cache = False
+        kwargs = {}
+    try:
+        seq, logits = greedy(model, ids, cache, new_tokens=6, **kwargs)
+        ref_seq, ref_logits = greedy(cold_model, ids, None, new_tokens=6, **kwargs)
+    finally:
+        model.generation_config.use_cache = cold_model.generation_config.use_cache = True
+    assert torch.equal(seq, ref_seq)
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-4)
+    assert (cache.stats.kv_blocks, cache.stats.checkpoints, cache.last_hit_tokens) == (*stored, [0])
+    assert_matches_cold(model, cold_model, cache, ids)
+    assert cache.last_hit_tokens == [32]
+
+
+def test_direct_forward_with_use_cache_false_is_a_forward_without_the_cache(model, cold_model):
+    cache = HybridPrefixCache(model, retention_interval="dense")
+    ids = random_ids(40, seed=421)
+    greedy(model, ids, cache, new_tokens=3)
+    stored = (cache.stats.kv_blocks, cache.stats.checkpoints)
+    with torch.no_grad():
+        logits = model(ids, past_key_values=cache, use_cache=False).logits
+        ref = cold_model(ids, use_cache=False).logits
+    torch.testing.assert_close(logits, ref, rtol=0, atol=1e-4)
+    assert (cache.stats.kv_blocks, cache.stats.checkpoints) == stored  # nothing tracked or stored
+    assert_matches_cold(model, cold_model, cache, ids)
+    assert cache.last_hit_tokens == [32]
+
+
 def test_interrupted_batch_replay_leaves_nothing_pinned(model):
     cache = HybridPrefixCache(model)
     rows = [random_ids(80, seed=403), random_ids(40, seed=404)]
