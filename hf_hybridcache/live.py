@@ -119,8 +119,9 @@ class LiveRequest:
         return self.emit_positions
 
     def capture_states(self, layer_idx: int, positions, states: list[LayerState]) -> None:
-        for t, state in zip(positions, states):
-            self.captured.setdefault(self.forward_start + t, {})[layer_idx] = state
+        # Detached: a forward run with grad enabled must not make stored entries pin its autograd graph.
+        for t, (conv, ssm) in zip(positions, states):
+            self.captured.setdefault(self.forward_start + t, {})[layer_idx] = (conv.detach(), ssm.detach())
 
     def after_forward(self) -> None:
         """Store each row's new full blocks and the checkpoints at its retained and last-reached boundaries."""
@@ -159,7 +160,7 @@ class LiveRequest:
         kv = {}
         for attn in cache.spec.attention:
             keys, values = _compat.get_kv(cache.layers[attn.layer_idx])
-            kv[attn.layer_idx] = scatter_kv_blocks(keys, values, [start], block_size, row)[0]
+            kv[attn.layer_idx] = scatter_kv_blocks(keys.detach(), values.detach(), [start], block_size, row)[0]
         return kv
 
     def _live_row_states(self, row: int) -> dict[int, LayerState]:
@@ -167,7 +168,7 @@ class LiveRequest:
         states = {}
         for m in self.cache.spec.mamba:
             conv, ssm = _compat.get_linear_state(self.cache.layers[m.layer_idx])
-            states[m.layer_idx] = (conv[row : row + 1].clone(), ssm[row : row + 1].clone())
+            states[m.layer_idx] = (conv[row : row + 1].detach().clone(), ssm[row : row + 1].detach().clone())
         return states
 
     # ------------------------------------------------------------------ rollback and the end

@@ -92,14 +92,20 @@ class LiveCache(Cache):
         return self._request is not None and self._request.is_croppable
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last ``abs(tokens_to_remove)`` tokens of the last forward: KV is cut, the Mamba state is set back
-        to the copy taken after the kept tokens.
+        """Drop the last ``-tokens_to_remove`` tokens of the last forward: KV is cut, the Mamba state is set back to
+        the copy taken after the kept tokens.
 
         Raises:
-            ValueError: the tokens were not all fed by the last forward, or states were not kept
+            ValueError: ``tokens_to_remove`` is positive; the tokens were not all fed by the last forward, or states
+                were not kept
                 (:meth:`activate_past_recording` was not called), or the batch has more than one row.
         """
-        num_tokens = abs(tokens_to_remove)
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop({tokens_to_remove}): pass a negative count of tokens to remove (e.g. crop(-3)), as "
+                "transformers' own cache layers require; cropping to an absolute length is not supported."
+            )
+        num_tokens = -tokens_to_remove
         if num_tokens == 0:
             return
         if self._request is None:

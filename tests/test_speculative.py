@@ -73,6 +73,19 @@ def test_crop_refuses_what_it_cannot_roll_back(model):
         cache.crop(-2)
 
 
+def test_crop_refuses_a_positive_count_like_transformers_layers(model, cold_model):
+    # crop(+k) used to be taken as crop(-k); transformers' own layers refuse a positive count (a length, not a count).
+    cache = HybridPrefixCache(model)
+    ids = repetitive_prompt(seed=331)
+    kwargs = dict(max_new_tokens=12, do_sample=False)
+    model.generate(ids, past_key_values=cache, prompt_lookup_num_tokens=3, **kwargs)
+    stored = cache.stats
+    with pytest.raises(ValueError, match="negative count"):
+        cache.crop(2)
+    assert cache.stats == stored
+    assert_matches_cold(model, cold_model, cache, ids)
+
+
 def test_prompt_lookup_with_padding_inside_the_prompt(model, cold_model, crop_calls):
     """A pad id inside the prompt masks that position: no reuse, but rejected drafts still roll back."""
     cache = HybridPrefixCache(model)
