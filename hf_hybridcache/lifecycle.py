@@ -44,8 +44,9 @@ def generate_call(cache):
 
 def begin_request(cache, *, input_ids, attention_mask, inputs_embeds, use_cache, pad_token_id) -> int:
     """Start the request of a ``generate()`` call; returns the restored tokens of its first row."""
-    if use_cache is False:
-        # Each step re-feeds the whole sequence and nothing is cached between steps: there is nothing to store.
+    if use_cache is False or cache.model.training:
+        # use_cache=False: each step re-feeds the whole sequence, nothing is cached between steps. Training mode:
+        # states may be computed with dropout. Either way nothing is looked up or stored.
         start_request(cache, None, None, input_ids.shape[0], prompt_tokens=input_ids.shape[1])
         return 0
     if inputs_embeds is not None:
@@ -71,7 +72,7 @@ def forward_call(cache, *, input_ids, inputs_embeds, use_cache):
                 num_rows, num_tokens = ids_or_embeds.shape[:2]
                 if use_cache is False:
                     _begin_uncached_forward(cache)
-                _before_forward(cache, input_ids, num_rows, num_tokens)
+                _before_forward(cache, input_ids, num_rows, num_tokens, storing=not cache.model.training)
             yield
             if cache._request is not None:
                 cache._request.after_forward()
@@ -89,15 +90,19 @@ def _begin_uncached_forward(cache) -> None:
     cache.layers = _compat.new_live_layers(cache.model.config)
 
 
-def _before_forward(cache, input_ids: torch.Tensor | None, num_rows: int, num_tokens: int) -> None:
+def _before_forward(cache, input_ids: torch.Tensor | None, num_rows: int, num_tokens: int, storing: bool) -> None:
     if cache._request is None:  # a forward outside generate(): one request that starts with this forward
         end_active_request(cache)
         # Live layers that hold tokens nobody tracked (a failed or ended request) must not be stored as if they held
         # this forward's prefix.
-        tracking = num_rows == 1 and input_ids is not None and _live_is_empty(cache)
+        tracking = storing and num_rows == 1 and input_ids is not None and _live_is_empty(cache)
         rows = [Row(prompt_tokens=num_tokens, root=cache._root)] if tracking else []
         cache._request = LiveRequest(cache, rows, tracking)
         cache._shared.active = cache
+    if not storing:
+        # Training mode: dropout may be on and gradient checkpointing drops the cache inside the layers, so nothing
+        # of this forward may be stored and served to eval requests later.
+        cache._request.stop_tracking("a forward in training mode")
     cache._request.before_forward(input_ids, num_rows, num_tokens)
 
 

@@ -228,3 +228,42 @@ def test_reset_from_a_running_call_fails_fast(model, cold_model):
     assert torch.equal(out, greedy(cold_model, ids)[0])
     assert_matches_cold(model, cold_model, cache, ids)
     assert cache.last_hit_tokens == [48]
+
+
+def test_training_forward_with_gradient_checkpointing_stores_nothing_and_matches(model, cold_model):
+    # model.train() + gradient_checkpointing_enable() crashed with an internal TypeError (the layers drop the cache),
+    # and a training forward could store states computed with dropout for later eval requests.
+    cache = HybridPrefixCache(model, retention_interval="dense")
+    ids = random_ids(40, seed=430)
+    greedy(model, ids, cache, new_tokens=3)
+    cache.reset()  # the next forward starts a request of its own, as a fresh cache would
+    stored = (cache.stats.kv_blocks, cache.stats.checkpoints)
+    for m in (model, cold_model):
+        m.train()
+        m.gradient_checkpointing_enable()
+    try:
+        loss = model(ids, past_key_values=cache, labels=ids).loss
+        ref = cold_model(ids, labels=ids).loss
+        loss.backward()
+    finally:
+        for m in (model, cold_model):
+            m.gradient_checkpointing_disable()
+            m.eval()
+            m.zero_grad(set_to_none=True)
+    torch.testing.assert_close(loss, ref, rtol=0, atol=1e-5)
+    assert (cache.stats.kv_blocks, cache.stats.checkpoints) == stored
+    assert_matches_cold(model, cold_model, cache, ids)
+    assert cache.last_hit_tokens == [32]
+
+
+def test_forward_with_grad_enabled_stores_detached_entries(model, cold_model):
+    # Stored entries kept their autograd graphs (grad_fn set), pinning the forward's activations.
+    cache = HybridPrefixCache(model, retention_interval="dense")
+    ids = random_ids(40, seed=431)
+    logits = model(ids, past_key_values=cache, use_cache=True).logits
+    assert logits.requires_grad and cache.stats.kv_blocks == 2 and cache.stats.checkpoints >= 1
+    entries = cache._store.export_entries()
+    tensors = [t for entry in entries.blocks for t in entry.tensors()]
+    assert tensors and not any(t.requires_grad or t.grad_fn is not None for t in tensors)
+    assert_matches_cold(model, cold_model, cache, ids)
+    assert cache.last_hit_tokens == [32]
