@@ -17,6 +17,9 @@ import os
 import statistics
 import time
 
+# Spinning OpenMP threads stall small torch ops on a shared CPU: set before torch loads OpenMP, as every script here.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import torch
 from tqdm import tqdm
 from transformers.generation.streamers import BaseStreamer

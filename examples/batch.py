@@ -11,7 +11,11 @@ batched call with and without the cache.
 from __future__ import annotations
 
 import argparse
+import os
 import time
+
+# Spinning OpenMP threads stall small torch ops on a shared CPU: set before torch loads OpenMP, as every script here.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 

@@ -16,7 +16,11 @@ tokens, side by side in one run, all with the same warm cache, and checks that e
 from __future__ import annotations
 
 import argparse
+import os
 import time
+
+# Spinning OpenMP threads stall small torch ops on a shared CPU: set before torch loads OpenMP, as every script here.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
