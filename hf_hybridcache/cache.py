@@ -251,6 +251,14 @@ class HybridPrefixCache(LiveCache):
 
         return load_cache(cls, path, model, max_cache_bytes, retention_interval, offload)
 
+    def __repr__(self) -> str:
+        o = self.options
+        return (
+            f"HybridPrefixCache({type(self.model).__name__}, block_size={o.block_size}, retention_interval="
+            f"{o.retention_interval!r}, eviction={o.eviction!r}, admit_divergence={o.admit_divergence}, salt="
+            f"{self.salt!r}, stored_bytes={self.stored_bytes}, max_cache_bytes={o.max_cache_bytes})"
+        )
+
     @property
     def is_compileable(self) -> bool:
         return False

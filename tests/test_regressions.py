@@ -268,3 +268,13 @@ def test_forward_with_grad_enabled_stores_detached_entries(model, cold_model):
     assert tensors and not any(t.requires_grad or t.grad_fn is not None for t in tensors)
     assert_matches_cold(model, cold_model, cache, ids)
     assert cache.last_hit_tokens == [32]
+
+
+def test_repr_shows_the_options_and_the_budget(model):
+    # repr(cache) showed only transformers' list of live layers.
+    cache = HybridPrefixCache(model, retention_interval=32, max_cache_bytes=2**26)
+    greedy(model, random_ids(40, seed=440), cache, new_tokens=2)
+    text = repr(cache.with_salt("tenant"))
+    assert text.startswith(f"HybridPrefixCache({type(model).__name__}, block_size=16, retention_interval=32, ")
+    assert f"salt='tenant', stored_bytes={cache.stored_bytes}, max_cache_bytes={2**26})" in text
+    assert cache.stored_bytes > 0
