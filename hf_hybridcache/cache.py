@@ -273,10 +273,15 @@ class HybridPrefixCache(LiveCache):
     def restore(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[int]:
         """Start a request outside ``generate()`` (which does this by itself): restore each row of ``input_ids``
         ``[B, T]`` int64 (left-padded rows with ``attention_mask`` ``[B, T]``) from its longest stored prefix, for a
-        decoding loop of your own that feeds ``input_ids[:, hit:]`` next. Returns the restored tokens per row.
+        decoding loop of your own. Returns the restored tokens per row. Feed ``input_ids[:, cache.get_seq_length():]``
+        next (for one row that is ``input_ids[:, hit:]``; a batch is assembled with all but its last token consumed,
+        so pass the full ``attention_mask`` and matching ``position_ids``). Run such a loop on its own view
+        (``cache.with_salt(None)`` shares the stored prefixes) when other threads use the cache: between two of your
+        forwards another call may start a request on a shared object.
 
         Raises:
-            ValueError: an empty prompt, ids outside the vocabulary, or a model that changed dtype or devices.
+            ValueError: ``input_ids`` not ``[B, T]``, an empty prompt, ids outside the vocabulary, or a model that
+                changed dtype or devices.
             RuntimeError: called from inside a running ``generate()`` in this thread.
         """
         with self._shared.idle("restore()"):

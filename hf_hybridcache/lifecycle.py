@@ -201,6 +201,11 @@ def check_request(cache, input_ids: torch.Tensor | None) -> None:
         )
     if input_ids is None:
         return
+    if input_ids.dim() != 2:
+        raise ValueError(
+            f"input_ids must be a [batch, tokens] tensor of token ids, got shape {tuple(input_ids.shape)}; add a batch "
+            "dimension with input_ids[None]."
+        )
     if input_ids.shape[-1] == 0:
         raise ValueError(
             "The prompt is empty: pass at least one token id (e.g. the BOS token); a prefix cache has nothing to "

@@ -278,3 +278,31 @@ def test_repr_shows_the_options_and_the_budget(model):
     assert text.startswith(f"HybridPrefixCache({type(model).__name__}, block_size=16, retention_interval=32, ")
     assert f"salt='tenant', stored_bytes={cache.stored_bytes}, max_cache_bytes={2**26})" in text
     assert cache.stored_bytes > 0
+
+
+def test_restore_then_a_decoding_loop_of_direct_forwards_matches_cold(model, cold_model):
+    # Bamba numbered positions from 0 in a direct forward without position_ids, whatever the cache held: a loop of
+    # direct forwards after restore() ran and stored KV at the wrong rotary positions, and generate() served it.
+    cache = HybridPrefixCache(model, retention_interval="dense")
+    ids = random_ids(40, seed=450)
+    greedy(model, ids, cache, new_tokens=2)
+    prompt = torch.cat([ids[:, :36], random_ids(5, seed=451)], dim=1)
+    hit = cache.restore(prompt)[0]
+    assert hit == 32
+    with torch.no_grad():
+        logits = model(prompt[:, hit:], past_key_values=cache, use_cache=True).logits[:, -1]
+        tokens = prompt
+        for _ in range(4):
+            tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=1)
+            logits = model(tokens[:, -1:], past_key_values=cache, use_cache=True).logits[:, -1]
+        ref = cold_model(tokens).logits[:, -1]
+    torch.testing.assert_close(logits, ref, rtol=0, atol=1e-4)
+    assert_matches_cold(model, cold_model, cache, tokens)  # what the loop stored serves generate() exactly
+    assert cache.last_hit_tokens == [32]
+
+
+def test_restore_refuses_ids_that_are_not_a_batch(model):
+    cache = HybridPrefixCache(model)
+    with pytest.raises(ValueError, match=r"\[batch, tokens\]"):
+        cache.restore(random_ids(20, seed=452)[0])
+    greedy(model, random_ids(20, seed=452), cache, new_tokens=2)

@@ -141,7 +141,20 @@ def _wrapped_forward(model, original_forward, *args, **kwargs):
         cache, input_ids=input_ids, inputs_embeds=kwargs.get("inputs_embeds"), use_cache=kwargs.get("use_cache")
     )
     with scope:
+        if len(args) <= 1:
+            _fill_position_ids(model, cache, input_ids if input_ids is not None else kwargs.get("inputs_embeds"), kwargs)
         return original_forward(*args, **kwargs)
+
+
+def _fill_position_ids(model, cache, ids_or_embeds, kwargs: dict) -> None:
+    """A direct forward over a non-empty cache without ``position_ids`` or a mask gets the positions ``generate()``
+    would pass: Bamba (5.23) numbers them from 0 whatever the cache holds, so a decoding loop of its own would run,
+    and store, KV at the wrong rotary positions; every other family counts from the cache's length already."""
+    if ids_or_embeds is None or kwargs.get("position_ids") is not None or kwargs.get("attention_mask") is not None:
+        return
+    past = cache.get_seq_length()
+    if past and "position_ids" in inspect.signature(type(model).forward).parameters:
+        kwargs["position_ids"] = torch.arange(past, past + ids_or_embeds.shape[1], device=ids_or_embeds.device)[None]
 
 
 _STATEFUL_LOCK = threading.Lock()
