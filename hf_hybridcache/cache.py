@@ -313,4 +313,5 @@ _HOOKS = _compat.Hooks(
     generate_call=lifecycle.generate_call,
     begin_request=lifecycle.begin_request,
     forward_call=lifecycle.forward_call,
+    rows_done=lifecycle.rows_done,
 )

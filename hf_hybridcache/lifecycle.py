@@ -42,7 +42,7 @@ def generate_call(cache):
             cache._awaiting_request = cache._rollback_next_request = False
 
 
-def begin_request(cache, *, input_ids, attention_mask, inputs_embeds, use_cache, pad_token_id) -> int:
+def begin_request(cache, *, input_ids, attention_mask, inputs_embeds, use_cache) -> int:
     """Start the request of a ``generate()`` call; returns the restored tokens of its first row."""
     if use_cache is False or cache.model.training:
         # use_cache=False: each step re-feeds the whole sequence, nothing is cached between steps. Training mode:
@@ -54,7 +54,7 @@ def begin_request(cache, *, input_ids, attention_mask, inputs_embeds, use_cache,
         start_request(cache, None, None, inputs_embeds.shape[0], prompt_tokens=inputs_embeds.shape[1])
     else:
         check_request(cache, input_ids)
-        start_request(cache, input_ids, attention_mask, input_ids.shape[0], pad_token_id=pad_token_id)
+        start_request(cache, input_ids, attention_mask, input_ids.shape[0])
     return cache.last_hit_tokens[0]
 
 
@@ -106,13 +106,19 @@ def _before_forward(cache, input_ids: torch.Tensor | None, num_rows: int, num_to
     cache._request.before_forward(input_ids, num_rows, num_tokens)
 
 
+def rows_done(cache, is_done: torch.Tensor) -> None:
+    """``generate()``'s stopping criteria finished the rows where ``is_done`` ``[B]`` is True: each such row is fed
+    its last real token by the next forward and the pad id after that, which is not stored."""
+    if cache._request is not None:
+        cache._request.rows_done(is_done.tolist())
+
+
 def start_request(
     cache,
     input_ids: torch.Tensor | None,
     attention_mask: torch.Tensor | None,
     num_rows: int,
     prompt_tokens: int = 0,
-    pad_token_id: int | None = None,
 ) -> None:
     """End the store's live request, then restore each row's longest hit into fresh live layers and make the new
     request live. ``input_ids`` ``[B, T]`` (None: nothing is looked up, e.g. ``inputs_embeds``); ``prompt_tokens``
@@ -138,7 +144,6 @@ def start_request(
         request = replay_rows(cache, rows_tokens, input_ids)
         lengths = [len(t) for t in rows_tokens]
     request.rollback, cache._rollback_next_request, cache._awaiting_request = cache._rollback_next_request, False, False
-    request.pad_token_id = pad_token_id
     cache._request = request
     cache._shared.active = cache
     cache.last_hit_tokens = [row.hit_tokens for row in request.rows] or [0] * num_rows

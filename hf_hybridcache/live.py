@@ -69,7 +69,6 @@ class LiveRequest:
         self.emit_positions: tuple[int, ...] = ()
         self.wanted: frozenset[int] = frozenset()
         self.rollback = False
-        self.pad_token_id: int | None = None
         self.captured: dict[int, dict[int, LayerState]] = {}
         self.in_forward = False
         store = cache._store
@@ -90,9 +89,9 @@ class LiveRequest:
             self.stop_tracking("a forward without input_ids or with another batch size")
             return
         for row, ids in zip(self.rows, input_ids.tolist()):
-            if num_rows > 1 and num_tokens == 1 and ids[0] == self.pad_token_id:
-                # generate() feeds the pad id to rows that already ended (EOS): stop the row where it really ended,
-                # so its decode-end checkpoint and blocks are not replaced by padding.
+            if row.stop_at is not None and len(row.token_ids) >= row.stop_at:
+                # generate() feeds the pad id to rows that already ended: stop the row where it really ended, so its
+                # decode-end checkpoint and blocks are not replaced by padding.
                 row.finished = True
             if not row.finished:
                 row.token_ids.extend(ids)
@@ -111,6 +110,15 @@ class LiveRequest:
         if self.rollback:  # draft tokens past the prompt may be rejected: keep every state after them
             positions.update(range(max(1, row.prompt_tokens - start), end - start))
         self.emit_positions = tuple(sorted(positions))
+
+    def rows_done(self, is_done: list[bool]) -> None:
+        """generate() finished the rows where ``is_done`` is True after its last step: the next forward still feeds
+        each its last sampled token, the ones after that feed the pad id."""
+        if len(is_done) != len(self.rows):
+            return
+        for row, done in zip(self.rows, is_done):
+            if done and row.stop_at is None:
+                row.stop_at = len(row.token_ids) + 1
 
     def checkpoint_positions(self, seq_len: int) -> tuple[int, ...]:
         """Token counts ``1 <= t < seq_len`` of the running forward after which a mixer hands over its state."""

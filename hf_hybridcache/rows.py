@@ -35,7 +35,8 @@ class Row:
         tentative_block: block whose checkpoint is the last boundary reached and not retained.
         divergence_tokens: boundary where the prompt leaves a stored token path, kept as a retained checkpoint
             (0: none, or divergence admission is off).
-        finished: the row ended (EOS) in a batch and is now fed padding, which is not recorded.
+        stop_at: tokens after which generate() feeds this row the pad id (its stopping criteria finished it).
+        finished: the row ended in a batch and is now fed padding, which is not recorded.
     """
 
     prompt_tokens: int
@@ -48,6 +49,7 @@ class Row:
     storing: bool = True
     tentative_block: int | None = None
     divergence_tokens: int = 0
+    stop_at: int | None = None
     finished: bool = False
 
 

@@ -78,3 +78,23 @@ def test_single_left_padded_row(model, cold_model):
     assert torch.equal(out[0, ids.shape[1] :], ref[0, row.shape[1] :])
     torch.testing.assert_close(logits[0], ref_logits[0], rtol=0, atol=1e-4)
     assert cache.last_hit_tokens == [48]
+
+
+def test_rows_whose_tokens_equal_the_pad_id_keep_storing(model, cold_model):
+    # A row was taken as finished when the token fed to it equalled the pad id: a prompt ending with the pad id, or a
+    # row generating it, stopped storing. generate()'s own stopping criteria now say which rows are finished.
+    first = greedy(cold_model, random_ids(37, seed=460), None, new_tokens=1)[0][0, -1].item()
+    rows = [random_ids(37, seed=460), torch.cat([random_ids(28, seed=461), torch.tensor([[first]])], dim=1)]
+    ids, mask = left_pad(rows, pad_id=first)
+    cache = HybridPrefixCache(model)
+    kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=first)
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, **kwargs)
+    for i, row in enumerate(rows):
+        ref = cold_model.generate(row, attention_mask=torch.ones_like(row), **kwargs)  # the pad id is a real token
+        assert torch.equal(out[i, ids.shape[1] :], ref[0, row.shape[1] :])
+    # Row 0 generates the pad id first; row 1's prompt ends with it. Both ran 12 tokens past their prompts, so the
+    # next turn of each reuses its reply up to the decode-end checkpoint (37 + 11 = 48; 29 + 11 = 40 -> 32).
+    for i, (row, expected_hit) in enumerate(zip(rows, (48, 32))):
+        follow = torch.cat([row, out[i : i + 1, ids.shape[1] :], random_ids(3, seed=462 + i)], dim=1)
+        assert_matches_cold(model, cold_model, cache, follow, new_tokens=4)
+        assert cache.last_hit_tokens == [expected_hit]

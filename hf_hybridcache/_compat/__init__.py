@@ -9,6 +9,8 @@ Private APIs touched, and why each is needed (transformers 5.23 - 5.24):
   calls ``_prefill``; its request starts here.
 - ``prepare_inputs_for_generation``'s ``next_sequence_length`` (wrapped): assisted decoding's first forward re-feeds
   the whole prompt; after a restore it must feed only the tail, as ``_prefill`` would.
+- ``GenerationMixin._get_stopping_criteria`` (wrapped): which rows generate() finished (it feeds them the pad id
+  afterwards) is only known to its stopping criteria; a row whose own tokens equal the pad id is not finished.
 - ``PreTrainedModel._is_stateful`` (set per call): ``generate()`` refuses speculative decoding for stateful models;
   a HybridPrefixCache can roll a recurrent state back, so the refusal is lifted during its calls.
 - ``DynamicLayer`` / ``LinearAttentionLayer`` fields (``keys``, ``values``, ``conv_states``, ``recurrent_states``,

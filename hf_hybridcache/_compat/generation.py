@@ -9,6 +9,8 @@ them):
   ``hooks.begin_request(cache, ...)`` before ``generate()`` reads ``cache.get_seq_length()`` and slices the prompt;
 - ``prepare_inputs_for_generation``: assisted decoding's first forward re-feeds the whole prompt, so after a restore
   it is sliced to the uncached tail as ``_prefill`` would;
+- ``_get_stopping_criteria``: the criteria are observed, so the rows ``generate()`` finishes (and then feeds the pad
+  id) stop storing -> ``hooks.rows_done(cache, is_done)``;
 - ``forward`` -> ``hooks.forward_call(cache, ...)``, a context manager around every forward (also direct
   ``model(ids, past_key_values=cache)`` calls).
 
@@ -19,6 +21,7 @@ The context managers release what they take in ``finally``, so any ``BaseExcepti
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 import threading
 from collections.abc import Callable
@@ -27,12 +30,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from .accelerate import _InstanceHook, patch_instance_forward
 
 #: The kwarg a cache travels under: ``past_key_values`` (renamed ``cache`` in transformers 5.24; mixers got
 #: ``cache_params`` up to 5.23).
 CACHE_KWARG_NAMES = ("past_key_values", "cache", "cache_params")
+#: The cache of the generate() call running in this thread (or task), for the hooks that get no kwargs.
+_GENERATING: contextvars.ContextVar = contextvars.ContextVar("hf_hybridcache_generating", default=None)
 
 
 @dataclass(frozen=True)
@@ -43,15 +49,18 @@ class Hooks:
         find: ``(model, kwargs) -> cache or None``: the package's cache in a call's kwargs (raises ``ValueError`` for
             a cache built for another model).
         generate_call: ``cache -> context manager`` held for one ``generate()`` call.
-        begin_request: ``(cache, *, input_ids, attention_mask, inputs_embeds, use_cache, pad_token_id) -> int``:
-            start a request, return the restored prompt tokens.
+        begin_request: ``(cache, *, input_ids, attention_mask, inputs_embeds, use_cache) -> int``: start a request,
+            return the restored prompt tokens.
         forward_call: ``(cache, *, input_ids, inputs_embeds, use_cache) -> context manager`` held for one forward.
+        rows_done: ``(cache, is_done)`` after each decoding step of a batch whose finished rows are fed the pad id
+            from the next step on: ``is_done`` ``[B]`` bool is what ``generate()``'s stopping criteria said.
     """
 
     find: Callable[[torch.nn.Module, dict], Any]
     generate_call: Callable[[Any], AbstractContextManager]
     begin_request: Callable[..., int]
     forward_call: Callable[..., AbstractContextManager]
+    rows_done: Callable[[Any, torch.Tensor], None]
 
 
 def find_cache(kwargs: dict[str, Any]) -> Any:
@@ -72,6 +81,7 @@ def install_hooks(model: torch.nn.Module, hooks: Hooks) -> None:
         ("_prefill", _hooked_prefill),
         ("_get_candidate_generator", _hooked_candidate_generator),
         ("prepare_inputs_for_generation", _hooked_prepare_inputs),
+        ("_get_stopping_criteria", _hooked_stopping_criteria),
         ("generate", _hooked_generate),
     ):
         setattr(model, name, _InstanceHook(model, name, wrapper))
@@ -83,11 +93,36 @@ def _hooked_generate(self, *args, **kwargs):
     cache = hooks.find(self, kwargs)
     if cache is None:
         return type(self).generate(self, *args, **kwargs)
-    with hooks.generate_call(cache), allow_speculative_decoding(self):
-        try:
-            return type(self).generate(self, *args, **kwargs)
-        finally:
-            cache._slice_first_forward = 0
+    token = _GENERATING.set(cache)
+    try:
+        with hooks.generate_call(cache), allow_speculative_decoding(self):
+            try:
+                return type(self).generate(self, *args, **kwargs)
+            finally:
+                cache._slice_first_forward = 0
+    finally:
+        _GENERATING.reset(token)
+
+
+def _hooked_stopping_criteria(self, *args, **kwargs):
+    """``generate()``'s stopping criteria, observed: which rows they finish is generate()'s own notion of a finished
+    row (from the next step on it feeds such a row the pad id when an EOS criterion is present)."""
+    criteria = type(self)._get_stopping_criteria(self, *args, **kwargs)
+    cache = _GENERATING.get()
+    if cache is None or not any(hasattr(c, "eos_token_id") for c in criteria):
+        return criteria
+    return _ObservedStoppingCriteria(criteria, self._hf_hybridcache_hooks.rows_done, cache)
+
+
+class _ObservedStoppingCriteria(StoppingCriteriaList):
+    def __init__(self, criteria, on_done: Callable, cache) -> None:
+        super().__init__(criteria)
+        self._on_done, self._cache = on_done, cache
+
+    def __call__(self, input_ids, scores, **kwargs):
+        is_done = super().__call__(input_ids, scores, **kwargs)
+        self._on_done(self._cache, is_done)
+        return is_done
 
 
 def _begin_request(model, input_ids, model_kwargs: dict, generation_config) -> int:
@@ -95,14 +130,12 @@ def _begin_request(model, input_ids, model_kwargs: dict, generation_config) -> i
     cache = hooks.find(model, model_kwargs)
     if cache is None:
         return 0
-    pad = generation_config._pad_token_tensor
     return hooks.begin_request(
         cache,
         input_ids=input_ids,
         attention_mask=model_kwargs.get("attention_mask"),
         inputs_embeds=model_kwargs.get("inputs_embeds"),
         use_cache=model_kwargs.get("use_cache"),
-        pad_token_id=None if pad is None else int(pad.reshape(-1)[0]),
     )
 
 
