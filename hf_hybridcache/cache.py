@@ -22,7 +22,7 @@ from transformers.cache_utils import Cache
 from . import _compat, lifecycle
 from .config import DEFAULT_MAX_CACHE_BYTES, CacheOptions
 from .flops import FlopModel
-from .hashing import model_identity, root_hash
+from .hashing import model_identity
 from .live import LiveRequest
 from .live_cache import LiveCache
 from .models import support_for
@@ -30,6 +30,7 @@ from .placement import Placement, layer_devices
 from .policy import make_eviction
 from .sharing import SharedState, hash_seed
 from .stats import PrefixCacheStats
+from .weights import WeightsTracker
 from .store import PrefixStore
 
 __all__ = ["HybridPrefixCache", "PrefixCacheStats"]
@@ -103,17 +104,18 @@ class HybridPrefixCache(LiveCache):
         _compat.install_hooks(model, _HOOKS)
         super().__init__(layers=_compat.new_live_layers(model.config))
 
-        seed, identity = hash_seed(seed), model_identity(model)
-        self._shared = SharedState(seed, identity, model.dtype, devices, options)
+        self._shared = SharedState(
+            hash_seed(seed), model_identity(model), WeightsTracker(model), model.dtype, devices, options
+        )
         policy = make_eviction(options.eviction, FlopModel.from_model(model, self.spec))
-        self._store = PrefixStore(self.spec, root_hash(seed, identity), options.max_cache_bytes, placement, policy)
+        self._store = PrefixStore(self.spec, self._shared.root(None), options.max_cache_bytes, placement, policy)
         self._counters = dict(requests=0, prompt_tokens=0, hit_tokens=0, divergence_checkpoints=0)
         self._start_view(None)
 
     def _start_view(self, salt: str | None) -> None:
         """Give this object its own (empty) live state for requests under ``salt``."""
         self.salt = salt
-        self._root = root_hash(self._shared.seed, self._shared.identity, salt)
+        self._root = self._shared.root(salt)
         self._request: LiveRequest | None = None
         self._awaiting_request = self._rollback_next_request = False
         self._slice_first_forward = 0  # owned by _compat.generation (assisted decoding's first forward)

@@ -93,6 +93,7 @@ def _begin_uncached_forward(cache) -> None:
 def _before_forward(cache, input_ids: torch.Tensor | None, num_rows: int, num_tokens: int, storing: bool) -> None:
     if cache._request is None:  # a forward outside generate(): one request that starts with this forward
         end_active_request(cache)
+        _refresh_weights(cache)
         # Live layers that hold tokens nobody tracked (a failed or ended request) must not be stored as if they held
         # this forward's prefix.
         tracking = storing and num_rows == 1 and input_ids is not None and _live_is_empty(cache)
@@ -124,6 +125,7 @@ def start_request(
     request live. ``input_ids`` ``[B, T]`` (None: nothing is looked up, e.g. ``inputs_embeds``); ``prompt_tokens``
     counts the prompt when there are no ids."""
     end_active_request(cache)
+    _refresh_weights(cache)
     cache.layers = _compat.new_live_layers(cache.model.config)
     rows_tokens = unpadded_rows(input_ids, attention_mask)
     if rows_tokens is None:
@@ -159,6 +161,16 @@ def start_request(
         sum(lengths) - sum(cache.last_hit_tokens),
         [row.divergence_tokens for row in request.rows],
     )
+
+
+def _refresh_weights(cache) -> None:
+    """Re-read the model's weights state (:mod:`~hf_hybridcache.weights`) and root this request's chains in it."""
+    if cache._shared.weights.refresh():
+        logger.warning(
+            "The model's weights or adapters changed since the last request: prefixes stored under other weights are "
+            "not served (they are again if those weights come back; cache.clear() drops them)."
+        )
+    cache._root = cache._shared.root(cache.salt)
 
 
 def end_request(cache) -> None:

@@ -23,6 +23,9 @@ from typing import Any
 
 import torch
 
+from .hashing import BlockHash, root_hash
+from .weights import WeightsTracker
+
 
 def hash_seed(seed: bytes | None) -> bytes:
     """``seed``, or 32 random bytes when it is None.
@@ -42,6 +45,7 @@ class SharedState:
     Attributes:
         seed: bytes mixed into every root hash (saved with the cache so stored hashes stay valid).
         identity: the model identity mixed into every root hash.
+        weights: the model's weights state, re-read at every request; its fingerprint is mixed into every root hash.
         dtype, devices: the model's dtype and each cache layer's device when the cache was built; stored entries
             are only valid while the model keeps them.
         options: the validated :class:`~hf_hybridcache.config.CacheOptions`.
@@ -50,12 +54,17 @@ class SharedState:
 
     seed: bytes
     identity: str
+    weights: WeightsTracker
     dtype: torch.dtype
     devices: dict[int, torch.device]
     options: Any
     active: Any = None
     lock: threading.RLock = field(default_factory=threading.RLock)
     generating_thread: int | None = None
+
+    def root(self, salt: str | None) -> BlockHash:
+        """The root of the block hash chains of requests under ``salt`` with the current weights state."""
+        return root_hash(self.seed, f"{self.identity}|{self.weights.fingerprint}", salt)
 
     @contextlib.contextmanager
     def generate_scope(self):
