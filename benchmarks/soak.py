@@ -36,7 +36,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see benchmarks/ttft.py: s
 import psutil
 import torch
 
-from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
 from hf_hybridcache.checks import check_store, entry_digests
 from hf_hybridcache.toy import VOCAB_SIZE, build_model
 
@@ -107,7 +107,7 @@ def left_pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 def generate(model, rows: list[list[int]], cache, new_tokens: int):
     """Greedy tokens of each row (without padding) and first-step logits ``[B, V]``."""
     ids, mask = left_pad(rows)
-    kwargs = {} if cache is None else {"past_key_values": cache}
+    kwargs = {} if cache is None else {CACHE_KWARG: cache}
     out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                          do_sample=False, output_logits=True, return_dict_in_generate=True, **kwargs)
     return [out.sequences[i, ids.shape[1] :].tolist() for i in range(len(rows))], out.logits[0]

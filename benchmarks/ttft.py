@@ -38,7 +38,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
-from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
 from hf_hybridcache.kernels import backend, selective_scan, selective_scan_chunked
 from hf_hybridcache.toy import VOCAB_SIZE, build_model
 
@@ -93,7 +93,7 @@ def timed_with_cpu(device: torch.device, fn):
 
 def first_token(model, ids: torch.Tensor, cache=None):
     """Prefill + first token; returns the first-step logits ``[1, V]``."""
-    kwargs = {} if cache is None else {"past_key_values": cache}
+    kwargs = {} if cache is None else {CACHE_KWARG: cache}
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),

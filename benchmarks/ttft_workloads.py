@@ -26,7 +26,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from benchmarks.simulate import tokenize_workload
 from benchmarks.workloads import WORKLOADS, load_jsonl_chats
-from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
 from hf_hybridcache.toy import build_model, byte_tokenizer
 
 #: Workload sizes that keep a CPU run to a few minutes (prompts of 1-5k tokens).
@@ -58,7 +58,7 @@ class FirstTokenTimer(BaseStreamer):
 def first_token(model, ids: torch.Tensor, cache=None) -> tuple[float, int]:
     """(TTFT in seconds, first new token id) of a greedy generate() of one token."""
     timer = FirstTokenTimer()
-    kwargs = {} if cache is None else {"past_key_values": cache}
+    kwargs = {} if cache is None else {CACHE_KWARG: cache}
     out = model.generate(ids, max_new_tokens=1, do_sample=False, streamer=timer, **kwargs)
     return timer.seconds, int(out[0, -1])
 

@@ -19,7 +19,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
-from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
 from hf_hybridcache.toy import build_model, byte_tokenizer
 
 MANUAL = "Northwind X2 manual. " + " ".join(
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> dict:
     chat = "Customer: my X2 does not charge.\nAgent: Which cable do you use?\nCustomer: "
     warmup = [MANUAL + "\nQ: How do I open the latch?", chat + "the blue one."]
     for text in warmup:  # earlier requests that left their prefixes in the cache
-        model.generate(**tokenizer(text, return_tensors="pt"), past_key_values=cache, max_new_tokens=4)
+        model.generate(**tokenizer(text, return_tensors="pt"), **{CACHE_KWARG: cache}, max_new_tokens=4)
 
     prompts = [MANUAL + "\nQ: Where is the fan grill?", MANUAL + "\nQ: What does step 12 say?",
                chat + "the blue one. It is frayed."]
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
     cold = model.generate(**batch, **kwargs)
     cold_seconds = time.perf_counter() - start
     start = time.perf_counter()
-    cached = model.generate(**batch, past_key_values=cache, **kwargs)
+    cached = model.generate(**batch, **{CACHE_KWARG: cache}, **kwargs)
     cached_seconds = time.perf_counter() - start
 
     width = batch["input_ids"].shape[1]

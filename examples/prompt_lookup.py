@@ -24,7 +24,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
-from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
 from hf_hybridcache.toy import build_model, byte_tokenizer
 
 DOCUMENT = (
@@ -36,7 +36,7 @@ DOCUMENT = (
 def _timed(model, ids, cache, new_tokens, **kwargs):
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        out = model.generate(ids, **{CACHE_KWARG: cache}, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                              do_sample=False, **kwargs)
     return out, time.perf_counter() - start
 

@@ -22,7 +22,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
 from hf_hybridcache.toy import build_model, byte_tokenizer
 
 QUESTIONS = [
@@ -83,7 +83,7 @@ class _FirstTokenTimer(BaseStreamer):
 
 def _generate(model, ids, new_tokens, cache=None):
     timer = _FirstTokenTimer()
-    kwargs = {"past_key_values": cache} if cache is not None else {}
+    kwargs = {CACHE_KWARG: cache} if cache is not None else {}
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, streamer=timer, **kwargs)
     return out[:, ids.shape[1] :], timer.ttft_seconds

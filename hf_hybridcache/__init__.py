@@ -1,5 +1,6 @@
 """Cross-request prefix caching for hybrid attention + Mamba models in Hugging Face transformers."""
 
+from ._compat import CACHE_KWARG
 from .cache import HybridPrefixCache
 from .config import DEFAULT_MAX_CACHE_BYTES
 from .models import supported_model_types
@@ -7,4 +8,11 @@ from .stats import PrefixCacheStats
 
 __version__ = "0.1.0"
 
-__all__ = ["DEFAULT_MAX_CACHE_BYTES", "HybridPrefixCache", "PrefixCacheStats", "__version__", "supported_model_types"]
+__all__ = [
+    "CACHE_KWARG",
+    "DEFAULT_MAX_CACHE_BYTES",
+    "HybridPrefixCache",
+    "PrefixCacheStats",
+    "__version__",
+    "supported_model_types",
+]

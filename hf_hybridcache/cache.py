@@ -30,8 +30,8 @@ from .placement import Placement, layer_devices
 from .policy import make_eviction
 from .sharing import SharedState, hash_seed
 from .stats import PrefixCacheStats
-from .weights import WeightsTracker
 from .store import PrefixStore
+from .weights import WeightsTracker
 
 __all__ = ["HybridPrefixCache", "PrefixCacheStats"]
 

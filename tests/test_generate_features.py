@@ -1,13 +1,14 @@
 """Everything generate() does keeps working with the cache, against cold runs."""
 
 import threading
+import warnings
 
 import pytest
 import torch
 from conftest import assert_matches_cold, greedy, random_ids
 from transformers import TextIteratorStreamer, TextStreamer, pipeline
 
-from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
 from hf_hybridcache.toy import byte_tokenizer
 
 
@@ -143,3 +144,25 @@ def test_chat_template_multi_turn(model, cold_model):
         seen = ids.shape[1] + 15
         reply = tokenizer.decode(seq[0, ids.shape[1] :], skip_special_tokens=True)
         messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": f"And {turn}?"}]
+
+
+def test_the_cache_kwarg_of_this_transformers_works_without_deprecation_warnings(model, cold_model):
+    # transformers 5.24 renamed generate(past_key_values=) to cache= and warns on the old name; the package's own calls
+    # (batch replay, direct forwards) used the old name and warned on every call.
+    cache = HybridPrefixCache(model)
+    ids = random_ids(40, seed=480)
+    rows = torch.cat([torch.cat([ids[:, :33], random_ids(4, seed=481)], dim=1), random_ids(37, seed=482)])
+    kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            out = model.generate(ids, **kwargs, **{CACHE_KWARG: cache})
+        batch = model.generate(rows, **kwargs, **{CACHE_KWARG: cache})
+        with torch.no_grad():
+            model(ids[:, :5], use_cache=True, **{CACHE_KWARG: cache.with_salt("direct")})
+    deprecations = [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    assert not [m for m in deprecations if "past_key_values" in m or "cache" in m], deprecations
+    assert torch.equal(out, cold_model.generate(ids, **kwargs))
+    assert cache.last_hit_tokens == [32, 0]
+    for i in range(2):
+        assert torch.equal(batch[i], cold_model.generate(rows[i : i + 1], **kwargs)[0])

@@ -42,7 +42,7 @@ try:
 except ImportError:  # run from a source checkout without `pip install -e .`: the package sits two folders up
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hf_hybridcache import HybridPrefixCache, supported_model_types
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache, supported_model_types
 from hf_hybridcache.toy import build_model, byte_tokenizer
 
 #: The built-in model: a random-init Jamba-shaped model (6.2M parameters, 2 attention + 6 Mamba layers) with the
@@ -227,7 +227,7 @@ class ChatEngine:
     def _generate(self, ids: torch.Tensor, cache: HybridPrefixCache | None, streamer: TimedStreamer):
         start = time.perf_counter()
         try:
-            sequences = self.model.generate(ids, past_key_values=cache, streamer=streamer, **self.generation_kwargs)
+            sequences = self.model.generate(ids, **{CACHE_KWARG: cache}, streamer=streamer, **self.generation_kwargs)
         finally:
             streamer.end()  # a second end() after generate's own is harmless: the reader stops at the first
         return sequences[0, ids.shape[1] :], 1000 * ((streamer.first_token_time or time.perf_counter()) - start)

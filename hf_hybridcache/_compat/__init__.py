@@ -35,6 +35,7 @@ from packaging.version import Version
 
 from .accelerate import execution_device, force_accelerate_hooks, parameter_values, patch_instance_forward
 from .generation import (
+    CACHE_KWARG,
     Hooks,
     allow_speculative_decoding,
     find_cache,
@@ -49,6 +50,7 @@ TRANSFORMERS_VERSION = transformers.__version__
 TESTED_RANGE = (Version("5.23.0"), Version("5.25.0"))
 
 __all__ = [
+    "CACHE_KWARG",
     "TESTED_RANGE",
     "TRANSFORMERS_VERSION",
     "Hooks",

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from .accelerate import _InstanceHook, patch_instance_forward
@@ -37,6 +39,9 @@ from .accelerate import _InstanceHook, patch_instance_forward
 #: The kwarg a cache travels under: ``past_key_values`` (renamed ``cache`` in transformers 5.24; mixers got
 #: ``cache_params`` up to 5.23).
 CACHE_KWARG_NAMES = ("past_key_values", "cache", "cache_params")
+#: The name ``generate()`` and ``forward()`` take the cache under in the installed transformers: ``cache`` from 5.24
+#: (``past_key_values`` still works there, with a ``FutureWarning``), ``past_key_values`` before.
+CACHE_KWARG = "cache" if Version(transformers.__version__) >= Version("5.24.0.dev0") else "past_key_values"
 #: The cache of the generate() call running in this thread (or task), for the hooks that get no kwargs.
 _GENERATING: contextvars.ContextVar = contextvars.ContextVar("hf_hybridcache_generating", default=None)
 
@@ -229,7 +234,8 @@ def run_forward(model, input_ids: torch.Tensor, cache) -> None:
     kwargs = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     past = cache.get_seq_length()
     position_ids = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)[None]
-    model(input_ids, past_key_values=cache, use_cache=True, position_ids=position_ids, **kwargs)
+    kwargs[CACHE_KWARG] = cache
+    model(input_ids, use_cache=True, position_ids=position_ids, **kwargs)
 
 
 def split_mixer_call(args: tuple, kwargs: dict[str, Any]):
