@@ -22,7 +22,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
+from hf_hybridcache import CACHE_KWARG, DEFAULT_MAX_CACHE_BYTES, HybridPrefixCache
+from hf_hybridcache.config import CacheOptions
 from hf_hybridcache.toy import build_model, byte_tokenizer
 
 QUESTIONS = [
@@ -81,6 +82,19 @@ class _FirstTokenTimer(BaseStreamer):
         return self.first_token_at - self.start
 
 
+def _retention(text: str) -> int | str:
+    """argparse type of --retention: "dense" or a non-negative int (the cache checks it is a multiple of the block)."""
+    if text == "dense":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'expected "dense" or a number of tokens, got {text!r}') from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a retention interval is 0 or a positive multiple of the block, got {value}")
+    return value
+
+
 def _generate(model, ids, new_tokens, cache=None):
     timer = _FirstTokenTimer()
     kwargs = {CACHE_KWARG: cache} if cache is not None else {}
@@ -114,10 +128,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--questions", type=int, default=6, help="number of user questions (requests)")
     parser.add_argument("--new-tokens", type=int, default=16, help="tokens generated per request")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--retention", default="dense", help='"dense", 0 or a multiple of the block size')
+    parser.add_argument("--retention", default="dense", type=_retention,
+                        help='"dense", 0 or a multiple of the block size (tokens)')
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    retention = args.retention if args.retention == "dense" else int(args.retention)
+    retention = args.retention
+    try:  # the cache's own checks, before the cold runs spend a minute
+        CacheOptions(args.block_size, retention, DEFAULT_MAX_CACHE_BYTES, True, "flop_aware")
+    except ValueError as error:
+        parser.error(str(error))
 
     model, tokenizer = load(args)
     system = support_desk_system_prompt(args.system_tokens, seed=args.seed)

@@ -227,7 +227,9 @@ class ChatEngine:
     def _generate(self, ids: torch.Tensor, cache: HybridPrefixCache | None, streamer: TimedStreamer):
         start = time.perf_counter()
         try:
-            sequences = self.model.generate(ids, **{CACHE_KWARG: cache}, streamer=streamer, **self.generation_kwargs)
+            sequences = self.model.generate(
+                ids, **{CACHE_KWARG: cache}, streamer=streamer, **self.generation_kwargs
+            )
         finally:
             streamer.end()  # a second end() after generate's own is harmless: the reader stops at the first
         return sequences[0, ids.shape[1] :], 1000 * ((streamer.first_token_time or time.perf_counter()) - start)
@@ -378,8 +380,8 @@ second turn restores the first turn's attention KV blocks and Mamba state checkp
 starts sooner. Beside each reply: prompt tokens, hit (restored) tokens, replayed tokens and the time to first token;
 tick **compare** to also run the prompt without the cache and check that the reply is the same token for token.
 {model_note}
-One request runs in the model at a time (the cache is not yet safe for parallel `generate()` calls); others wait in the
-queue. Your chat history is yours; the cache is shared, so another visitor with the same system prompt gets a hit on
+One request runs in the model at a time: `generate()` calls that share a cache are serialized by its lock (safe, not
+parallel), so the app queues them instead of holding threads; others wait in the queue. Your chat history is yours; the cache is shared, so another visitor with the same system prompt gets a hit on
 their first turn (with a retention interval other than 0).
 """
 BUILTIN_NOTE = (
