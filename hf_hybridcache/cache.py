@@ -23,17 +23,15 @@ import torch
 from transformers.cache_utils import Cache
 
 from . import _compat
-from .checkpoints import LayerState
 from .config import DEFAULT_MAX_CACHE_BYTES, CacheOptions
 from .flops import FlopModel
 from .hashing import model_identity, root_hash
 from .kernels.paged_copy import scatter_kv_blocks
 from .models import support_for
 from .placement import Placement, layer_devices
-from .policy import last_boundary, make_eviction, retained_boundaries
 from .request import Request, Row, store_row_blocks, store_row_checkpoint
 from .sharing import SharedState
-from .store import PrefixStore
+from .store import LayerState, PrefixStore, last_boundary, make_eviction, retained_boundaries
 
 logger = logging.getLogger("hf_hybridcache")
 

@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .checkpoints import LayerState
 from .hashing import BlockHash
-from .store import PrefixStore
+from .store import LayerState, PrefixStore
 
 logger = logging.getLogger("hf_hybridcache")
 

@@ -14,8 +14,7 @@ from hf_hybridcache.toy import build_model
 
 
 def pinned_blocks(cache):
-    pool = cache._store.pool
-    return {b: pool[b].ref_count for b in pool.block_ids() if pool[b].ref_count}
+    return {block.block_id: block.ref_count for block in cache._store.blocks() if block.ref_count}
 
 
 def test_deep_copy_of_a_patched_model_runs_its_own_weights(model, cold_model, family):
