@@ -171,6 +171,7 @@ class PrefixStore:
         return True
 
     def pin(self, block_ids) -> None:
+        """Pin blocks (a restored hit's chain) so they cannot be evicted until :meth:`release`."""
         self.pool.ref(block_ids)
 
     def release(self, block_ids: list[int]) -> None:
@@ -200,6 +201,7 @@ class PrefixStore:
         return True
 
     def drop_checkpoint(self, block_id: int) -> None:
+        """Drop the checkpoint at the end of ``block_id`` if there is one; its KV stays (hits back off past it)."""
         if block_id in self.checkpoints:
             self.checkpoints.remove(block_id)
             self.eviction.discard(("checkpoint", block_id))
