@@ -191,9 +191,9 @@ def measure_restore(cache, prompt: torch.Tensor, device) -> dict:
     return {
         "lookup": lookup_seconds,
         "kv_gather": kv_seconds,
-        "kv_bytes": sum(store.kv.block_bytes(b) for b in hit.block_ids),
+        "kv_bytes": len(hit.block_ids) * store.spec.kv_block_bytes,
         "ckpt_copy": ckpt_seconds,
-        "ckpt_bytes": store.checkpoints.checkpoint_bytes(hit.block_ids[-1]),
+        "ckpt_bytes": store.spec.checkpoint_bytes,
     }
 
 

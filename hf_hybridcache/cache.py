@@ -27,10 +27,9 @@ from .live import LiveRequest
 from .live_cache import LiveCache
 from .models import support_for
 from .placement import Placement, layer_devices
-from .policy import make_eviction
 from .sharing import SharedState, hash_seed
 from .stats import PrefixCacheStats
-from .store import PrefixStore
+from .store import PrefixStore, make_eviction
 from .weights import WeightsTracker
 
 __all__ = ["HybridPrefixCache", "PrefixCacheStats"]

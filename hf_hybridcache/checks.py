@@ -24,25 +24,34 @@ def _require(condition: bool, message: str) -> None:
         raise AssertionError(message)
 
 
-def _entries(cache):
+def _entries(blocks):
     """``(kind, block id, block hash, entry)`` for every stored entry; ``entry`` is the store's own dict of tensors."""
-    store = cache._store
-    for block_id in store.pool.block_ids():
-        h = store.pool[block_id].block_hash
-        yield "kv", block_id, h, store.kv.get(block_id)
-        if block_id in store.checkpoints:
-            yield "checkpoint", block_id, h, store.checkpoints.get(block_id)
+    for block in blocks:
+        yield "kv", block.block_id, block.block_hash, block.kv
+        if block.checkpoint is not None:
+            yield "checkpoint", block.block_id, block.block_hash, block.checkpoint
+
+
+def _tensors(entry):
+    """An entry's tensors in layer order: KV ``{idx: tensor}`` or a checkpoint ``{idx: (conv, ssm)}``."""
+    for idx in sorted(entry):
+        value = entry[idx]
+        yield from value if isinstance(value, tuple) else (value,)
+
+
+def _num_bytes(entry) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(entry))
 
 
 def _entry_digest(entry) -> str:
-    return _digest(t for idx in sorted(entry) for t in (entry[idx] if isinstance(entry[idx], tuple) else [entry[idx]]))
+    return _digest(_tensors(entry))
 
 
 def entry_digests(cache) -> dict[tuple[str, bytes], str]:
     """SHA-256 of every stored entry keyed by (kind, block hash): ``"kv"`` over its KV tensors, ``"checkpoint"``
     over its conv and SSM states. Block hashes do not depend on block ids, so a saved cache and the cache loaded from
     its file compare equal."""
-    return {(kind, h): _entry_digest(entry) for kind, _, h, entry in _entries(cache)}
+    return {(kind, h): _entry_digest(entry) for kind, _, h, entry in _entries(cache._store.blocks())}
 
 
 def check_store(cache, before: dict | None = None) -> dict:
@@ -63,26 +72,20 @@ def check_store(cache, before: dict | None = None) -> dict:
         store = cache._store
         over = f"{store.stored_bytes} bytes stored over the budget of {store.max_cache_bytes}"
         _require(store.stored_bytes <= store.max_cache_bytes, over)
-        actual = 0
-        for block_id in store.pool.block_ids():
-            actual += sum(t.numel() * t.element_size() for t in store.kv.get(block_id).values())
-            if block_id in store.checkpoints:
-                states = store.checkpoints.get(block_id).values()
-                actual += sum(t.numel() * t.element_size() for pair in states for t in pair)
+        pool_ids, kv_ids, checkpoint_ids = store.stored_ids()
+        _require(kv_ids == pool_ids, "stored KV and stored blocks differ (a block without KV or KV without a block)")
+        _require(checkpoint_ids <= pool_ids, "a checkpoint without its block")
+        blocks = {block.block_id: block for block in store.blocks()}
+        actual = sum(_num_bytes(entry) for _, _, _, entry in _entries(blocks.values()))
         _require(actual == store.stored_bytes, "stored_bytes is not the bytes of the stored tensors")
-        _require(len(store.kv) == len(store.pool), "a stored block without KV (or KV without a block)")
-        for block_id in store.pool.block_ids():
-            block = store.pool[block_id]
-            _require(block_id in store.kv, f"block {block_id} has no KV")
+        for block in blocks.values():
             if block.parent_id is not None:
-                _require(block.parent_id in store.pool, f"block {block_id}'s parent is not stored")
-                parent = store.pool[block.parent_id]
-                _require(block_hash(parent.block_hash, block.token_ids) == block.block_hash, "a hash does not chain")
-        _require(set(store.kv.block_ids()) == set(store.pool.block_ids()), "stored KV and stored blocks differ")
-        _require(set(store.checkpoints.block_ids()) <= set(store.pool.block_ids()), "a checkpoint without its block")
+                _require(block.parent_id in blocks, f"block {block.block_id}'s parent is not stored")
+                parent_hash = blocks[block.parent_id].block_hash
+                _require(block_hash(parent_hash, block.token_ids) == block.block_hash, "a hash does not chain")
         # An entry is the store's dict of tensors: one that is still the same object must still hold the same values
         # (a checkpoint dropped and stored again for the same block is a new object, maybe recomputed in a batch).
-        now = {(kind, block_id): (entry, _entry_digest(entry)) for kind, block_id, _, entry in _entries(cache)}
+        now = {(kind, b): (entry, _entry_digest(entry)) for kind, b, _, entry in _entries(blocks.values())}
         if before is not None:
             same = [key for key in now.keys() & before.keys() if now[key][0] is before[key][0]]
             changed = [key for key in same if now[key][1] != before[key][1]]
@@ -90,6 +93,6 @@ def check_store(cache, before: dict | None = None) -> dict:
         active = cache._shared.active
         rows = active._request.rows if active is not None and active._request is not None else []
         pinned = {block_id for row in rows for block_id in row.block_ids}
-        for block_id in store.pool.block_ids():
-            _require(store.pool[block_id].ref_count == 0 or block_id in pinned, f"block {block_id} is pinned by nobody")
+        for block in blocks.values():
+            _require(block.ref_count == 0 or block.block_id in pinned, f"block {block.block_id} is pinned by nobody")
         return now

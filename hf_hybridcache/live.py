@@ -15,10 +15,9 @@ import logging
 import torch
 
 from . import _compat
-from .checkpoints import LayerState
 from .kernels.paged_copy import scatter_kv_blocks
-from .policy import last_boundary, retained_boundaries
 from .rows import Row, store_row_blocks, store_row_checkpoint
+from .store import LayerState, last_boundary, retained_boundaries
 
 logger = logging.getLogger("hf_hybridcache")
 
@@ -231,6 +230,6 @@ class LiveRequest:
             self.cache._counters["requests"],
             store.evicted_kv_blocks - kv_blocks,
             store.evicted_checkpoints - checkpoints,
-            store.kv.num_bytes,
-            store.checkpoints.num_bytes,
+            store.kv_bytes,
+            store.checkpoint_bytes,
         )

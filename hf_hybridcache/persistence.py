@@ -27,24 +27,23 @@ from . import _compat
 from .config import ModelStateSpec
 from .hashing import BlockHash, block_hash, identity_config, model_identity
 from .models import support_for
+from .store import StoredBlock
+from .weights import weights_fingerprint
 
-FORMAT = "hf_hybridcache/1"
-#: Elements sampled from each parameter for the weights fingerprint.
-_FINGERPRINT_SAMPLES = 64
+#: Version 2: the weights state (weights fingerprint and adapters) is part of every hash root.
+FORMAT = "hf_hybridcache/2"
 
 
 def save_cache(cache, path: str | os.PathLike) -> None:
     """Write ``cache``'s stored entries to ``path`` (see the module docstring). The caller holds the cache's lock."""
-    store, spec = cache._store, cache.spec
-    block_ids = sorted(store.pool.block_ids())  # ids grow, so every parent comes before its children
-    index = {block_id: i for i, block_id in enumerate(block_ids)}
-    checkpoint_ids = [block_id for block_id in block_ids if block_id in store.checkpoints]
-    tensors = _stack_entries(store, spec, block_ids, checkpoint_ids)
-    blocks = []
-    for block_id in block_ids:
-        block = store.pool[block_id]
-        parent = -1 if block.parent_id is None else index[block.parent_id]
-        blocks.append([parent, list(block.token_ids), block.block_hash.hex()])
+    stored, recency = cache._store.export_entries()  # parents before children
+    index = {block.block_id: i for i, block in enumerate(stored)}
+    with_checkpoint = [block for block in stored if block.checkpoint is not None]
+    tensors = _stack_entries(cache.spec, stored, with_checkpoint)
+    blocks = [
+        [-1 if block.parent_id is None else index[block.parent_id], list(block.token_ids), block.block_hash.hex()]
+        for block in stored
+    ]
     meta = {
         "versions": _versions(),
         "model": _model_facts(cache.model),
@@ -57,8 +56,8 @@ def save_cache(cache, path: str | os.PathLike) -> None:
         },
         "seed": cache._shared.seed.hex(),
         "blocks": blocks,
-        "checkpoints": [index[block_id] for block_id in checkpoint_ids],
-        "recency": [[kind, index[block_id]] for kind, block_id in store.eviction.oldest_first()],
+        "checkpoints": [index[block.block_id] for block in with_checkpoint],
+        "recency": [[kind, index[block_id]] for kind, block_id in recency],
         "tensor_sha256": {name: _tensor_digest(t) for name, t in tensors.items()},
     }
     text = json.dumps(meta, sort_keys=True, default=str)
@@ -97,16 +96,16 @@ def load_cache(cls, path, model, max_cache_bytes, retention_interval, offload):
 # ---------------------------------------------------------------------- writing
 
 
-def _stack_entries(store, spec: ModelStateSpec, block_ids: list[int], checkpoint_ids: list[int]) -> dict:
+def _stack_entries(spec: ModelStateSpec, blocks: list[StoredBlock], with_checkpoint: list[StoredBlock]) -> dict:
     """Entries stacked per layer, in host memory (one block at a time leaves its device, so saving never needs
     twice the cache's size on a device)."""
     tensors = {}
-    if block_ids:
+    if blocks:
         for attn in spec.attention:
-            tensors[f"kv.{attn.layer_idx}"] = torch.stack([store.kv.get(b)[attn.layer_idx].cpu() for b in block_ids])
-    if checkpoint_ids:
+            tensors[f"kv.{attn.layer_idx}"] = torch.stack([block.kv[attn.layer_idx].cpu() for block in blocks])
+    if with_checkpoint:
         for m in spec.mamba:
-            states = [store.checkpoints.get(b)[m.layer_idx] for b in checkpoint_ids]
+            states = [block.checkpoint[m.layer_idx] for block in with_checkpoint]
             tensors[f"conv.{m.layer_idx}"] = torch.cat([conv.cpu() for conv, _ in states])
             tensors[f"ssm.{m.layer_idx}"] = torch.cat([ssm.cpu() for _, ssm in states])
     return {name: t.contiguous() for name, t in tensors.items()}
@@ -142,20 +141,6 @@ def _model_facts(model) -> dict:
         "config": identity_config(model),
         "weights_sha256": weights_fingerprint(model),
     }
-
-
-def weights_fingerprint(model: torch.nn.Module) -> str:
-    """SHA-256 over every parameter's name, shape, dtype and up to 64 evenly spaced values (read from accelerate's
-    offload maps for offloaded weights): two checkpoints with one config get different fingerprints, at the cost of a
-    few small reads per parameter rather than hashing every weight."""
-    h = hashlib.sha256()
-    for name, value in sorted(_compat.parameter_values(model), key=lambda item: item[0]):
-        h.update(f"{name}|{tuple(value.shape)}|{value.dtype}|".encode())
-        if value.device.type != "meta" and value.numel():
-            flat = value.detach().reshape(-1)
-            sample = flat[:: max(1, flat.numel() // _FINGERPRINT_SAMPLES)][:_FINGERPRINT_SAMPLES]
-            h.update(sample.to("cpu", torch.float64).numpy().tobytes())
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------- reading and checking
@@ -262,33 +247,23 @@ def _check_entries(meta: dict, tensors: dict, spec: ModelStateSpec, model) -> di
 
 
 def _fill(cache, meta: dict, tensors: dict, plan: dict) -> None:
-    """Insert the entries that fit the budget (the most recently used), then restore their recency order."""
-    store, spec = cache._store, cache.spec
-    blocks = meta["blocks"]
-    keep = _entries_within_budget(plan["recency"], blocks, spec, store.max_cache_bytes)
-    new_ids: dict[int, int] = {}
-    for i, (parent, token_ids, hash_hex) in enumerate(blocks):
+    """Insert the entries that fit the budget (the most recently used), in their recency order."""
+    spec = cache.spec
+    keep = _entries_within_budget(plan["recency"], meta["blocks"], spec, cache._store.max_cache_bytes)
+    rows = {i: row for row, i in enumerate(plan["checkpoints"]) if ("checkpoint", i) in keep}
+    blocks = []
+    for i, (parent, token_ids, hash_hex) in enumerate(meta["blocks"]):
         if ("kv", i) not in keep:
             continue
-        block_id = store.pool.add(
-            BlockHash(bytes.fromhex(hash_hex)), None if parent < 0 else new_ids[parent], tuple(token_ids)
-        )
-        new_ids[i] = block_id
-        store.kv.put(block_id, {a.layer_idx: tensors[f"kv.{a.layer_idx}"][i].clone() for a in spec.attention})
-    for row, i in enumerate(plan["checkpoints"]):
-        if ("checkpoint", i) in keep:
-            states = {
-                m.layer_idx: (
-                    tensors[f"conv.{m.layer_idx}"][row : row + 1].clone(),
-                    tensors[f"ssm.{m.layer_idx}"][row : row + 1].clone(),
-                )
-                for m in spec.mamba
-            }
-            store.checkpoints.put(new_ids[i], states)
-    for kind, i in plan["recency"]:
-        if (kind, i) in keep:
-            store.eviction.touch((kind, new_ids[i]))
-    assert store.stored_bytes <= store.max_cache_bytes, "loaded entries exceed the budget"
+        kv = {a.layer_idx: tensors[f"kv.{a.layer_idx}"][i].clone() for a in spec.attention}
+        checkpoint = None if i not in rows else {
+            m.layer_idx: (tensors[f"conv.{m.layer_idx}"][rows[i] : rows[i] + 1].clone(),
+                          tensors[f"ssm.{m.layer_idx}"][rows[i] : rows[i] + 1].clone())
+            for m in spec.mamba
+        }
+        blocks.append(StoredBlock(i, None if parent < 0 else parent, tuple(token_ids),
+                                  BlockHash(bytes.fromhex(hash_hex)), kv, checkpoint))
+    cache._store.import_entries(blocks, [key for key in plan["recency"] if key in keep])
 
 
 def _entries_within_budget(recency: list, blocks: list, spec: ModelStateSpec, max_cache_bytes: int) -> set:

@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .checkpoints import LayerState
 from .hashing import BlockHash
-from .store import PrefixStore
+from .store import LayerState, PrefixStore
 
 logger = logging.getLogger("hf_hybridcache")
 
@@ -79,7 +78,7 @@ def store_row_checkpoint(
     """Store the row's state after ``boundary`` tokens (copies), if the block ending there is stored. True if a new
     checkpoint was stored."""
     index = boundary // store.block_size - 1
-    if index >= len(row.block_ids) or set(states) != set(store.checkpoints.mamba_layers):
+    if index >= len(row.block_ids) or set(states) != set(store.mamba_layers):
         return False
     block_id = row.block_ids[index]
     previous, row.tentative_block = row.tentative_block, None

@@ -85,3 +85,13 @@ def test_simulated_hits_equal_real_hits(eviction):
     for name in ("kv_blocks", "checkpoints", "stored_bytes", "evicted_kv_blocks", "evicted_checkpoints",
                  "divergence_checkpoints", "hit_tokens"):
         assert getattr(sim, name) == getattr(real, name), name
+
+
+def test_eviction_scale_runs_on_a_tiny_store(capsys, monkeypatch):
+    from benchmarks import eviction_scale
+
+    argv = ["eviction_scale", "--entries", "300", "--small-entries", "60", "--requests", "5"]
+    monkeypatch.setattr("sys.argv", argv)
+    eviction_scale.main()
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("| policy |") and [row.split(" | ")[0] for row in table[2:]] == ["| lru", "| flop_aware"]

@@ -1,8 +1,8 @@
 import pytest
 
-from hf_hybridcache.block_pool import BlockPool
 from hf_hybridcache.hashing import BlockHash
-from hf_hybridcache.policy import LRUEviction, retained_boundaries
+from hf_hybridcache.store import LRUEviction, retained_boundaries
+from hf_hybridcache.store.block_pool import BlockPool
 
 
 def h(i: int) -> BlockHash:
@@ -71,10 +71,25 @@ def test_lru_touch_chain_puts_leaves_first():
     lru.touch_chain([10, 11, 12])  # root 10 ... leaf 12
     lru.touch(("checkpoint", 12))
     keys = [("kv", 10), ("kv", 11), ("kv", 12), ("checkpoint", 12)]
-    assert lru.victim(keys, None) == ("kv", 12)
-    assert sorted(keys, key=lru.last_used) == [("kv", 12), ("kv", 11), ("kv", 10), ("checkpoint", 12)]
+    for key in keys:
+        lru.add_candidate(key, (0, 0, 1))
+    assert lru.victim() == ("kv", 12)
+    assert lru.candidates() == [("kv", 12), ("kv", 11), ("kv", 10), ("checkpoint", 12)]
     lru.touch_chain([10, 11])
-    assert sorted(keys, key=lru.last_used) == [("kv", 12), ("checkpoint", 12), ("kv", 11), ("kv", 10)]
+    assert lru.candidates() == [("kv", 12), ("checkpoint", 12), ("kv", 11), ("kv", 10)]
+    lru.remove_candidate(("kv", 12))  # e.g. pinned again: it keeps its recency but cannot go
+    assert lru.victim() == ("checkpoint", 12) and lru.last_used(("kv", 12)) == 1
+
+
+def test_pool_reports_evictable_changes():
+    events = []
+    pool = BlockPool(lambda block_id, evictable: events.append((block_id, evictable)))
+    a = pool.add(h(1), None, (1, 2))
+    b = pool.add(h(2), a, (3, 4))
+    pool.ref([b])
+    pool.unref([b])
+    pool.remove(b)
+    assert events == [(a, True), (a, False), (b, True), (b, False), (b, True), (b, False), (a, True)]
 
 
 @pytest.mark.parametrize(

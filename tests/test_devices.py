@@ -33,11 +33,11 @@ def _load_dispatched(model, tmp_path, layer_device):
 def assert_entries_on_layer_devices(cache, offloaded=False):
     """Every stored tensor is on its layer's execution device (host memory with offload="cpu")."""
     store, layers = cache._store, _compat.decoder_layers(cache.model)
-    for block_id in store.kv.block_ids():
-        for idx, kv in store.kv.get(block_id).items():
+    for block in store.blocks():
+        for idx, kv in block.kv.items():
             assert kv.device == (torch.device("cpu") if offloaded else _compat.execution_device(layers[idx]))
-    for block_id in store.checkpoints.block_ids():
-        for idx, states in store.checkpoints.get(block_id).items():
+    for block in store.blocks():
+        for idx, states in (block.checkpoint or {}).items():
             for t in states:
                 assert t.device == (torch.device("cpu") if offloaded else _compat.execution_device(layers[idx]))
                 assert t.is_pinned() == (offloaded and _compat.execution_device(layers[idx]).type == "cuda")

@@ -67,10 +67,10 @@ def test_dropped_checkpoint_backs_off_while_its_kv_stays(model, cold_model):
     assert_matches_cold(model, cold_model, cache, ids, new_tokens=4)
     store = cache._store
     chain = store.lookup(ids[0].tolist()).block_ids  # 128 tokens: 8 blocks, checkpoint at 128
-    kv_blocks = len(store.kv)
+    kv_blocks = store.num_kv_blocks
     store.drop_checkpoint(chain[-1])
     store.drop_checkpoint(chain[-2])
-    assert len(store.kv) == kv_blocks
+    assert store.num_kv_blocks == kv_blocks
     assert_restored_states_match(cache, cold_model, ids, 96)
     assert_matches_cold(model, cold_model, cache, ids)
     assert cache.last_hit_tokens == [96]

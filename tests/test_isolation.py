@@ -52,7 +52,7 @@ def test_views_made_per_call_pin_nothing_once_done(model, cold_model):
         view = cache.with_salt(f"user-{tenant}")
         assert_matches_cold(model, cold_model, view, random_ids(50, seed=410 + tenant), new_tokens=4)
         digests = check_store(cache, digests)
-    pinned = [b for b in cache._store.pool.block_ids() if cache._store.pool[b].ref_count]
+    pinned = [block.block_id for block in cache._store.blocks() if block.ref_count]
     assert len(pinned) <= 3  # only the last request's chain (50 + 3 tokens: 3 blocks)
     assert cache._store.evicted_kv_blocks > 0
 

@@ -9,7 +9,6 @@ import torch
 from test_kernels import FP32, assert_scans_close, mamba2_inputs, scan_inputs
 
 from hf_hybridcache import kernels
-from hf_hybridcache.checkpoints import CheckpointStore
 from hf_hybridcache.kernels import backend, paged_copy
 from hf_hybridcache.kernels.mamba1_scan import selective_scan_ref
 from hf_hybridcache.kernels.mamba1_scan_triton import selective_scan_triton
@@ -20,7 +19,8 @@ from hf_hybridcache.kernels.paged_copy_triton import (
     gather_kv_blocks_triton,
     scatter_kv_blocks_triton,
 )
-from hf_hybridcache.kv_store import KVStore
+from hf_hybridcache.store.checkpoints import CheckpointStore
+from hf_hybridcache.store.kv_store import KVStore
 
 pytestmark = pytest.mark.triton
 

@@ -3,6 +3,12 @@
 The store below has ``block_size=2``, KV blocks of 16 bytes and checkpoints of 64 bytes, and a FLOP model of one
 FLOP per token (no attention term), so a checkpoint's FLOP efficiency is just the number of tokens a hit would have to
 recompute without it.
+
+FLOP-aware ranks by ``t + K * e`` (recency stamp t, efficiency e) with ``K = alpha * t_span / e_span`` re-measured
+before a victim once 1/32 of the candidates changed; with the few candidates here that is at every victim, so the
+orders below are Marconi's min-max score ``(t - t_min) / t_span + alpha * (e - e_min) / e_span`` exactly, and the
+comments derive them in that form (``test_flop_aware_picks_marconis_min_max_victim_when_rekeyed_every_time`` checks
+the equivalence on a longer trace).
 """
 
 import pytest
@@ -11,8 +17,7 @@ import torch
 from hf_hybridcache.config import AttentionLayerSpec, MambaLayerSpec, ModelStateSpec, TensorSpec
 from hf_hybridcache.flops import FlopModel
 from hf_hybridcache.hashing import root_hash
-from hf_hybridcache.policy import FlopAwareEviction, LRUEviction
-from hf_hybridcache.store import PrefixStore
+from hf_hybridcache.store import FlopAwareEviction, LRUEviction, PrefixStore
 
 BS = 2
 SPEC = ModelStateSpec(
@@ -50,10 +55,11 @@ def eviction_order(store) -> list[tuple[str, int]]:
     order = []
     choose = store.eviction.victim
 
-    def spy(candidates, value):
-        kind, block_id = choose(candidates, value)
-        order.append((kind, store.pool[block_id].end_blocks * BS))
-        return kind, block_id
+    def spy():
+        key = choose()
+        if key is not None:
+            order.append((key[0], store.end_tokens(key[1])))
+        return key
 
     store.eviction.victim = spy
     assert not store.make_room(store.max_cache_bytes + 1)
@@ -86,8 +92,8 @@ def test_lru_never_evicts_the_running_request_and_may_keep_kv_without_its_checkp
     store.pin(hit.block_ids)  # B is running again
     order = eviction_order(store)
     assert order[-1] == ("checkpoint", 6)  # B's own checkpoint may go (it was already restored) ...
-    assert sorted(store.pool.block_ids()) == sorted(hit.block_ids)  # ... but B's pinned KV stays
-    assert store.stored_bytes == 3 * KV and len(store.checkpoints) == 0
+    assert sorted(b.block_id for b in store.blocks()) == sorted(hit.block_ids)  # ... but B's pinned KV stays
+    assert store.stored_bytes == 3 * KV and store.num_checkpoints == 0
 
 
 def test_flop_aware_keeps_the_checkpoint_that_saves_most_per_byte():
@@ -136,9 +142,8 @@ def test_budget_holds_and_blocks_go_only_after_their_children(policy):
     for i in range(12):
         run_request(store, [1, 2, 3, 4] + [10 + i, 20 + i, 30 + i, 40 + i], checkpoints_at=(4, 8))
         assert store.stored_bytes <= budget
-        for block_id in store.pool.block_ids():
-            parent = store.pool[block_id].parent_id
-            assert parent is None or parent in store.pool  # never an orphan
+        stored = {block.block_id for block in store.blocks()}
+        assert all(block.parent_id in stored | {None} for block in store.blocks())  # never an orphan
     assert store.evicted_kv_blocks > 0 and store.evicted_checkpoints > 0
 
 
@@ -156,3 +161,84 @@ def test_divergence_point_is_where_a_prompt_leaves_a_stored_path():
     run_request(store, [1, 2, 3, 4, 9, 9], checkpoints_at=(4,))
     hit = store.lookup([1, 2, 3, 4, 8, 8])
     assert (hit.hit_tokens, hit.divergence_tokens) == (4, 0)  # the divergence checkpoint is there: a hit
+
+
+def _min_max_victim(store, policy) -> tuple[str, int]:
+    """Marconi's rule computed from scratch over every candidate: lowest (t - t_min) / t_span + alpha * (e - e_min) /
+    e_span, ties to the least recently used; e is the tokens [previous checkpoint, end) per byte, 0 for KV."""
+    blocks = {block.block_id: block for block in store.blocks()}
+
+    def efficiency(key):
+        kind, block_id = key
+        if kind == "kv":
+            return 0.0
+        previous = blocks[block_id].parent_id
+        while previous is not None and blocks[previous].checkpoint is None:
+            previous = blocks[previous].parent_id
+        start = 0 if previous is None else store.end_tokens(previous)
+        return (store.end_tokens(block_id) - start) / CKPT
+
+    keys = store.candidates()
+    stamps, effs = [policy.last_used(k) for k in keys], [efficiency(k) for k in keys]
+    t_span, e_span = (max(stamps) - min(stamps)) or 1, (max(effs) - min(effs)) or 1.0
+    scores = [((t - min(stamps)) / t_span + policy.alpha * (e - min(effs)) / e_span, t) for t, e in zip(stamps, effs)]
+    return keys[min(range(len(keys)), key=scores.__getitem__)]
+
+
+def test_flop_aware_picks_marconis_min_max_victim_when_rekeyed_every_time():
+    # With a handful of candidates, K is re-measured at every victim: the incremental order is Marconi's min-max
+    # score exactly.
+    policy = FlopAwareEviction(ONE_FLOP_PER_TOKEN, alpha=0.75)
+    store = make_store(policy, 6 * KV + 2 * CKPT)
+    choose, checked = policy.victim, []
+
+    def spy():
+        expected = _min_max_victim(store, policy) if store.candidates() else None
+        key = choose()
+        checked.append(key == expected)
+        return key
+
+    policy.victim = spy
+    for i in range(12):
+        run_request(store, [1, 2, 3, 4] + [10 + i % 5, 20 + i, 30 + i, 40 + i, 50, 60], checkpoints_at=(4, 8, 12))
+    assert len(checked) > 20 and all(checked)
+
+
+def test_flop_aware_alpha_is_settable_and_rekeys():
+    policy = FlopAwareEviction(ONE_FLOP_PER_TOKEN, alpha=1.0)
+    store = make_store(policy)
+    run_request(store, list(range(100, 140)), checkpoints_at=(40,))
+    run_request(store, [1, 2, 3, 4], checkpoints_at=(4,))
+    # The only candidates: the checkpoint at 40 (oldest, saves 40 tokens) and at 4 (newest, saves 4): scores 0 + 1
+    # and 1 + 0 tie, so the older one goes.
+    assert store.end_tokens(policy.victim()[1]) == 40
+    policy.alpha = 1.5  # benchmarks/hit_rate.py sweeps it: the next victim re-keys (0 + 1.5 against 1 + 0)
+    assert store.end_tokens(policy.victim()[1]) == 4
+
+
+def test_checkpoint_links_relink_only_the_checkpoints_below():
+    # Chain 2 -> 4 -> 6 -> 8 with a branch 6' under 4; checkpoints at 8 and 6' first, then 4 between them and the
+    # root, then 4 dropped again.
+    store = make_store(LRUEviction())
+    ids = run_request(store, [1, 2, 3, 4, 5, 6, 7, 8], checkpoints_at=(8,))
+    branch = run_request(store, [1, 2, 3, 4, 9, 9], checkpoints_at=(6,))
+    links = store.links
+    assert (links.previous(ids[3]), links.previous(branch[2])) == (None, None)
+    assert sorted(links.add(store.pool, ids[1])) == sorted([ids[3], branch[2]])
+    assert (links.previous(ids[3]), links.previous(branch[2])) == (ids[1], ids[1])
+    assert sorted(links.remove(ids[1])) == sorted([ids[3], branch[2]])
+    assert (links.previous(ids[3]), links.previous(branch[2])) == (None, None)
+
+
+def test_export_and_import_keep_the_tree_the_checkpoints_and_the_recency():
+    store = make_store(LRUEviction())
+    branching_trace(store)
+    blocks, recency = store.export_entries()
+    assert [b.parent_id for b in blocks] == [None, blocks[0].block_id, blocks[1].block_id, blocks[0].block_id,
+                                             blocks[3].block_id]
+    copy = make_store(LRUEviction())
+    new_ids = copy.import_entries(blocks, recency)
+    assert eviction_order(copy) == eviction_order(store)
+    assert sorted(new_ids) == [b.block_id for b in blocks]
+    with pytest.raises(ValueError, match="budget"):
+        make_store(LRUEviction(), budget=KV).import_entries(blocks, recency)

@@ -5,8 +5,8 @@ import torch
 from conftest import MAMBA1_FAMILIES, assert_matches_cold, greedy, random_ids
 
 from hf_hybridcache import HybridPrefixCache
-from hf_hybridcache.checkpoints import CheckpointStore
-from hf_hybridcache.kv_store import KVStore
+from hf_hybridcache.store.checkpoints import CheckpointStore
+from hf_hybridcache.store.kv_store import KVStore
 
 
 def _warm(model, cold_model):

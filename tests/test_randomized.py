@@ -30,16 +30,17 @@ def _prompt(rng: random.Random, trunks: list[list[int]], history: list[list[int]
 
 
 def _guard_budget(cache: HybridPrefixCache) -> None:
-    """Assert the budget after every KV block and checkpoint the store keeps."""
+    """Assert the budget after every KV block and checkpoint the store keeps (each call stores at most one)."""
     store = cache._store
-    for part in (store.kv, store.checkpoints):
-        put = part.put
+    for name in ("add_block", "add_checkpoint"):
+        add = getattr(store, name)
 
-        def checked_put(block_id, tensors, put=put):
-            put(block_id, tensors)
+        def checked_add(*args, add=add):
+            added = add(*args)
             assert store.stored_bytes <= store.max_cache_bytes, "the budget was exceeded"
+            return added
 
-        part.put = checked_put
+        setattr(store, name, checked_add)
 
 
 @pytest.mark.slow

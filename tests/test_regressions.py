@@ -14,8 +14,7 @@ from hf_hybridcache.toy import build_model
 
 
 def pinned_blocks(cache):
-    pool = cache._store.pool
-    return {b: pool[b].ref_count for b in pool.block_ids() if pool[b].ref_count}
+    return {block.block_id: block.ref_count for block in cache._store.blocks() if block.ref_count}
 
 
 def test_deep_copy_of_a_patched_model_runs_its_own_weights(model, cold_model, family):
@@ -263,8 +262,9 @@ def test_forward_with_grad_enabled_stores_detached_entries(model, cold_model):
     ids = random_ids(40, seed=431)
     logits = model(ids, past_key_values=cache, use_cache=True).logits
     assert logits.requires_grad and cache.stats.kv_blocks == 2 and cache.stats.checkpoints >= 1
-    entries = cache._store.export_entries()
-    tensors = [t for entry in entries.blocks for t in entry.tensors()]
+    blocks, _ = cache._store.export_entries()
+    tensors = [t for block in blocks for t in block.kv.values()]
+    tensors += [t for block in blocks if block.checkpoint for state in block.checkpoint.values() for t in state]
     assert tensors and not any(t.requires_grad or t.grad_fn is not None for t in tensors)
     assert_matches_cold(model, cold_model, cache, ids)
     assert cache.last_hit_tokens == [32]

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .kernels.paged_copy import gather_kv_blocks
-from .placement import Placement
+from ..kernels.paged_copy import gather_kv_blocks
+from ..placement import Placement
 
 
 class KVStore:

@@ -1,5 +1,5 @@
 """Block bookkeeping: ids, the hash -> block map, the parent -> children index, reference counts and the set of
-evictable blocks (unreferenced leaves). No tensors.
+evictable blocks (unreferenced leaves), whose changes it reports to a listener (the eviction queue). No tensors.
 
 A block is ``block_size`` consecutive tokens whose KV is stored; it is addressed by its chained block hash
 (:mod:`hf_hybridcache.hashing`). Layout after nano-vllm's block manager and vLLM's ``block_pool.py``.
@@ -7,10 +7,10 @@ A block is ``block_size`` consecutive tokens whose KV is stored; it is addressed
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from .hashing import BlockHash
+from ..hashing import BlockHash
 
 
 @dataclass
@@ -35,13 +35,19 @@ class Block:
 
 class BlockPool:
     """Stored blocks as a tree of prefixes. A block may only be removed when it is a leaf and unreferenced; the set
-    of such blocks is kept up to date, so eviction never scans the whole tree."""
+    of such blocks is kept up to date, so eviction never scans the whole tree.
 
-    def __init__(self) -> None:
+    Args:
+        on_evictable: called with ``(block_id, True)`` when a block becomes an unreferenced leaf and ``(block_id,
+            False)`` when it stops being one (referenced, extended or removed); not called by :meth:`clear`.
+    """
+
+    def __init__(self, on_evictable: Callable[[int, bool], None] | None = None) -> None:
         self._blocks: dict[int, Block] = {}
         self._by_hash: dict[BlockHash, int] = {}
         self._evictable: set[int] = set()
         self._next_id = 0
+        self._on_evictable = on_evictable
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -75,10 +81,10 @@ class BlockPool:
         depth = 0 if parent_id is None else self._blocks[parent_id].depth + 1
         self._blocks[block_id] = Block(block_id, block_hash, parent_id, token_ids, depth)
         self._by_hash[block_hash] = block_id
-        self._evictable.add(block_id)
         if parent_id is not None:
             self._blocks[parent_id].children.add(block_id)
-            self._evictable.discard(parent_id)
+            self._unmark(parent_id)
+        self._mark(block_id)
         return block_id
 
     def remove(self, block_id: int) -> None:
@@ -86,7 +92,7 @@ class BlockPool:
         assert block.is_leaf and block.ref_count == 0, "only unreferenced leaf blocks can be removed"
         del self._blocks[block_id]
         del self._by_hash[block.block_hash]
-        self._evictable.discard(block_id)
+        self._unmark(block_id)
         if block.parent_id is not None:
             parent = self._blocks[block.parent_id]
             parent.children.discard(block_id)
@@ -102,7 +108,7 @@ class BlockPool:
     def ref(self, block_ids: Iterable[int]) -> None:
         for block_id in block_ids:
             self._blocks[block_id].ref_count += 1
-            self._evictable.discard(block_id)
+            self._unmark(block_id)
 
     def unref(self, block_ids: Iterable[int]) -> None:
         for block_id in block_ids:
@@ -113,7 +119,19 @@ class BlockPool:
 
     def _update_evictable(self, block: Block) -> None:
         if block.is_leaf and block.ref_count == 0:
-            self._evictable.add(block.block_id)
+            self._mark(block.block_id)
+
+    def _mark(self, block_id: int) -> None:
+        if block_id not in self._evictable:
+            self._evictable.add(block_id)
+            if self._on_evictable is not None:
+                self._on_evictable(block_id, True)
+
+    def _unmark(self, block_id: int) -> None:
+        if block_id in self._evictable:
+            self._evictable.discard(block_id)
+            if self._on_evictable is not None:
+                self._on_evictable(block_id, False)
 
     def clear(self) -> None:
         self._blocks.clear()

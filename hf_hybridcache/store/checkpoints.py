@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .kernels.paged_copy import copy_states
-from .placement import Placement
+from ..kernels.paged_copy import copy_states
+from ..placement import Placement
 
 #: One Mamba layer's state: conv state ``[1, C, W]`` (model dtype) and SSM state (``[1, I, N]`` for Mamba-1,
 #: usually float32).

@@ -1,24 +1,29 @@
 """PrefixStore: what outlives a request — stored KV blocks and checkpoints under one byte budget.
 
-It composes the block pool (bookkeeping), the KV store and the checkpoint store (tensors) and the eviction policy,
-and answers the one question a new request asks: how long a prefix of these tokens can be restored?
+It composes the block pool (bookkeeping), the KV store and the checkpoint store (tensors), the checkpoint links and
+the eviction policy, and answers the one question a new request asks: how long a prefix of these tokens can be
+restored? Its parts are internal: callers use the methods and properties below (``kv``, ``checkpoints``, ``pool`` and
+``eviction`` stay reachable for the cache until it moves to them).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from ..config import ModelStateSpec
+from ..hashing import BlockHash, block_hash
+from ..placement import Placement
 from .block_pool import BlockPool
+from .checkpoint_links import CheckpointLinks
 from .checkpoints import CheckpointStore, LayerState
-from .config import ModelStateSpec
-from .hashing import BlockHash, block_hash
+from .entries import StoredBlock, import_entries, stored_blocks
+from .eviction import EntryKey, EntryValue, EvictionPolicy, LRUEviction
 from .kv_store import KVStore
-from .placement import Placement
-from .policy import EntryKey, EntryValue, EvictionPolicy, LRUEviction
+from .lookup import divergence_tokens, hit_blocks, match_blocks
 
 logger = logging.getLogger("hf_hybridcache")
 
@@ -44,7 +49,7 @@ class PrefixStore:
         spec: layers and per-entry byte sizes of the model.
         root: parent hash of block 0 (seed + model identity) for chains without a cache salt; salted chains pass
             their own root (:func:`~hf_hybridcache.hashing.root_hash` with the salt).
-        max_cache_bytes: the budget, bytes of the stored tensors.
+        max_cache_bytes: the budget, bytes of the stored tensors (settable; call :meth:`make_room` after shrinking).
         placement: where stored tensors are kept and where restored copies go (None: where they are given).
         eviction: ranks what to evict; least recently used when None.
     """
@@ -61,51 +66,59 @@ class PrefixStore:
         self.block_size = spec.block_size
         self.root = root
         self.max_cache_bytes = max_cache_bytes
-        self.pool = BlockPool()
+        self.pool = BlockPool(self._on_evictable)
         self.kv = KVStore(tuple(a.layer_idx for a in spec.attention), placement)
         self.checkpoints = CheckpointStore(tuple(m.layer_idx for m in spec.mamba), placement)
         self.eviction = LRUEviction() if eviction is None else eviction
+        self.links = CheckpointLinks()
         self.evicted_kv_blocks = 0
         self.evicted_checkpoints = 0
-        # Checkpoint -> the nearest checkpoint before it on its path (None: none), filled as eviction asks.
-        self._previous_checkpoint: dict[int, int | None] = {}
+
+    # ------------------------------------------------------------------ sizes
 
     @property
     def stored_bytes(self) -> int:
         return self.kv.num_bytes + self.checkpoints.num_bytes
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv.num_bytes
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        return self.checkpoints.num_bytes
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return len(self.kv)
+
+    @property
+    def num_checkpoints(self) -> int:
+        return len(self.checkpoints)
+
+    @property
+    def mamba_layers(self) -> tuple[int, ...]:
+        """Mamba layer idxs a checkpoint must cover."""
+        return self.checkpoints.mamba_layers
 
     # ------------------------------------------------------------------ lookup and restore
 
     def lookup(self, token_ids: list[int], root: BlockHash | None = None) -> Hit:
         """Longest hit P <= L-1, a multiple of ``block_size``, with every KV block of ``[0, P)`` stored and a
         checkpoint at P; backs off past missing checkpoints down to a miss. Only chains grown from ``root`` (None:
-        the unsalted root) are searched. Touches what it returns.
-
-        Also finds the divergence point (Marconi's admission rule): the prompt's full blocks match stored blocks up
-        to D tokens, the stored block at D has children, and none of them is the prompt's next full block. A prompt
-        that only extends a stored path (the matched block is a leaf) or ends inside it has none."""
+        the unsalted root) are searched. Touches what it returns. Also finds the divergence point
+        (:func:`~hf_hybridcache.store.lookup.divergence_tokens`), reported only when it lies past the hit."""
         bs = self.block_size
-        chain: list[int] = []
-        hashes: list[BlockHash] = []
-        parent_hash, parent_id = self.root if root is None else root, None
-        for start in range(0, len(token_ids) - bs + 1, bs):
-            tokens = tuple(token_ids[start : start + bs])
-            parent_hash = block_hash(parent_hash, tokens)
-            parent_id = self.pool.lookup(parent_hash, parent_id, tokens)
-            if parent_id is None:
-                break
-            chain.append(parent_id)
-            hashes.append(parent_hash)
-        diverges = 0 < len(chain) < len(token_ids) // bs and not self.pool[chain[-1]].is_leaf
-        divergence_tokens = len(chain) * bs if diverges else 0
-        for depth in range(min(len(chain), (len(token_ids) - 1) // bs), 0, -1):
-            if chain[depth - 1] in self.checkpoints:
-                self.eviction.touch_chain(chain[:depth])
-                self.eviction.touch(("checkpoint", chain[depth - 1]))
-                hit_tokens = depth * bs
-                return Hit(hit_tokens, tuple(chain[:depth]), tuple(hashes[:depth]),
-                           divergence_tokens if divergence_tokens > hit_tokens else 0)
-        return Hit(0, (), (), divergence_tokens)
+        chain, hashes = match_blocks(self.pool, token_ids, self.root if root is None else root, bs)
+        divergence = divergence_tokens(self.pool, chain, len(token_ids), bs)
+        depth = hit_blocks(chain, self.checkpoints.__contains__, len(token_ids), bs)
+        if depth == 0:
+            return Hit(0, (), (), divergence)
+        self.eviction.touch_chain(chain[:depth])
+        self.eviction.touch(("checkpoint", chain[depth - 1]))
+        hit_tokens = depth * bs
+        return Hit(hit_tokens, tuple(chain[:depth]), tuple(hashes[:depth]),
+                   divergence if divergence > hit_tokens else 0)
 
     def gather_kv(self, layer_idx: int, block_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the keys and values ``[1, Hkv, len(block_ids) * block_size, D]`` of one attention layer."""
@@ -153,12 +166,12 @@ class PrefixStore:
             return False
         if not self.make_room(self.spec.checkpoint_bytes):
             return None
-        self._forget_previous(self._find_previous_checkpoint(block_id))  # it may now lie between them
-        self.checkpoints.put(block_id, states)
+        self._put_checkpoint(block_id, states)
         self.eviction.touch(("checkpoint", block_id))
         return True
 
     def pin(self, block_ids) -> None:
+        """Pin blocks (a restored hit's chain) so they cannot be evicted until :meth:`release`."""
         self.pool.ref(block_ids)
 
     def release(self, block_ids: list[int]) -> None:
@@ -172,58 +185,30 @@ class PrefixStore:
         """Evict the entries the eviction policy ranks lowest until ``num_bytes`` more fit. False if they cannot fit
         (pinned blocks are never evicted)."""
         while self.stored_bytes + num_bytes > self.max_cache_bytes:
-            candidates = self.eviction_candidates()
-            if not candidates:
+            key = self.eviction.victim()
+            if key is None:
                 return False
-            kind, block_id = self.eviction.victim(candidates, self.entry_value)
-            logger.debug("evicting the %s at %d tokens", kind, self.pool[block_id].end_blocks * self.block_size)
+            kind, block_id = key
+            logger.debug("evicting the %s at %d tokens", kind, self.end_tokens(block_id))
             if kind == "checkpoint":
                 self.drop_checkpoint(block_id)
                 self.evicted_checkpoints += 1
             else:
                 self.kv.remove(block_id)
                 self.pool.remove(block_id)
-                self.eviction.discard(("kv", block_id))
+                self.eviction.discard(key)
                 self.evicted_kv_blocks += 1
         return True
 
-    def eviction_candidates(self) -> list[EntryKey]:
-        """Every checkpoint and every unreferenced leaf KV block without a checkpoint."""
-        checkpoints = [("checkpoint", b) for b in self.checkpoints.block_ids()]
-        return checkpoints + [("kv", b) for b in self.pool.evictable_ids() if b not in self.checkpoints]
-
-    def entry_value(self, key: EntryKey) -> EntryValue:
-        """``(start_tokens, end_tokens, num_bytes)``: a hit recomputes ``[start, end)`` without this entry. A
-        checkpoint at ``end`` backs hits off to the nearest checkpoint before it; a candidate KV block (a leaf
-        without a checkpoint) serves no hit, so its span is empty."""
-        kind, block_id = key
-        end_tokens = self.pool[block_id].end_blocks * self.block_size
-        if kind == "kv":
-            return end_tokens, end_tokens, self.kv.block_bytes(block_id)
-        if block_id not in self._previous_checkpoint:
-            self._previous_checkpoint[block_id] = self._find_previous_checkpoint(block_id)
-        previous = self._previous_checkpoint[block_id]
-        start_tokens = 0 if previous is None else self.pool[previous].end_blocks * self.block_size
-        return start_tokens, end_tokens, self.checkpoints.checkpoint_bytes(block_id)
-
-    def _find_previous_checkpoint(self, block_id: int) -> int | None:
-        parent = self.pool[block_id].parent_id
-        while parent is not None and parent not in self.checkpoints:
-            parent = self.pool[parent].parent_id
-        return parent
-
-    def _forget_previous(self, block_id: int | None) -> None:
-        """Forget the cached previous checkpoint of every checkpoint whose previous one is ``block_id``."""
-        stale = [b for b, previous in self._previous_checkpoint.items() if previous == block_id]
-        for b in stale:
-            del self._previous_checkpoint[b]
-
     def drop_checkpoint(self, block_id: int) -> None:
+        """Drop the checkpoint at the end of ``block_id`` if there is one; its KV stays (hits back off past it)."""
         if block_id in self.checkpoints:
             self.checkpoints.remove(block_id)
-            self._previous_checkpoint.pop(block_id, None)
-            self._forget_previous(block_id)
             self.eviction.discard(("checkpoint", block_id))
+            for moved in self.links.remove(block_id):
+                self.eviction.update_value(("checkpoint", moved), self._checkpoint_value(moved))
+            if self.pool.is_evictable(block_id):
+                self.eviction.add_candidate(("kv", block_id), self._kv_value(block_id))
 
     def clear(self) -> None:
         """Drop every stored entry (pinned ones too: call between requests)."""
@@ -231,4 +216,59 @@ class PrefixStore:
         self.kv.clear()
         self.checkpoints.clear()
         self.eviction.clear()
-        self._previous_checkpoint.clear()
+        self.links.clear()
+
+    def _put_checkpoint(self, block_id: int, states: dict[int, LayerState]) -> None:
+        self.checkpoints.put(block_id, states)
+        self.eviction.remove_candidate(("kv", block_id))
+        for moved in self.links.add(self.pool, block_id):
+            self.eviction.update_value(("checkpoint", moved), self._checkpoint_value(moved))
+        self.eviction.add_candidate(("checkpoint", block_id), self._checkpoint_value(block_id))
+
+    def _on_evictable(self, block_id: int, evictable: bool) -> None:
+        """The pool's report: a KV block without a checkpoint is a candidate exactly while it is evictable."""
+        if block_id in self.checkpoints:
+            return
+        if evictable:
+            self.eviction.add_candidate(("kv", block_id), self._kv_value(block_id))
+        else:
+            self.eviction.remove_candidate(("kv", block_id))
+
+    def _kv_value(self, block_id: int) -> EntryValue:
+        """A candidate KV block is a leaf without a checkpoint: it serves no hit, so its span is empty."""
+        end_tokens = self.end_tokens(block_id)
+        return end_tokens, end_tokens, self.spec.kv_block_bytes
+
+    def _checkpoint_value(self, block_id: int) -> EntryValue:
+        """A hit recomputes ``[previous checkpoint, end)`` without this checkpoint."""
+        previous = self.links.previous(block_id)
+        start_tokens = 0 if previous is None else self.end_tokens(previous)
+        return start_tokens, self.end_tokens(block_id), self.checkpoints.checkpoint_bytes(block_id)
+
+    # ------------------------------------------------------------------ persistence and inspection
+
+    def export_entries(self) -> tuple[list[StoredBlock], list[EntryKey]]:
+        """Every stored block, parents before children, with its tensors (the store's own: read, never write), and
+        every entry ``(kind, block id)`` from least to most recently used."""
+        return list(stored_blocks(self)), self.eviction.oldest_first()
+
+    def import_entries(self, blocks: Sequence[StoredBlock], recency: Sequence[EntryKey]) -> dict[int, int]:
+        """Insert loaded entries into an empty store without evicting; see
+        :func:`~hf_hybridcache.store.entries.import_entries`. Returns ``{given block id: new block id}``."""
+        return import_entries(self, blocks, recency)
+
+    def blocks(self) -> Iterator[StoredBlock]:
+        """Every stored block, parents before children, with its tensors (see :meth:`export_entries`)."""
+        return stored_blocks(self)
+
+    def end_tokens(self, block_id: int) -> int:
+        """The block boundary (in tokens) a stored block ends at."""
+        return self.pool[block_id].end_blocks * self.block_size
+
+    def stored_ids(self) -> tuple[set[int], set[int], set[int]]:
+        """Block ids known to the block pool, to the KV store and to the checkpoint store (a consistency check)."""
+        return set(self.pool.block_ids()), set(self.kv.block_ids()), set(self.checkpoints.block_ids())
+
+    def candidates(self) -> list[EntryKey]:
+        """What may be evicted now, the next victim first."""
+        return self.eviction.candidates()
