@@ -217,6 +217,7 @@ class HybridPrefixCache(LiveCache):
         Waits for a running call in another thread.
 
         Raises:
+            ValueError: ``path`` is a directory or its folder does not exist; nothing is written.
             RuntimeError: called from inside a running ``generate()`` in this thread.
         """
         from .persistence import save_cache

@@ -35,7 +35,18 @@ FORMAT = "hf_hybridcache/2"
 
 
 def save_cache(cache, path: str | os.PathLike) -> None:
-    """Write ``cache``'s stored entries to ``path`` (see the module docstring). The caller holds the cache's lock."""
+    """Write ``cache``'s stored entries to ``path`` (see the module docstring). The caller holds the cache's lock.
+
+    Raises:
+        ValueError: ``path`` is a directory, or its directory does not exist.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        example = os.path.join(path, "cache.safetensors")
+        raise ValueError(f"{path!r} is a directory; pass a file path such as {example!r}.")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"The folder {folder!r} does not exist; create it first (os.makedirs) or save elsewhere.")
     stored, recency = cache._store.export_entries()  # parents before children
     index = {block.block_id: i for i, block in enumerate(stored)}
     with_checkpoint = [block for block in stored if block.checkpoint is not None]
@@ -62,7 +73,7 @@ def save_cache(cache, path: str | os.PathLike) -> None:
     }
     text = json.dumps(meta, sort_keys=True, default=str)
     metadata = {"format": FORMAT, "meta": text, "meta_sha256": hashlib.sha256(text.encode()).hexdigest()}
-    _write_atomically(tensors, metadata, os.fspath(path))
+    _write_atomically(tensors, metadata, path)
 
 
 def load_cache(cls, path, model, max_cache_bytes, retention_interval, offload):
@@ -72,13 +83,13 @@ def load_cache(cls, path, model, max_cache_bytes, retention_interval, offload):
     meta, tensors = _read(path)
     try:
         _check_model(meta, model, path)
-    except (KeyError, TypeError, AttributeError) as error:
+    except (KeyError, TypeError, AttributeError, RecursionError) as error:
         raise _invalid(path, f"its metadata lacks {error}") from error
     try:
         options, seed = meta["options"], bytes.fromhex(meta["seed"])
         spec = support_for(model).state_spec(model, options["block_size"])
         plan = _check_entries(meta, tensors, spec, model)
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError) as error:
         raise _invalid(path, f"its entries do not fit this model ({error})") from error
     cache = cls(
         model,
@@ -165,7 +176,10 @@ def _read(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     text = metadata.get("meta", "")
     if hashlib.sha256(text.encode()).hexdigest() != metadata.get("meta_sha256"):
         raise _invalid(path, "the checksum of its metadata does not match, so it is corrupted")
-    meta = json.loads(text)
+    try:
+        meta = json.loads(text)
+    except (ValueError, RecursionError) as error:  # a crafted file can nest deeper than the parser's stack
+        raise _invalid(path, f"its metadata is not usable JSON ({type(error).__name__})") from error
     digests = meta.get("tensor_sha256", {}) if isinstance(meta, dict) else None
     if not isinstance(digests, dict) or set(digests) != set(tensors):
         raise _invalid(path, f"it holds tensors {sorted(tensors)} that its metadata does not list")

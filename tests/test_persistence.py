@@ -1,6 +1,7 @@
 """cache.save / HybridPrefixCache.load: safetensors + JSON, identity checks, refusal of damaged files without losing
 anything in memory."""
 
+import hashlib
 import json
 import os
 import struct
@@ -9,6 +10,7 @@ import pytest
 import torch
 from conftest import assert_matches_cold, assert_restored_states_match, random_ids
 from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 import hf_hybridcache
@@ -188,3 +190,56 @@ def test_failed_save_keeps_the_previous_file(warm, monkeypatch):
         cache.save(path)
     assert path.read_bytes() == before
     assert os.listdir(path.parent) == [path.name]
+
+
+def _rewrite(path, out, edit_meta):
+    """Copy the cache file at ``path`` to ``out`` with ``edit_meta(meta text) -> text`` applied and its checksum
+    recomputed (what a tampered file or a bug in another writer looks like)."""
+    with safe_open(path, framework="pt", device="cpu") as f:
+        metadata, tensors = dict(f.metadata()), {name: f.get_tensor(name) for name in f.keys()}
+    metadata["meta"] = edit_meta(metadata["meta"])
+    metadata["meta_sha256"] = hashlib.sha256(metadata["meta"].encode()).hexdigest()
+    save_file(tensors, out, metadata=metadata)
+
+
+def test_deeply_nested_metadata_is_a_clear_error(warm, model, cold_model, tmp_path):
+    # json.loads raised RecursionError instead of the promised ValueError.
+    cache, path = warm
+    bad = tmp_path / "nested.safetensors"
+    _rewrite(path, bad, lambda text: "[" * 100_000 + "]" * 100_000)
+    _refused_and_nothing_lost(bad, cache, cold_model, "not usable JSON")
+
+
+def test_a_stored_block_with_the_same_hash_but_other_tokens_runs_as_a_miss(warm, model, cold_model, tmp_path):
+    # A root block's tokens changed in the file with its hash kept (a collision, or a tampered file): storing the
+    # real block beside it failed with an AssertionError. Lookups re-compare tokens and miss; nothing is stored there.
+    cache, path = warm
+    ids, other = random_ids(70, seed=300), random_ids(70, seed=301)
+
+    def change_first_block(text):
+        meta = json.loads(text)
+        block = next(b for b in meta["blocks"] if b[0] == -1 and b[1] == ids[0, :16].tolist())
+        block[1] = [6 + (t + 1) % 200 for t in block[1]]
+        return json.dumps(meta, sort_keys=True)
+
+    tampered = tmp_path / "tampered.safetensors"
+    _rewrite(path, tampered, change_first_block)
+    loaded = HybridPrefixCache.load(tampered, model)
+    for _ in range(2):
+        assert_matches_cold(model, cold_model, loaded, ids, new_tokens=4)
+        assert loaded.last_hit_tokens == [0]
+    assert_matches_cold(model, cold_model, loaded, other, new_tokens=4)
+    assert loaded.last_hit_tokens == [64]
+    check_store(loaded)
+
+
+def test_save_to_a_directory_or_a_missing_folder_is_a_clear_error(warm, model, cold_model, tmp_path):
+    # save() into a missing folder named a temp file in its error, and save("/some/dir") renamed over the directory.
+    cache, _ = warm
+    with pytest.raises(ValueError, match="is a directory"):
+        cache.save(tmp_path)
+    with pytest.raises(ValueError, match="does not exist"):
+        cache.save(tmp_path / "missing" / "cache.safetensors")
+    assert tmp_path.is_dir() and not (tmp_path / "missing").exists()
+    cache.save(tmp_path / "ok.safetensors")
+    assert HybridPrefixCache.load(tmp_path / "ok.safetensors", model).stats.kv_blocks == cache.stats.kv_blocks

@@ -180,7 +180,8 @@ def _wrapped_forward(model, original_forward, *args, **kwargs):
     )
     with scope:
         if len(args) <= 1:
-            _fill_position_ids(model, cache, input_ids if input_ids is not None else kwargs.get("inputs_embeds"), kwargs)
+            ids_or_embeds = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+            _fill_position_ids(model, cache, ids_or_embeds, kwargs)
         return original_forward(*args, **kwargs)
 
 

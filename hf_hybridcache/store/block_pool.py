@@ -61,6 +61,9 @@ class BlockPool:
     def block_ids(self) -> list[int]:
         return list(self._blocks)
 
+    def has_hash(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._by_hash
+
     def lookup(self, block_hash: BlockHash, parent_id: int | None, token_ids: tuple[int, ...]) -> int | None:
         """The stored block with this hash, parent and tokens, or None. Re-comparing the token ids and the parent
         means a hash collision can never serve another prefix's data."""

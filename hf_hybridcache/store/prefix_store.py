@@ -139,13 +139,19 @@ class PrefixStore:
     ) -> tuple[int, BlockHash] | None:
         """Find or store the block of ``token_ids`` after ``parent_id`` and pin it (unpin with :meth:`release`).
         ``parent_hash`` is the parent's hash, or for block 0 the chain's root (None: the unsalted root). ``make_kv``
-        is called only when the block is new and fits. Returns (block id, hash), or None if it cannot fit.
+        is called only when the block is new and fits. Returns (block id, hash), or None if it cannot fit or another
+        block already has its hash.
 
         A new block is refused when its chain's KV plus one checkpoint exceeds the budget: no checkpoint could ever be
         stored at or past it next to its chain, so it would serve no hit, and storing it (its chain is pinned while
         the request runs) would crowd out the checkpoints of the request's earlier boundaries."""
         h = block_hash(self.root if parent_hash is None else parent_hash, token_ids)
         block_id = self.pool.lookup(h, parent_id, token_ids)
+        if block_id is None and self.pool.has_hash(h):
+            # The hash is stored for another prefix (a collision, or a tampered file): lookups re-compare tokens and
+            # miss it, and this block cannot be stored beside it, so the rest of the chain is not stored.
+            logger.warning("a stored block has this block's hash but other tokens or parent; not storing the chain")
+            return None
         if block_id is None:
             chain_blocks = 1 if parent_id is None else self.pool[parent_id].end_blocks + 1
             if chain_blocks * self.spec.kv_block_bytes + self.spec.checkpoint_bytes > self.max_cache_bytes:
