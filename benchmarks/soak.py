@@ -35,6 +35,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see benchmarks/ttft.py: s
 
 import psutil
 import torch
+from tqdm.auto import tqdm
 
 from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
 from hf_hybridcache.checks import check_store, entry_digests
@@ -156,6 +157,7 @@ def run_soak(args: argparse.Namespace) -> dict:
                 with lock:
                     records.append((rows, n, replies, logits, list(view.last_hit_tokens)))
                     served[0] += 1
+                    progress.update()
         except BaseException as error:
             errors.append(error)
 
@@ -174,6 +176,7 @@ def run_soak(args: argparse.Namespace) -> dict:
                     errors.append(error)
                     return
 
+    progress = tqdm(total=sum(len(plan) for plan in plans), desc="requests", unit="req")
     threads = [threading.Thread(target=worker, args=(plan,)) for plan in plans]
     watcher = threading.Thread(target=checker)
     start = time.perf_counter()
@@ -184,6 +187,7 @@ def run_soak(args: argparse.Namespace) -> dict:
         thread.join()
     done.set()
     watcher.join()
+    progress.close()
     elapsed = time.perf_counter() - start
     if errors:
         raise errors[0]
@@ -196,7 +200,7 @@ def run_soak(args: argparse.Namespace) -> dict:
 
     cold = build_model(args.family, seed=0)
     mismatches, worst = 0, 0.0
-    for rows, n, replies, logits, _ in records:
+    for rows, n, replies, logits, _ in tqdm(records, desc="cold reruns", unit="req"):
         ref_replies, ref_logits = generate(cold, rows, None, n)
         worst = max(worst, (logits - ref_logits).abs().max().item())
         mismatches += replies != ref_replies or not torch.allclose(logits, ref_logits, rtol=0, atol=1e-4)

@@ -37,6 +37,7 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
+from tqdm.auto import tqdm
 
 from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
 from hf_hybridcache.kernels import backend, selective_scan, selective_scan_chunked
@@ -311,9 +312,8 @@ def main(argv: list[str] | None = None) -> None:
     first_token(patched, warmup, cache)
 
     rows = {}
-    for prefix_tokens in args.prefix_tokens:
+    for prefix_tokens in tqdm(args.prefix_tokens, desc="prefixes", unit="prefix"):
         rows[prefix_tokens] = measure_prefix(args, stock, patched, cache, prefix_tokens, device)
-        print(f"prefix {prefix_tokens}: done", flush=True)
     scan = measure_scan(args, stock, device, dtype)
     print_report(args, stock, device, dtype, rows, scan)
 

@@ -20,6 +20,7 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
+from tqdm.auto import tqdm
 from transformers.generation.streamers import BaseStreamer
 
 from hf_hybridcache import CACHE_KWARG, DEFAULT_MAX_CACHE_BYTES, HybridPrefixCache
@@ -144,10 +145,10 @@ def main(argv: list[str] | None = None) -> dict:
         tokenizer(f"{system}\n\nCustomer: {q}\nAssistant:", return_tensors="pt").input_ids
         for q in (QUESTIONS * (args.questions // len(QUESTIONS) + 1))[: args.questions]
     ]
-    cold = [_generate(model, ids, args.new_tokens) for ids in prompts]
+    cold = [_generate(model, ids, args.new_tokens) for ids in tqdm(prompts, desc="without the cache", unit="req")]
     cache = HybridPrefixCache(model, block_size=args.block_size, retention_interval=retention)
     rows = []
-    for ids, (cold_tokens, cold_ttft) in zip(prompts, cold):
+    for ids, (cold_tokens, cold_ttft) in tqdm(list(zip(prompts, cold)), desc="with the cache", unit="req"):
         tokens, ttft = _generate(model, ids, args.new_tokens, cache)
         rows.append(dict(prompt=ids.shape[1], hit=cache.last_hit_tokens[0], ttft_cold=cold_ttft, ttft_cached=ttft,
                          identical=torch.equal(tokens, cold_tokens)))

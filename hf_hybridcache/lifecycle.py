@@ -153,13 +153,15 @@ def start_request(
     counters["requests"] += 1
     counters["prompt_tokens"] += sum(lengths)
     counters["hit_tokens"] += sum(cache.last_hit_tokens)
+    request.number = counters["requests"]
+    divergences = [row.divergence_tokens for row in request.rows]
     logger.debug(
         "request %d: prompt tokens %s, hit %s, replay %d, divergence at %s",
         counters["requests"],
         lengths,
         cache.last_hit_tokens,
         sum(lengths) - sum(cache.last_hit_tokens),
-        [row.divergence_tokens for row in request.rows],
+        divergences if any(divergences) else "none",
     )
 
 

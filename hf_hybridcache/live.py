@@ -70,6 +70,7 @@ class LiveRequest:
         self.rollback = False
         self.captured: dict[int, dict[int, LayerState]] = {}
         self.in_forward = False
+        self.number = cache._counters["requests"]  # generate() requests so far (a direct forward's takes the last one)
         store = cache._store
         self.evicted_at_start = (store.evicted_kv_blocks, store.evicted_checkpoints)
 
@@ -226,8 +227,9 @@ class LiveRequest:
             store.release(row.block_ids)
         kv_blocks, checkpoints = self.evicted_at_start
         logger.debug(
-            "request %d ended: it evicted %d KV blocks and %d checkpoints; stored %d bytes of KV and %d of checkpoints",
-            self.cache._counters["requests"],
+            "request %d released its chains (requests stay live until the next begins or reset()); it evicted %d KV "
+            "blocks and %d checkpoints; stored %d bytes of KV and %d of checkpoints",
+            self.number,
             store.evicted_kv_blocks - kv_blocks,
             store.evicted_checkpoints - checkpoints,
             store.kv_bytes,

@@ -13,10 +13,10 @@ Run it with one command (it prints the URL, http://127.0.0.1:7860 by default)::
     python examples/space/app.py --model-id ai21labs/Jamba-tiny-dev   # a real checkpoint (needs a hub)
 
 Several browser sessions share the one cache (a second user with the same system prompt gets a hit on their first
-turn); each session keeps its own chat history. ``generate()`` on one cache from several threads is not safe yet, so
-all model work runs one request at a time: the events that touch the model share one Gradio queue slot
-(``concurrency_id="model"``, limit 1) and the engine holds a lock around each ``generate()`` for calls that do not
-come through the queue.
+turn); each session keeps its own chat history. ``generate()`` calls that share a cache run one at a time under the
+cache's lock (safe, not parallel), so all model work is queued rather than left waiting on the lock: the events that
+touch the model share one Gradio queue slot (``concurrency_id="model"``, limit 1) and the engine holds a lock around
+each ``generate()`` for calls that do not come through the queue.
 """
 
 from __future__ import annotations
@@ -381,8 +381,8 @@ starts sooner. Beside each reply: prompt tokens, hit (restored) tokens, replayed
 tick **compare** to also run the prompt without the cache and check that the reply is the same token for token.
 {model_note}
 One request runs in the model at a time: `generate()` calls that share a cache are serialized by its lock (safe, not
-parallel), so the app queues them instead of holding threads; others wait in the queue. Your chat history is yours; the cache is shared, so another visitor with the same system prompt gets a hit on
-their first turn (with a retention interval other than 0).
+parallel), so the app queues them; others wait in the queue. Your chat history is yours; the cache is shared, so
+another visitor with the same system prompt gets a hit on their first turn (with a retention interval other than 0).
 """
 BUILTIN_NOTE = (
     "The built-in model has **random weights: its replies are gibberish, by design** (no downloads; letters only). "
