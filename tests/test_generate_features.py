@@ -166,3 +166,21 @@ def test_the_cache_kwarg_of_this_transformers_works_without_deprecation_warnings
     assert cache.last_hit_tokens == [32, 0]
     for i in range(2):
         assert torch.equal(batch[i], cold_model.generate(rows[i : i + 1], **kwargs)[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["jamba", "zamba2"])
+def test_torch_compile_of_the_model_keeps_outputs_exact(model, cold_model):
+    # Dynamo traces through the forward wrapper and the patched mixers (graph breaks at the cache's bookkeeping);
+    # backend="eager" checks that tracing, which is what meets our code, in seconds (inductor only changes kernels).
+    cache = HybridPrefixCache(model, retention_interval="dense")
+    compiled = torch.compile(model, backend="eager")
+    ids = random_ids(40, seed=490)
+    with torch.no_grad():
+        logits = compiled(ids, past_key_values=cache, use_cache=True).logits
+        ref = cold_model(ids).logits
+    torch.testing.assert_close(logits, ref, rtol=0, atol=1e-4)
+    assert (cache.stats.kv_blocks, cache.stats.checkpoints) == (2, 2)
+    out = compiled.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, cold_model.generate(ids, max_new_tokens=4, do_sample=False))
+    assert cache.last_hit_tokens == [32]
