@@ -154,6 +154,26 @@ class HybridPrefixCache(LiveCache):
             self._shared.options = options
 
     @property
+    def store(self) -> PrefixStore:
+        """The store this cache and its views share (read it between calls: health checks, export, inspection)."""
+        return self._store
+
+    @property
+    def root_hash(self) -> bytes:
+        """Parent hash of block 0 for this view's requests: seed, model identity, weights state and salt mixed."""
+        return self._root
+
+    @property
+    def seed(self) -> bytes:
+        """The bytes mixed into every block hash (kept by :meth:`save`)."""
+        return self._shared.seed
+
+    @property
+    def layer_devices(self) -> dict[int, torch.device]:
+        """``{cache layer idx: device}`` the model's layers computed on when the cache was built."""
+        return dict(self._shared.devices)
+
+    @property
     def stored_bytes(self) -> int:
         """Bytes of the stored KV blocks and checkpoints (never above ``max_cache_bytes``)."""
         return self._store.stored_bytes

@@ -32,7 +32,7 @@ def _load_dispatched(model, tmp_path, layer_device):
 
 def assert_entries_on_layer_devices(cache, offloaded=False):
     """Every stored tensor is on its layer's execution device (host memory with offload="cpu")."""
-    store, layers = cache._store, _compat.decoder_layers(cache.model)
+    store, layers = cache.store, _compat.decoder_layers(cache.model)
     for block in store.blocks():
         for idx, kv in block.kv.items():
             assert kv.device == (torch.device("cpu") if offloaded else _compat.execution_device(layers[idx]))
@@ -117,6 +117,6 @@ def test_offload_cpu_keeps_entries_in_host_memory(family, model):
 def test_layers_split_between_cuda_and_cpu(model, cold_model, tmp_path):
     dispatched = _load_dispatched(model, tmp_path, lambda i: 0 if i % 2 else "cpu")
     cache = HybridPrefixCache(dispatched, retention_interval="dense")
-    assert {d.type for d in cache._shared.devices.values()} == {"cpu", "cuda"}
+    assert {d.type for d in cache.layer_devices.values()} == {"cpu", "cuda"}
     assert _two_turns(dispatched, cold_model, cache, seed=640) == [64]
     assert_entries_on_layer_devices(cache)

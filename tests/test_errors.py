@@ -1,9 +1,12 @@
 """Bad input gets a clear ValueError, and the cache keeps working afterwards."""
 
+import warnings
+
 import pytest
 import torch
 from conftest import assert_matches_cold, greedy, random_ids
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.generation.utils import GenerationMixin
 
 from hf_hybridcache import DEFAULT_MAX_CACHE_BYTES, HybridPrefixCache, _compat
 from hf_hybridcache.checks import check_store, entry_digests
@@ -181,7 +184,7 @@ def test_forward_that_raises_stores_nothing_and_the_cache_keeps_working(model, c
     handle.remove()
     after = check_store(cache, before)
     assert set(after) >= set(before)  # the prefill was stored (it completed); the failed decode step stored nothing
-    assert all(not block.ref_count for block in cache._store.blocks())
+    assert all(not block.ref_count for block in cache.store.blocks())
     assert_matches_cold(model, cold_model, cache, longer)
     assert cache.last_hit_tokens == [96]
 
@@ -199,3 +202,19 @@ def test_invalid_budget_change_keeps_the_old_one(model, value):
 def test_invalid_offload(model):
     with pytest.raises(ValueError, match="`offload` must be None .* or 'cpu'"):
         HybridPrefixCache(model, offload="disk")
+
+
+def test_an_untested_transformers_version_warns_once_naming_it(model, monkeypatch):
+    monkeypatch.setattr(_compat, "TRANSFORMERS_VERSION", "5.99.0")
+    monkeypatch.setattr(_compat, "_warned_versions", set())
+    with pytest.warns(UserWarning, match=r"tested with transformers >=5\.23\.0,<5\.25\.0 and this is 5\.99\.0"):
+        HybridPrefixCache(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        HybridPrefixCache(model)  # once per process
+
+
+def test_a_transformers_without_the_internals_it_hooks_is_refused(model, monkeypatch):
+    monkeypatch.delattr(GenerationMixin, "_prefill")
+    with pytest.raises(ValueError, match=r"does not have \(_prefill\); install a tested version"):
+        HybridPrefixCache(model)

@@ -65,7 +65,7 @@ def test_dropped_checkpoint_backs_off_while_its_kv_stays(model, cold_model):
     cache = HybridPrefixCache(model, retention_interval="dense")
     ids = random_ids(130, seed=10)
     assert_matches_cold(model, cold_model, cache, ids, new_tokens=4)
-    store = cache._store
+    store = cache.store
     chain = store.lookup(ids[0].tolist()).block_ids  # 128 tokens: 8 blocks, checkpoint at 128
     kv_blocks = store.num_kv_blocks
     store.drop_checkpoint(chain[-1])

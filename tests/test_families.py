@@ -27,7 +27,7 @@ def test_bf16_checkpoints_keep_the_live_dtypes_and_tokens_match(family):
         layer = live.layers[m.layer_idx]
         live_dtypes = (layer.conv_states[0].dtype, layer.recurrent_states[0].dtype)
         assert (m.conv.dtype, m.ssm.dtype) == live_dtypes == (torch.bfloat16, torch.float32)
-    for states in (block.checkpoint for block in cache._store.blocks() if block.checkpoint is not None):
+    for states in (block.checkpoint for block in cache.store.blocks() if block.checkpoint is not None):
         assert all((conv.dtype, ssm.dtype) == (torch.bfloat16, torch.float32) for conv, ssm in states.values())
     assert all(a.dtype == torch.bfloat16 for a in cache.spec.attention)
     stats, spec = cache.stats, cache.spec

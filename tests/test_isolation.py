@@ -31,7 +31,7 @@ def test_views_share_store_budget_and_counters(model, cold_model):
     cache = HybridPrefixCache(model)
     view = cache.with_salt("t")
     assert view is not cache and isinstance(view, HybridPrefixCache)
-    assert view._store is cache._store and view.with_salt("u")._store is cache._store
+    assert view.store is cache.store and view.with_salt("u").store is cache.store
     assert view.layers is not cache.layers
     assert_matches_cold(model, cold_model, view, random_ids(40, seed=401))
     assert cache.stats == view.stats and cache.stats.requests == 1
@@ -52,9 +52,9 @@ def test_views_made_per_call_pin_nothing_once_done(model, cold_model):
         view = cache.with_salt(f"user-{tenant}")
         assert_matches_cold(model, cold_model, view, random_ids(50, seed=410 + tenant), new_tokens=4)
         digests = check_store(cache, digests)
-    pinned = [block.block_id for block in cache._store.blocks() if block.ref_count]
+    pinned = [block.block_id for block in cache.store.blocks() if block.ref_count]
     assert len(pinned) <= 3  # only the last request's chain (50 + 3 tokens: 3 blocks)
-    assert cache._store.evicted_kv_blocks > 0
+    assert cache.store.evicted_kv_blocks > 0
 
 
 def test_salt_must_be_a_non_empty_string(model):
@@ -68,12 +68,12 @@ def test_salt_must_be_a_non_empty_string(model):
 def test_seed_makes_hashes_reproducible(model, family):
     ids = random_ids(64, seed=420)[0].tolist()
     same = [HybridPrefixCache(model, seed=b"app-seed") for _ in range(2)]
-    assert same[0]._root == same[1]._root
-    assert same[0].with_salt("a")._root == same[1].with_salt("a")._root != same[0]._root
-    hashes = chain_hashes(same[0]._root, ids, 16)
-    assert hashes == chain_hashes(same[1]._root, ids, 16)
+    assert same[0].root_hash == same[1].root_hash
+    assert same[0].with_salt("a").root_hash == same[1].with_salt("a").root_hash != same[0].root_hash
+    hashes = chain_hashes(same[0].root_hash, ids, 16)
+    assert hashes == chain_hashes(same[1].root_hash, ids, 16)
     random_seeded = [HybridPrefixCache(model) for _ in range(2)]
-    assert random_seeded[0]._root != random_seeded[1]._root != same[0]._root
+    assert random_seeded[0].root_hash != random_seeded[1].root_hash != same[0].root_hash
     with pytest.raises(ValueError, match="`seed` must be bytes"):
         HybridPrefixCache(model, seed="app-seed")
 

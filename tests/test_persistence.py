@@ -55,7 +55,7 @@ def test_file_is_safetensors_with_json_metadata(warm):
     assert header["__metadata__"]["format"] == "hf_hybridcache/2"
     versions = {"hf_hybridcache": hf_hybridcache.__version__, "transformers": _compat.TRANSFORMERS_VERSION}
     assert meta["versions"] == versions
-    assert meta["seed"] == cache._shared.seed.hex()
+    assert meta["seed"] == cache.seed.hex()
     assert len(meta["blocks"]) == cache.stats.kv_blocks and len(meta["checkpoints"]) == cache.stats.checkpoints
     with safe_open(path, framework="pt") as f:
         names = set(f.keys())
@@ -86,7 +86,7 @@ def test_salted_entries_and_seed_survive(model, cold_model, tmp_path):
     assert_matches_cold(model, cold_model, cache.with_salt("tenant-a"), ids)
     cache.save(tmp_path / "c.safetensors")
     loaded = HybridPrefixCache.load(tmp_path / "c.safetensors", model)
-    assert loaded._root == cache._root  # same seed, same hashes
+    assert loaded.root_hash == cache.root_hash  # same seed, same hashes
     for view, hit in [(loaded.with_salt("tenant-b"), 0), (loaded, 0), (loaded.with_salt("tenant-a"), 48)]:
         assert_matches_cold(model, cold_model, view, ids)
         assert view.last_hit_tokens == [hit]

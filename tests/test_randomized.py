@@ -31,7 +31,7 @@ def _prompt(rng: random.Random, trunks: list[list[int]], history: list[list[int]
 
 def _guard_budget(cache: HybridPrefixCache) -> None:
     """Assert the budget after every KV block and checkpoint the store keeps (each call stores at most one)."""
-    store = cache._store
+    store = cache.store
     for name in ("add_block", "add_checkpoint"):
         add = getattr(store, name)
 

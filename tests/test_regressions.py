@@ -14,7 +14,7 @@ from hf_hybridcache.toy import build_model
 
 
 def pinned_blocks(cache):
-    return {block.block_id: block.ref_count for block in cache._store.blocks() if block.ref_count}
+    return {block.block_id: block.ref_count for block in cache.store.blocks() if block.ref_count}
 
 
 def test_deep_copy_of_a_patched_model_runs_its_own_weights(model, cold_model, family):
@@ -262,7 +262,7 @@ def test_forward_with_grad_enabled_stores_detached_entries(model, cold_model):
     ids = random_ids(40, seed=431)
     logits = model(ids, past_key_values=cache, use_cache=True).logits
     assert logits.requires_grad and cache.stats.kv_blocks == 2 and cache.stats.checkpoints >= 1
-    blocks, _ = cache._store.export_entries()
+    blocks, _ = cache.store.export_entries()
     tensors = [t for block in blocks for t in block.kv.values()]
     tensors += [t for block in blocks if block.checkpoint for state in block.checkpoint.values() for t in state]
     assert tensors and not any(t.requires_grad or t.grad_fn is not None for t in tensors)
