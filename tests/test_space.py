@@ -264,3 +264,24 @@ def test_engine_refuses_an_unsupported_checkpoint(tmp_path):
     byte_tokenizer().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="'llama' model; hf_hybridcache supports"):
         app.ChatEngine.from_pretrained(str(tmp_path))
+
+
+def test_engine_keeps_the_chat_as_token_ids(tmp_path):
+    # The demo re-tokenized the whole chat each turn, so a reply whose text re-tokenizes to other ids missed the
+    # cache inside it. The next prompt now starts with the previous prompt's ids and the reply's generated ids.
+    app = _app_module()
+    engine = app.ChatEngine.builtin(max_new_tokens=12)
+    settings = app.CacheSettings()
+    messages = [{"role": "system", "content": "s" * 60}, {"role": "user", "content": "first question"}]
+    done = list(engine.chat(messages, settings, compare=False))[-1]
+    first_prompt = engine.prompt_ids(messages)[0].tolist()
+    assert done.token_ids[: len(first_prompt)] == first_prompt and len(done.token_ids) > len(first_prompt)
+    messages += [{"role": "assistant", "content": done.text, "token_ids": done.token_ids},
+                 {"role": "user", "content": "second"}]
+    second_prompt = engine.prompt_ids(messages)[0].tolist()
+    assert second_prompt[: len(done.token_ids)] == done.token_ids
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    text = engine.tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+    assert engine.tokenizer.decode(second_prompt) == text  # the same conversation, kept as the ids the model saw
+    turn = list(engine.chat(messages, settings, compare=True))[-1].turn
+    assert turn.identical_to_cold and turn.hit_tokens >= (len(done.token_ids) - 1) // 16 * 16 - 16

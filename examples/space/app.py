@@ -116,6 +116,7 @@ class ChatUpdate:
     text: str
     status: str = ""
     turn: TurnStats | None = None
+    token_ids: list[int] | None = None  # once done: the turn's prompt ids + the reply's ids (the chat's token history)
 
 
 class TimedStreamer(TextIteratorStreamer):
@@ -217,10 +218,24 @@ class ChatEngine:
 
     # ------------------------------------------------------------------ chat turns
 
+    def _render(self, messages: list[dict]) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
     def prompt_ids(self, messages: list[dict]) -> torch.Tensor:
-        """Token ids ``[1, L]`` of the chat so far plus the assistant prefix, from the tokenizer's chat template."""
+        """Token ids ``[1, L]`` of the chat so far plus the assistant prefix, from the tokenizer's chat template.
+
+        The chat is kept as token ids: the last reply carries ``token_ids`` (its turn's prompt + the ids generated),
+        and only the template text after the reply is tokenized anew. Re-tokenizing the reply's text could give other
+        ids at its seams, and the cache stored the generated ones (README: when a chat's reply is reused)."""
+        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("token_ids")), default=-1)
+        if last >= 0:
+            before, full = self._render(messages[:last]) + messages[last]["content"], self._render(messages)
+            if full.startswith(before):
+                tail = self.tokenizer(full[len(before) :], add_special_tokens=False).input_ids
+                return torch.tensor([messages[last]["token_ids"] + tail], device=self.model.device)
+        chat = [{"role": m["role"], "content": m["content"]} for m in messages]
         encoded = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+            chat, add_generation_prompt=True, return_tensors="pt", return_dict=True
         )
         return encoded["input_ids"].to(self.model.device)
 
@@ -265,6 +280,10 @@ class ChatEngine:
             raise result["error"]
         new_ids = result["new_ids"]
         text = self.tokenizer.decode(new_ids, skip_special_tokens=True)
+        reply_ids = new_ids.tolist()
+        if reply_ids and reply_ids[-1] == self.tokenizer.eos_token_id:
+            reply_ids.pop()  # the template writes the end of the reply itself
+        token_ids = ids[0].tolist() + reply_ids
         prompt_tokens, hit_tokens = ids.shape[1], result["hit_tokens"]
         turn = TurnStats(prompt_tokens, hit_tokens, prompt_tokens - hit_tokens, len(new_ids), result["ttft_ms"])
         if compare:
@@ -273,7 +292,7 @@ class ChatEngine:
                 cold_ids, cold_ttft_ms = self._generate(ids, None, TimedStreamer(self.tokenizer))
             same = torch.equal(cold_ids, new_ids)
             turn = TurnStats(**{**asdict(turn), "cold_ttft_ms": cold_ttft_ms, "identical_to_cold": same})
-        yield ChatUpdate(text, "", turn)
+        yield ChatUpdate(text, "", turn, token_ids)
 
     def _record(self, prompt_tokens: int, hit_tokens: int) -> None:
         self._totals[0] += prompt_tokens
@@ -314,8 +333,13 @@ class ChatEngine:
 
     def hit_plot(self) -> pd.DataFrame | None:
         """Token hit rate per request and over all requests so far (clears included), two rows per request; None
-        before the first request (Gradio 6's plot stays blank for good after an empty typed frame)."""
-        return pd.DataFrame(self.hit_history) if self.hit_history else None
+        before the first request (Gradio 6's plot stays blank for good after an empty typed frame). Requests are
+        zero-padded labels, so the axis shows one tick per request (a numeric axis put ticks at 0.5, 1.5, ...)."""
+        if not self.hit_history:
+            return None
+        frame = pd.DataFrame(self.hit_history)
+        frame["request"] = frame["request"].map(lambda n: f"{n:03d}")
+        return frame
 
 
 # ---------------------------------------------------------------------- rendering
@@ -425,7 +449,7 @@ def build_demo(engine: ChatEngine) -> gr.Blocks:
                 if update.turn is None:
                     yield {chatbot: render_chat(asked, turns, update)}
                     continue
-                conversation = asked + [{"role": "assistant", "content": update.text}]
+                conversation = asked + [{"role": "assistant", "content": update.text, "token_ids": update.token_ids}]
                 turns = turns + [update.turn]
                 yield {
                     chatbot: render_chat(conversation, turns),
@@ -483,6 +507,7 @@ def build_demo(engine: ChatEngine) -> gr.Blocks:
                         engine.hit_plot(),
                         x="request",
                         y="hit_rate",
+                        sort="x",
                         color="series",
                         y_lim=[0, 1],
                         y_title="token hit rate",
