@@ -6,6 +6,7 @@ Outputs, the resulting live conv/SSM states and the checkpoints emitted inside t
 is asserted wherever the two paths run the same operations; the exceptions are stated at ``_tolerance``.
 """
 
+import inspect
 from dataclasses import dataclass
 
 import pytest
@@ -67,7 +68,7 @@ def _run_patched(family, overrides, seq_len, backend="auto", perturb=0.0) -> Pat
         by_name = "hidden_states" in kwargs
         hidden = kwargs["hidden_states"] if by_name else args[0]
         record["hidden"] = hidden.clone()
-        record["kwargs"] = {k: v for k, v in kwargs.items() if k not in ("hidden_states", "cache_params")}
+        record["kwargs"] = {k: v for k, v in kwargs.items() if k not in ("hidden_states", "cache_params", "cache")}
         perturbed = hidden.clone()
         perturbed[:, 0] += perturb
         if by_name:
@@ -101,8 +102,9 @@ def _run_upstream(run: PatchedRun, seq_len: int | None = None):
     assert forward.__module__.startswith("transformers.models."), f"{forward.__module__} is not upstream code"
     hidden = run.hidden if seq_len is None else run.hidden[:, :seq_len]
     cache = DynamicCache(config=run.config)
+    cache_kwarg = "cache" if "cache" in inspect.signature(forward).parameters else "cache_params"  # 5.24 / 5.23
     with torch.no_grad():
-        out = forward(run.mixer, hidden, cache_params=cache, **run.kwargs)
+        out = forward(run.mixer, hidden, **{cache_kwarg: cache}, **run.kwargs)
     layer = cache.layers[run.mixer.layer_idx]
     return out, layer.conv_states[0], layer.recurrent_states[0]
 

@@ -6,12 +6,21 @@ import logging
 
 import pytest
 import torch
+import transformers
 from conftest import assert_matches_cold, random_ids
+from packaging.version import Version
+from transformers.integrations import peft as transformers_peft
 
 from hf_hybridcache import HybridPrefixCache, _compat
 from hf_hybridcache.toy import build_model
 
 peft = pytest.importorskip("peft")
+_NEEDED_PEFT = getattr(transformers_peft, "MIN_PEFT_VERSION", "0")
+needs_peft_integration = pytest.mark.skipif(
+    Version(peft.__version__) < Version(_NEEDED_PEFT),
+    reason=f"transformers {transformers.__version__} needs peft >= {_NEEDED_PEFT} for its adapter API; "
+    f"peft {peft.__version__} is the newest on the package index here",
+)
 
 
 @pytest.fixture
@@ -54,6 +63,7 @@ def _add_lora(models, name, seed):
         m.add_adapter(config, adapter_name=name)
 
 
+@needs_peft_integration
 def test_adapters_never_share_entries_and_switching_back_hits(model, cold_model):
     cache = HybridPrefixCache(model, retention_interval="dense")
     ids = random_ids(40, seed=471)
@@ -74,6 +84,7 @@ def test_adapters_never_share_entries_and_switching_back_hits(model, cold_model)
     _run(model, cold_model, cache, ids, 32)
 
 
+@needs_peft_integration
 def test_a_loaded_adapter_is_a_new_namespace(model, cold_model, tmp_path):
     cache = HybridPrefixCache(model, retention_interval="dense")
     ids = random_ids(40, seed=472)
