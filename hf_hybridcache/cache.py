@@ -86,7 +86,7 @@ class HybridPrefixCache(LiveCache):
     ) -> None:
         _compat.check_version()
         support = support_for(model)
-        hash_seed(seed)  # validates before anything is patched
+        seed = hash_seed(seed)  # validated (or drawn) before anything is patched
         options = CacheOptions(
             block_size,
             retention_interval,
@@ -104,7 +104,7 @@ class HybridPrefixCache(LiveCache):
         super().__init__(layers=_compat.new_live_layers(model.config))
 
         self._shared = SharedState(
-            hash_seed(seed), model_identity(model), WeightsTracker(model), model.dtype, devices, options
+            seed, model_identity(model), WeightsTracker(model), model.dtype, devices, options
         )
         policy = make_eviction(options.eviction, FlopModel.from_model(model, self.spec))
         self._store = PrefixStore(self.spec, self._shared.root(None), options.max_cache_bytes, placement, policy)

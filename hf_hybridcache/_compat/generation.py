@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 import threading
 from collections.abc import Callable
@@ -185,6 +186,11 @@ def _wrapped_forward(model, original_forward, *args, **kwargs):
         return original_forward(*args, **kwargs)
 
 
+@functools.cache
+def _takes_position_ids(model_class: type) -> bool:
+    return "position_ids" in inspect.signature(model_class.forward).parameters
+
+
 def _fill_position_ids(model, cache, ids_or_embeds, kwargs: dict) -> None:
     """A direct forward over a non-empty cache without ``position_ids`` or a mask gets the positions ``generate()``
     would pass: Bamba (5.23) numbers them from 0 whatever the cache holds, so a decoding loop of its own would run,
@@ -192,7 +198,7 @@ def _fill_position_ids(model, cache, ids_or_embeds, kwargs: dict) -> None:
     if ids_or_embeds is None or kwargs.get("position_ids") is not None or kwargs.get("attention_mask") is not None:
         return
     past = cache.get_seq_length()
-    if past and "position_ids" in inspect.signature(type(model).forward).parameters:
+    if past and _takes_position_ids(type(model)):
         kwargs["position_ids"] = torch.arange(past, past + ids_or_embeds.shape[1], device=ids_or_embeds.device)[None]
 
 
