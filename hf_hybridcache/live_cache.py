@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
+from . import _compat, emission
 from .live import LiveRequest
 
 
@@ -44,6 +45,11 @@ class LiveCache(Cache):
 
     def update_conv_state(self, conv_states, layer_idx, *args, **kwargs):
         self._check_owner()
+        emitted = emission.active()
+        if emitted is not None and emitted.layer_idx == layer_idx and emitted.conv is None:
+            layer, state_idx = self.layers[layer_idx], kwargs.get("state_idx", 0)
+            width = kwargs.get("conv_kernel_size") or layer.conv_kernel_size[state_idx]
+            emitted.capture_conv(conv_states, _compat.conv_state_before_update(layer, state_idx), width)
         return super().update_conv_state(conv_states, layer_idx, *args, **kwargs)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

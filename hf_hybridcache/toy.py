@@ -175,6 +175,52 @@ _TINY_CONFIGS = {
             max_position_embeddings=16384,  # the quickstart's prompts exceed the 2048/4096 defaults
         ),
     ),
+    # Gated delta net layers around one gated attention layer, with grouped value heads (4 value heads over 2 key
+    # heads) and MoE MLPs; GDN's chunked kernel uses chunks of 64 tokens, so block boundaries fall inside chunks.
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+            head_dim=16,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            max_position_embeddings=16384,
+        ),
+    ),
+    # Qwen3.5's text decoder: GDN layers with separate q|k|v, z, b and a projections, dense MLPs.
+    "qwen3_5_text": (
+        "Qwen3_5TextConfig",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+            head_dim=16,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            max_position_embeddings=16384,
+        ),
+    ),
+    # Short-conv layers (conv window of 3 tokens) around one attention layer.
+    "lfm2": (
+        "Lfm2Config",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["conv", "conv", "full_attention", "conv"],
+            block_multiple_of=16,
+            tie_word_embeddings=False,
+            max_position_embeddings=16384,
+        ),
+    ),
 }
 
 
@@ -215,7 +261,16 @@ def long_memory_init_(
                     module.dt_proj_bias.fill_(dt_bias)
                 elif hasattr(module, "dt_bias"):
                     module.dt_bias.fill_(dt_bias)
+            if hasattr(module, "A_log") and _is_delta_rule(module):
+                # Gated delta rule: g = -exp(A_log) * softplus(a + dt_bias); with A_log = -4 and dt_bias = -1 the
+                # state keeps about exp(-softplus(-1)/e^4) per token, i.e. it carries a prefix for ~150 tokens.
+                module.A_log.fill_(-4.0)
+                module.dt_bias.fill_(-1.0)
     return model
+
+
+def _is_delta_rule(module: torch.nn.Module) -> bool:
+    return type(module).__name__.endswith(("GatedDeltaNet", "DeltaNet"))
 
 
 def build_model(

@@ -18,6 +18,9 @@ Private APIs touched, and why each is needed (transformers 5.23 - 5.24):
   draft token sets their state; there is no public setter.
 - The mixer call convention ``(hidden_states, cache_params | cache, attention_mask)``: the patched mixers read the
   cache they are given; the kwarg was renamed after 5.23.
+- The module-level recurrence kernels of the linear-attention modeling files (``torch_chunk_gated_delta_rule`` and
+  kin), rebound once in their module to a router that passes every call through unchanged except inside this
+  package's own patched mixer calls, where it also returns the recurrent states at block boundaries.
 - accelerate's ``_hf_hook`` / ``_old_forward`` / ``weights_map`` / ``execution_device`` and transformers'
   ``force_accelerate_hooks``: instance patches must sit under accelerate's hooks, and offloaded weights and layer
   devices are read from them.
@@ -43,7 +46,8 @@ from .generation import (
     run_forward,
     split_mixer_call,
 )
-from .layers import crop_kv, decoder_layers, get_kv, get_linear_state, new_live_layers, set_kv, set_linear_state
+from .modeling import route_module_function
+from .layers import conv_state_before_update, crop_kv, decoder_layers, get_kv, get_linear_state, new_live_layers, set_kv, set_linear_state
 
 TRANSFORMERS_VERSION = transformers.__version__
 #: The transformers releases the suite runs on (CI runs both ends).
@@ -56,6 +60,7 @@ __all__ = [
     "Hooks",
     "allow_speculative_decoding",
     "check_version",
+    "conv_state_before_update",
     "crop_kv",
     "decoder_layers",
     "execution_device",
@@ -67,6 +72,7 @@ __all__ = [
     "new_live_layers",
     "parameter_values",
     "patch_instance_forward",
+    "route_module_function",
     "run_forward",
     "set_kv",
     "set_linear_state",

@@ -37,10 +37,19 @@ def crop_kv(layer, num_tokens: int) -> None:
 
 
 def get_linear_state(layer, state_idx: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Live (conv state ``[B, C, W]``, SSM state) of a Mamba layer, or None before its first update."""
+    """Live (conv state ``[B, C, W]``, recurrent state) of a Mamba / linear-attention / short-conv layer, or None
+    before its first update. A short conv has no recurrent state: an empty float32 ``[B, 0]`` stands in for it."""
     if not layer.has_previous_state[state_idx]:
         return None
-    return layer.conv_states[state_idx], layer.recurrent_states[state_idx]
+    conv, recurrent = layer.conv_states[state_idx], layer.recurrent_states[state_idx]
+    if recurrent is None:
+        recurrent = conv.new_zeros((conv.shape[0], 0), dtype=torch.float32)
+    return conv, recurrent
+
+
+def conv_state_before_update(layer, state_idx: int = 0) -> torch.Tensor | None:
+    """The conv window ``[B, C, W]`` an ``update_conv_state`` call will continue from (None on a fresh prompt)."""
+    return layer.conv_states[state_idx] if layer.has_previous_state[state_idx] else None
 
 
 def set_linear_state(layer, conv: torch.Tensor, ssm: torch.Tensor, state_idx: int = 0) -> None:
@@ -48,6 +57,7 @@ def set_linear_state(layer, conv: torch.Tensor, ssm: torch.Tensor, state_idx: in
     mixer continues from it instead of treating the next tokens as a fresh prefill."""
     layer.lazy_initialization(conv_states=conv, state_idx=state_idx, conv_kernel_size=conv.shape[-1])
     layer.conv_states[state_idx] = conv
-    layer.lazy_initialization(recurrent_states=ssm, state_idx=state_idx)
-    layer.recurrent_states[state_idx] = ssm
+    if ssm.numel():  # a short conv's empty stand-in leaves the layer without a recurrent state, as upstream does
+        layer.lazy_initialization(recurrent_states=ssm, state_idx=state_idx)
+        layer.recurrent_states[state_idx] = ssm
     layer.has_previous_state[state_idx] = True

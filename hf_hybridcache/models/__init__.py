@@ -8,6 +8,10 @@ from .falcon_h1 import SUPPORT as _FALCON_H1
 from .granitemoehybrid import SUPPORT as _GRANITEMOEHYBRID
 from .jamba import SUPPORT as _JAMBA
 from .nemotron_h import SUPPORT as _NEMOTRON_H
+from .qwen3_5 import MOE_SUPPORT as _QWEN3_5_MOE
+from .qwen3_5 import SUPPORT as _QWEN3_5
+from .qwen3_next import SUPPORT as _QWEN3_NEXT
+from .short_conv import LFM2 as _LFM2
 from .zamba import SUPPORT as _ZAMBA
 from .zamba2 import SUPPORT as _ZAMBA2
 
@@ -47,3 +51,7 @@ register(_FALCON_H1)
 register(_BAMBA)
 register(_GRANITEMOEHYBRID)
 register(_NEMOTRON_H)
+register(_QWEN3_NEXT)
+register(_QWEN3_5)
+register(_QWEN3_5_MOE)
+register(_LFM2)

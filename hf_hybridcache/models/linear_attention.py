@@ -1,0 +1,174 @@
+"""Shared pieces of the linear-attention and short-conv hybrids (gated delta net, KDA, short convolutions).
+
+transformers 5.23 keeps these mixers' state in the same ``LinearAttentionLayer`` cache layers as the Mamba
+families, and their multi-token forward already continues exactly from a cached (conv, recurrent) state: the causal
+conv runs over ``cache.update_conv_state``'s output (cached window + new inputs) and the recurrence kernel takes the
+cached state as ``initial_state``. So no mixer is copied here. The patched forward runs the upstream forward
+unchanged and, when the cache wants states inside the call, makes an :class:`~hf_hybridcache.emission.Emission`
+active around it:
+
+- the conv windows at the positions are cut from the raw conv inputs the mixer hands to
+  ``cache.update_conv_state`` (:class:`~hf_hybridcache.live_cache.LiveCache` forwards them to the emission);
+- the recurrence kernel the mixer calls by its module-level name (``torch_chunk_gated_delta_rule`` and kin) is
+  routed through :func:`route_recurrence`, which returns the states after the positions with the output. With no
+  emitting implementation for the kernel it calls the kernel piecewise, from each piece's final state as the next
+  piece's ``initial_state`` (as vLLM's prefix caching for Mamba layers does with ``initial_states`` /
+  ``return_final_states``); its output equals one call's within round-off of the chunk boundaries it moves.
+
+Short convolutions (LFM2 and kin) have no recurrent state: the checkpoint is the conv window alone, stored with an
+empty recurrent state ``[B, 0]``.
+
+A family file is a :class:`LinearVariant` handed to :func:`linear_attention_support`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .. import _compat, emission
+from ..config import MambaLayerSpec, ModelStateSpec, TensorSpec
+from .base import ModelSupport, attention_layer_spec
+from .mamba1 import checkpoint_positions
+
+#: The recurrent state of a short-conv layer: nothing (a ``[B, 0]`` tensor stands in for it).
+NO_RECURRENT_STATE = TensorSpec((0,), torch.float32)
+
+
+@dataclass(frozen=True)
+class RecurrenceKernel:
+    """A module-level recurrence function a mixer calls for multi-token forwards.
+
+    Attributes:
+        function: its name in the mixer's modeling module (e.g. ``"torch_chunk_gated_delta_rule"``).
+        time_kwargs: keyword arguments holding ``[B, T, ...]`` tensors (positional tensor arguments are always
+            time-major).
+        emitting: ``(*args, emit_positions, **kwargs) -> (out, final_state, states)``, a same-signature
+            implementation that also returns the states after ``emit_positions`` tokens; None to call the kernel
+            piecewise instead.
+    """
+
+    function: str
+    time_kwargs: tuple[str, ...] = ("g", "beta")
+    emitting: Callable | None = None
+
+
+@dataclass(frozen=True)
+class LinearVariant:
+    """One family's linear-attention (or short-conv) mixer and attention classes.
+
+    Attributes:
+        mixer_class: class name of the mixer (matched by name, so no model module is imported).
+        attention_class: class name of the attention module whose KV the cache layer of the same index holds.
+        conv_shape: ``mixer -> (C, W)``, the conv state of one row (model dtype).
+        recurrent_shape: ``mixer -> shape`` of one row's recurrent state (float32), or None for a short conv.
+        kernels: the recurrence functions the mixer calls (empty for a short conv).
+    """
+
+    mixer_class: str
+    attention_class: str
+    conv_shape: Callable[[torch.nn.Module], tuple[int, int]]
+    recurrent_shape: Callable[[torch.nn.Module], tuple[int, ...]] | None = None
+    kernels: tuple[RecurrenceKernel, ...] = ()
+
+
+def route_recurrence(kernel: RecurrenceKernel, original: Callable, *args, **kwargs):
+    """The routed recurrence function: ``original`` unless a mixer call of this package wants states inside it.
+
+    Returns ``original``'s ``(out [B, T, ...], final_state or None)``; the states after the emission's positions go to
+    the active :class:`~hf_hybridcache.emission.Emission`.
+    """
+    active = emission.active()
+    if active is None or active.recurrent is not None:
+        return original(*args, **kwargs)
+    if kernel.emitting is not None:
+        out, final_state, states = kernel.emitting(*args, emit_positions=active.positions, **kwargs)
+    else:
+        out, final_state, states = _piecewise(kernel, original, active.positions, args, kwargs)
+    active.recurrent = states
+    return out, final_state
+
+
+def _piecewise(kernel: RecurrenceKernel, original: Callable, positions, args: tuple, kwargs: dict):
+    """``original`` over the pieces between ``positions``, each from the previous piece's final state."""
+    seq_len = args[0].shape[1]
+    state, outputs, states = kwargs.get("initial_state"), [], []
+    bounds = (0, *positions, seq_len)
+    for start, end in zip(bounds, bounds[1:]):
+        piece_kwargs = {**kwargs, "initial_state": state, "output_final_state": True}
+        for name in kernel.time_kwargs:
+            if kwargs.get(name) is not None:
+                piece_kwargs[name] = kwargs[name][:, start:end]
+        out, state = original(*(x[:, start:end] for x in args), **piece_kwargs)
+        outputs.append(out)
+        if end < seq_len:
+            states.append(state.clone())
+    return torch.cat(outputs, dim=1), state if kwargs.get("output_final_state") else None, states
+
+
+def _emitting_forward(variant: LinearVariant, mixer, original, *args, **kwargs):
+    hidden_states, cache, _ = _compat.split_mixer_call(args, kwargs)
+    seq_len = hidden_states.shape[1]
+    if cache is None or seq_len == 1 or cache.is_recording_past(mixer.layer_idx):
+        return original(*args, **kwargs)
+    positions = checkpoint_positions(cache, seq_len)
+    if not positions:
+        return original(*args, **kwargs)
+    with emission.emitting(mixer.layer_idx, positions) as emitted:
+        out = original(*args, **kwargs)
+    assert emitted.conv is not None, f"{variant.mixer_class} did not hand its conv inputs to update_conv_state"
+    if variant.kernels:
+        assert emitted.recurrent is not None, f"{variant.mixer_class} did not call a routed recurrence kernel"
+        recurrent = emitted.recurrent
+    else:
+        recurrent = [emitted.conv[0].new_zeros((emitted.conv[0].shape[0], 0), dtype=torch.float32)] * len(positions)
+    cache.capture_states(mixer.layer_idx, positions, list(zip(emitted.conv, recurrent)))
+    return out
+
+
+def install_mixers(model: torch.nn.Module, variant: LinearVariant) -> None:
+    """Patch every ``variant.mixer_class`` module of ``model`` (this instance only; idempotent) and route the
+    recurrence functions of its modeling module (a pass-through outside this package's mixer calls)."""
+    for module in model.modules():
+        if type(module).__name__ == variant.mixer_class:
+            _compat.patch_instance_forward(module, functools.partial(_emitting_forward, variant))
+            for kernel in variant.kernels:
+                _compat.route_module_function(
+                    type(module).__module__, kernel.function, functools.partial(route_recurrence, kernel)
+                )
+
+
+def linear_layer_spec(layer_idx: int, mixer, variant: LinearVariant) -> MambaLayerSpec:
+    """State of one mixer layer: conv state ``[C, W]`` in the model dtype and the recurrent state in float32 (the
+    chunked and the per-token kernels keep it in float32 in every dtype), or none for a short conv."""
+    conv_weight = next(p for name, p in mixer.named_parameters() if "conv" in name and name.endswith("weight"))
+    ssm = NO_RECURRENT_STATE if variant.recurrent_shape is None else TensorSpec(variant.recurrent_shape(mixer), torch.float32)
+    return MambaLayerSpec(layer_idx, conv=TensorSpec(variant.conv_shape(mixer), conv_weight.dtype), ssm=ssm)
+
+
+def state_spec(model: torch.nn.Module, block_size: int, variant: LinearVariant) -> ModelStateSpec:
+    """Decoder layer ``i`` holding a mixer or an attention module (or both) is cache layer ``i``."""
+    attention, linear = [], []
+    for idx, layer in enumerate(_compat.decoder_layers(model)):
+        found = {variant.mixer_class: [], variant.attention_class: []}
+        for module in layer.modules():
+            found.get(type(module).__name__, []).append(module)
+        mixers, attentions = found[variant.mixer_class], found[variant.attention_class]
+        assert len(mixers) <= 1 and len(attentions) <= 1, f"layer {idx} holds several mixers or attention modules"
+        if mixers:
+            linear.append(linear_layer_spec(idx, mixers[0], variant))
+        if attentions:
+            attention.append(attention_layer_spec(idx, attentions[0]))
+    return ModelStateSpec(tuple(attention), tuple(linear), block_size)
+
+
+def linear_attention_support(model_types: tuple[str, ...], variant: LinearVariant) -> ModelSupport:
+    """The :class:`ModelSupport` of a linear-attention or short-conv hybrid family described by ``variant``."""
+    return ModelSupport(
+        model_types=model_types,
+        install=functools.partial(install_mixers, variant=variant),
+        state_spec=functools.partial(state_spec, variant=variant),
+    )
