@@ -14,7 +14,7 @@ from hf_hybridcache.kernels import chunk_gated_delta_rule, recurrent_gated_delta
 UPSTREAM_CHUNK = inspect.unwrap(modeling_qwen3_next.torch_chunk_gated_delta_rule)
 UPSTREAM_RECURRENT = inspect.unwrap(modeling_qwen3_next.torch_recurrent_gated_delta_rule)
 
-# fp32 round-off of unit-scale states (measured: <= 1.5e-6 between the chunked and the token-by-token state).
+# fp32 round-off of unit-scale states (measured: <= 2.4e-6 between the chunked and the token-by-token state).
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
 POSITIONS = [1, 17, 63, 64, 65, 100, 128, 130]
 

@@ -6,6 +6,7 @@ without ``triton`` installed.
 
 from .backend import BACKENDS, get_backend, set_backend, use_backend
 from .gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from .kda import chunk_kimi_delta_attention, recurrent_kimi_delta_attention
 from .mamba1_scan import selective_scan, selective_scan_chunked, selective_scan_ref
 from .mamba2_scan import mamba2_chunk_scan, mamba2_chunk_scan_ref, mamba2_recurrent_ref
 from .paged_copy import (
@@ -20,6 +21,7 @@ from .paged_copy import (
 __all__ = [
     "BACKENDS",
     "chunk_gated_delta_rule",
+    "chunk_kimi_delta_attention",
     "copy_states",
     "copy_states_ref",
     "gather_kv_blocks",
@@ -29,6 +31,7 @@ __all__ = [
     "mamba2_chunk_scan_ref",
     "mamba2_recurrent_ref",
     "recurrent_gated_delta_rule",
+    "recurrent_kimi_delta_attention",
     "scatter_kv_blocks",
     "scatter_kv_blocks_ref",
     "selective_scan",
