@@ -23,8 +23,13 @@ torch.set_num_threads(1)
 MAMBA1_FAMILIES = ["jamba", "zamba"]
 #: Families with a Mamba-2 mixer, which continue from the cached state in 5.23 but cannot emit interior states.
 MAMBA2_FAMILIES = ["zamba2", "falcon_h1", "bamba", "granitemoehybrid", "nemotron_h"]
+#: Gated delta net families: upstream mixers run unchanged, the routed kernel hands over the recurrent states.
+GDN_FAMILIES = ["qwen3_next", "qwen3_5_text"]
+#: Short-conv families: a checkpoint is the conv window alone (no recurrent state).
+SHORT_CONV_FAMILIES = ["lfm2"]
+LINEAR_FAMILIES = GDN_FAMILIES + SHORT_CONV_FAMILIES
 #: Every supported family runs the whole exactness suite.
-FAMILIES = MAMBA1_FAMILIES + MAMBA2_FAMILIES
+FAMILIES = MAMBA1_FAMILIES + MAMBA2_FAMILIES + LINEAR_FAMILIES
 
 _COLD_MODELS: dict[str, torch.nn.Module] = {}
 
@@ -95,6 +100,9 @@ def assert_restored_states_match(cache: HybridPrefixCache, cold_model, ids, expe
         for m in cache.spec.mamba:
             live, cold = cache.layers[m.layer_idx], ref.layers[m.layer_idx]
             torch.testing.assert_close(live.conv_states[0], cold.conv_states[0], rtol=0, atol=1e-5)
+            if cold.recurrent_states[0] is None:  # a short conv keeps no recurrent state
+                assert live.recurrent_states[0] is None
+                continue
             torch.testing.assert_close(live.recurrent_states[0], cold.recurrent_states[0], rtol=0, atol=1e-5)
             assert live.recurrent_states[0].dtype == cold.recurrent_states[0].dtype
         for a in cache.spec.attention:

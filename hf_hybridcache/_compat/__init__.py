@@ -46,8 +46,17 @@ from .generation import (
     run_forward,
     split_mixer_call,
 )
+from .layers import (
+    conv_state_before_update,
+    crop_kv,
+    decoder_layers,
+    get_kv,
+    get_linear_state,
+    new_live_layers,
+    set_kv,
+    set_linear_state,
+)
 from .modeling import route_module_function
-from .layers import conv_state_before_update, crop_kv, decoder_layers, get_kv, get_linear_state, new_live_layers, set_kv, set_linear_state
 
 TRANSFORMERS_VERSION = transformers.__version__
 #: The transformers releases the suite runs on (CI runs both ends).

@@ -24,6 +24,8 @@ A family file is a :class:`LinearVariant` handed to :func:`linear_attention_supp
 from __future__ import annotations
 
 import functools
+import importlib.util
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -46,14 +48,25 @@ class RecurrenceKernel:
         function: its name in the mixer's modeling module (e.g. ``"torch_chunk_gated_delta_rule"``).
         time_kwargs: keyword arguments holding ``[B, T, ...]`` tensors (positional tensor arguments are always
             time-major).
-        emitting: ``(*args, emit_positions, **kwargs) -> (out, final_state, states)``, a same-signature
-            implementation that also returns the states after ``emit_positions`` tokens; None to call the kernel
-            piecewise instead.
+        emitting: ``(*args, emit_positions, **kwargs) -> (out, final_state, states)``, our copy of the kernel's
+            torch path that also returns the states after ``emit_positions`` tokens (bit-identical output); None to
+            call the kernel piecewise instead.
+        fast_package: the package transformers dispatches the kernel to when it is installed (``fla``); then the
+            kernel is called piecewise, so the fast kernel keeps running.
     """
 
     function: str
     time_kwargs: tuple[str, ...] = ("g", "beta")
     emitting: Callable | None = None
+    fast_package: str = "fla"
+
+    @functools.cached_property
+    def emitting_parameters(self) -> frozenset[str]:
+        return frozenset(inspect.signature(self.emitting).parameters) if self.emitting is not None else frozenset()
+
+    @functools.cached_property
+    def uses_fast_package(self) -> bool:
+        return importlib.util.find_spec(self.fast_package) is not None
 
 
 @dataclass(frozen=True)
@@ -84,7 +97,9 @@ def route_recurrence(kernel: RecurrenceKernel, original: Callable, *args, **kwar
     active = emission.active()
     if active is None or active.recurrent is not None:
         return original(*args, **kwargs)
-    if kernel.emitting is not None:
+    if kernel.emitting is not None and not kernel.uses_fast_package:
+        # transformers' wrapper drops the kwargs its torch path does not take (cu_seqlens=None, ...); so does this.
+        kwargs = {name: value for name, value in kwargs.items() if name in kernel.emitting_parameters}
         out, final_state, states = kernel.emitting(*args, emit_positions=active.positions, **kwargs)
     else:
         out, final_state, states = _piecewise(kernel, original, active.positions, args, kwargs)
