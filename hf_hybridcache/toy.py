@@ -210,13 +210,62 @@ _TINY_CONFIGS = {
             max_position_embeddings=16384,
         ),
     ),
+    # Qwen3.5-MoE's text decoder: as Qwen3.5 with routed + shared experts.
+    "qwen3_5_moe_text": (
+        "Qwen3_5MoeTextConfig",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+            head_dim=16,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            max_position_embeddings=16384,
+        ),
+    ),
+    # GDN decoder layers and attention decoder layers; beta up to 2 (``linear_allow_neg_eigval``, the default).
+    "olmo_hybrid": (
+        "OlmoHybridConfig",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            tie_word_embeddings=False,
+            max_position_embeddings=16384,
+        ),
+    ),
     # Short-conv layers (conv window of 3 tokens) around one attention layer.
     "lfm2": (
         "Lfm2Config",
         dict(
             num_hidden_layers=4,
             layer_types=["conv", "conv", "full_attention", "conv"],
-            block_multiple_of=16,
+            block_auto_adjust_ff_dim=False,
+            tie_word_embeddings=False,
+            max_position_embeddings=16384,
+        ),
+    ),
+    # LFM2-MoE: short-conv and attention layers, the first dense, the rest with routed experts.
+    "lfm2_moe": (
+        "Lfm2MoeConfig",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["conv", "conv", "full_attention", "conv"],
+            conv_L_cache=3,
+            num_dense_layers=1,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
             tie_word_embeddings=False,
             max_position_embeddings=16384,
         ),

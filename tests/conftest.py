@@ -24,9 +24,9 @@ MAMBA1_FAMILIES = ["jamba", "zamba"]
 #: Families with a Mamba-2 mixer, which continue from the cached state in 5.23 but cannot emit interior states.
 MAMBA2_FAMILIES = ["zamba2", "falcon_h1", "bamba", "granitemoehybrid", "nemotron_h"]
 #: Gated delta net families: upstream mixers run unchanged, the routed kernel hands over the recurrent states.
-GDN_FAMILIES = ["qwen3_next", "qwen3_5_text"]
+GDN_FAMILIES = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid"]
 #: Short-conv families: a checkpoint is the conv window alone (no recurrent state).
-SHORT_CONV_FAMILIES = ["lfm2"]
+SHORT_CONV_FAMILIES = ["lfm2", "lfm2_moe"]
 LINEAR_FAMILIES = GDN_FAMILIES + SHORT_CONV_FAMILIES
 #: Every supported family runs the whole exactness suite.
 FAMILIES = MAMBA1_FAMILIES + MAMBA2_FAMILIES + LINEAR_FAMILIES

@@ -10,8 +10,11 @@ from .jamba import SUPPORT as _JAMBA
 from .nemotron_h import SUPPORT as _NEMOTRON_H
 from .qwen3_5 import MOE_SUPPORT as _QWEN3_5_MOE
 from .qwen3_5 import SUPPORT as _QWEN3_5
+from .olmo_hybrid import SUPPORT as _OLMO_HYBRID
 from .qwen3_next import SUPPORT as _QWEN3_NEXT
+from .refused import REFUSED
 from .short_conv import LFM2 as _LFM2
+from .short_conv import LFM2_MOE as _LFM2_MOE
 from .zamba import SUPPORT as _ZAMBA
 from .zamba2 import SUPPORT as _ZAMBA2
 
@@ -31,11 +34,15 @@ def support_for(model) -> ModelSupport:
     """The support module for ``model``.
 
     Raises:
-        ValueError: the model is not a supported hybrid model (the message lists the supported families).
+        ValueError: the model is not a supported hybrid model (the message lists the supported families), or is a
+            hybrid this package refuses (the message says why and, where there is one, what to load instead).
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     support = _REGISTRY.get(model_type)
+    if model_type in REFUSED:
+        raise ValueError(f"HybridPrefixCache does not support {type(model).__name__}: model_type={model_type!r} "
+                         f"{REFUSED[model_type]}")
     if support is None or not hasattr(model, "generate"):
         raise ValueError(
             f"HybridPrefixCache does not support {type(model).__name__} (model_type={model_type!r}). Supported "
@@ -55,3 +62,5 @@ register(_QWEN3_NEXT)
 register(_QWEN3_5)
 register(_QWEN3_5_MOE)
 register(_LFM2)
+register(_LFM2_MOE)
+register(_OLMO_HYBRID)

@@ -1,0 +1,55 @@
+"""Hybrid families transformers has that HybridPrefixCache refuses, each with the reason it gives the user.
+
+A refusal is a ``ValueError`` raised when the cache is built, before anything is patched, so the model and any other
+cache stay as they were.
+"""
+
+from __future__ import annotations
+
+_TEXT_DECODER = (
+    "is a multimodal wrapper; HybridPrefixCache serves its text decoder: load the checkpoint with "
+    "AutoModelForCausalLM.from_pretrained(path), which builds the text-only {text} model."
+)
+_SLIDING = (
+    "keeps sliding-window attention layers (only the last `sliding_window` tokens of KV), which the block store does "
+    "not restore yet."
+)
+_MLA = (
+    "caches MLA attention as a compressed latent and a rope key of different widths, which the block store does not "
+    "hold yet."
+)
+
+#: model_type -> why it is refused.
+REFUSED: dict[str, str] = {
+    "qwen3_5": _TEXT_DECODER.format(text="Qwen3_5ForCausalLM (model_type 'qwen3_5_text')"),
+    "qwen3_5_moe": _TEXT_DECODER.format(text="Qwen3_5MoeForCausalLM (model_type 'qwen3_5_moe_text')"),
+    "lfm2_vl": (
+        "is a multimodal wrapper of an LFM2 decoder, and transformers has no text-only loader for its checkpoints; "
+        "load an LFM2 text checkpoint with AutoModelForCausalLM instead."
+    ),
+    "glm5_next": (
+        "has no text-only *ForCausalLM in transformers, and its indexed sparse attention picks a different top-k "
+        "when a prompt continues from a cache than in one forward, so a cached run cannot equal a cold one."
+    ),
+    "qwen4_exp": "keeps indexed (sparse top-k) attention layers and token-id n-gram states, which are not stored yet.",
+    "qwen4_exp_text": "keeps indexed (sparse top-k) attention layers and token-id n-gram states, which are not stored yet.",
+    "kimi_linear": _MLA,
+    "bailing_hybrid": _MLA,
+    "lfm3": _SLIDING,
+    "zaya": (
+        _SLIDING[:-1] + " in some configs, and its CCA projection hands the cache an already-windowed conv state, so "
+        "the state at a block boundary inside a forward cannot be cut from it."
+    ),
+    "inkling_text": "keeps four short-conv states per layer and sliding-window attention layers, not stored yet.",
+    "inkling2_text": "keeps four short-conv states per layer and sliding-window attention layers, not stored yet.",
+    "inkling_mm_model": "is a multimodal wrapper whose decoder (model_type 'inkling_text') is not supported yet.",
+    "inkling2": "is a multimodal wrapper whose decoder (model_type 'inkling2_text') is not supported yet.",
+    "minimax": (
+        "refuses every cache but its own MiniMaxCache (modeling_minimax.py checks the type), and its lightning "
+        "attention keeps its state through MiniMaxCache-only methods, not the cache layers a HybridPrefixCache holds."
+    ),
+    "recurrent_gemma": (
+        "keeps its recurrent and conv states on the model's modules, not in the cache, and transformers restarts its "
+        "conv from zeros on every multi-token forward, so no prefix state can be restored into it."
+    ),
+}

@@ -1,0 +1,116 @@
+"""The linear-attention and short-conv families: states at block boundaries inside a forward, the routed kernel's
+pass-through, the piecewise path taken when ``fla`` is installed, and the families refused with their reason."""
+
+import types
+
+import pytest
+import torch
+from conftest import GDN_FAMILIES, LINEAR_FAMILIES, SHORT_CONV_FAMILIES, assert_matches_cold, cold_states, random_ids
+
+import transformers
+from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache.models.gated_delta import GDN_KERNEL
+from hf_hybridcache.models.refused import REFUSED
+from hf_hybridcache.toy import VOCAB_SIZE, build_model
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("family", LINEAR_FAMILIES)
+def test_states_at_every_boundary_of_one_prefill_equal_cold_prefills(family, model, cold_model):
+    """Dense retention: one 150-token prefill hands over the state at each of its 9 block boundaries; restoring any of
+    them equals a cold forward of that prefix (conv windows bit for bit, recurrent states within fp32 round-off)."""
+    cache = HybridPrefixCache(model, retention_interval="dense")
+    ids = random_ids(150, seed=90)
+    assert_matches_cold(model, cold_model, cache, ids, new_tokens=1)
+    for hit in range(16, 150, 16):
+        cache.restore(ids[:, : hit + 1])
+        try:
+            assert cache.last_hit_tokens == [hit]
+            ref = cold_states(cold_model, ids, hit)
+            for m in cache.spec.mamba:
+                live, cold = cache.layers[m.layer_idx], ref.layers[m.layer_idx]
+                assert torch.equal(live.conv_states[0], cold.conv_states[0]), f"conv window at {hit}, layer {m.layer_idx}"
+                if family in SHORT_CONV_FAMILIES:
+                    assert live.recurrent_states[0] is None and cold.recurrent_states[0] is None
+                else:
+                    torch.testing.assert_close(live.recurrent_states[0], cold.recurrent_states[0], rtol=0, atol=1e-5)
+        finally:
+            cache.reset()
+
+
+@pytest.mark.parametrize("family", GDN_FAMILIES[:1])
+def test_a_state_one_token_off_fails_the_state_check(family, model, cold_model):
+    """Power of the check above: the cold state one token later differs by far more than its tolerance."""
+    ids = random_ids(150, seed=90)
+    at_64, at_65 = cold_states(cold_model, ids, 64), cold_states(cold_model, ids, 65)
+    layer = HybridPrefixCache(model).spec.mamba[0].layer_idx
+    diff = (at_64.layers[layer].recurrent_states[0] - at_65.layers[layer].recurrent_states[0]).abs().max()
+    assert diff > 1e-3
+
+
+@pytest.mark.parametrize("family", GDN_FAMILIES[:1])
+def test_other_models_of_the_family_run_the_kernel_unchanged(family, model):
+    """The kernel is rebound in its modeling module; outside a cache's own mixer calls it passes every call through."""
+    other = build_model(family, seed=1)
+    ids = random_ids(100, seed=91)
+    before = _logits(other, ids)
+    cache = HybridPrefixCache(model)
+    model.generate(ids, max_new_tokens=1, past_key_values=cache)
+    assert torch.equal(_logits(other, ids), before)
+
+
+@pytest.mark.parametrize("family", GDN_FAMILIES)
+def test_piecewise_kernel_calls_are_exact(family, model, cold_model, monkeypatch):
+    """With ``fla`` installed the states come from calling the kernel piecewise (initial_state -> final_state); the
+    same path on CPU keeps the cache exact."""
+    monkeypatch.setattr(type(GDN_KERNEL), "uses_fast_package", property(lambda self: True))
+    cache = HybridPrefixCache(model, retention_interval=32)
+    ids = random_ids(150, seed=92)
+    for expected_hit in (0, 144):
+        assert_matches_cold(model, cold_model, cache, ids)
+        assert cache.last_hit_tokens == [expected_hit]
+
+
+def _stub(model_type: str) -> torch.nn.Module:
+    stub = torch.nn.Linear(1, 1)
+    stub.config = types.SimpleNamespace(model_type=model_type)
+    stub.generate = lambda *args, **kwargs: None
+    return stub
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_refused_families_say_why(model_type):
+    with pytest.raises(ValueError, match=f"model_type='{model_type}'") as info:
+        HybridPrefixCache(_stub(model_type))
+    assert REFUSED[model_type] in str(info.value)
+
+
+_REFUSED_MODELS = {
+    "minimax": ("MiniMaxConfig", dict(
+        head_dim=16, layer_types=["full_attention", "linear_attention"], num_local_experts=2, num_experts_per_tok=1,
+        block_size=16,
+    )),
+    "recurrent_gemma": ("RecurrentGemmaConfig", dict(
+        block_types=["recurrent", "attention"], lru_width=64, attention_window_size=16, conv1d_width=4,
+    )),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(_REFUSED_MODELS))
+def test_refused_real_models_stay_usable(model_type):
+    class_name, settings = _REFUSED_MODELS[model_type]
+    config = getattr(transformers, class_name)(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, **settings,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids = random_ids(20, seed=93)
+    before = _logits(model, ids)
+    with pytest.raises(ValueError, match=REFUSED[model_type][:40]):
+        HybridPrefixCache(model)
+    assert torch.equal(_logits(model, ids), before)
