@@ -9,8 +9,10 @@ A token at position ``t`` (0-based, so it attends to ``t + 1`` keys) costs, summ
   ``num_experts_per_tok / num_experts`` of the expert weights. A weight costs a multiply and an add. A module shared
   by several layers (Zamba2's shared attention block) counts once per layer that runs it. The embedding lookup and the
   LM head are left out: prefill computes logits for the last token only.
-- ``S``: elements of all Mamba layers' SSM states; the selective scan does about ``SCAN_FLOPS_PER_STATE_ELEMENT``
-  operations per state element and token (discretize the step, decay the state, add the input, read it out).
+- ``S``: elements of all recurrent states (Mamba SSM states ``[I, N]`` / ``[H, D, N]``, gated-delta-rule states
+  ``[Hv, Dk, Dv]``; a short conv has none); a selective scan or delta rule does about
+  ``SCAN_FLOPS_PER_STATE_ELEMENT`` operations per state element and token (decay the state, read it with the key,
+  write the correction, read it out).
 - ``A``: the sum over attention layers of ``num_attention_heads * head_dim``; the scores ``q.k`` and the weighted sum
   of values cost 2 FLOPs per dimension each, per query and key.
 
