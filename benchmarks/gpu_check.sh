@@ -29,13 +29,13 @@ print(
     f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} (CUDA {torch.version.cuda}) | "
     f"triton {triton.__version__} | transformers {transformers.__version__}"
 )
-for name in ("mamba_ssm", "causal_conv1d"):
+for name in ("mamba_ssm", "causal_conv1d", "fla"):
     found = importlib.util.find_spec(name) is not None
     print(f"{name}: {'installed (stock transformers uses it)' if found else 'not installed'}")
 EOF
 
 echo "== 1. kernel tests on the GPU =="
-timeout 110 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_triton.py
+timeout 110 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_triton.py tests/test_gated_delta.py tests/test_kda.py
 
 echo "== 2. TTFT benchmark, large model, bf16 =="
 timeout 170 python benchmarks/ttft.py --device cuda --size large --dtype bfloat16 --repeats 3

@@ -47,9 +47,11 @@ class LiveCache(Cache):
         self._check_owner()
         emitted = emission.active()
         if emitted is not None and emitted.layer_idx == layer_idx and emitted.conv is None:
+            # The mixer hands over the raw conv inputs [B, C, T] of its new tokens: the windows at the emission's
+            # positions are cut from them and the window the layer held before.
             layer, state_idx = self.layers[layer_idx], kwargs.get("state_idx", 0)
-            width = kwargs.get("conv_kernel_size") or layer.conv_kernel_size[state_idx]
-            emitted.capture_conv(conv_states, _compat.conv_state_before_update(layer, state_idx), width)
+            previous, width = _compat.conv_state_before_update(layer, state_idx, kwargs.get("conv_kernel_size"))
+            emitted.capture_conv(conv_states, previous, width)
         return super().update_conv_state(conv_states, layer_idx, *args, **kwargs)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

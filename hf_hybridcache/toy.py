@@ -290,7 +290,9 @@ def tiny_config(family: str = "jamba", **overrides):
 def long_memory_init_(
     model: torch.nn.Module, a_log: float = -3.0, step: float = 0.2, x_proj_std: float = 0.3
 ) -> torch.nn.Module:
-    """Give every Mamba mixer ``A_log = a_log`` and a dt bias with ``softplus(bias) = step`` (in place).
+    """Give every Mamba mixer ``A_log = a_log`` and a dt bias with ``softplus(bias) = step`` (in place); gated delta
+    nets and KDA forget gates get ``A_log = -4``, ``dt_bias = -1``, bounded (safe) gates ``A_log = 0``,
+    ``dt_bias = -8``, so that their state carries the prefix for 150+ tokens. Short convs have no decay to set.
 
     Zamba's mixer has no norm on B and C (Jamba's has), so with ``initializer_range`` 0.1 its SSM states stay near 0.07
     and barely reach the logits; its per-head ``x_proj_weight`` is redrawn with std ``x_proj_std`` (from the global
@@ -310,16 +312,18 @@ def long_memory_init_(
                     module.dt_proj_bias.fill_(dt_bias)
                 elif hasattr(module, "dt_bias"):
                     module.dt_bias.fill_(dt_bias)
-            if hasattr(module, "A_log") and _is_delta_rule(module):
-                # Gated delta rule: g = -exp(A_log) * softplus(a + dt_bias); with A_log = -4 and dt_bias = -1 the
-                # state keeps about exp(-softplus(-1)/e^4) per token, i.e. it carries a prefix for ~150 tokens.
-                module.A_log.fill_(-4.0)
-                module.dt_bias.fill_(-1.0)
+            if hasattr(module, "A_log") and type(module).__name__.endswith(("GatedDeltaNet", "ForgetGate")):
+                if getattr(module, "safe_gate", False):
+                    # Bounded gate: g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias)); A_log = 0, dt_bias = -8
+                    # make g about -5 * sigmoid(-8) = -1.7e-3 per token (a memory of several hundred tokens).
+                    module.A_log.fill_(0.0)
+                    module.dt_bias.fill_(-8.0)
+                else:
+                    # Gated delta rule / KDA: g = -exp(A_log) * softplus(a + dt_bias); A_log = -4, dt_bias = -1 decay
+                    # the state by exp(-softplus(-1) / e^4) per token: it carries a prefix for ~150 tokens.
+                    module.A_log.fill_(-4.0)
+                    module.dt_bias.fill_(-1.0)
     return model
-
-
-def _is_delta_rule(module: torch.nn.Module) -> bool:
-    return type(module).__name__.endswith(("GatedDeltaNet", "DeltaNet"))
 
 
 def build_model(

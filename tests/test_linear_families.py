@@ -5,9 +5,9 @@ import types
 
 import pytest
 import torch
+import transformers
 from conftest import GDN_FAMILIES, LINEAR_FAMILIES, SHORT_CONV_FAMILIES, assert_matches_cold, cold_states, random_ids
 
-import transformers
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.models.gated_delta import GDN_KERNEL
 from hf_hybridcache.models.refused import REFUSED
@@ -33,7 +33,9 @@ def test_states_at_every_boundary_of_one_prefill_equal_cold_prefills(family, mod
             ref = cold_states(cold_model, ids, hit)
             for m in cache.spec.mamba:
                 live, cold = cache.layers[m.layer_idx], ref.layers[m.layer_idx]
-                assert torch.equal(live.conv_states[0], cold.conv_states[0]), f"conv window at {hit}, layer {m.layer_idx}"
+                assert torch.equal(live.conv_states[0], cold.conv_states[0]), (
+                    f"conv window at {hit}, layer {m.layer_idx}"
+                )
                 if family in SHORT_CONV_FAMILIES:
                     assert live.recurrent_states[0] is None and cold.recurrent_states[0] is None
                 else:
@@ -90,13 +92,25 @@ def test_refused_families_say_why(model_type):
 
 
 _REFUSED_MODELS = {
-    "minimax": ("MiniMaxConfig", dict(
-        head_dim=16, layer_types=["full_attention", "linear_attention"], num_local_experts=2, num_experts_per_tok=1,
-        block_size=16,
-    )),
-    "recurrent_gemma": ("RecurrentGemmaConfig", dict(
-        block_types=["recurrent", "attention"], lru_width=64, attention_window_size=16, conv1d_width=4,
-    )),
+    "minimax": (
+        "MiniMaxConfig",
+        dict(
+            head_dim=16,
+            layer_types=["full_attention", "linear_attention"],
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            block_size=16,
+        ),
+    ),
+    "recurrent_gemma": (
+        "RecurrentGemmaConfig",
+        dict(
+            block_types=["recurrent", "attention"],
+            lru_width=64,
+            attention_window_size=16,
+            conv1d_width=4,
+        ),
+    ),
 }
 
 
@@ -104,8 +118,16 @@ _REFUSED_MODELS = {
 def test_refused_real_models_stay_usable(model_type):
     class_name, settings = _REFUSED_MODELS[model_type]
     config = getattr(transformers, class_name)(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        num_hidden_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, **settings,
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        **settings,
     )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()

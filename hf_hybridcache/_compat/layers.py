@@ -47,9 +47,13 @@ def get_linear_state(layer, state_idx: int = 0) -> tuple[torch.Tensor, torch.Ten
     return conv, recurrent
 
 
-def conv_state_before_update(layer, state_idx: int = 0) -> torch.Tensor | None:
-    """The conv window ``[B, C, W]`` an ``update_conv_state`` call will continue from (None on a fresh prompt)."""
-    return layer.conv_states[state_idx] if layer.has_previous_state[state_idx] else None
+def conv_state_before_update(
+    layer, state_idx: int = 0, conv_kernel_size: int | None = None
+) -> tuple[torch.Tensor | None, int]:
+    """The conv window ``[B, C, W]`` an ``update_conv_state(..., conv_kernel_size=...)`` call will continue from
+    (None on a fresh prompt), and the width ``W`` the layer keeps."""
+    previous = layer.conv_states[state_idx] if layer.has_previous_state[state_idx] else None
+    return previous, conv_kernel_size or layer.conv_kernel_size[state_idx]
 
 
 def set_linear_state(layer, conv: torch.Tensor, ssm: torch.Tensor, state_idx: int = 0) -> None:

@@ -8,9 +8,9 @@ from .falcon_h1 import SUPPORT as _FALCON_H1
 from .granitemoehybrid import SUPPORT as _GRANITEMOEHYBRID
 from .jamba import SUPPORT as _JAMBA
 from .nemotron_h import SUPPORT as _NEMOTRON_H
+from .olmo_hybrid import SUPPORT as _OLMO_HYBRID
 from .qwen3_5 import MOE_SUPPORT as _QWEN3_5_MOE
 from .qwen3_5 import SUPPORT as _QWEN3_5
-from .olmo_hybrid import SUPPORT as _OLMO_HYBRID
 from .qwen3_next import SUPPORT as _QWEN3_NEXT
 from .refused import REFUSED
 from .short_conv import LFM2 as _LFM2

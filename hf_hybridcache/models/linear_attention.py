@@ -24,6 +24,7 @@ A family file is a :class:`LinearVariant` handed to :func:`linear_attention_supp
 from __future__ import annotations
 
 import functools
+import itertools
 import importlib.util
 import inspect
 from collections.abc import Callable
@@ -112,7 +113,7 @@ def _piecewise(kernel: RecurrenceKernel, original: Callable, positions, args: tu
     seq_len = args[0].shape[1]
     state, outputs, states = kwargs.get("initial_state"), [], []
     bounds = (0, *positions, seq_len)
-    for start, end in zip(bounds, bounds[1:]):
+    for start, end in itertools.pairwise(bounds):
         piece_kwargs = {**kwargs, "initial_state": state, "output_final_state": True}
         for name in kernel.time_kwargs:
             if kwargs.get(name) is not None:
@@ -160,7 +161,11 @@ def linear_layer_spec(layer_idx: int, mixer, variant: LinearVariant) -> MambaLay
     """State of one mixer layer: conv state ``[C, W]`` in the model dtype and the recurrent state in float32 (the
     chunked and the per-token kernels keep it in float32 in every dtype), or none for a short conv."""
     conv_weight = next(p for name, p in mixer.named_parameters() if "conv" in name and name.endswith("weight"))
-    ssm = NO_RECURRENT_STATE if variant.recurrent_shape is None else TensorSpec(variant.recurrent_shape(mixer), torch.float32)
+    ssm = (
+        NO_RECURRENT_STATE
+        if variant.recurrent_shape is None
+        else TensorSpec(variant.recurrent_shape(mixer), torch.float32)
+    )
     return MambaLayerSpec(layer_idx, conv=TensorSpec(variant.conv_shape(mixer), conv_weight.dtype), ssm=ssm)
 
 
