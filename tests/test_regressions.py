@@ -300,7 +300,9 @@ def test_restore_then_a_decoding_loop_of_direct_forwards_matches_cold(model, col
             logits = model(tokens[:, -1:], past_key_values=cache, use_cache=True).logits[:, -1]
         ref = cold_model(tokens).logits[:, -1]
     torch.testing.assert_close(logits, ref, rtol=0, atol=1e-4)
-    assert_matches_cold(model, cold_model, cache, tokens)  # what the loop stored serves generate() exactly
+    # What the loop stored serves generate() exactly. The mask says every token is real: a tiny model may pick the
+    # pad id, which generate() would otherwise read as padding in the middle of the prompt.
+    assert_matches_cold(model, cold_model, cache, tokens, attention_mask=torch.ones_like(tokens))
     assert cache.last_hit_tokens == [32]
 
 
