@@ -134,10 +134,7 @@ def start_request(
         single = input_ids is not None and num_rows == 1
         rows = [Row(prompt_tokens=input_ids.shape[1], storing=False)] if single else []
         request = LiveRequest(cache, rows, tracking=single)
-        logger.debug(
-            "no prefix reuse for this call (%s); it runs like a fresh cache",
-            "inputs_embeds without input_ids" if input_ids is None else "padding other than left padding",
-        )
+        _log_no_reuse(cache, input_ids is None)
     elif num_rows == 1 and len(rows_tokens[0]) == input_ids.shape[1]:
         row = restore_row(cache, rows_tokens[0])
         request = LiveRequest(cache, [row], tracking=True, forward_end=row.hit_tokens)
@@ -162,6 +159,24 @@ def start_request(
         cache.last_hit_tokens,
         sum(lengths) - sum(cache.last_hit_tokens),
         divergences if any(divergences) else "none",
+    )
+
+
+def _log_no_reuse(cache, embeds_only: bool) -> None:
+    """Say why a call runs without reuse. Masked tokens inside a prompt get a warning (once per cache): generate()
+    masks every ``pad_token_id`` it finds when no ``attention_mask`` is given, so a chat whose tokens include the pad
+    id silently loses all reuse."""
+    if embeds_only:
+        logger.debug("no prefix reuse for this call (inputs_embeds without input_ids); it runs like a fresh cache")
+        return
+    if cache._shared.warned_masked_prompt:
+        logger.debug("no prefix reuse for this call (padding other than left padding); it runs like a fresh cache")
+        return
+    cache._shared.warned_masked_prompt = True
+    logger.warning(
+        "No prefix reuse for this call: its attention_mask masks tokens that are not left padding, so it runs like a "
+        "fresh cache (reported once per cache). If the prompt holds the pad token id as a real token, pass "
+        "attention_mask=torch.ones_like(input_ids): without a mask, generate() masks every pad_token_id it finds."
     )
 
 

@@ -50,6 +50,7 @@ class SharedState:
             are only valid while the model keeps them.
         options: the validated :class:`~hf_hybridcache.config.CacheOptions`.
         active: the view whose request is live (its chain is pinned); a new request on any view ends it first.
+        warned_masked_prompt: the warning that a prompt's mask ruled out reuse was given (it is given once).
     """
 
     seed: bytes
@@ -61,6 +62,7 @@ class SharedState:
     active: Any = None
     lock: threading.RLock = field(default_factory=threading.RLock)
     generating_thread: int | None = None
+    warned_masked_prompt: bool = False
 
     def root(self, salt: str | None) -> BlockHash:
         """The root of the block hash chains of requests under ``salt`` with the current weights state."""

@@ -218,3 +218,23 @@ def test_a_transformers_without_the_internals_it_hooks_is_refused(model, monkeyp
     monkeypatch.delattr(GenerationMixin, "_prefill")
     with pytest.raises(ValueError, match=r"does not have \(_prefill\); install a tested version"):
         HybridPrefixCache(model)
+
+
+def test_a_pad_id_inside_a_prompt_warns_once_and_an_explicit_mask_restores_reuse(caplog):
+    """generate() masks every pad_token_id it finds when no attention_mask is given: a chat whose tokens include the
+    pad id then runs without reuse. The cache says so once, with the fix; an all-ones mask makes it hit again."""
+    model, cold = build_model("jamba", seed=0), build_model("jamba", seed=0)
+    cache = HybridPrefixCache(model)
+    ids = random_ids(60, seed=94)
+    ids[0, 30] = model.generation_config.pad_token_id
+    assert_matches_cold(model, cold, cache, ids)
+    with caplog.at_level("WARNING", logger="hf_hybridcache"):
+        assert_matches_cold(model, cold, cache, ids)
+        assert_matches_cold(model, cold, cache, ids)
+    assert cache.last_hit_tokens == [0]
+    warnings_given = [r for r in caplog.records if "attention_mask=torch.ones_like(input_ids)" in r.getMessage()]
+    assert len(warnings_given) == 1
+    mask = torch.ones_like(ids)
+    assert_matches_cold(model, cold, cache, ids, attention_mask=mask)
+    assert_matches_cold(model, cold, cache, ids, attention_mask=mask)
+    assert cache.last_hit_tokens == [48]
