@@ -136,3 +136,28 @@ def test_refused_real_models_stay_usable(model_type):
     with pytest.raises(ValueError, match=REFUSED[model_type][:40]):
         HybridPrefixCache(model)
     assert torch.equal(_logits(model, ids), before)
+
+
+def test_a_qwen3_5_vision_language_checkpoint_is_served_through_its_text_loader(tmp_path):
+    """Qwen3.5 checkpoints are vision-language models (model_type 'qwen3_5'). The wrapper is refused with the loader
+    to use; AutoModelForCausalLM.from_pretrained of the same saved checkpoint builds the text decoder, which hits and
+    equals the wrapper's own text-only generation."""
+    text = build_model("qwen3_5_text", seed=0)
+    config = transformers.Qwen3_5Config(
+        text_config=text.config.to_dict(),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64),
+    )
+    torch.manual_seed(0)
+    wrapper = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    wrapper.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"AutoModelForCausalLM\.from_pretrained\(path\)"):
+        HybridPrefixCache(wrapper)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert model.config.model_type == "qwen3_5_text"
+    cache = HybridPrefixCache(model)
+    ids = random_ids(70, seed=95)
+    reference = wrapper.generate(ids, max_new_tokens=8, do_sample=False)
+    for _ in range(2):
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False)
+        assert torch.equal(out, reference)
+    assert cache.last_hit_tokens == [64]
