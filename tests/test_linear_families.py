@@ -109,8 +109,9 @@ def test_ling_conv_kept_in_float32_in_a_bf16_checkpoint(tmp_path):
     """Ling keeps ``conv1d`` in float32 when loaded in bf16 (``_keep_in_fp32_modules_strict``) while its conv state
     holds the bf16 q|k|v projections; the checkpoint spec follows the state, so a loaded bf16 model hits exactly."""
     build_model("bailing_hybrid", seed=0).save_pretrained(tmp_path)
-    load = lambda: transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()  # noqa: E731
-    model, cold_model = load(), load()
+    model, cold_model = (
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval() for _ in range(2)
+    )
     mixer = model.model.layers[0].self_attn
     assert mixer.conv1d.weight.dtype == torch.float32 and mixer.q_proj.weight.dtype == torch.bfloat16
     cache = HybridPrefixCache(model)
