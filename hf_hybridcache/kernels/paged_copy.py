@@ -50,7 +50,18 @@ def copy_states_ref(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t.clone() for t in tensors]
 
 
+def _is_pair(block) -> bool:
+    return (
+        isinstance(block, (tuple, list))
+        and len(block) == 2
+        and all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in block)
+        and block[0].shape[:2] == block[1].shape[:2]
+    )
+
+
 def _describe(block) -> str:
+    if not isinstance(block, (tuple, list)):
+        return f"a {type(block).__name__} {tuple(getattr(block, 'shape', ()))}"
     return " / ".join(f"{tuple(t.shape)} {t.dtype} {t.device}" for t in block)
 
 
@@ -58,21 +69,14 @@ def _check_blocks(blocks: Sequence[KVBlock]) -> None:
     if not blocks:
         raise ValueError("gather_kv_blocks needs at least one block.")
     first = blocks[0]
-    if (
-        not isinstance(first, (tuple, list))
-        or len(first) != 2
-        or any(t.dim() != 3 for t in first)
-        or first[0].shape[:2] != first[1].shape[:2]
-    ):
-        raise ValueError(
-            "KV blocks must be pairs (keys [Hkv, block_size, Dk], values [Hkv, block_size, Dv]); got "
-            f"{type(first).__name__} {_describe(first) if isinstance(first, (tuple, list)) else tuple(first.shape)}."
-        )
     for block in blocks:
-        same = all(
-            t.shape == f.shape and t.dtype == f.dtype and t.device == f.device for t, f in zip(block, first)
-        )
-        if not same or first[0].dtype != first[1].dtype or first[0].device != first[1].device:
+        if not _is_pair(block):
+            raise ValueError(
+                "KV blocks must be pairs (keys [Hkv, block_size, Dk], values [Hkv, block_size, Dv]); got "
+                f"{_describe(block)}."
+            )
+        dtype, device = first[0].dtype, first[0].device
+        if any(t.shape != f.shape or t.dtype != dtype or t.device != device for t, f in zip(block, first)):
             raise ValueError(
                 "All KV blocks of a gather must share shapes, dtype and device; got "
                 f"{_describe(first)} and {_describe(block)}."
