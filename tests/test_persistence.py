@@ -18,7 +18,8 @@ from hf_hybridcache import HybridPrefixCache, _compat, persistence
 from hf_hybridcache.checks import check_store, entry_digests
 from hf_hybridcache.toy import build_model
 
-pytestmark = pytest.mark.parametrize("family", ["jamba", "zamba2"])
+# Kimi Linear: an MLA layer stores keys and values of two widths (two tensors per layer in the file).
+pytestmark = pytest.mark.parametrize("family", ["jamba", "zamba2", "kimi_linear"])
 
 
 @pytest.fixture
