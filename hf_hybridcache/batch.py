@@ -81,24 +81,26 @@ def replay_rows(cache, rows_tokens: list[list[int]], input_ids: torch.Tensor) ->
         row.pad = consumed - len(row.token_ids)
     cache.layers = _compat.new_live_layers(cache.model.config)
     if consumed:
-        _assemble(cache, row_layers, [row.pad for row in rows])
+        _assemble(cache, row_layers, consumed)
     return LiveRequest(cache, rows, tracking=True, forward_end=consumed)
 
 
-def _assemble(cache, row_layers: list[list], pads: list[int]) -> None:
-    """Fill ``cache``'s fresh live layers with the rows' layers, each KV left-padded by ``pads[r]`` zero positions
-    (masked out by the attention mask) and a missing state (a row that consumed nothing) as zeros."""
+def _assemble(cache, row_layers: list[list], consumed: int) -> None:
+    """Fill ``cache``'s fresh live layers with the rows' layers, each KV left-padded with zero positions (masked out
+    by the attention mask) to the ``consumed`` live positions (a sliding layer: to the window it keeps of them), and
+    a missing state (a row that consumed nothing) as zeros."""
     devices = cache._shared.devices
     for attn in cache.spec.attention:
         device = devices[attn.layer_idx]
+        width = consumed if attn.sliding_window is None else min(consumed, attn.sliding_window - 1)
         keys, values = [], []
-        for layers, pad in zip(row_layers, pads):
+        for layers in row_layers:
             kv = _compat.get_kv(layers[attn.layer_idx])
             if kv is None:
                 kv = (torch.zeros(1, attn.num_kv_heads, 0, attn.head_dim, dtype=attn.dtype, device=device),) * 2
-            keys.append(torch.nn.functional.pad(kv[0], (0, 0, pad, 0)))
-            values.append(torch.nn.functional.pad(kv[1], (0, 0, pad, 0)))
-        _compat.set_kv(cache.layers[attn.layer_idx], torch.cat(keys), torch.cat(values))
+            keys.append(torch.nn.functional.pad(kv[0], (0, 0, width - kv[0].shape[-2], 0)))
+            values.append(torch.nn.functional.pad(kv[1], (0, 0, width - kv[1].shape[-2], 0)))
+        _compat.set_kv(cache.layers[attn.layer_idx], torch.cat(keys), torch.cat(values), consumed)
     for m in cache.spec.mamba:
         device = devices[m.layer_idx]
         convs, ssms = [], []

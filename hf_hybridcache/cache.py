@@ -94,7 +94,7 @@ class HybridPrefixCache(LiveCache):
             admit_divergence,
             eviction,
         )
-        self.spec = support.state_spec(model, block_size)
+        self.spec = support.spec_for(model, block_size)
         self.spec.check_budget(options.max_cache_bytes)
         devices = layer_devices(model, [layer.layer_idx for layer in (*self.spec.attention, *self.spec.mamba)])
         placement = Placement(devices, offload)

@@ -6,6 +6,7 @@ channels, C conv channels, W conv width (``d_conv``), N SSM state size.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -47,12 +48,25 @@ class MambaLayerSpec:
 
 @dataclass(frozen=True)
 class AttentionLayerSpec:
-    """KV of one attention layer: one block holds keys and values ``[2, Hkv, block_size, D]``."""
+    """KV of one attention layer: one block holds keys and values ``[2, Hkv, block_size, D]``.
+
+    ``sliding_window`` is set for a sliding-window (or chunked) attention layer, whose live cache layer keeps only the
+    last ``sliding_window - 1`` tokens' KV (transformers' ``DynamicSlidingWindowLayer``). Its blocks are stored like a
+    full layer's, so they cost the same bytes per token, and a hit at P restores only the blocks that hold the last
+    ``sliding_window - 1`` tokens before P.
+    """
 
     layer_idx: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    sliding_window: int | None = None
+
+    def restore_from_block(self, hit_tokens: int, block_size: int) -> int:
+        """Index of the first stored block a restore at ``hit_tokens`` needs (0 for a full attention layer)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, hit_tokens - (self.sliding_window - 1)) // block_size
 
 
 @dataclass(frozen=True)
@@ -64,6 +78,11 @@ class ModelStateSpec:
     block_size: int
 
     @functools.cached_property
+    def sliding_layers(self) -> frozenset[int]:
+        """Indices of the sliding-window attention layers."""
+        return frozenset(a.layer_idx for a in self.attention if a.sliding_window is not None)
+
+    @functools.cached_property
     def kv_block_bytes(self) -> int:
         """Bytes of one stored KV block over all attention layers."""
         return sum(2 * a.num_kv_heads * self.block_size * a.head_dim * _dtype_bytes(a.dtype) for a in self.attention)
@@ -72,6 +91,22 @@ class ModelStateSpec:
     def checkpoint_bytes(self) -> int:
         """Bytes of one checkpoint (conv + SSM state of every Mamba layer)."""
         return sum(m.num_bytes for m in self.mamba)
+
+    def with_sliding_windows(self, windows: dict[int, int]) -> ModelStateSpec:
+        """This spec with ``sliding_window`` set on the attention layers in ``windows`` (``{layer idx: window}``)."""
+        attention = tuple(dataclasses.replace(a, sliding_window=windows.get(a.layer_idx)) for a in self.attention)
+        return dataclasses.replace(self, attention=attention)
+
+    def check_block_size(self) -> None:
+        """Raises ``ValueError`` when a block is longer than a sliding window: the live sliding layer would have
+        dropped the start of a block before the block is full and stored."""
+        windows = [a.sliding_window for a in self.attention if a.sliding_window is not None]
+        if windows and self.block_size > min(windows):
+            raise ValueError(
+                f"`block_size={self.block_size}` is longer than this model's sliding attention window of "
+                f"{min(windows)} tokens, so a block's KV leaves the window before the block is stored; pass "
+                f"block_size <= {min(windows)}."
+            )
 
     def check_budget(self, max_cache_bytes: int) -> None:
         """Raises ``ValueError`` when ``max_cache_bytes`` cannot hold one KV block plus one checkpoint."""

@@ -33,8 +33,9 @@ def restore_row(cache, token_ids: list[int]) -> Row:
     if not hit.hit_tokens:
         return row
     for attn in cache.spec.attention:
-        keys, values = store.gather_kv(attn.layer_idx, hit.block_ids)
-        _compat.set_kv(cache.layers[attn.layer_idx], keys, values)
+        first = attn.restore_from_block(hit.hit_tokens, store.block_size)
+        keys, values = store.gather_kv(attn.layer_idx, hit.block_ids[first:])
+        _compat.set_kv(cache.layers[attn.layer_idx], keys, values, hit.hit_tokens)
     for layer_idx, (conv, ssm) in store.checkpoint_copy(hit.block_ids[-1]).items():
         _compat.set_linear_state(cache.layers[layer_idx], conv, ssm)
     store.pin(hit.block_ids)
@@ -57,6 +58,9 @@ class LiveRequest:
         wanted: boundaries of the running forward whose checkpoints are stored (single-row forwards).
         rollback: keep every state of the last forward so that rejected draft tokens can be cropped.
         captured: ``{live position: {mamba layer idx: (conv, ssm)}}`` handed over by the mixers.
+        forward_kv: ``{sliding layer idx: (keys, values)}``, the KV ``[B, Hkv, T, D]`` its ``update`` returned in the
+            running (or last) forward, which ends at ``forward_end``: the layer itself keeps only its window, so
+            the blocks completed in the forward and a rollback are read from here.
         in_forward: a forward of this request is running.
     """
 
@@ -69,6 +73,7 @@ class LiveRequest:
         self.wanted: frozenset[int] = frozenset()
         self.rollback = False
         self.captured: dict[int, dict[int, LayerState]] = {}
+        self.forward_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.in_forward = False
         self.number = cache._counters["requests"]  # generate() requests so far (a direct forward's takes the last one)
         store = cache._store
@@ -80,6 +85,7 @@ class LiveRequest:
         """Record the forward's tokens per row and plan the boundaries the mixers emit states at."""
         self.in_forward = True
         self.captured.clear()
+        self.forward_kv.clear()
         self.forward_start = self.forward_end
         self.forward_end += num_tokens
         self.emit_positions = ()
@@ -167,9 +173,17 @@ class LiveRequest:
         start = pad + block * block_size
         kv = {}
         for attn in cache.spec.attention:
-            keys, values = _compat.get_kv(cache.layers[attn.layer_idx])
-            kv[attn.layer_idx] = scatter_kv_blocks(keys.detach(), values.detach(), [start], block_size, row)[0]
+            keys, values = self.forward_kv.get(attn.layer_idx) or _compat.get_kv(cache.layers[attn.layer_idx])
+            first = self.forward_end - keys.shape[-2]  # live position of keys[..., 0, :] (> 0 for a sliding layer)
+            # A block is stored once the forward that fills it ends; it started at most block_size - 1 tokens before
+            # that forward, which a sliding layer still holds when block_size <= sliding_window (checked at build).
+            assert start >= first, f"block at live position {start} left sliding layer {attn.layer_idx}'s window"
+            kv[attn.layer_idx] = scatter_kv_blocks(keys.detach(), values.detach(), [start - first], block_size, row)[0]
         return kv
+
+    def record_sliding_kv(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Keep what a sliding layer's ``update`` returned in this forward (see ``forward_kv``)."""
+        self.forward_kv[layer_idx] = (keys, values)
 
     def _live_row_states(self, row: int) -> dict[int, LayerState]:
         """Copies of one row's live Mamba states: ``{mamba layer idx: (conv [1, C, W], ssm)}``."""
@@ -202,7 +216,12 @@ class LiveRequest:
             )
         cache = self.cache
         for attn in cache.spec.attention:
-            _compat.crop_kv(cache.layers[attn.layer_idx], num_tokens)
+            layer = cache.layers[attn.layer_idx]
+            if attn.layer_idx in self.forward_kv:  # a sliding layer: its window at `keep` reaches before its tail
+                keys, values = self.forward_kv[attn.layer_idx]
+                _compat.set_kv(layer, keys[..., :-num_tokens, :], values[..., :-num_tokens, :], keep)
+            else:
+                _compat.crop_kv(layer, num_tokens)
         for layer_idx, (conv, ssm) in states.items():
             _compat.set_linear_state(cache.layers[layer_idx], conv.clone(), ssm.clone())
         row = self.rows[0]
@@ -212,6 +231,7 @@ class LiveRequest:
         del row.block_ids[full_blocks:], row.block_hashes[full_blocks:]
         self.forward_end = keep
         self.captured.clear()
+        self.forward_kv.clear()
 
     def stop_tracking(self, why: str) -> None:
         """Store nothing more of this request (its live state no longer maps to its rows' tokens)."""

@@ -41,7 +41,10 @@ class LiveCache(Cache):
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self._check_owner()
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if layer_idx in self.spec.sliding_layers:
+            self._request.record_sliding_kv(layer_idx, keys, values)
+        return keys, values
 
     def update_conv_state(self, conv_states, layer_idx, *args, **kwargs):
         self._check_owner()

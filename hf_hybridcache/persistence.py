@@ -87,7 +87,7 @@ def load_cache(cls, path, model, max_cache_bytes, retention_interval, offload):
         raise _invalid(path, f"its metadata lacks {error}") from error
     try:
         options, seed = meta["options"], bytes.fromhex(meta["seed"])
-        spec = support_for(model).state_spec(model, options["block_size"])
+        spec = support_for(model).spec_for(model, options["block_size"])
         plan = _check_entries(meta, tensors, spec, model)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError) as error:
         raise _invalid(path, f"its entries do not fit this model ({error})") from error

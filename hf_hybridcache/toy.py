@@ -270,6 +270,20 @@ _TINY_CONFIGS = {
             max_position_embeddings=16384,
         ),
     ),
+    # LFM3: short-conv layers, a sliding-window attention layer (window of 24 tokens, longer than a 16-token block and
+    # shorter than the prompts the tests reuse) and a full attention layer.
+    "lfm3": (
+        "Lfm3Config",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["conv", "sliding_attention", "full_attention", "conv"],
+            sliding_window=24,
+            head_dim=16,
+            conv_L_cache=3,
+            tie_word_embeddings=False,
+            max_position_embeddings=16384,
+        ),
+    ),
 }
 
 

@@ -26,7 +26,7 @@ MAMBA2_FAMILIES = ["zamba2", "falcon_h1", "bamba", "granitemoehybrid", "nemotron
 #: Gated delta net families: upstream mixers run unchanged, the routed kernel hands over the recurrent states.
 GDN_FAMILIES = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid"]
 #: Short-conv families: a checkpoint is the conv window alone (no recurrent state).
-SHORT_CONV_FAMILIES = ["lfm2", "lfm2_moe"]
+SHORT_CONV_FAMILIES = ["lfm2", "lfm2_moe", "lfm3"]
 LINEAR_FAMILIES = GDN_FAMILIES + SHORT_CONV_FAMILIES
 #: Every supported family runs the whole exactness suite.
 FAMILIES = MAMBA1_FAMILIES + MAMBA2_FAMILIES + LINEAR_FAMILIES
@@ -109,5 +109,6 @@ def assert_restored_states_match(cache: HybridPrefixCache, cold_model, ids, expe
             live, cold = cache.layers[a.layer_idx], ref.layers[a.layer_idx]
             torch.testing.assert_close(live.keys, cold.keys, rtol=0, atol=1e-5)
             torch.testing.assert_close(live.values, cold.values, rtol=0, atol=1e-5)
+            assert live.get_seq_length() == cold.get_seq_length() == expected_hit  # a sliding layer counts them all
     finally:
         cache.reset()

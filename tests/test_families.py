@@ -17,10 +17,14 @@ def test_bf16_checkpoints_keep_the_live_dtypes_and_tokens_match(family):
     cache = HybridPrefixCache(model)
     ids = random_ids(70, seed=77)
     ref_seq, _ = greedy(cold_model, ids)
-    for expected_hit in (0, 64):
+    # In bf16 a sliding-window layer's attention over its window differs in round-off from the same keys inside the
+    # whole prompt's masked attention (LFM3's tiny model: 0.016 on the logits, and a near-tie flips), in upstream's own
+    # continuation too; there the reference for a hit at P is upstream continuing a DynamicCache holding P tokens.
+    continued = _upstream_continuation(cold_model, ids, 64) if cache.spec.sliding_layers else ref_seq
+    for expected_hit, ref in ((0, ref_seq), (64, continued)):
         seq, _ = greedy(model, ids, cache)
         assert cache.last_hit_tokens == [expected_hit]
-        assert torch.equal(seq, ref_seq), "bf16 tokens differ from the bf16 cold run"
+        assert torch.equal(seq, ref), "bf16 tokens differ from the bf16 cold run"
 
     live = cold_states(cold_model, ids, 64)  # what the unpatched bf16 model keeps: the SSM state stays float32
     for m in cache.spec.mamba:
@@ -36,6 +40,12 @@ def test_bf16_checkpoints_keep_the_live_dtypes_and_tokens_match(family):
     assert all(a.dtype == torch.bfloat16 for a in cache.spec.attention)
     stats, spec = cache.stats, cache.spec
     assert stats.stored_bytes == stats.kv_blocks * spec.kv_block_bytes + stats.checkpoints * spec.checkpoint_bytes
+
+
+def _upstream_continuation(cold_model, ids, prefix_tokens: int) -> torch.Tensor:
+    """Greedy tokens of the unpatched model continuing a ``DynamicCache`` that holds ``ids[:, :prefix_tokens]``."""
+    past = cold_states(cold_model, ids, prefix_tokens)
+    return greedy(cold_model, ids, past)[0]
 
 
 def test_save_pretrained_round_trip_then_a_cached_run(model, cold_model, tmp_path):

@@ -15,6 +15,7 @@ from .qwen3_next import SUPPORT as _QWEN3_NEXT
 from .refused import REFUSED
 from .short_conv import LFM2 as _LFM2
 from .short_conv import LFM2_MOE as _LFM2_MOE
+from .short_conv import LFM3 as _LFM3
 from .zamba import SUPPORT as _ZAMBA
 from .zamba2 import SUPPORT as _ZAMBA2
 
@@ -63,4 +64,5 @@ register(_QWEN3_5)
 register(_QWEN3_5_MOE)
 register(_LFM2)
 register(_LFM2_MOE)
+register(_LFM3)
 register(_OLMO_HYBRID)

@@ -35,7 +35,6 @@ REFUSED: dict[str, str] = {
     "qwen4_exp_text": "keeps indexed (sparse top-k) attention layers and token-id n-gram states, which are not stored yet.",
     "kimi_linear": _MLA,
     "bailing_hybrid": _MLA,
-    "lfm3": _SLIDING,
     "zaya": (
         _SLIDING[:-1] + " in some configs, and its CCA projection hands the cache an already-windowed conv state, so "
         "the state at a block boundary inside a forward cannot be cut from it."
