@@ -28,6 +28,8 @@ GDN_FAMILIES = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid"]
 #: Short-conv families: a checkpoint is the conv window alone (no recurrent state).
 SHORT_CONV_FAMILIES = ["lfm2", "lfm2_moe", "lfm3"]
 LINEAR_FAMILIES = GDN_FAMILIES + SHORT_CONV_FAMILIES
+#: Families with sliding-window attention layers.
+SLIDING_FAMILIES = ["lfm3"]
 #: Every supported family runs the whole exactness suite.
 FAMILIES = MAMBA1_FAMILIES + MAMBA2_FAMILIES + LINEAR_FAMILIES
 
