@@ -69,7 +69,8 @@ class HybridPrefixCache(LiveCache):
 
     Raises:
         ValueError: unsupported model; invalid ``block_size``, ``retention_interval``, ``max_cache_bytes``, ``seed``,
-            ``offload``, ``admit_divergence`` or ``eviction``; a budget smaller than one KV block plus one checkpoint.
+            ``offload``, ``admit_divergence`` or ``eviction``; a budget smaller than one KV block plus one checkpoint;
+            a ``block_size`` longer than a sliding attention window of the model.
     """
 
     def __init__(

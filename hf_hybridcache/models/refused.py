@@ -10,10 +10,6 @@ _TEXT_DECODER = (
     "is a multimodal wrapper; HybridPrefixCache serves its text decoder: load the checkpoint with "
     "AutoModelForCausalLM.from_pretrained(path), which builds the text-only {text} model."
 )
-_SLIDING = (
-    "keeps sliding-window attention layers (only the last `sliding_window` tokens of KV), which the block store does "
-    "not restore yet."
-)
 _MLA = (
     "caches MLA attention as a compressed latent and a rope key of different widths, which the block store does not "
     "hold yet."
@@ -36,11 +32,11 @@ REFUSED: dict[str, str] = {
     "kimi_linear": _MLA,
     "bailing_hybrid": _MLA,
     "zaya": (
-        _SLIDING[:-1] + " in some configs, and its CCA projection hands the cache an already-windowed conv state, so "
-        "the state at a block boundary inside a forward cannot be cut from it."
+        "hands the cache its CCA conv state already cut to the conv window (and a one-token delayed value state), so "
+        "the states at a block boundary inside a forward cannot be taken from what the cache sees; not supported yet."
     ),
-    "inkling_text": "keeps four short-conv states per layer and sliding-window attention layers, not stored yet.",
-    "inkling2_text": "keeps four short-conv states per layer and sliding-window attention layers, not stored yet.",
+    "inkling_text": "keeps four short-conv states per layer, which the checkpoint store does not hold yet.",
+    "inkling2_text": "keeps four short-conv states per layer, which the checkpoint store does not hold yet.",
     "inkling_mm_model": "is a multimodal wrapper whose decoder (model_type 'inkling_text') is not supported yet.",
     "inkling2": "is a multimodal wrapper whose decoder (model_type 'inkling2_text') is not supported yet.",
     "minimax": (
