@@ -105,10 +105,10 @@ def _assemble(cache, row_layers: list[list], consumed: int) -> None:
         device = devices[m.layer_idx]
         convs, ssms = [], []
         for layers in row_layers:
-            state = _compat.get_linear_state(layers[m.layer_idx])
+            state = _compat.get_linear_state(layers[m.layer_idx], m.state_idx)
             if state is None:
                 state = (torch.zeros(1, *m.conv.shape, dtype=m.conv.dtype, device=device),
                          torch.zeros(1, *m.ssm.shape, dtype=m.ssm.dtype, device=device))
             convs.append(state[0])
             ssms.append(state[1])
-        _compat.set_linear_state(cache.layers[m.layer_idx], torch.cat(convs), torch.cat(ssms))
+        _compat.set_linear_state(cache.layers[m.layer_idx], torch.cat(convs), torch.cat(ssms), m.state_idx)

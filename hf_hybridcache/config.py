@@ -33,13 +33,41 @@ class TensorSpec:
         return math.prod(self.shape) * _dtype_bytes(self.dtype)
 
 
+#: Key of one stored state in a checkpoint: the layer index, or ``(layer idx, state idx)`` for a layer's second and
+#: later states (transformers' ``state_idx``; Inkling keeps four short-conv states per layer).
+StateKey = int | tuple[int, int]
+
+
+def state_key(layer_idx: int, state_idx: int = 0) -> StateKey:
+    return layer_idx if state_idx == 0 else (layer_idx, state_idx)
+
+
+def split_state_key(key: StateKey) -> tuple[int, int]:
+    """``(layer idx, state idx)`` of a :data:`StateKey`."""
+    return key if isinstance(key, tuple) else (key, 0)
+
+
 @dataclass(frozen=True)
 class MambaLayerSpec:
-    """State of one Mamba layer: conv state ``[C, W]`` and SSM state (``[I, N]`` for Mamba-1)."""
+    """State of one Mamba layer: conv state ``[C, W]`` and SSM state (``[I, N]`` for Mamba-1).
+
+    ``state_idx`` tells which of a layer's states it is when the layer keeps several (transformers' ``state_idx``).
+    """
 
     layer_idx: int
     conv: TensorSpec
     ssm: TensorSpec
+    state_idx: int = 0
+
+    @property
+    def key(self) -> StateKey:
+        """The key of this state in a checkpoint."""
+        return state_key(self.layer_idx, self.state_idx)
+
+    @property
+    def name(self) -> str:
+        """``"<layer idx>"``, or ``"<layer idx>.<state idx>"`` for a layer's later states (saved tensor names)."""
+        return str(self.layer_idx) if self.state_idx == 0 else f"{self.layer_idx}.{self.state_idx}"
 
     @property
     def num_bytes(self) -> int:

@@ -16,6 +16,7 @@ import torch
 
 from . import _compat
 from .kernels.paged_copy import scatter_kv_blocks
+from .config import StateKey, split_state_key
 from .rows import Row, store_row_blocks, store_row_checkpoint
 from .store import LayerState, last_boundary, retained_boundaries
 
@@ -36,8 +37,9 @@ def restore_row(cache, token_ids: list[int]) -> Row:
         first = attn.restore_from_block(hit.hit_tokens, store.block_size)
         keys, values = store.gather_kv(attn.layer_idx, hit.block_ids[first:])
         _compat.set_kv(cache.layers[attn.layer_idx], keys, values, hit.hit_tokens)
-    for layer_idx, (conv, ssm) in store.checkpoint_copy(hit.block_ids[-1]).items():
-        _compat.set_linear_state(cache.layers[layer_idx], conv, ssm)
+    for key, (conv, ssm) in store.checkpoint_copy(hit.block_ids[-1]).items():
+        layer_idx, state_idx = split_state_key(key)
+        _compat.set_linear_state(cache.layers[layer_idx], conv, ssm, state_idx)
     store.pin(hit.block_ids)
     row.block_ids, row.block_hashes = list(hit.block_ids), list(hit.block_hashes)
     return row
@@ -132,10 +134,10 @@ class LiveRequest:
             return ()
         return self.emit_positions
 
-    def capture_states(self, layer_idx: int, positions, states: list[LayerState]) -> None:
+    def capture_states(self, key: StateKey, positions, states: list[LayerState]) -> None:
         # Detached: a forward run with grad enabled must not make stored entries pin its autograd graph.
         for t, (conv, ssm) in zip(positions, states):
-            self.captured.setdefault(self.forward_start + t, {})[layer_idx] = (conv.detach(), ssm.detach())
+            self.captured.setdefault(self.forward_start + t, {})[key] = (conv.detach(), ssm.detach())
 
     def after_forward(self) -> None:
         """Store each row's new full blocks and the checkpoints at its retained and last-reached boundaries."""
@@ -185,12 +187,12 @@ class LiveRequest:
         """Keep what a sliding layer's ``update`` returned in this forward (see ``forward_kv``)."""
         self.forward_kv[layer_idx] = (keys, values)
 
-    def _live_row_states(self, row: int) -> dict[int, LayerState]:
-        """Copies of one row's live Mamba states: ``{mamba layer idx: (conv [1, C, W], ssm)}``."""
+    def _live_row_states(self, row: int) -> dict[StateKey, LayerState]:
+        """Copies of one row's live Mamba states: ``{state key: (conv [1, C, W], ssm)}``."""
         states = {}
         for m in self.cache.spec.mamba:
-            conv, ssm = _compat.get_linear_state(self.cache.layers[m.layer_idx])
-            states[m.layer_idx] = (conv[row : row + 1].detach().clone(), ssm[row : row + 1].detach().clone())
+            conv, ssm = _compat.get_linear_state(self.cache.layers[m.layer_idx], m.state_idx)
+            states[m.key] = (conv[row : row + 1].detach().clone(), ssm[row : row + 1].detach().clone())
         return states
 
     # ------------------------------------------------------------------ rollback and the end
@@ -222,8 +224,9 @@ class LiveRequest:
                 _compat.set_kv(layer, keys[..., :-num_tokens, :], values[..., :-num_tokens, :], keep)
             else:
                 _compat.crop_kv(layer, num_tokens)
-        for layer_idx, (conv, ssm) in states.items():
-            _compat.set_linear_state(cache.layers[layer_idx], conv.clone(), ssm.clone())
+        for key, (conv, ssm) in states.items():
+            layer_idx, state_idx = split_state_key(key)
+            _compat.set_linear_state(cache.layers[layer_idx], conv.clone(), ssm.clone(), state_idx)
         row = self.rows[0]
         del row.token_ids[keep:]
         full_blocks = keep // cache.options.block_size

@@ -284,6 +284,27 @@ _TINY_CONFIGS = {
             max_position_embeddings=16384,
         ),
     ),
+    # Inkling: sliding-window (window 24) and full attention layers, each with four short convs (width 3).
+    "inkling_text": (
+        "InklingTextConfig",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
+            mlp_layer_types=["dense"] * 4,
+            sliding_window_size=24,
+            head_dim=16,
+            swa_head_dim=16,
+            swa_num_attention_heads=4,
+            swa_num_key_value_heads=2,
+            d_rel=4,
+            rel_extent=64,
+            conv_kernel_size=3,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            max_position_embeddings=16384,
+        ),
+    ),
 }
 
 

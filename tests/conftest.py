@@ -26,10 +26,10 @@ MAMBA2_FAMILIES = ["zamba2", "falcon_h1", "bamba", "granitemoehybrid", "nemotron
 #: Gated delta net families: upstream mixers run unchanged, the routed kernel hands over the recurrent states.
 GDN_FAMILIES = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid"]
 #: Short-conv families: a checkpoint is the conv window alone (no recurrent state).
-SHORT_CONV_FAMILIES = ["lfm2", "lfm2_moe", "lfm3"]
+SHORT_CONV_FAMILIES = ["lfm2", "lfm2_moe", "lfm3", "inkling_text"]
 LINEAR_FAMILIES = GDN_FAMILIES + SHORT_CONV_FAMILIES
 #: Families with sliding-window attention layers.
-SLIDING_FAMILIES = ["lfm3"]
+SLIDING_FAMILIES = ["lfm3", "inkling_text"]
 #: Every supported family runs the whole exactness suite.
 FAMILIES = MAMBA1_FAMILIES + MAMBA2_FAMILIES + LINEAR_FAMILIES
 
@@ -101,12 +101,13 @@ def assert_restored_states_match(cache: HybridPrefixCache, cold_model, ids, expe
         ref = cold_states(cold_model, ids, expected_hit)
         for m in cache.spec.mamba:
             live, cold = cache.layers[m.layer_idx], ref.layers[m.layer_idx]
-            torch.testing.assert_close(live.conv_states[0], cold.conv_states[0], rtol=0, atol=1e-5)
-            if cold.recurrent_states[0] is None:  # a short conv keeps no recurrent state
-                assert live.recurrent_states[0] is None
+            i = m.state_idx
+            torch.testing.assert_close(live.conv_states[i], cold.conv_states[i], rtol=0, atol=1e-5)
+            if cold.recurrent_states[i] is None:  # a short conv keeps no recurrent state
+                assert live.recurrent_states[i] is None
                 continue
-            torch.testing.assert_close(live.recurrent_states[0], cold.recurrent_states[0], rtol=0, atol=1e-5)
-            assert live.recurrent_states[0].dtype == cold.recurrent_states[0].dtype
+            torch.testing.assert_close(live.recurrent_states[i], cold.recurrent_states[i], rtol=0, atol=1e-5)
+            assert live.recurrent_states[i].dtype == cold.recurrent_states[i].dtype
         for a in cache.spec.attention:
             live, cold = cache.layers[a.layer_idx], ref.layers[a.layer_idx]
             torch.testing.assert_close(live.keys, cold.keys, rtol=0, atol=1e-5)

@@ -11,6 +11,9 @@ from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.models import support_for
 from hf_hybridcache.toy import build_model
 
+#: Families whose short convs keep their window in float32 in every model dtype (Inkling computes them in float32).
+FLOAT32_CONV_FAMILIES = ["inkling_text"]
+
 
 def test_bf16_checkpoints_keep_the_live_dtypes_and_tokens_match(family):
     model, cold_model = build_model(family, dtype=torch.bfloat16), build_model(family, dtype=torch.bfloat16)
@@ -29,14 +32,16 @@ def test_bf16_checkpoints_keep_the_live_dtypes_and_tokens_match(family):
     live = cold_states(cold_model, ids, 64)  # what the unpatched bf16 model keeps: the SSM state stays float32
     for m in cache.spec.mamba:
         layer = live.layers[m.layer_idx]
-        recurrent = layer.recurrent_states[0]
+        recurrent = layer.recurrent_states[m.state_idx]
         if recurrent is None:  # a short conv: no recurrent state, an empty float32 stand-in in the store
             assert family in SHORT_CONV_FAMILIES and m.ssm.num_bytes == 0
             recurrent = torch.empty(0)
-        live_dtypes = (layer.conv_states[0].dtype, recurrent.dtype)
-        assert (m.conv.dtype, m.ssm.dtype) == live_dtypes == (torch.bfloat16, torch.float32)
+        live_dtypes = (layer.conv_states[m.state_idx].dtype, recurrent.dtype)
+        conv_dtype = torch.float32 if family in FLOAT32_CONV_FAMILIES else torch.bfloat16
+        assert (m.conv.dtype, m.ssm.dtype) == live_dtypes == (conv_dtype, torch.float32)
+    dtypes = {m.key: (m.conv.dtype, m.ssm.dtype) for m in cache.spec.mamba}
     for states in (block.checkpoint for block in cache.store.blocks() if block.checkpoint is not None):
-        assert all((conv.dtype, ssm.dtype) == (torch.bfloat16, torch.float32) for conv, ssm in states.values())
+        assert {key: (conv.dtype, ssm.dtype) for key, (conv, ssm) in states.items()} == dtypes
     assert all(a.dtype == torch.bfloat16 for a in cache.spec.attention)
     stats, spec = cache.stats, cache.spec
     assert stats.stored_bytes == stats.kv_blocks * spec.kv_block_bytes + stats.checkpoints * spec.checkpoint_bytes

@@ -33,13 +33,14 @@ def test_states_at_every_boundary_of_one_prefill_equal_cold_prefills(family, mod
             ref = cold_states(cold_model, ids, hit)
             for m in cache.spec.mamba:
                 live, cold = cache.layers[m.layer_idx], ref.layers[m.layer_idx]
-                assert torch.equal(live.conv_states[0], cold.conv_states[0]), (
-                    f"conv window at {hit}, layer {m.layer_idx}"
+                i = m.state_idx
+                assert torch.equal(live.conv_states[i], cold.conv_states[i]), (
+                    f"conv window at {hit}, layer {m.layer_idx}, state {i}"
                 )
                 if family in SHORT_CONV_FAMILIES:
-                    assert live.recurrent_states[0] is None and cold.recurrent_states[0] is None
+                    assert live.recurrent_states[i] is None and cold.recurrent_states[i] is None
                 else:
-                    torch.testing.assert_close(live.recurrent_states[0], cold.recurrent_states[0], rtol=0, atol=1e-5)
+                    torch.testing.assert_close(live.recurrent_states[i], cold.recurrent_states[i], rtol=0, atol=1e-5)
         finally:
             cache.reset()
 

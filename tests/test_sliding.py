@@ -1,4 +1,4 @@
-"""Sliding-window attention layers (LFM3's tiny model: window 24, so a 96-token hit restores 23 of 96 tokens' KV).
+"""Sliding-window attention layers (tiny LFM3 and Inkling: window 24, so a 96-token hit restores 23 tokens' KV).
 
 A sliding layer keeps the KV of its last ``sliding_window - 1`` tokens and counts all of them; a hit restores that
 window from the stored blocks. These tests go through the public API and check that a broken window restore fails.
@@ -22,10 +22,13 @@ def _warm(model, cold_model, length=100):
     return cache, ids
 
 
-def test_the_spec_names_the_sliding_layers(model):
+WINDOWS = {"lfm3": {1: 24, 2: None}, "inkling_text": {0: 24, 1: None, 2: 24, 3: None}}
+
+
+def test_the_spec_names_the_sliding_layers(model, family):
     spec = HybridPrefixCache(model).spec
-    assert {a.layer_idx: a.sliding_window for a in spec.attention} == {1: 24, 2: None}
-    assert spec.sliding_layers == {1}
+    assert {a.layer_idx: a.sliding_window for a in spec.attention} == WINDOWS[family]
+    assert spec.sliding_layers == {idx for idx, window in WINDOWS[family].items() if window}
 
 
 @pytest.mark.parametrize("length,expected_hit", [(100, 96), (20, 16)])

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _compat, emission
-from ..config import MambaLayerSpec, ModelStateSpec, TensorSpec
+from ..config import MambaLayerSpec, ModelStateSpec, TensorSpec, state_key
 from .base import ModelSupport, attention_layer_spec
 from .mamba1 import checkpoint_positions
 
@@ -80,6 +80,10 @@ class LinearVariant:
         conv_shape: ``mixer -> (C, W)``, the conv state of one row (model dtype).
         recurrent_shape: ``mixer -> shape`` of one row's recurrent state (float32), or None for a short conv.
         kernels: the recurrence functions the mixer calls (empty for a short conv).
+        state_idx_attr: the mixer attribute holding its ``state_idx`` in the cache layer, for layers that keep
+            several states (Inkling's ``conv_idx``); None for one state per layer.
+        conv_dtype: dtype of the conv state when the mixer keeps it in another dtype than its conv weight (Inkling
+            runs its short convs in float32); None for the weight's dtype.
     """
 
     mixer_class: str
@@ -87,6 +91,11 @@ class LinearVariant:
     conv_shape: Callable[[torch.nn.Module], tuple[int, int]]
     recurrent_shape: Callable[[torch.nn.Module], tuple[int, ...]] | None = None
     kernels: tuple[RecurrenceKernel, ...] = ()
+    state_idx_attr: str | None = None
+    conv_dtype: torch.dtype | None = None
+
+    def state_idx(self, mixer) -> int:
+        return getattr(mixer, self.state_idx_attr) if self.state_idx_attr else 0
 
 
 def route_recurrence(kernel: RecurrenceKernel, original: Callable, *args, **kwargs):
@@ -133,7 +142,8 @@ def _emitting_forward(variant: LinearVariant, mixer, original, *args, **kwargs):
     positions = checkpoint_positions(cache, seq_len)
     if not positions:
         return original(*args, **kwargs)
-    with emission.emitting(mixer.layer_idx, positions) as emitted:
+    key = state_key(mixer.layer_idx, variant.state_idx(mixer))
+    with emission.emitting(key, positions) as emitted:
         out = original(*args, **kwargs)
     assert emitted.conv is not None, f"{variant.mixer_class} did not hand its conv inputs to update_conv_state"
     if variant.kernels:
@@ -141,7 +151,7 @@ def _emitting_forward(variant: LinearVariant, mixer, original, *args, **kwargs):
         recurrent = emitted.recurrent
     else:
         recurrent = [emitted.conv[0].new_zeros((emitted.conv[0].shape[0], 0), dtype=torch.float32)] * len(positions)
-    cache.capture_states(mixer.layer_idx, positions, list(zip(emitted.conv, recurrent)))
+    cache.capture_states(key, positions, list(zip(emitted.conv, recurrent)))
     return out
 
 
@@ -166,20 +176,24 @@ def linear_layer_spec(layer_idx: int, mixer, variant: LinearVariant) -> MambaLay
         if variant.recurrent_shape is None
         else TensorSpec(variant.recurrent_shape(mixer), torch.float32)
     )
-    return MambaLayerSpec(layer_idx, conv=TensorSpec(variant.conv_shape(mixer), conv_weight.dtype), ssm=ssm)
+    conv = TensorSpec(variant.conv_shape(mixer), variant.conv_dtype or conv_weight.dtype)
+    return MambaLayerSpec(layer_idx, conv=conv, ssm=ssm, state_idx=variant.state_idx(mixer))
 
 
 def state_spec(model: torch.nn.Module, block_size: int, variant: LinearVariant) -> ModelStateSpec:
-    """Decoder layer ``i`` holding a mixer or an attention module (or both) is cache layer ``i``."""
+    """Decoder layer ``i`` holding mixers or an attention module (or both) is cache layer ``i``; several mixers of one
+    layer keep the states ``state_idx`` of that cache layer."""
     attention, linear = [], []
     for idx, layer in enumerate(_compat.decoder_layers(model)):
         found = {variant.mixer_class: [], variant.attention_class: []}
         for module in layer.modules():
             found.get(type(module).__name__, []).append(module)
         mixers, attentions = found[variant.mixer_class], found[variant.attention_class]
-        assert len(mixers) <= 1 and len(attentions) <= 1, f"layer {idx} holds several mixers or attention modules"
-        if mixers:
-            linear.append(linear_layer_spec(idx, mixers[0], variant))
+        assert len(attentions) <= 1, f"layer {idx} holds several attention modules"
+        assert len(mixers) <= 1 or variant.state_idx_attr, f"layer {idx} holds several mixers of one state"
+        states = sorted((linear_layer_spec(idx, mixer, variant) for mixer in mixers), key=lambda m: m.state_idx)
+        assert len({m.state_idx for m in states}) == len(states), f"layer {idx}: two mixers share a state_idx"
+        linear.extend(states)
         if attentions:
             attention.append(attention_layer_spec(idx, attentions[0]))
     return ModelStateSpec(tuple(attention), tuple(linear), block_size)
