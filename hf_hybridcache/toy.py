@@ -291,6 +291,27 @@ _TINY_CONFIGS = {
             num_hidden_layers=4,
             layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
             mlp_layer_types=["dense"] * 4,
+            logits_mup_width_multiplier=1.0,  # upstream divides the logits by 24: too flat for the power tests
+            sliding_window_size=24,
+            head_dim=16,
+            swa_head_dim=16,
+            swa_num_attention_heads=4,
+            swa_num_key_value_heads=2,
+            d_rel=4,
+            rel_extent=64,
+            conv_kernel_size=3,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            max_position_embeddings=16384,
+        ),
+    ),
+    # Inkling 2: as Inkling, with dynamic short convs on the full-attention layers' keys and values.
+    "inkling2_text": (
+        "Inkling2TextConfig",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
             sliding_window_size=24,
             head_dim=16,
             swa_head_dim=16,

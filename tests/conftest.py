@@ -26,10 +26,10 @@ MAMBA2_FAMILIES = ["zamba2", "falcon_h1", "bamba", "granitemoehybrid", "nemotron
 #: Gated delta net families: upstream mixers run unchanged, the routed kernel hands over the recurrent states.
 GDN_FAMILIES = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid"]
 #: Short-conv families: a checkpoint is the conv window alone (no recurrent state).
-SHORT_CONV_FAMILIES = ["lfm2", "lfm2_moe", "lfm3", "inkling_text"]
+SHORT_CONV_FAMILIES = ["lfm2", "lfm2_moe", "lfm3", "inkling_text", "inkling2_text"]
 LINEAR_FAMILIES = GDN_FAMILIES + SHORT_CONV_FAMILIES
 #: Families with sliding-window attention layers.
-SLIDING_FAMILIES = ["lfm3", "inkling_text"]
+SLIDING_FAMILIES = ["lfm3", "inkling_text", "inkling2_text"]
 #: Every supported family runs the whole exactness suite.
 FAMILIES = MAMBA1_FAMILIES + MAMBA2_FAMILIES + LINEAR_FAMILIES
 

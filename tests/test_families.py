@@ -12,7 +12,7 @@ from hf_hybridcache.models import support_for
 from hf_hybridcache.toy import build_model
 
 #: Families whose short convs keep their window in float32 in every model dtype (Inkling computes them in float32).
-FLOAT32_CONV_FAMILIES = ["inkling_text"]
+FLOAT32_CONV_FAMILIES = ["inkling_text", "inkling2_text"]
 
 
 def test_bf16_checkpoints_keep_the_live_dtypes_and_tokens_match(family):

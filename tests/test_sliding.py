@@ -22,7 +22,8 @@ def _warm(model, cold_model, length=100):
     return cache, ids
 
 
-WINDOWS = {"lfm3": {1: 24, 2: None}, "inkling_text": {0: 24, 1: None, 2: 24, 3: None}}
+INKLING_WINDOWS = {0: 24, 1: None, 2: 24, 3: None}
+WINDOWS = {"lfm3": {1: 24, 2: None}, "inkling_text": INKLING_WINDOWS, "inkling2_text": INKLING_WINDOWS}
 
 
 def test_the_spec_names_the_sliding_layers(model, family):

@@ -6,6 +6,7 @@ from .bamba import SUPPORT as _BAMBA
 from .base import ModelSupport
 from .falcon_h1 import SUPPORT as _FALCON_H1
 from .granitemoehybrid import SUPPORT as _GRANITEMOEHYBRID
+from .inkling import INKLING2 as _INKLING2
 from .inkling import SUPPORT as _INKLING
 from .jamba import SUPPORT as _JAMBA
 from .nemotron_h import SUPPORT as _NEMOTRON_H
@@ -68,3 +69,4 @@ register(_LFM2_MOE)
 register(_LFM3)
 register(_OLMO_HYBRID)
 register(_INKLING)
+register(_INKLING2)

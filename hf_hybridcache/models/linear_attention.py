@@ -75,8 +75,9 @@ class LinearVariant:
     """One family's linear-attention (or short-conv) mixer and attention classes.
 
     Attributes:
-        mixer_class: class name of the mixer (matched by name, so no model module is imported).
-        attention_class: class name of the attention module whose KV the cache layer of the same index holds.
+        mixer_class: class name of the mixer (matched by name, so no model module is imported), or several names.
+        attention_class: class name of the attention module whose KV the cache layer of the same index holds, or
+            several names (one module per layer).
         conv_shape: ``mixer -> (C, W)``, the conv state of one row (model dtype).
         recurrent_shape: ``mixer -> shape`` of one row's recurrent state (float32), or None for a short conv.
         kernels: the recurrence functions the mixer calls (empty for a short conv).
@@ -86,16 +87,26 @@ class LinearVariant:
             runs its short convs in float32); None for the weight's dtype.
     """
 
-    mixer_class: str
-    attention_class: str
+    mixer_class: str | tuple[str, ...]
+    attention_class: str | tuple[str, ...]
     conv_shape: Callable[[torch.nn.Module], tuple[int, int]]
     recurrent_shape: Callable[[torch.nn.Module], tuple[int, ...]] | None = None
     kernels: tuple[RecurrenceKernel, ...] = ()
     state_idx_attr: str | None = None
     conv_dtype: torch.dtype | None = None
 
+    def is_mixer(self, module) -> bool:
+        return type(module).__name__ in _names(self.mixer_class)
+
+    def is_attention(self, module) -> bool:
+        return type(module).__name__ in _names(self.attention_class)
+
     def state_idx(self, mixer) -> int:
         return getattr(mixer, self.state_idx_attr) if self.state_idx_attr else 0
+
+
+def _names(class_names: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (class_names,) if isinstance(class_names, str) else class_names
 
 
 def route_recurrence(kernel: RecurrenceKernel, original: Callable, *args, **kwargs):
@@ -159,7 +170,7 @@ def install_mixers(model: torch.nn.Module, variant: LinearVariant) -> None:
     """Patch every ``variant.mixer_class`` module of ``model`` (this instance only; idempotent) and route the
     recurrence functions of its modeling module (a pass-through outside this package's mixer calls)."""
     for module in model.modules():
-        if type(module).__name__ == variant.mixer_class:
+        if variant.is_mixer(module):
             _compat.patch_instance_forward(module, functools.partial(_emitting_forward, variant))
             for kernel in variant.kernels:
                 _compat.route_module_function(
@@ -170,13 +181,15 @@ def install_mixers(model: torch.nn.Module, variant: LinearVariant) -> None:
 def linear_layer_spec(layer_idx: int, mixer, variant: LinearVariant) -> MambaLayerSpec:
     """State of one mixer layer: conv state ``[C, W]`` in the model dtype and the recurrent state in float32 (the
     chunked and the per-token kernels keep it in float32 in every dtype), or none for a short conv."""
-    conv_weight = next(p for name, p in mixer.named_parameters() if "conv" in name and name.endswith("weight"))
     ssm = (
         NO_RECURRENT_STATE
         if variant.recurrent_shape is None
         else TensorSpec(variant.recurrent_shape(mixer), torch.float32)
     )
-    conv = TensorSpec(variant.conv_shape(mixer), variant.conv_dtype or conv_weight.dtype)
+    conv_dtype = variant.conv_dtype or next(
+        p.dtype for name, p in mixer.named_parameters() if "conv" in name and name.endswith("weight")
+    )
+    conv = TensorSpec(variant.conv_shape(mixer), conv_dtype)
     return MambaLayerSpec(layer_idx, conv=conv, ssm=ssm, state_idx=variant.state_idx(mixer))
 
 
@@ -185,10 +198,8 @@ def state_spec(model: torch.nn.Module, block_size: int, variant: LinearVariant) 
     layer keep the states ``state_idx`` of that cache layer."""
     attention, linear = [], []
     for idx, layer in enumerate(_compat.decoder_layers(model)):
-        found = {variant.mixer_class: [], variant.attention_class: []}
-        for module in layer.modules():
-            found.get(type(module).__name__, []).append(module)
-        mixers, attentions = found[variant.mixer_class], found[variant.attention_class]
+        mixers = [module for module in layer.modules() if variant.is_mixer(module)]
+        attentions = [module for module in layer.modules() if variant.is_attention(module)]
         assert len(attentions) <= 1, f"layer {idx} holds several attention modules"
         assert len(mixers) <= 1 or variant.state_idx_attr, f"layer {idx} holds several mixers of one state"
         states = sorted((linear_layer_spec(idx, mixer, variant) for mixer in mixers), key=lambda m: m.state_idx)

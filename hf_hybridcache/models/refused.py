@@ -35,9 +35,8 @@ REFUSED: dict[str, str] = {
         "hands the cache its CCA conv state already cut to the conv window (and a one-token delayed value state), so "
         "the states at a block boundary inside a forward cannot be taken from what the cache sees; not supported yet."
     ),
-    "inkling2_text": "keeps four short-conv states per layer, which the checkpoint store does not hold yet.",
     "inkling_mm_model": _TEXT_DECODER.format(text="InklingForCausalLM (model_type 'inkling_text')"),
-    "inkling2": "is a multimodal wrapper whose decoder (model_type 'inkling2_text') is not supported yet.",
+    "inkling2": _TEXT_DECODER.format(text="Inkling2ForCausalLM (model_type 'inkling2_text')"),
     "minimax": (
         "refuses every cache but its own MiniMaxCache (modeling_minimax.py checks the type), and its lightning "
         "attention keeps its state through MiniMaxCache-only methods, not the cache layers a HybridPrefixCache holds."
