@@ -326,6 +326,22 @@ _TINY_CONFIGS = {
             max_position_embeddings=16384,
         ),
     ),
+    # ZAYA: CCA attention layers (conv window of 2 q|k inputs, one delayed value), sliding (window 24) and full.
+    "zaya": (
+        "ZayaConfig",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
+            sliding_window=24,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=1,
+            moe_intermediate_size=32,
+            router_hidden_size=16,
+            tie_word_embeddings=False,
+            max_position_embeddings=16384,
+        ),
+    ),
 }
 
 
@@ -349,6 +365,8 @@ def long_memory_init_(
     """Give every Mamba mixer ``A_log = a_log`` and a dt bias with ``softplus(bias) = step`` (in place); gated delta
     nets and KDA forget gates get ``A_log = -4``, ``dt_bias = -1``, bounded (safe) gates ``A_log = 0``,
     ``dt_bias = -8``, so that their state carries the prefix for 150+ tokens. Short convs have no decay to set.
+    ZAYA's key scale (``ZayaQKNorm.temp``) starts at zero, which makes every attention score zero and its q|k conv
+    window powerless; it is set to 1.
 
     Zamba's mixer has no norm on B and C (Jamba's has), so with ``initializer_range`` 0.1 its SSM states stay near 0.07
     and barely reach the logits; its per-head ``x_proj_weight`` is redrawn with std ``x_proj_std`` (from the global
@@ -368,6 +386,8 @@ def long_memory_init_(
                     module.dt_proj_bias.fill_(dt_bias)
                 elif hasattr(module, "dt_bias"):
                     module.dt_bias.fill_(dt_bias)
+            if type(module).__name__ == "ZayaQKNorm":
+                module.temp.fill_(1.0)
             if hasattr(module, "A_log") and type(module).__name__.endswith(("GatedDeltaNet", "ForgetGate")):
                 if getattr(module, "safe_gate", False):
                     # Bounded gate: g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias)); A_log = 0, dt_bias = -8

@@ -27,9 +27,11 @@ MAMBA2_FAMILIES = ["zamba2", "falcon_h1", "bamba", "granitemoehybrid", "nemotron
 GDN_FAMILIES = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid"]
 #: Short-conv families: a checkpoint is the conv window alone (no recurrent state).
 SHORT_CONV_FAMILIES = ["lfm2", "lfm2_moe", "lfm3", "inkling_text", "inkling2_text"]
-LINEAR_FAMILIES = GDN_FAMILIES + SHORT_CONV_FAMILIES
+#: Compressed convolutional attention (ZAYA): a q|k conv window and a one-token delayed value per attention layer.
+CCA_FAMILIES = ["zaya"]
+LINEAR_FAMILIES = GDN_FAMILIES + SHORT_CONV_FAMILIES + CCA_FAMILIES
 #: Families with sliding-window attention layers.
-SLIDING_FAMILIES = ["lfm3", "inkling_text", "inkling2_text"]
+SLIDING_FAMILIES = ["lfm3", "inkling_text", "inkling2_text", "zaya"]
 #: Every supported family runs the whole exactness suite.
 FAMILIES = MAMBA1_FAMILIES + MAMBA2_FAMILIES + LINEAR_FAMILIES
 

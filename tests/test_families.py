@@ -4,7 +4,15 @@ long-memory init of the Mamba-1 families (test_mamba2.py checks it for Mamba-2).
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import MAMBA1_FAMILIES, SHORT_CONV_FAMILIES, assert_matches_cold, cold_states, greedy, random_ids
+from conftest import (
+    CCA_FAMILIES,
+    MAMBA1_FAMILIES,
+    SHORT_CONV_FAMILIES,
+    assert_matches_cold,
+    cold_states,
+    greedy,
+    random_ids,
+)
 from transformers import AutoModelForCausalLM
 
 from hf_hybridcache import HybridPrefixCache
@@ -38,7 +46,8 @@ def test_bf16_checkpoints_keep_the_live_dtypes_and_tokens_match(family):
             recurrent = torch.empty(0)
         live_dtypes = (layer.conv_states[m.state_idx].dtype, recurrent.dtype)
         conv_dtype = torch.float32 if family in FLOAT32_CONV_FAMILIES else torch.bfloat16
-        assert (m.conv.dtype, m.ssm.dtype) == live_dtypes == (conv_dtype, torch.float32)
+        ssm_dtype = torch.bfloat16 if family in CCA_FAMILIES else torch.float32  # ZAYA's delayed value
+        assert (m.conv.dtype, m.ssm.dtype) == live_dtypes == (conv_dtype, ssm_dtype)
     dtypes = {m.key: (m.conv.dtype, m.ssm.dtype) for m in cache.spec.mamba}
     for states in (block.checkpoint for block in cache.store.blocks() if block.checkpoint is not None):
         assert {key: (conv.dtype, ssm.dtype) for key, (conv, ssm) in states.items()} == dtypes

@@ -6,7 +6,15 @@ import types
 import pytest
 import torch
 import transformers
-from conftest import GDN_FAMILIES, LINEAR_FAMILIES, SHORT_CONV_FAMILIES, assert_matches_cold, cold_states, random_ids
+from conftest import (
+    CCA_FAMILIES,
+    GDN_FAMILIES,
+    LINEAR_FAMILIES,
+    SHORT_CONV_FAMILIES,
+    assert_matches_cold,
+    cold_states,
+    random_ids,
+)
 
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.models.gated_delta import GDN_KERNEL
@@ -34,9 +42,15 @@ def test_states_at_every_boundary_of_one_prefill_equal_cold_prefills(family, mod
             for m in cache.spec.mamba:
                 live, cold = cache.layers[m.layer_idx], ref.layers[m.layer_idx]
                 i = m.state_idx
-                assert torch.equal(live.conv_states[i], cold.conv_states[i]), (
-                    f"conv window at {hit}, layer {m.layer_idx}, state {i}"
-                )
+                if family in CCA_FAMILIES:
+                    # ZAYA's window holds q|k projections of a layer fed by attention layers, whose sums over 150
+                    # and over `hit` keys differ in fp32 round-off (1e-5 here); the windows of the other families
+                    # come out bit for bit.
+                    torch.testing.assert_close(live.conv_states[i], cold.conv_states[i], rtol=0, atol=1e-5)
+                else:
+                    assert torch.equal(live.conv_states[i], cold.conv_states[i]), (
+                        f"conv window at {hit}, layer {m.layer_idx}, state {i}"
+                    )
                 if family in SHORT_CONV_FAMILIES:
                     assert live.recurrent_states[i] is None and cold.recurrent_states[i] is None
                 else:

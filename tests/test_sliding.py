@@ -22,8 +22,9 @@ def _warm(model, cold_model, length=100):
     return cache, ids
 
 
-INKLING_WINDOWS = {0: 24, 1: None, 2: 24, 3: None}
-WINDOWS = {"lfm3": {1: 24, 2: None}, "inkling_text": INKLING_WINDOWS, "inkling2_text": INKLING_WINDOWS}
+INKLING_WINDOWS = {0: 24, 1: None, 2: 24, 3: None}  # sliding and full layers alternate (ZAYA too)
+WINDOWS = {"lfm3": {1: 24, 2: None}, "inkling_text": INKLING_WINDOWS, "inkling2_text": INKLING_WINDOWS,
+           "zaya": INKLING_WINDOWS}
 
 
 def test_the_spec_names_the_sliding_layers(model, family):

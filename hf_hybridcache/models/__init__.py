@@ -20,6 +20,7 @@ from .short_conv import LFM2_MOE as _LFM2_MOE
 from .short_conv import LFM3 as _LFM3
 from .zamba import SUPPORT as _ZAMBA
 from .zamba2 import SUPPORT as _ZAMBA2
+from .zaya import SUPPORT as _ZAYA
 
 _REGISTRY: dict[str, ModelSupport] = {}
 
@@ -70,3 +71,4 @@ register(_LFM3)
 register(_OLMO_HYBRID)
 register(_INKLING)
 register(_INKLING2)
+register(_ZAYA)

@@ -31,10 +31,6 @@ REFUSED: dict[str, str] = {
     "qwen4_exp_text": "keeps indexed (sparse top-k) attention layers and token-id n-gram states, which are not stored yet.",
     "kimi_linear": _MLA,
     "bailing_hybrid": _MLA,
-    "zaya": (
-        "hands the cache its CCA conv state already cut to the conv window (and a one-token delayed value state), so "
-        "the states at a block boundary inside a forward cannot be taken from what the cache sees; not supported yet."
-    ),
     "inkling_mm_model": _TEXT_DECODER.format(text="InklingForCausalLM (model_type 'inkling_text')"),
     "inkling2": _TEXT_DECODER.format(text="Inkling2ForCausalLM (model_type 'inkling2_text')"),
     "minimax": (
