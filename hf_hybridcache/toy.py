@@ -7,6 +7,7 @@ broken restore could go unnoticed.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -413,4 +414,11 @@ def build_model(
     model = AutoModelForCausalLM.from_config(config)
     if long_memory:
         long_memory_init_(model)
-    return model.to(dtype).eval()
+    model = model.to(dtype)
+    # As from_pretrained does: the weights a family keeps in float32 in every dtype stay float32 (Inkling's short
+    # convs and router; Inkling 2 fails in bf16 without it).
+    keep = getattr(model, "_keep_in_fp32_modules_strict", None) or ()
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if any(key in name for key in keep):
+            tensor.data = tensor.data.float()
+    return model.eval()

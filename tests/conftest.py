@@ -95,8 +95,15 @@ def cold_states(cold_model, ids, upto: int):
     return cache
 
 
+#: Families whose restored KV differs from a cold run at P by more than 1e-5 through upstream's own round-off: the
+#: unpatched Inkling 2 forwards over 16 and over 17 tokens give values 1.2e-5 apart at layer 3 (a stored block comes
+#: from the longer forward, bit for bit).
+KV_ATOL = {"inkling2_text": 5e-5}
+
+
 def assert_restored_states_match(cache: HybridPrefixCache, cold_model, ids, expected_hit: int):
     """Run the cache's own lookup + restore for ids and compare the live layers with a cold run at P."""
+    kv_atol = KV_ATOL.get(cold_model.config.model_type, 1e-5)
     cache.restore(ids)
     try:
         assert cache.last_hit_tokens == [expected_hit]
@@ -112,8 +119,8 @@ def assert_restored_states_match(cache: HybridPrefixCache, cold_model, ids, expe
             assert live.recurrent_states[i].dtype == cold.recurrent_states[i].dtype
         for a in cache.spec.attention:
             live, cold = cache.layers[a.layer_idx], ref.layers[a.layer_idx]
-            torch.testing.assert_close(live.keys, cold.keys, rtol=0, atol=1e-5)
-            torch.testing.assert_close(live.values, cold.values, rtol=0, atol=1e-5)
+            torch.testing.assert_close(live.keys, cold.keys, rtol=0, atol=kv_atol)
+            torch.testing.assert_close(live.values, cold.values, rtol=0, atol=kv_atol)
             assert live.get_seq_length() == cold.get_seq_length() == expected_hit  # a sliding layer counts them all
     finally:
         cache.reset()
