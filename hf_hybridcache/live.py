@@ -15,8 +15,8 @@ import logging
 import torch
 
 from . import _compat
-from .kernels.paged_copy import scatter_kv_blocks
 from .config import StateKey, split_state_key
+from .kernels.paged_copy import scatter_kv_blocks
 from .rows import Row, store_row_blocks, store_row_checkpoint
 from .store import LayerState, last_boundary, retained_boundaries
 
@@ -59,10 +59,10 @@ class LiveRequest:
         emit_positions: token counts inside the running forward after which the mixers hand over their states.
         wanted: boundaries of the running forward whose checkpoints are stored (single-row forwards).
         rollback: keep every state of the last forward so that rejected draft tokens can be cropped.
-        captured: ``{live position: {mamba layer idx: (conv, ssm)}}`` handed over by the mixers.
+        captured: ``{live position: {state key (mamba layer idx): (conv, ssm)}}`` handed over by the mixers.
         forward_kv: ``{sliding layer idx: (keys, values)}``, the KV ``[B, Hkv, T, D]`` its ``update`` returned in the
-            running (or last) forward, which ends at ``forward_end``: the layer itself keeps only its window, so
-            the blocks completed in the forward and a rollback are read from here.
+            running forward, which ends at ``forward_end``: the layer itself keeps only its window, so the blocks
+            completed in the forward, and a rollback (kept after the forward only then), are read from here.
         in_forward: a forward of this request is running.
     """
 
@@ -74,7 +74,7 @@ class LiveRequest:
         self.emit_positions: tuple[int, ...] = ()
         self.wanted: frozenset[int] = frozenset()
         self.rollback = False
-        self.captured: dict[int, dict[int, LayerState]] = {}
+        self.captured: dict[int, dict[StateKey, LayerState]] = {}
         self.forward_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.in_forward = False
         self.number = cache._counters["requests"]  # generate() requests so far (a direct forward's takes the last one)
@@ -143,6 +143,7 @@ class LiveRequest:
         """Store each row's new full blocks and the checkpoints at its retained and last-reached boundaries."""
         self.in_forward = False
         if not self.tracking:
+            self.forward_kv.clear()
             return
         options, store = self.cache.options, self.cache._store
         num_tokens = self.forward_end - self.forward_start
@@ -166,8 +167,9 @@ class LiveRequest:
                 stored = store_row_checkpoint(store, row, boundary, captured[boundary], boundary not in retained)
                 if stored and admitted and boundary == divergence:
                     self.cache._counters["divergence_checkpoints"] += 1
-        if not self.rollback:
+        if not self.rollback:  # kept for crop() otherwise
             self.captured.clear()
+            self.forward_kv.clear()
 
     def _live_block_kv(self, row: int, pad: int, block: int) -> dict[int, torch.Tensor]:
         """Copies of a row's block ``block`` of live KV: ``{attention layer idx: [2, Hkv, block_size, D]}``."""

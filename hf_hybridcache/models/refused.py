@@ -10,6 +10,11 @@ _TEXT_DECODER = (
     "is a multimodal wrapper; HybridPrefixCache serves its text decoder: load the checkpoint with "
     "AutoModelForCausalLM.from_pretrained(path), which builds the text-only {text} model."
 )
+_NO_TEXT_LOADER = (
+    "is a multimodal wrapper, and transformers maps no text-only loader to it (AutoModelForCausalLM does not know "
+    "its model_type); HybridPrefixCache serves its text decoder {text}: build that model from the checkpoint's "
+    "text_config and language-model weights."
+)
 _MLA = (
     "caches MLA attention as a compressed latent and a rope key of different widths, which the block store does not "
     "hold yet."
@@ -31,8 +36,8 @@ REFUSED: dict[str, str] = {
     "qwen4_exp_text": "keeps indexed (sparse top-k) attention layers and token-id n-gram states, which are not stored yet.",
     "kimi_linear": _MLA,
     "bailing_hybrid": _MLA,
-    "inkling_mm_model": _TEXT_DECODER.format(text="InklingForCausalLM (model_type 'inkling_text')"),
-    "inkling2": _TEXT_DECODER.format(text="Inkling2ForCausalLM (model_type 'inkling2_text')"),
+    "inkling_mm_model": _NO_TEXT_LOADER.format(text="InklingForCausalLM (model_type 'inkling_text')"),
+    "inkling2": _NO_TEXT_LOADER.format(text="Inkling2ForCausalLM (model_type 'inkling2_text')"),
     "minimax": (
         "refuses every cache but its own MiniMaxCache (modeling_minimax.py checks the type), and its lightning "
         "attention keeps its state through MiniMaxCache-only methods, not the cache layers a HybridPrefixCache holds."
