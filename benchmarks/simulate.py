@@ -25,6 +25,7 @@ import torch
 from transformers import AutoModelForCausalLM, JambaConfig
 
 from hf_hybridcache import HybridPrefixCache, _compat, lifecycle
+from hf_hybridcache.config import split_state_key
 from hf_hybridcache.flops import FlopModel
 
 
@@ -104,7 +105,7 @@ class CacheDriver:
         spec = cache.spec
         self._kv = {a.layer_idx: (a.num_kv_heads, (a.head_dim, a.value_head_dim), a.dtype) for a in spec.attention}
         self._states = {
-            m.layer_idx: (torch.empty(1, *m.conv.shape, dtype=m.conv.dtype, device="meta"),
+            m.key: (torch.empty(1, *m.conv.shape, dtype=m.conv.dtype, device="meta"),
                           torch.empty(1, *m.ssm.shape, dtype=m.ssm.dtype, device="meta"))
             for m in spec.mamba
         }
@@ -129,9 +130,10 @@ class CacheDriver:
             idx: (keys.clone(), values.clone()) for idx, (keys, values) in self._block.items()
         }
         hit = cache.last_hit_tokens[0]
-        for layer_idx, (conv, ssm) in self._states.items():
-            if _compat.get_linear_state(cache.layers[layer_idx]) is None:
-                _compat.set_linear_state(cache.layers[layer_idx], conv, ssm)
+        for key, (conv, ssm) in self._states.items():
+            layer_idx, state_idx = split_state_key(key)
+            if _compat.get_linear_state(cache.layers[layer_idx], state_idx) is None:
+                _compat.set_linear_state(cache.layers[layer_idx], conv, ssm, state_idx)
         self.forward(prompt_ids[hit:])
         for token in generated_ids[:-1]:
             self.forward([token])
@@ -150,8 +152,8 @@ class CacheDriver:
             length = (0 if kv is None else kv[0].shape[2]) + num_tokens
             _compat.set_kv(layer, *self._meta_kv(layer_idx, length))
         if positions:
-            for layer_idx, state in self._states.items():
-                cache.capture_states(layer_idx, positions, [state] * len(positions))
+            for key, state in self._states.items():
+                cache.capture_states(key, positions, [state] * len(positions))
         request.after_forward()
 
 

@@ -81,33 +81,35 @@ def replay_rows(cache, rows_tokens: list[list[int]], input_ids: torch.Tensor) ->
         row.pad = consumed - len(row.token_ids)
     cache.layers = _compat.new_live_layers(cache.model.config)
     if consumed:
-        _assemble(cache, row_layers, [row.pad for row in rows])
+        _assemble(cache, row_layers, consumed)
     return LiveRequest(cache, rows, tracking=True, forward_end=consumed)
 
 
-def _assemble(cache, row_layers: list[list], pads: list[int]) -> None:
-    """Fill ``cache``'s fresh live layers with the rows' layers, each KV left-padded by ``pads[r]`` zero positions
-    (masked out by the attention mask) and a missing state (a row that consumed nothing) as zeros."""
+def _assemble(cache, row_layers: list[list], consumed: int) -> None:
+    """Fill ``cache``'s fresh live layers with the rows' layers, each KV left-padded with zero positions (masked out
+    by the attention mask) to the ``consumed`` live positions (a sliding layer: to the window it keeps of them), and
+    a missing state (a row that consumed nothing) as zeros."""
     devices = cache._shared.devices
     for attn in cache.spec.attention:
         device = devices[attn.layer_idx]
+        width = consumed if attn.sliding_window is None else min(consumed, attn.sliding_window - 1)
         keys, values = [], []
-        for layers, pad in zip(row_layers, pads):
+        for layers in row_layers:
             kv = _compat.get_kv(layers[attn.layer_idx])
             if kv is None:
                 kv = tuple(torch.zeros(1, attn.num_kv_heads, 0, dim, dtype=attn.dtype, device=device)
                            for dim in (attn.head_dim, attn.value_head_dim))
-            keys.append(torch.nn.functional.pad(kv[0], (0, 0, pad, 0)))
-            values.append(torch.nn.functional.pad(kv[1], (0, 0, pad, 0)))
-        _compat.set_kv(cache.layers[attn.layer_idx], torch.cat(keys), torch.cat(values))
+            keys.append(torch.nn.functional.pad(kv[0], (0, 0, width - kv[0].shape[-2], 0)))
+            values.append(torch.nn.functional.pad(kv[1], (0, 0, width - kv[1].shape[-2], 0)))
+        _compat.set_kv(cache.layers[attn.layer_idx], torch.cat(keys), torch.cat(values), consumed)
     for m in cache.spec.mamba:
         device = devices[m.layer_idx]
         convs, ssms = [], []
         for layers in row_layers:
-            state = _compat.get_linear_state(layers[m.layer_idx])
+            state = _compat.get_linear_state(layers[m.layer_idx], m.state_idx)
             if state is None:
                 state = (torch.zeros(1, *m.conv.shape, dtype=m.conv.dtype, device=device),
                          torch.zeros(1, *m.ssm.shape, dtype=m.ssm.dtype, device=device))
             convs.append(state[0])
             ssms.append(state[1])
-        _compat.set_linear_state(cache.layers[m.layer_idx], torch.cat(convs), torch.cat(ssms))
+        _compat.set_linear_state(cache.layers[m.layer_idx], torch.cat(convs), torch.cat(ssms), m.state_idx)

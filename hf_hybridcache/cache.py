@@ -69,7 +69,8 @@ class HybridPrefixCache(LiveCache):
 
     Raises:
         ValueError: unsupported model; invalid ``block_size``, ``retention_interval``, ``max_cache_bytes``, ``seed``,
-            ``offload``, ``admit_divergence`` or ``eviction``; a budget smaller than one KV block plus one checkpoint.
+            ``offload``, ``admit_divergence`` or ``eviction``; a budget smaller than one KV block plus one checkpoint;
+            a ``block_size`` longer than a sliding attention window of the model.
     """
 
     def __init__(
@@ -94,7 +95,7 @@ class HybridPrefixCache(LiveCache):
             admit_divergence,
             eviction,
         )
-        self.spec = support.state_spec(model, block_size)
+        self.spec = support.spec_for(model, block_size)
         self.spec.check_budget(options.max_cache_bytes)
         devices = layer_devices(model, [layer.layer_idx for layer in (*self.spec.attention, *self.spec.mamba)])
         placement = Placement(devices, offload)

@@ -8,6 +8,7 @@ import hashlib
 
 import torch
 
+from .config import split_state_key
 from .hashing import block_hash
 
 
@@ -33,8 +34,8 @@ def _entries(blocks):
 
 
 def _tensors(entry):
-    """An entry's tensors in layer order: KV ``{idx: tensor}`` or a checkpoint ``{idx: (conv, ssm)}``."""
-    for idx in sorted(entry):
+    """An entry's tensors in layer order: KV ``{idx: tensor}`` or a checkpoint ``{state key: (conv, ssm)}``."""
+    for idx in sorted(entry, key=split_state_key):
         value = entry[idx]
         yield from value if isinstance(value, tuple) else (value,)
 

@@ -6,6 +6,7 @@ values differ), I mamba intermediate channels, C conv channels, W conv width (``
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -32,13 +33,41 @@ class TensorSpec:
         return math.prod(self.shape) * _dtype_bytes(self.dtype)
 
 
+#: Key of one stored state in a checkpoint: the layer index, or ``(layer idx, state idx)`` for a layer's second and
+#: later states (transformers' ``state_idx``; Inkling keeps four short-conv states per layer).
+StateKey = int | tuple[int, int]
+
+
+def state_key(layer_idx: int, state_idx: int = 0) -> StateKey:
+    return layer_idx if state_idx == 0 else (layer_idx, state_idx)
+
+
+def split_state_key(key: StateKey) -> tuple[int, int]:
+    """``(layer idx, state idx)`` of a :data:`StateKey`."""
+    return key if isinstance(key, tuple) else (key, 0)
+
+
 @dataclass(frozen=True)
 class MambaLayerSpec:
-    """State of one Mamba layer: conv state ``[C, W]`` and SSM state (``[I, N]`` for Mamba-1)."""
+    """State of one Mamba layer: conv state ``[C, W]`` and SSM state (``[I, N]`` for Mamba-1).
+
+    ``state_idx`` tells which of a layer's states it is when the layer keeps several (transformers' ``state_idx``).
+    """
 
     layer_idx: int
     conv: TensorSpec
     ssm: TensorSpec
+    state_idx: int = 0
+
+    @property
+    def key(self) -> StateKey:
+        """The key of this state in a checkpoint."""
+        return state_key(self.layer_idx, self.state_idx)
+
+    @property
+    def name(self) -> str:
+        """``"<layer idx>"``, or ``"<layer idx>.<state idx>"`` for a layer's later states (saved tensor names)."""
+        return str(self.layer_idx) if self.state_idx == 0 else f"{self.layer_idx}.{self.state_idx}"
 
     @property
     def num_bytes(self) -> int:
@@ -52,6 +81,11 @@ class AttentionLayerSpec:
     ``value_head_dim`` (``Dv``) defaults to ``head_dim``; it differs where a layer caches keys and values of other
     widths, such as MLA layers, which cache a compressed latent as keys and a shared rope key as values
     (:func:`~hf_hybridcache.models.base.mla_attention_layer_spec`).
+
+    ``sliding_window`` is set for a sliding-window (or chunked) attention layer, whose live cache layer keeps only the
+    last ``sliding_window - 1`` tokens' KV (transformers' ``DynamicSlidingWindowLayer``). Its blocks are stored like a
+    full layer's, so they cost the same bytes per token, and a hit at P restores only the blocks that hold the last
+    ``sliding_window - 1`` tokens before P.
     """
 
     layer_idx: int
@@ -59,6 +93,7 @@ class AttentionLayerSpec:
     head_dim: int
     dtype: torch.dtype
     value_head_dim: int | None = None
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.value_head_dim is None:
@@ -67,6 +102,12 @@ class AttentionLayerSpec:
     def block_bytes(self, block_size: int) -> int:
         """Bytes of one stored block of this layer (keys and values)."""
         return self.num_kv_heads * block_size * (self.head_dim + self.value_head_dim) * _dtype_bytes(self.dtype)
+
+    def restore_from_block(self, hit_tokens: int, block_size: int) -> int:
+        """Index of the first stored block a restore at ``hit_tokens`` needs (0 for a full attention layer)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, hit_tokens - (self.sliding_window - 1)) // block_size
 
 
 @dataclass(frozen=True)
@@ -78,6 +119,11 @@ class ModelStateSpec:
     block_size: int
 
     @functools.cached_property
+    def sliding_layers(self) -> frozenset[int]:
+        """Indices of the sliding-window attention layers."""
+        return frozenset(a.layer_idx for a in self.attention if a.sliding_window is not None)
+
+    @functools.cached_property
     def kv_block_bytes(self) -> int:
         """Bytes of one stored KV block over all attention layers."""
         return sum(a.block_bytes(self.block_size) for a in self.attention)
@@ -86,6 +132,22 @@ class ModelStateSpec:
     def checkpoint_bytes(self) -> int:
         """Bytes of one checkpoint (conv + SSM state of every Mamba layer)."""
         return sum(m.num_bytes for m in self.mamba)
+
+    def with_sliding_windows(self, windows: dict[int, int]) -> ModelStateSpec:
+        """This spec with ``sliding_window`` set on the attention layers in ``windows`` (``{layer idx: window}``)."""
+        attention = tuple(dataclasses.replace(a, sliding_window=windows.get(a.layer_idx)) for a in self.attention)
+        return dataclasses.replace(self, attention=attention)
+
+    def check_block_size(self) -> None:
+        """Raises ``ValueError`` when a block is longer than a sliding window: the live sliding layer would have
+        dropped the start of a block before the block is full and stored."""
+        windows = [a.sliding_window for a in self.attention if a.sliding_window is not None]
+        if windows and self.block_size > min(windows):
+            raise ValueError(
+                f"`block_size={self.block_size}` is longer than this model's sliding attention window of "
+                f"{min(windows)} tokens, so a block's KV leaves the window before the block is stored; pass "
+                f"block_size <= {min(windows)}."
+            )
 
     def check_budget(self, max_cache_bytes: int) -> None:
         """Raises ``ValueError`` when ``max_cache_bytes`` cannot hold one KV block plus one checkpoint."""

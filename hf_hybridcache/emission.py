@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .config import StateKey
+
 _ACTIVE: contextvars.ContextVar[Emission | None] = contextvars.ContextVar("hf_hybridcache_emission", default=None)
 
 
@@ -27,13 +29,13 @@ class Emission:
     """The states one mixer call must hand over.
 
     Attributes:
-        layer_idx: cache layer of the mixer.
+        key: cache layer of the mixer, or ``(layer idx, state idx)`` for a layer's later states.
         positions: sorted token counts ``1 <= t < T`` of the call's ``T`` tokens.
         conv: conv windows ``[B, C, W]`` after each position (model dtype), once ``update_conv_state`` ran.
         recurrent: recurrent states after each position (e.g. ``[B, H, Dk, Dv]`` float32), once the kernel ran.
     """
 
-    layer_idx: int
+    key: StateKey
     positions: tuple[int, ...]
     conv: list[torch.Tensor] | None = None
     recurrent: list[torch.Tensor] | None = field(default=None)
@@ -52,9 +54,9 @@ def active() -> Emission | None:
 
 
 @contextlib.contextmanager
-def emitting(layer_idx: int, positions: Sequence[int]) -> Iterator[Emission]:
+def emitting(key: StateKey, positions: Sequence[int]) -> Iterator[Emission]:
     """Make an :class:`Emission` active for the duration of one mixer call."""
-    emission = Emission(layer_idx, tuple(positions))
+    emission = Emission(key, tuple(positions))
     token = _ACTIVE.set(emission)
     try:
         yield emission

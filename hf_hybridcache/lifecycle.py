@@ -209,7 +209,7 @@ def end_active_request(cache) -> None:
 
 def _live_is_empty(cache) -> bool:
     return all(_compat.get_kv(cache.layers[a.layer_idx]) is None for a in cache.spec.attention) and all(
-        _compat.get_linear_state(cache.layers[m.layer_idx]) is None for m in cache.spec.mamba
+        _compat.get_linear_state(cache.layers[m.layer_idx], m.state_idx) is None for m in cache.spec.mamba
     )
 
 

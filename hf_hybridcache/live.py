@@ -15,6 +15,7 @@ import logging
 import torch
 
 from . import _compat
+from .config import StateKey, split_state_key
 from .kernels.paged_copy import KVBlock, scatter_kv_blocks
 from .rows import Row, store_row_blocks, store_row_checkpoint
 from .store import LayerState, last_boundary, retained_boundaries
@@ -33,10 +34,12 @@ def restore_row(cache, token_ids: list[int]) -> Row:
     if not hit.hit_tokens:
         return row
     for attn in cache.spec.attention:
-        keys, values = store.gather_kv(attn.layer_idx, hit.block_ids)
-        _compat.set_kv(cache.layers[attn.layer_idx], keys, values)
-    for layer_idx, (conv, ssm) in store.checkpoint_copy(hit.block_ids[-1]).items():
-        _compat.set_linear_state(cache.layers[layer_idx], conv, ssm)
+        first = attn.restore_from_block(hit.hit_tokens, store.block_size)
+        keys, values = store.gather_kv(attn.layer_idx, hit.block_ids[first:])
+        _compat.set_kv(cache.layers[attn.layer_idx], keys, values, hit.hit_tokens)
+    for key, (conv, ssm) in store.checkpoint_copy(hit.block_ids[-1]).items():
+        layer_idx, state_idx = split_state_key(key)
+        _compat.set_linear_state(cache.layers[layer_idx], conv, ssm, state_idx)
     store.pin(hit.block_ids)
     row.block_ids, row.block_hashes = list(hit.block_ids), list(hit.block_hashes)
     return row
@@ -56,7 +59,10 @@ class LiveRequest:
         emit_positions: token counts inside the running forward after which the mixers hand over their states.
         wanted: boundaries of the running forward whose checkpoints are stored (single-row forwards).
         rollback: keep every state of the last forward so that rejected draft tokens can be cropped.
-        captured: ``{live position: {mamba layer idx: (conv, ssm)}}`` handed over by the mixers.
+        captured: ``{live position: {state key (mamba layer idx): (conv, ssm)}}`` handed over by the mixers.
+        forward_kv: ``{sliding layer idx: (keys, values)}``, the KV ``[B, Hkv, T, D]`` its ``update`` returned in the
+            running forward, which ends at ``forward_end``: the layer itself keeps only its window, so the blocks
+            completed in the forward, and a rollback (kept after the forward only then), are read from here.
         in_forward: a forward of this request is running.
     """
 
@@ -68,7 +74,8 @@ class LiveRequest:
         self.emit_positions: tuple[int, ...] = ()
         self.wanted: frozenset[int] = frozenset()
         self.rollback = False
-        self.captured: dict[int, dict[int, LayerState]] = {}
+        self.captured: dict[int, dict[StateKey, LayerState]] = {}
+        self.forward_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.in_forward = False
         self.number = cache._counters["requests"]  # generate() requests so far (a direct forward's takes the last one)
         store = cache._store
@@ -80,6 +87,7 @@ class LiveRequest:
         """Record the forward's tokens per row and plan the boundaries the mixers emit states at."""
         self.in_forward = True
         self.captured.clear()
+        self.forward_kv.clear()
         self.forward_start = self.forward_end
         self.forward_end += num_tokens
         self.emit_positions = ()
@@ -126,15 +134,16 @@ class LiveRequest:
             return ()
         return self.emit_positions
 
-    def capture_states(self, layer_idx: int, positions, states: list[LayerState]) -> None:
+    def capture_states(self, key: StateKey, positions, states: list[LayerState]) -> None:
         # Detached: a forward run with grad enabled must not make stored entries pin its autograd graph.
         for t, (conv, ssm) in zip(positions, states):
-            self.captured.setdefault(self.forward_start + t, {})[layer_idx] = (conv.detach(), ssm.detach())
+            self.captured.setdefault(self.forward_start + t, {})[key] = (conv.detach(), ssm.detach())
 
     def after_forward(self) -> None:
         """Store each row's new full blocks and the checkpoints at its retained and last-reached boundaries."""
         self.in_forward = False
         if not self.tracking:
+            self.forward_kv.clear()
             return
         options, store = self.cache.options, self.cache._store
         num_tokens = self.forward_end - self.forward_start
@@ -158,8 +167,9 @@ class LiveRequest:
                 stored = store_row_checkpoint(store, row, boundary, captured[boundary], boundary not in retained)
                 if stored and admitted and boundary == divergence:
                     self.cache._counters["divergence_checkpoints"] += 1
-        if not self.rollback:
+        if not self.rollback:  # kept for crop() otherwise
             self.captured.clear()
+            self.forward_kv.clear()
 
     def _live_block_kv(self, row: int, pad: int, block: int) -> dict[int, KVBlock]:
         """Copies of a row's block ``block`` of live KV: ``{attention layer idx: (keys [Hkv, block_size, Dk],
@@ -168,16 +178,24 @@ class LiveRequest:
         start = pad + block * block_size
         kv = {}
         for attn in cache.spec.attention:
-            keys, values = _compat.get_kv(cache.layers[attn.layer_idx])
-            kv[attn.layer_idx] = scatter_kv_blocks(keys.detach(), values.detach(), [start], block_size, row)[0]
+            keys, values = self.forward_kv.get(attn.layer_idx) or _compat.get_kv(cache.layers[attn.layer_idx])
+            first = self.forward_end - keys.shape[-2]  # live position of keys[..., 0, :] (> 0 for a sliding layer)
+            # A block is stored once the forward that fills it ends; it started at most block_size - 1 tokens before
+            # that forward, which a sliding layer still holds when block_size <= sliding_window (checked at build).
+            assert start >= first, f"block at live position {start} left sliding layer {attn.layer_idx}'s window"
+            kv[attn.layer_idx] = scatter_kv_blocks(keys.detach(), values.detach(), [start - first], block_size, row)[0]
         return kv
 
-    def _live_row_states(self, row: int) -> dict[int, LayerState]:
-        """Copies of one row's live Mamba states: ``{mamba layer idx: (conv [1, C, W], ssm)}``."""
+    def record_sliding_kv(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Keep what a sliding layer's ``update`` returned in this forward (see ``forward_kv``)."""
+        self.forward_kv[layer_idx] = (keys, values)
+
+    def _live_row_states(self, row: int) -> dict[StateKey, LayerState]:
+        """Copies of one row's live Mamba states: ``{state key: (conv [1, C, W], ssm)}``."""
         states = {}
         for m in self.cache.spec.mamba:
-            conv, ssm = _compat.get_linear_state(self.cache.layers[m.layer_idx])
-            states[m.layer_idx] = (conv[row : row + 1].detach().clone(), ssm[row : row + 1].detach().clone())
+            conv, ssm = _compat.get_linear_state(self.cache.layers[m.layer_idx], m.state_idx)
+            states[m.key] = (conv[row : row + 1].detach().clone(), ssm[row : row + 1].detach().clone())
         return states
 
     # ------------------------------------------------------------------ rollback and the end
@@ -203,9 +221,15 @@ class LiveRequest:
             )
         cache = self.cache
         for attn in cache.spec.attention:
-            _compat.crop_kv(cache.layers[attn.layer_idx], num_tokens)
-        for layer_idx, (conv, ssm) in states.items():
-            _compat.set_linear_state(cache.layers[layer_idx], conv.clone(), ssm.clone())
+            layer = cache.layers[attn.layer_idx]
+            if attn.layer_idx in self.forward_kv:  # a sliding layer: its window at `keep` reaches before its tail
+                keys, values = self.forward_kv[attn.layer_idx]
+                _compat.set_kv(layer, keys[..., :-num_tokens, :], values[..., :-num_tokens, :], keep)
+            else:
+                _compat.crop_kv(layer, num_tokens)
+        for key, (conv, ssm) in states.items():
+            layer_idx, state_idx = split_state_key(key)
+            _compat.set_linear_state(cache.layers[layer_idx], conv.clone(), ssm.clone(), state_idx)
         row = self.rows[0]
         del row.token_ids[keep:]
         full_blocks = keep // cache.options.block_size
@@ -213,6 +237,7 @@ class LiveRequest:
         del row.block_ids[full_blocks:], row.block_hashes[full_blocks:]
         self.forward_end = keep
         self.captured.clear()
+        self.forward_kv.clear()
 
     def stop_tracking(self, why: str) -> None:
         """Store nothing more of this request (its live state no longer maps to its rows' tokens)."""

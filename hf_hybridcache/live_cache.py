@@ -13,6 +13,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from . import _compat, emission
+from .config import state_key
 from .live import LiveRequest
 
 
@@ -41,15 +42,19 @@ class LiveCache(Cache):
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self._check_owner()
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if layer_idx in self.spec.sliding_layers:
+            self._request.record_sliding_kv(layer_idx, keys, values)
+        return keys, values
 
     def update_conv_state(self, conv_states, layer_idx, *args, **kwargs):
         self._check_owner()
         emitted = emission.active()
-        if emitted is not None and emitted.layer_idx == layer_idx and emitted.conv is None:
+        state_idx = kwargs.get("state_idx", 0)
+        if emitted is not None and emitted.key == state_key(layer_idx, state_idx) and emitted.conv is None:
             # The mixer hands over the raw conv inputs [B, C, T] of its new tokens: the windows at the emission's
             # positions are cut from them and the window the layer held before.
-            layer, state_idx = self.layers[layer_idx], kwargs.get("state_idx", 0)
+            layer = self.layers[layer_idx]
             previous, width = _compat.conv_state_before_update(layer, state_idx, kwargs.get("conv_kernel_size"))
             emitted.capture_conv(conv_states, previous, width)
         return super().update_conv_state(conv_states, layer_idx, *args, **kwargs)
@@ -78,9 +83,10 @@ class LiveCache(Cache):
         layers instead."""
         return () if self._request is None else self._request.checkpoint_positions(seq_len)
 
-    def capture_states(self, layer_idx: int, positions, states: list) -> None:
+    def capture_states(self, layer_idx, positions, states: list) -> None:
         """Receive one Mamba layer's (conv state ``[1, C, W]``, SSM state) copies after each of ``positions`` tokens
-        of the running forward."""
+        of the running forward; ``layer_idx`` is a :data:`~hf_hybridcache.config.StateKey` for a layer's later
+        states."""
         self._request.capture_states(layer_idx, positions, states)
 
     # ------------------------------------------------------------------ speculative decoding: roll back rejected tokens

@@ -92,7 +92,7 @@ def load_cache(cls, path, model, max_cache_bytes, retention_interval, offload):
         raise _invalid(path, f"its metadata lacks {error}") from error
     try:
         options, seed = meta["options"], bytes.fromhex(meta["seed"])
-        spec = support_for(model).state_spec(model, options["block_size"])
+        spec = support_for(model).spec_for(model, options["block_size"])
         plan = _check_entries(meta, tensors, spec, model)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError) as error:
         raise _invalid(path, f"its entries do not fit this model ({error})") from error
@@ -123,9 +123,9 @@ def _stack_entries(spec: ModelStateSpec, blocks: list[StoredBlock], with_checkpo
                 tensors[f"{name}.{attn.layer_idx}"] = torch.stack(stored)
     if with_checkpoint:
         for m in spec.mamba:
-            states = [block.checkpoint[m.layer_idx] for block in with_checkpoint]
-            tensors[f"conv.{m.layer_idx}"] = torch.cat([conv.cpu() for conv, _ in states])
-            tensors[f"ssm.{m.layer_idx}"] = torch.cat([ssm.cpu() for _, ssm in states])
+            states = [block.checkpoint[m.key] for block in with_checkpoint]
+            tensors[f"conv.{m.name}"] = torch.cat([conv.cpu() for conv, _ in states])
+            tensors[f"ssm.{m.name}"] = torch.cat([ssm.cpu() for _, ssm in states])
     return {name: t.contiguous() for name, t in tensors.items()}
 
 
@@ -270,8 +270,8 @@ def _check_entries(meta: dict, tensors: dict, spec: ModelStateSpec, model) -> di
             expected[f"values.{a.layer_idx}"] = ((len(blocks), a.num_kv_heads, bs, a.value_head_dim), a.dtype)
     if checkpoints:
         for m in spec.mamba:
-            expected[f"conv.{m.layer_idx}"] = ((len(checkpoints), *m.conv.shape), m.conv.dtype)
-            expected[f"ssm.{m.layer_idx}"] = ((len(checkpoints), *m.ssm.shape), m.ssm.dtype)
+            expected[f"conv.{m.name}"] = ((len(checkpoints), *m.conv.shape), m.conv.dtype)
+            expected[f"ssm.{m.name}"] = ((len(checkpoints), *m.ssm.shape), m.ssm.dtype)
     got = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
     if got != expected:
         raise ValueError(f"tensors {got} do not match the model's layers {expected}")
@@ -293,8 +293,8 @@ def _fill(cache, meta: dict, tensors: dict, plan: dict) -> None:
         kv = {a.layer_idx: (tensors[f"keys.{a.layer_idx}"][i].clone(), tensors[f"values.{a.layer_idx}"][i].clone())
               for a in spec.attention}
         checkpoint = None if i not in rows else {
-            m.layer_idx: (tensors[f"conv.{m.layer_idx}"][rows[i] : rows[i] + 1].clone(),
-                          tensors[f"ssm.{m.layer_idx}"][rows[i] : rows[i] + 1].clone())
+            m.key: (tensors[f"conv.{m.name}"][rows[i] : rows[i] + 1].clone(),
+                    tensors[f"ssm.{m.name}"][rows[i] : rows[i] + 1].clone())
             for m in spec.mamba
         }
         blocks.append(StoredBlock(i, None if parent < 0 else parent, tuple(token_ids),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import _compat
+from .config import StateKey, split_state_key
 
 OFFLOAD_CHOICES = (None, "cpu")
 
@@ -37,9 +38,10 @@ class Placement:
         self.devices = devices
         self.offload = offload
 
-    def device(self, layer_idx: int, tensor: torch.Tensor) -> torch.device:
-        """Where ``layer_idx``'s live tensors are (``tensor``'s own device when no devices were given)."""
-        return tensor.device if self.devices is None else self.devices[layer_idx]
+    def device(self, layer_idx: StateKey, tensor: torch.Tensor) -> torch.device:
+        """Where ``layer_idx``'s live tensors are (``tensor``'s own device when no devices were given); a checkpoint's
+        ``(layer idx, state idx)`` key is on its layer's device."""
+        return tensor.device if self.devices is None else self.devices[split_state_key(layer_idx)[0]]
 
     def stash(self, layer_idx: int, tensor: torch.Tensor) -> torch.Tensor:
         """The tensor to keep for ``layer_idx``, given a private copy (never a view of the live cache)."""

@@ -7,6 +7,7 @@ broken restore could go unnoticed.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -321,6 +322,78 @@ _TINY_CONFIGS = {
             max_position_embeddings=16384,
         ),
     ),
+    # LFM3: short-conv layers, a sliding-window attention layer (window of 24 tokens, longer than a 16-token block and
+    # shorter than the prompts the tests reuse) and a full attention layer.
+    "lfm3": (
+        "Lfm3Config",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["conv", "sliding_attention", "full_attention", "conv"],
+            sliding_window=24,
+            head_dim=16,
+            conv_L_cache=3,
+            tie_word_embeddings=False,
+            max_position_embeddings=16384,
+        ),
+    ),
+    # Inkling: sliding-window (window 24) and full attention layers, each with four short convs (width 3).
+    "inkling_text": (
+        "InklingTextConfig",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
+            mlp_layer_types=["dense"] * 4,
+            logits_mup_width_multiplier=1.0,  # upstream divides the logits by 24: too flat for the power tests
+            sliding_window_size=24,
+            head_dim=16,
+            swa_head_dim=16,
+            swa_num_attention_heads=4,
+            swa_num_key_value_heads=2,
+            d_rel=4,
+            rel_extent=64,
+            conv_kernel_size=3,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            max_position_embeddings=16384,
+        ),
+    ),
+    # Inkling 2: as Inkling, with dynamic short convs on the full-attention layers' keys and values.
+    "inkling2_text": (
+        "Inkling2TextConfig",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
+            sliding_window_size=24,
+            head_dim=16,
+            swa_head_dim=16,
+            swa_num_attention_heads=4,
+            swa_num_key_value_heads=2,
+            d_rel=4,
+            rel_extent=64,
+            conv_kernel_size=3,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            max_position_embeddings=16384,
+        ),
+    ),
+    # ZAYA: CCA attention layers (conv window of 2 q|k inputs, one delayed value), sliding (window 24) and full.
+    "zaya": (
+        "ZayaConfig",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
+            sliding_window=24,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=1,
+            moe_intermediate_size=32,
+            router_hidden_size=16,
+            tie_word_embeddings=False,
+            max_position_embeddings=16384,
+        ),
+    ),
 }
 
 
@@ -344,6 +417,8 @@ def long_memory_init_(
     """Give every Mamba mixer ``A_log = a_log`` and a dt bias with ``softplus(bias) = step`` (in place); gated delta
     nets and KDA forget gates get ``A_log = -4``, ``dt_bias = -1``, bounded (safe) gates ``A_log = 0``,
     ``dt_bias = -8``, so that their state carries the prefix for 150+ tokens. Short convs have no decay to set.
+    ZAYA's key scale (``ZayaQKNorm.temp``) starts at zero, which makes every attention score zero and its q|k conv
+    window powerless; it is set to 1.
 
     Zamba's mixer has no norm on B and C (Jamba's has), so with ``initializer_range`` 0.1 its SSM states stay near 0.07
     and barely reach the logits; its per-head ``x_proj_weight`` is redrawn with std ``x_proj_std`` (from the global
@@ -363,6 +438,8 @@ def long_memory_init_(
                     module.dt_proj_bias.fill_(dt_bias)
                 elif hasattr(module, "dt_bias"):
                     module.dt_bias.fill_(dt_bias)
+            if type(module).__name__ == "ZayaQKNorm":
+                module.temp.fill_(1.0)
             if hasattr(module, "A_log") and type(module).__name__.endswith(("GatedDeltaNet", "ForgetGate")):
                 if getattr(module, "safe_gate", False):
                     # Bounded gate: g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias)); A_log = 0, dt_bias = -8
@@ -388,4 +465,11 @@ def build_model(
     model = AutoModelForCausalLM.from_config(config)
     if long_memory:
         long_memory_init_(model)
-    return model.to(dtype).eval()
+    model = model.to(dtype)
+    # As from_pretrained does: the weights a family keeps in float32 in every dtype stay float32 (Inkling's short
+    # convs and router; Inkling 2 fails in bf16 without it).
+    keep = getattr(model, "_keep_in_fp32_modules_strict", None) or ()
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if any(key in name for key in keep):
+            tensor.data = tensor.data.float()
+    return model.eval()

@@ -28,8 +28,12 @@ GDN_FAMILIES = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid"]
 #: KDA families (decay per key channel; Ling's bounded gate) with MLA attention layers: keys and values of two widths.
 KDA_FAMILIES = ["kimi_linear", "bailing_hybrid"]
 #: Short-conv families: a checkpoint is the conv window alone (no recurrent state).
-SHORT_CONV_FAMILIES = ["lfm2", "lfm2_moe"]
-LINEAR_FAMILIES = GDN_FAMILIES + KDA_FAMILIES + SHORT_CONV_FAMILIES
+SHORT_CONV_FAMILIES = ["lfm2", "lfm2_moe", "lfm3", "inkling_text", "inkling2_text"]
+#: Compressed convolutional attention (ZAYA): a q|k conv window and a one-token delayed value per attention layer.
+CCA_FAMILIES = ["zaya"]
+LINEAR_FAMILIES = GDN_FAMILIES + KDA_FAMILIES + SHORT_CONV_FAMILIES + CCA_FAMILIES
+#: Families with sliding-window attention layers.
+SLIDING_FAMILIES = ["lfm3", "inkling_text", "inkling2_text", "zaya"]
 #: Every supported family runs the whole exactness suite.
 FAMILIES = MAMBA1_FAMILIES + MAMBA2_FAMILIES + LINEAR_FAMILIES
 
@@ -93,23 +97,32 @@ def cold_states(cold_model, ids, upto: int):
     return cache
 
 
+#: Families whose restored KV differs from a cold run at P by more than 1e-5 through upstream's own round-off: the
+#: unpatched Inkling 2 forwards over 16 and over 17 tokens give values 1.2e-5 apart at layer 3 (a stored block comes
+#: from the longer forward, bit for bit).
+KV_ATOL = {"inkling2_text": 5e-5}
+
+
 def assert_restored_states_match(cache: HybridPrefixCache, cold_model, ids, expected_hit: int):
     """Run the cache's own lookup + restore for ids and compare the live layers with a cold run at P."""
+    kv_atol = KV_ATOL.get(cold_model.config.model_type, 1e-5)
     cache.restore(ids)
     try:
         assert cache.last_hit_tokens == [expected_hit]
         ref = cold_states(cold_model, ids, expected_hit)
         for m in cache.spec.mamba:
             live, cold = cache.layers[m.layer_idx], ref.layers[m.layer_idx]
-            torch.testing.assert_close(live.conv_states[0], cold.conv_states[0], rtol=0, atol=1e-5)
-            if cold.recurrent_states[0] is None:  # a short conv keeps no recurrent state
-                assert live.recurrent_states[0] is None
+            i = m.state_idx
+            torch.testing.assert_close(live.conv_states[i], cold.conv_states[i], rtol=0, atol=1e-5)
+            if cold.recurrent_states[i] is None:  # a short conv keeps no recurrent state
+                assert live.recurrent_states[i] is None
                 continue
-            torch.testing.assert_close(live.recurrent_states[0], cold.recurrent_states[0], rtol=0, atol=1e-5)
-            assert live.recurrent_states[0].dtype == cold.recurrent_states[0].dtype
+            torch.testing.assert_close(live.recurrent_states[i], cold.recurrent_states[i], rtol=0, atol=1e-5)
+            assert live.recurrent_states[i].dtype == cold.recurrent_states[i].dtype
         for a in cache.spec.attention:
             live, cold = cache.layers[a.layer_idx], ref.layers[a.layer_idx]
-            torch.testing.assert_close(live.keys, cold.keys, rtol=0, atol=1e-5)
-            torch.testing.assert_close(live.values, cold.values, rtol=0, atol=1e-5)
+            torch.testing.assert_close(live.keys, cold.keys, rtol=0, atol=kv_atol)
+            torch.testing.assert_close(live.values, cold.values, rtol=0, atol=kv_atol)
+            assert live.get_seq_length() == cold.get_seq_length() == expected_hit  # a sliding layer counts them all
     finally:
         cache.reset()

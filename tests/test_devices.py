@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_hybridcache import HybridPrefixCache, _compat
 from hf_hybridcache.checks import check_store
+from hf_hybridcache.config import split_state_key
 from hf_hybridcache.toy import build_model
 
 CUDA = torch.cuda.is_available()
@@ -38,7 +39,8 @@ def assert_entries_on_layer_devices(cache, offloaded=False):
             for t in kv:
                 assert t.device == (torch.device("cpu") if offloaded else _compat.execution_device(layers[idx]))
     for block in store.blocks():
-        for idx, states in (block.checkpoint or {}).items():
+        for key, states in (block.checkpoint or {}).items():
+            idx = split_state_key(key)[0]
             for t in states:
                 assert t.device == (torch.device("cpu") if offloaded else _compat.execution_device(layers[idx]))
                 assert t.is_pinned() == (offloaded and _compat.execution_device(layers[idx]).type == "cuda")

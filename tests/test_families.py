@@ -4,12 +4,23 @@ long-memory init of the Mamba-1 families (test_mamba2.py checks it for Mamba-2).
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import MAMBA1_FAMILIES, SHORT_CONV_FAMILIES, assert_matches_cold, cold_states, greedy, random_ids
+from conftest import (
+    CCA_FAMILIES,
+    MAMBA1_FAMILIES,
+    SHORT_CONV_FAMILIES,
+    assert_matches_cold,
+    cold_states,
+    greedy,
+    random_ids,
+)
 from transformers import AutoModelForCausalLM
 
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.models import support_for
 from hf_hybridcache.toy import build_model
+
+#: Families whose short convs keep their window in float32 in every model dtype (Inkling computes them in float32).
+FLOAT32_CONV_FAMILIES = ["inkling_text", "inkling2_text"]
 
 
 def test_bf16_checkpoints_keep_the_live_dtypes_and_tokens_match(family):
@@ -17,25 +28,38 @@ def test_bf16_checkpoints_keep_the_live_dtypes_and_tokens_match(family):
     cache = HybridPrefixCache(model)
     ids = random_ids(70, seed=77)
     ref_seq, _ = greedy(cold_model, ids)
-    for expected_hit in (0, 64):
+    # In bf16 a sliding-window layer's attention over its window differs in round-off from the same keys inside the
+    # whole prompt's masked attention (LFM3's tiny model: 0.016 on the logits, and a near-tie flips), in upstream's own
+    # continuation too; there the reference for a hit at P is upstream continuing a DynamicCache holding P tokens.
+    continued = _upstream_continuation(cold_model, ids, 64) if cache.spec.sliding_layers else ref_seq
+    for expected_hit, ref in ((0, ref_seq), (64, continued)):
         seq, _ = greedy(model, ids, cache)
         assert cache.last_hit_tokens == [expected_hit]
-        assert torch.equal(seq, ref_seq), "bf16 tokens differ from the bf16 cold run"
+        assert torch.equal(seq, ref), "bf16 tokens differ from the bf16 cold run"
 
     live = cold_states(cold_model, ids, 64)  # what the unpatched bf16 model keeps: the SSM state stays float32
     for m in cache.spec.mamba:
         layer = live.layers[m.layer_idx]
-        recurrent = layer.recurrent_states[0]
+        recurrent = layer.recurrent_states[m.state_idx]
         if recurrent is None:  # a short conv: no recurrent state, an empty float32 stand-in in the store
             assert family in SHORT_CONV_FAMILIES and m.ssm.num_bytes == 0
             recurrent = torch.empty(0)
-        live_dtypes = (layer.conv_states[0].dtype, recurrent.dtype)
-        assert (m.conv.dtype, m.ssm.dtype) == live_dtypes == (torch.bfloat16, torch.float32)
+        live_dtypes = (layer.conv_states[m.state_idx].dtype, recurrent.dtype)
+        conv_dtype = torch.float32 if family in FLOAT32_CONV_FAMILIES else torch.bfloat16
+        ssm_dtype = torch.bfloat16 if family in CCA_FAMILIES else torch.float32  # ZAYA's delayed value
+        assert (m.conv.dtype, m.ssm.dtype) == live_dtypes == (conv_dtype, ssm_dtype)
+    dtypes = {m.key: (m.conv.dtype, m.ssm.dtype) for m in cache.spec.mamba}
     for states in (block.checkpoint for block in cache.store.blocks() if block.checkpoint is not None):
-        assert all((conv.dtype, ssm.dtype) == (torch.bfloat16, torch.float32) for conv, ssm in states.values())
+        assert {key: (conv.dtype, ssm.dtype) for key, (conv, ssm) in states.items()} == dtypes
     assert all(a.dtype == torch.bfloat16 for a in cache.spec.attention)
     stats, spec = cache.stats, cache.spec
     assert stats.stored_bytes == stats.kv_blocks * spec.kv_block_bytes + stats.checkpoints * spec.checkpoint_bytes
+
+
+def _upstream_continuation(cold_model, ids, prefix_tokens: int) -> torch.Tensor:
+    """Greedy tokens of the unpatched model continuing a ``DynamicCache`` that holds ``ids[:, :prefix_tokens]``."""
+    past = cold_states(cold_model, ids, prefix_tokens)
+    return greedy(cold_model, ids, past)[0]
 
 
 def test_save_pretrained_round_trip_then_a_cached_run(model, cold_model, tmp_path):

@@ -7,6 +7,7 @@ import pytest
 import torch
 import transformers
 from conftest import (
+    CCA_FAMILIES,
     GDN_FAMILIES,
     KDA_FAMILIES,
     LINEAR_FAMILIES,
@@ -27,6 +28,9 @@ def _logits(model, ids):
         return model(ids).logits
 
 
+ATTENTION_FED_CONV_FAMILIES = CCA_FAMILIES + ["inkling_text", "inkling2_text"]
+
+
 @pytest.mark.parametrize("family", LINEAR_FAMILIES)
 def test_states_at_every_boundary_of_one_prefill_equal_cold_prefills(family, model, cold_model):
     """Dense retention: one 150-token prefill hands over the state at each of its 9 block boundaries; restoring any of
@@ -41,13 +45,20 @@ def test_states_at_every_boundary_of_one_prefill_equal_cold_prefills(family, mod
             ref = cold_states(cold_model, ids, hit)
             for m in cache.spec.mamba:
                 live, cold = cache.layers[m.layer_idx], ref.layers[m.layer_idx]
-                assert torch.equal(live.conv_states[0], cold.conv_states[0]), (
-                    f"conv window at {hit}, layer {m.layer_idx}"
-                )
-                if family in SHORT_CONV_FAMILIES:
-                    assert live.recurrent_states[0] is None and cold.recurrent_states[0] is None
+                i = m.state_idx
+                if family in ATTENTION_FED_CONV_FAMILIES:
+                    # These windows hold attention outputs (Inkling's post-attention conv) or projections of a layer
+                    # fed by attention (ZAYA's q|k), whose sums over 150 and over `hit` keys differ in fp32
+                    # round-off (up to 1.0e-5 measured); the windows of the other families come out bit for bit.
+                    torch.testing.assert_close(live.conv_states[i], cold.conv_states[i], rtol=0, atol=5e-5)
                 else:
-                    torch.testing.assert_close(live.recurrent_states[0], cold.recurrent_states[0], rtol=0, atol=1e-5)
+                    assert torch.equal(live.conv_states[i], cold.conv_states[i]), (
+                        f"conv window at {hit}, layer {m.layer_idx}, state {i}"
+                    )
+                if family in SHORT_CONV_FAMILIES:
+                    assert live.recurrent_states[i] is None and cold.recurrent_states[i] is None
+                else:
+                    torch.testing.assert_close(live.recurrent_states[i], cold.recurrent_states[i], rtol=0, atol=1e-5)
         finally:
             cache.reset()
 

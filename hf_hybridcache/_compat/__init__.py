@@ -13,7 +13,8 @@ Private APIs touched, and why each is needed (transformers 5.23 - 5.24):
   afterwards) is only known to its stopping criteria; a row whose own tokens equal the pad id is not finished.
 - ``PreTrainedModel._is_stateful`` (set per call): ``generate()`` refuses speculative decoding for stateful models;
   a HybridPrefixCache can roll a recurrent state back, so the refusal is lifted during its calls.
-- ``DynamicLayer`` / ``LinearAttentionLayer`` fields (``keys``, ``values``, ``conv_states``, ``recurrent_states``,
+- ``DynamicLayer`` / ``DynamicSlidingWindowLayer`` / ``LinearAttentionLayer`` fields (``keys``, ``values``,
+  ``cumulative_length``, ``sliding_window``, ``conv_states``, ``recurrent_states``,
   ``has_previous_state``, ``lazy_initialization``): restoring a prefix fills fresh live layers, and rolling back a
   draft token sets their state; there is no public setter.
 - The mixer call convention ``(hidden_states, cache_params | cache, attention_mask)``: the patched mixers read the
@@ -55,6 +56,7 @@ from .layers import (
     new_live_layers,
     set_kv,
     set_linear_state,
+    sliding_windows,
 )
 from .modeling import route_module_function
 
@@ -85,6 +87,7 @@ __all__ = [
     "run_forward",
     "set_kv",
     "set_linear_state",
+    "sliding_windows",
     "split_mixer_call",
 ]
 

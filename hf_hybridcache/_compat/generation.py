@@ -247,8 +247,12 @@ def run_forward(model, input_ids: torch.Tensor, cache) -> None:
 
 def split_mixer_call(args: tuple, kwargs: dict[str, Any]):
     """(hidden_states, cache, attention_mask) of a Mamba mixer call ``(hidden_states, cache_params, attention_mask)``;
-    the cache kwarg is ``cache_params`` up to 5.23 and ``cache`` later."""
+    the cache kwarg is ``cache_params`` up to 5.23 and ``cache`` later. A cache kwarg, even None, wins over the second
+    positional argument (Inkling 2's dynamic short conv takes its tap input there)."""
     hidden_states = args[0] if args else kwargs["hidden_states"]
-    cache = args[1] if len(args) > 1 else find_cache(kwargs)
+    if any(name in kwargs for name in CACHE_KWARG_NAMES):
+        cache = find_cache(kwargs)
+    else:
+        cache = args[1] if len(args) > 1 else None
     attention_mask = args[2] if len(args) > 2 else kwargs.get("attention_mask")
     return hidden_states, cache, attention_mask

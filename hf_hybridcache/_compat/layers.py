@@ -1,5 +1,11 @@
-"""The live cache layers transformers builds (``DynamicLayer``, ``LinearAttentionLayer`` and their hybrids): reading
-and writing their private fields, because restoring a prefix and rolling back a draft token have no public setter."""
+"""The live cache layers transformers builds (``DynamicLayer``, ``DynamicSlidingWindowLayer``, ``LinearAttentionLayer``
+and their hybrids): reading and writing their private fields, because restoring a prefix and rolling back a draft
+token have no public setter.
+
+A sliding-window layer (``is_sliding``; transformers 5.23 ``cache_utils.py``) keeps the KV of the last
+``sliding_window - 1`` tokens only and counts every token in ``cumulative_length``, which its masks and
+``get_seq_length`` read; its ``update`` returns the KV it held before the call plus the call's new tokens.
+"""
 
 from __future__ import annotations
 
@@ -17,16 +23,37 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     return model.model.layers
 
 
+def sliding_windows(config) -> dict[int, int]:
+    """``{layer idx: sliding_window}`` of the layers transformers builds as sliding-window (or chunked) attention
+    cache layers for ``config``."""
+    return {
+        idx: layer.sliding_window
+        for idx, layer in enumerate(new_live_layers(config))
+        if getattr(layer, "is_sliding", False)
+    }
+
+
 def get_kv(layer) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Live keys and values ``[B, Hkv, T, D]`` of an attention layer, or None before its first update."""
+    """Live keys and values ``[B, Hkv, T, D]`` of an attention layer (a sliding layer's: of its last
+    ``min(seen, sliding_window - 1)`` tokens), or None before its first update."""
     if not layer.is_initialized or layer.keys is None or layer.keys.numel() == 0:
         return None
     return layer.keys, layer.values
 
 
-def set_kv(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Make a fresh attention layer hold ``keys``/``values`` ``[B, Hkv, P, D]`` (taken over, not copied)."""
+def set_kv(layer, keys: torch.Tensor, values: torch.Tensor, num_tokens: int | None = None) -> None:
+    """Make an attention layer hold the state it has after ``num_tokens`` tokens (default ``T``), given the KV
+    ``[B, Hkv, T, D]`` of the last ``T`` of them (taken over, not copied): a full layer needs all of them; a sliding
+    layer keeps the last ``sliding_window - 1`` and counts ``num_tokens``, as its own ``update`` would have."""
+    num_tokens = keys.shape[-2] if num_tokens is None else num_tokens
     layer.lazy_initialization(keys[..., :0, :], values[..., :0, :])
+    if getattr(layer, "is_sliding", False):
+        keep = min(layer.sliding_window - 1, num_tokens)
+        assert keys.shape[-2] >= keep, f"a sliding layer at {num_tokens} tokens needs the last {keep} tokens' KV"
+        keys, values = keys[..., keys.shape[-2] - keep :, :], values[..., values.shape[-2] - keep :, :]
+        layer.cumulative_length = num_tokens
+    else:
+        assert keys.shape[-2] == num_tokens, f"a full attention layer needs the KV of all {num_tokens} tokens"
     layer.keys, layer.values = keys, values
 
 

@@ -6,6 +6,8 @@ from .bamba import SUPPORT as _BAMBA
 from .base import ModelSupport
 from .falcon_h1 import SUPPORT as _FALCON_H1
 from .granitemoehybrid import SUPPORT as _GRANITEMOEHYBRID
+from .inkling import INKLING2 as _INKLING2
+from .inkling import SUPPORT as _INKLING
 from .jamba import SUPPORT as _JAMBA
 from .kimi_delta import BAILING_HYBRID as _BAILING_HYBRID
 from .kimi_delta import KIMI_LINEAR as _KIMI_LINEAR
@@ -17,8 +19,10 @@ from .qwen3_next import SUPPORT as _QWEN3_NEXT
 from .refused import REFUSED
 from .short_conv import LFM2 as _LFM2
 from .short_conv import LFM2_MOE as _LFM2_MOE
+from .short_conv import LFM3 as _LFM3
 from .zamba import SUPPORT as _ZAMBA
 from .zamba2 import SUPPORT as _ZAMBA2
+from .zaya import SUPPORT as _ZAYA
 
 _REGISTRY: dict[str, ModelSupport] = {}
 
@@ -65,6 +69,10 @@ register(_QWEN3_5)
 register(_QWEN3_5_MOE)
 register(_LFM2)
 register(_LFM2_MOE)
+register(_LFM3)
 register(_OLMO_HYBRID)
 register(_KIMI_LINEAR)
 register(_BAILING_HYBRID)
+register(_INKLING)
+register(_INKLING2)
+register(_ZAYA)

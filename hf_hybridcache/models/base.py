@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import _compat
 from ..config import AttentionLayerSpec, ModelStateSpec
 
 
@@ -23,6 +24,17 @@ class ModelSupport:
     model_types: tuple[str, ...]
     install: Callable[[torch.nn.Module], None]
     state_spec: Callable[[torch.nn.Module, int], ModelStateSpec]
+
+    def spec_for(self, model: torch.nn.Module, block_size: int) -> ModelStateSpec:
+        """``state_spec`` with the sliding windows of the attention layers transformers caches as sliding-window
+        layers (any family).
+
+        Raises:
+            ValueError: ``block_size`` is longer than a sliding window.
+        """
+        spec = self.state_spec(model, block_size).with_sliding_windows(_compat.sliding_windows(model.config))
+        spec.check_block_size()
+        return spec
 
 
 def attention_layer_spec(layer_idx: int, attention: torch.nn.Module) -> AttentionLayerSpec:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _compat, emission
-from ..config import AttentionLayerSpec, MambaLayerSpec, ModelStateSpec, TensorSpec
+from ..config import AttentionLayerSpec, MambaLayerSpec, ModelStateSpec, TensorSpec, state_key
 from .base import ModelSupport, attention_layer_spec
 from .mamba1 import checkpoint_positions
 
@@ -75,25 +75,42 @@ class LinearVariant:
     """One family's linear-attention (or short-conv) mixer and attention classes.
 
     Attributes:
-        mixer_class: class name of the mixer (matched by name, so no model module is imported).
-        attention_class: class name of the attention module whose KV the cache layer of the same index holds.
+        mixer_class: class name of the mixer (matched by name, so no model module is imported), or several names.
+        attention_class: class name of the attention module whose KV the cache layer of the same index holds, or
+            several names (one module per layer).
         conv_shape: ``mixer -> (C, W)``, the conv state of one row (model dtype).
         recurrent_shape: ``mixer -> shape`` of one row's recurrent state (float32), or None for a short conv.
         kernels: the recurrence functions the mixer calls (empty for a short conv).
         attention_spec: ``(layer_idx, attention module) -> AttentionLayerSpec``, what the attention module caches
             (:func:`~.base.attention_layer_spec` for ``k_proj`` / ``head_dim`` attention,
             :func:`~.base.mla_attention_layer_spec` for MLA).
-        conv_dtype: ``mixer -> dtype`` of the conv inputs the mixer hands to the cache, where it differs from the
-            conv weight's (a conv kept in float32 in a bf16 model); None: the conv weight's dtype.
+        state_idx_attr: the mixer attribute holding its ``state_idx`` in the cache layer, for layers that keep
+            several states (Inkling's ``conv_idx``); None for one state per layer.
+        conv_dtype: ``mixer -> dtype`` of the conv state, where the mixer keeps it in another dtype than its conv
+            weight (a conv run in float32 in a bf16 model: Inkling, Ling); None: the conv weight's dtype.
     """
 
-    mixer_class: str
-    attention_class: str
+    mixer_class: str | tuple[str, ...]
+    attention_class: str | tuple[str, ...]
     conv_shape: Callable[[torch.nn.Module], tuple[int, int]]
     recurrent_shape: Callable[[torch.nn.Module], tuple[int, ...]] | None = None
     kernels: tuple[RecurrenceKernel, ...] = ()
     attention_spec: Callable[[int, torch.nn.Module], AttentionLayerSpec] = attention_layer_spec
+    state_idx_attr: str | None = None
     conv_dtype: Callable[[torch.nn.Module], torch.dtype] | None = None
+
+    def is_mixer(self, module) -> bool:
+        return type(module).__name__ in _names(self.mixer_class)
+
+    def is_attention(self, module) -> bool:
+        return type(module).__name__ in _names(self.attention_class)
+
+    def state_idx(self, mixer) -> int:
+        return getattr(mixer, self.state_idx_attr) if self.state_idx_attr else 0
+
+
+def _names(class_names: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (class_names,) if isinstance(class_names, str) else class_names
 
 
 def route_recurrence(kernel: RecurrenceKernel, original: Callable, *args, **kwargs):
@@ -140,7 +157,8 @@ def _emitting_forward(variant: LinearVariant, mixer, original, *args, **kwargs):
     positions = checkpoint_positions(cache, seq_len)
     if not positions:
         return original(*args, **kwargs)
-    with emission.emitting(mixer.layer_idx, positions) as emitted:
+    key = state_key(mixer.layer_idx, variant.state_idx(mixer))
+    with emission.emitting(key, positions) as emitted:
         out = original(*args, **kwargs)
     assert emitted.conv is not None, f"{variant.mixer_class} did not hand its conv inputs to update_conv_state"
     if variant.kernels:
@@ -148,7 +166,7 @@ def _emitting_forward(variant: LinearVariant, mixer, original, *args, **kwargs):
         recurrent = emitted.recurrent
     else:
         recurrent = [emitted.conv[0].new_zeros((emitted.conv[0].shape[0], 0), dtype=torch.float32)] * len(positions)
-    cache.capture_states(mixer.layer_idx, positions, list(zip(emitted.conv, recurrent)))
+    cache.capture_states(key, positions, list(zip(emitted.conv, recurrent)))
     return out
 
 
@@ -156,7 +174,7 @@ def install_mixers(model: torch.nn.Module, variant: LinearVariant) -> None:
     """Patch every ``variant.mixer_class`` module of ``model`` (this instance only; idempotent) and route the
     recurrence functions of its modeling module (a pass-through outside this package's mixer calls)."""
     for module in model.modules():
-        if type(module).__name__ == variant.mixer_class:
+        if variant.is_mixer(module):
             _compat.patch_instance_forward(module, functools.partial(_emitting_forward, variant))
             for kernel in variant.kernels:
                 _compat.route_module_function(
@@ -176,20 +194,22 @@ def linear_layer_spec(layer_idx: int, mixer, variant: LinearVariant) -> MambaLay
         if variant.recurrent_shape is None
         else TensorSpec(variant.recurrent_shape(mixer), torch.float32)
     )
-    return MambaLayerSpec(layer_idx, conv=TensorSpec(variant.conv_shape(mixer), conv_dtype), ssm=ssm)
+    conv = TensorSpec(variant.conv_shape(mixer), conv_dtype)
+    return MambaLayerSpec(layer_idx, conv=conv, ssm=ssm, state_idx=variant.state_idx(mixer))
 
 
 def state_spec(model: torch.nn.Module, block_size: int, variant: LinearVariant) -> ModelStateSpec:
-    """Decoder layer ``i`` holding a mixer or an attention module (or both) is cache layer ``i``."""
+    """Decoder layer ``i`` holding mixers or an attention module (or both) is cache layer ``i``; several mixers of one
+    layer keep the states ``state_idx`` of that cache layer."""
     attention, linear = [], []
     for idx, layer in enumerate(_compat.decoder_layers(model)):
-        found = {variant.mixer_class: [], variant.attention_class: []}
-        for module in layer.modules():
-            found.get(type(module).__name__, []).append(module)
-        mixers, attentions = found[variant.mixer_class], found[variant.attention_class]
-        assert len(mixers) <= 1 and len(attentions) <= 1, f"layer {idx} holds several mixers or attention modules"
-        if mixers:
-            linear.append(linear_layer_spec(idx, mixers[0], variant))
+        mixers = [module for module in layer.modules() if variant.is_mixer(module)]
+        attentions = [module for module in layer.modules() if variant.is_attention(module)]
+        assert len(attentions) <= 1, f"layer {idx} holds several attention modules"
+        assert len(mixers) <= 1 or variant.state_idx_attr, f"layer {idx} holds several mixers of one state"
+        states = sorted((linear_layer_spec(idx, mixer, variant) for mixer in mixers), key=lambda m: m.state_idx)
+        assert len({m.state_idx for m in states}) == len(states), f"layer {idx}: two mixers share a state_idx"
+        linear.extend(states)
         if attentions:
             attention.append(variant.attention_spec(idx, attentions[0]))
     return ModelStateSpec(tuple(attention), tuple(linear), block_size)

@@ -10,9 +10,10 @@ _TEXT_DECODER = (
     "is a multimodal wrapper; HybridPrefixCache serves its text decoder: load the checkpoint with "
     "AutoModelForCausalLM.from_pretrained(path), which builds the text-only {text} model."
 )
-_SLIDING = (
-    "keeps sliding-window attention layers (only the last `sliding_window` tokens of KV), which the block store does "
-    "not restore yet."
+_NO_TEXT_LOADER = (
+    "is a multimodal wrapper, and transformers maps no text-only loader to it (AutoModelForCausalLM does not know "
+    "its model_type); HybridPrefixCache serves its text decoder {text}: build that model from the checkpoint's "
+    "text_config and language-model weights."
 )
 
 #: model_type -> why it is refused.
@@ -29,15 +30,8 @@ REFUSED: dict[str, str] = {
     ),
     "qwen4_exp": "keeps indexed (sparse top-k) attention layers and token-id n-gram states, which are not stored yet.",
     "qwen4_exp_text": "keeps indexed (sparse top-k) attention layers and token-id n-gram states, which are not stored yet.",
-    "lfm3": _SLIDING,
-    "zaya": (
-        _SLIDING[:-1] + " in some configs, and its CCA projection hands the cache an already-windowed conv state, so "
-        "the state at a block boundary inside a forward cannot be cut from it."
-    ),
-    "inkling_text": "keeps four short-conv states per layer and sliding-window attention layers, not stored yet.",
-    "inkling2_text": "keeps four short-conv states per layer and sliding-window attention layers, not stored yet.",
-    "inkling_mm_model": "is a multimodal wrapper whose decoder (model_type 'inkling_text') is not supported yet.",
-    "inkling2": "is a multimodal wrapper whose decoder (model_type 'inkling2_text') is not supported yet.",
+    "inkling_mm_model": _NO_TEXT_LOADER.format(text="InklingForCausalLM (model_type 'inkling_text')"),
+    "inkling2": _NO_TEXT_LOADER.format(text="Inkling2ForCausalLM (model_type 'inkling2_text')"),
     "minimax": (
         "refuses every cache but its own MiniMaxCache (modeling_minimax.py checks the type), and its lightning "
         "attention keeps its state through MiniMaxCache-only methods, not the cache layers a HybridPrefixCache holds."

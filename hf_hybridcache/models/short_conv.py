@@ -1,9 +1,11 @@
-"""Short-convolution mixers: LFM2 and LFM2-MoE.
+"""Short-convolution mixers: LFM2, LFM2-MoE and LFM3.
 
 The mixer (``Lfm2ShortConv``) projects the input to ``B, C, x``, runs a depthwise causal conv over ``B * x``
 (conv state ``[hidden, L_cache]``) and gates with ``C``. There is no recurrence: a checkpoint is the conv window
-alone (the last ``L_cache`` conv inputs), stored with an empty recurrent state. Upstream:
-``transformers/models/lfm2/modeling_lfm2.py`` and ``models/lfm2_moe/modeling_lfm2_moe.py`` (5.23.0).
+alone (the last ``L_cache`` conv inputs), stored with an empty recurrent state. LFM3 adds sliding-window attention
+layers, which the block store restores like any sliding layer (:class:`~hf_hybridcache.config.AttentionLayerSpec`).
+Upstream: ``transformers/models/lfm2/modeling_lfm2.py``, ``models/lfm2_moe/modeling_lfm2_moe.py`` and
+``models/lfm3/modeling_lfm3.py`` (5.23.0).
 """
 
 from __future__ import annotations
@@ -19,3 +21,4 @@ LFM2 = linear_attention_support(("lfm2",), LinearVariant("Lfm2ShortConv", "Lfm2A
 LFM2_MOE = linear_attention_support(
     ("lfm2_moe",), LinearVariant("Lfm2MoeShortConv", "Lfm2MoeAttention", short_conv_shape)
 )
+LFM3 = linear_attention_support(("lfm3",), LinearVariant("Lfm3ShortConv", "Lfm3Attention", short_conv_shape))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ModelStateSpec
+from ..config import ModelStateSpec, StateKey
 from ..hashing import BlockHash, block_hash
 from ..placement import Placement
 from .block_pool import BlockPool
@@ -68,7 +68,7 @@ class PrefixStore:
         self.max_cache_bytes = max_cache_bytes
         self.pool = BlockPool(self._on_evictable)
         self.kv = KVStore(tuple(a.layer_idx for a in spec.attention), placement)
-        self.checkpoints = CheckpointStore(tuple(m.layer_idx for m in spec.mamba), placement)
+        self.checkpoints = CheckpointStore(tuple(m.key for m in spec.mamba), placement)
         self.eviction = LRUEviction() if eviction is None else eviction
         self.links = CheckpointLinks()
         self.evicted_kv_blocks = 0
@@ -97,8 +97,8 @@ class PrefixStore:
         return len(self.checkpoints)
 
     @property
-    def mamba_layers(self) -> tuple[int, ...]:
-        """Mamba layer idxs a checkpoint must cover."""
+    def mamba_layers(self) -> tuple[StateKey, ...]:
+        """The state keys (Mamba layer idxs) a checkpoint must cover."""
         return self.checkpoints.mamba_layers
 
     # ------------------------------------------------------------------ lookup and restore

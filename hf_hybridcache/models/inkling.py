@@ -1,0 +1,54 @@
+"""Inkling and Inkling 2: every decoder layer is attention (full or sliding-window) plus four short convolutions.
+
+Each ``InklingShortConvolution`` runs a depthwise causal conv with a residual, in float32, and keeps its window in
+its layer's cache layer under its own ``state_idx`` (``conv_idx``): 0 and 1 on the key and value projections (before
+the KV cache, so the cached keys and values are the convolved ones), 2 after the attention, 3 after the MLP. A
+checkpoint is the four windows (no recurrent state); the KV is stored in blocks, the sliding-window layers' like any
+sliding layer's. Upstream continues exactly from a cache (checked on the tiny model: one forward against a prefix
+then the rest, 3e-8 on the logits in float32).
+
+Inkling 2 has separate sliding and full attention classes, and its full-attention layers convolve keys and values
+with a *dynamic* short conv (``Inkling2DynamicShortConvolution``: static taps plus per-token taps projected from the
+layer input), which keeps the same window of raw inputs under ``state_idx`` 0 and 1; its block attention residuals
+mix layers at one position and keep no state. Upstream continues exactly from a cache too (7e-7). Upstream:
+``transformers/models/inkling/modeling_inkling.py``, ``models/inkling2/modeling_inkling2.py`` (5.23.0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .linear_attention import LinearVariant, linear_attention_support
+
+
+def short_conv_shape(mixer) -> tuple[int, int]:
+    conv1d = getattr(mixer, "conv1d", None)
+    channels = conv1d.in_channels if conv1d is not None else mixer.static_weight.shape[1]  # the dynamic conv
+    return channels, mixer.conv_kernel_size
+
+
+def _float32(mixer) -> torch.dtype:
+    """Inkling's short convs run in float32 in every model dtype, and so does the window they keep."""
+    return torch.float32
+
+
+SUPPORT = linear_attention_support(
+    ("inkling_text",),
+    LinearVariant(
+        "InklingShortConvolution",
+        "InklingAttention",
+        short_conv_shape,
+        state_idx_attr="conv_idx",
+        conv_dtype=_float32,
+    ),
+)
+INKLING2 = linear_attention_support(
+    ("inkling2_text",),
+    LinearVariant(
+        ("Inkling2ShortConvolution", "Inkling2DynamicShortConvolution"),
+        ("Inkling2SlidingAttention", "Inkling2FullAttention"),
+        short_conv_shape,
+        state_idx_attr="conv_idx",
+        conv_dtype=_float32,
+    ),
+)
