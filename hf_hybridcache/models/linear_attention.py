@@ -24,9 +24,9 @@ A family file is a :class:`LinearVariant` handed to :func:`linear_attention_supp
 from __future__ import annotations
 
 import functools
-import itertools
 import importlib.util
 import inspect
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 

@@ -17,8 +17,6 @@ after ``t`` tokens is ``qk`` up to ``t``, the recurrent state is the delayed val
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .. import _compat
