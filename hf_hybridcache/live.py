@@ -24,7 +24,10 @@ logger = logging.getLogger("hf_hybridcache")
 
 def restore_row(cache, token_ids: list[int]) -> Row:
     """Copy the longest stored prefix of ``token_ids`` into ``cache``'s (fresh, single-row) live layers and pin its
-    chain. Returns the row, whose ``hit_tokens`` is the restored length P (0 on a miss)."""
+    chain. Returns the row, whose ``hit_tokens`` is the restored length P (0 on a miss). With a remote tier, what it
+    holds beyond the local hit is inserted into the store first (:mod:`~hf_hybridcache.remote.fetch`)."""
+    if cache._remote is not None:
+        cache._remote.extend(cache, token_ids)
     store, root = cache._store, cache._root
     hit = store.lookup(token_ids, root)
     row = Row(len(token_ids), token_ids=token_ids[: hit.hit_tokens], hit_tokens=hit.hit_tokens, root=root)

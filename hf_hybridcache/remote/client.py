@@ -1,0 +1,132 @@
+"""The tier's connection: pipelined reads and writes through redis-py, a circuit breaker and the tier's counters.
+
+Every operation is one pipeline (one round trip on a standalone server; redis-py's cluster pipeline splits it per
+node), so a request asks the tier at most a few times. Any error — refused connection, timeout, a server that went
+away mid-reply — is caught here, counted, and answered as "nothing there"; after ``breaker_errors`` consecutive ones
+the breaker opens and operations are skipped without touching the network until ``retry_after_s`` has passed, when
+one operation tries again (a half-open breaker, as in Nygard's *Release It!*). So the tier can slow a request by at
+most the socket timeouts, and only until the breaker opens.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+logger = logging.getLogger("hf_hybridcache")
+
+#: The tier's counters (see :class:`~hf_hybridcache.stats.PrefixCacheStats`).
+COUNTERS = (
+    "remote_hit_tokens", "remote_bytes_read", "remote_bytes_written", "remote_round_trips", "remote_errors",
+    "remote_dropped_writes", "remote_corrupt_entries",
+)
+
+
+class CircuitBreaker:
+    """Closed until ``max_errors`` consecutive failures, then open for ``retry_after_s``, then half-open: the next
+    operation is let through, and its outcome closes or re-opens the breaker. ``clock`` is ``time.monotonic``."""
+
+    def __init__(self, max_errors: int, retry_after_s: float, clock=time.monotonic) -> None:
+        self.max_errors = max_errors
+        self.retry_after_s = retry_after_s
+        self.clock = clock
+        self.errors = 0
+        self.opened_at: float | None = None
+        self.times_opened = 0
+
+    @property
+    def is_open(self) -> bool:
+        return self.opened_at is not None and self.clock() - self.opened_at < self.retry_after_s
+
+    def allow(self) -> bool:
+        return not self.is_open
+
+    def success(self) -> None:
+        if self.opened_at is not None:
+            logger.warning("the remote tier answers again; the circuit breaker is closed")
+        self.errors, self.opened_at = 0, None
+
+    def failure(self) -> None:
+        self.errors += 1
+        if self.errors >= self.max_errors:
+            if self.opened_at is None:
+                self.times_opened += 1
+                logger.warning(
+                    "the remote tier failed %d times in a row; requests run without it for %.1f s, then it is tried "
+                    "again", self.errors, self.retry_after_s,
+                )
+            self.opened_at = self.clock()
+
+
+class TierClient:
+    """Pipelined GET / EXISTS / SET NX over a redis-py client, guarded by a :class:`CircuitBreaker`; thread-safe
+    (the request thread reads while the background writer writes).
+
+    Attributes:
+        counters: ``{name: int}`` for :data:`COUNTERS` (bytes and round trips counted here; hits by the fetcher).
+    """
+
+    def __init__(self, client, breaker: CircuitBreaker) -> None:
+        self.client = client
+        self.breaker = breaker
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self._lock = threading.Lock()
+
+    def count(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += amount
+
+    def _run(self, queue) -> list | None:
+        """Run ``queue(pipeline)`` as one round trip; its replies, or None when the breaker is open or it failed."""
+        with self._lock:
+            if not self.breaker.allow():
+                return None
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            queue(pipe)
+            replies = pipe.execute()
+        except Exception as error:  # redis errors, OSError, timeouts: a tier failure never fails a request
+            with self._lock:
+                self.counters["remote_round_trips"] += 1
+                self.counters["remote_errors"] += 1
+                self.breaker.failure()
+            logger.debug("remote tier operation failed: %s: %s", type(error).__name__, error)
+            return None
+        with self._lock:
+            self.counters["remote_round_trips"] += 1
+            self.breaker.success()
+        return replies
+
+    def exists(self, keys: Sequence[str]) -> list[bool] | None:
+        """Whether each key is stored (None: the tier did not answer)."""
+        if not keys:
+            return []
+        replies = self._run(lambda pipe: [pipe.exists(key) for key in keys])
+        return None if replies is None else [bool(r) for r in replies]
+
+    def get(self, keys: Sequence[str]) -> list[bytes | None] | None:
+        """The value of each key, None where it is missing (None for all: the tier did not answer)."""
+        if not keys:
+            return []
+        replies = self._run(lambda pipe: [pipe.get(key) for key in keys])
+        if replies is not None:
+            self.count("remote_bytes_read", sum(len(r) for r in replies if r is not None))
+        return replies
+
+    def set_new(self, items: Sequence[tuple[str, bytes]]) -> bool:
+        """Store each ``(key, value)`` unless the key exists (entries are immutable: the first writer wins)."""
+        if not items:
+            return True
+        replies = self._run(lambda pipe: [pipe.set(key, value, nx=True) for key, value in items])
+        if replies is None:
+            return False
+        self.count("remote_bytes_written", sum(len(v) for (_, v), r in zip(items, replies) if r))
+        return True
+
+    def get_or_set(self, key: str, value: bytes) -> bytes | None:
+        """The value stored under ``key``, storing ``value`` first if there is none (SET NX then GET, one round
+        trip); None when the tier did not answer."""
+        replies = self._run(lambda pipe: (pipe.set(key, value, nx=True), pipe.get(key)))
+        return None if replies is None else replies[1]

@@ -1,0 +1,148 @@
+"""The read path: before a request's local lookup, extend the local store with the longest chain the tier holds
+beyond the local hit, so the usual lookup and restore serve it.
+
+Two round trips at most: one pipeline of ``EXISTS`` over the prompt's successive KV block keys past the locally
+stored chain and the checkpoint keys past the local hit; then, if the deepest boundary with a complete KV chain and a
+checkpoint (``D``) is worth it, one pipeline of ``GET`` for exactly the blocks ``[local chain, D)`` and the checkpoint
+at ``D``. Every value is verified (:func:`~hf_hybridcache.remote.codec.decode`) before anything is inserted; one that
+fails (corrupt, tampered, vanished since the ``EXISTS``) makes the whole fetch a miss, so a hit never crosses a
+missing piece. Any entry may vanish at any time (the server's ``maxmemory`` policy evicts what it likes), which this
+order tolerates: what is missing is simply not there. After vLLM v1's hybrid coordinator, the KV chain is matched left
+to right and the checkpoint side searched right to left.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..flops import FlopModel
+from ..hashing import BlockHash, chain_hashes
+from ..store import PrefixStore
+from ..store.lookup import hit_blocks, match_blocks
+from .client import TierClient
+from .codec import checkpoint_key, checkpoint_states, decode, kv_key, kv_tensors
+from .writer import Publisher
+
+logger = logging.getLogger("hf_hybridcache")
+
+
+def worth_fetching(flops: FlopModel, start_tokens: int, end_tokens: int, num_bytes: int, min_flops_per_byte: float) -> bool:
+    """Fetch ``num_bytes`` to restore ``end_tokens`` instead of ``start_tokens`` only when the prefill FLOPs saved
+    (:meth:`~hf_hybridcache.flops.FlopModel.span_flops`) per byte reach ``min_flops_per_byte``: transferring beats
+    recomputing when ``bytes / bandwidth < FLOPs / compute rate``, i.e. FLOPs per byte above compute rate divided by
+    bandwidth (e.g. 400 TFLOP/s over 10 GB/s: 40,000)."""
+    return flops.span_flops(start_tokens, end_tokens) >= min_flops_per_byte * num_bytes
+
+
+class Fetcher:
+    """Extends a store from the tier; see the module docstring.
+
+    Args:
+        client: the tier's connection.
+        publisher: muted while fetched entries are inserted (they are in the tier already).
+        key_prefix: first part of every key.
+        flops: the model's prefill FLOPs, for :func:`worth_fetching`.
+        min_flops_per_byte: see :class:`~hf_hybridcache.remote.config.RemoteConfig`.
+    """
+
+    def __init__(self, client: TierClient, publisher: Publisher, key_prefix: str, flops: FlopModel,
+                 min_flops_per_byte: float) -> None:
+        self.client = client
+        self.publisher = publisher
+        self.key_prefix = key_prefix
+        self.flops = flops
+        self.min_flops_per_byte = min_flops_per_byte
+
+    def extend(self, store: PrefixStore, token_ids: list[int], root: BlockHash) -> int:
+        """Insert into ``store`` what the tier holds beyond the local hit of ``token_ids`` under ``root``. Returns
+        the tokens the hit grew by (0 when the tier has nothing longer, is not worth it, fails or is skipped)."""
+        bs = store.block_size
+        max_depth = (len(token_ids) - 1) // bs
+        chain, _ = match_blocks(store.pool, token_ids, root, bs)
+        local_depth = hit_blocks(chain, store.checkpoints.__contains__, len(token_ids), bs)
+        if local_depth >= max_depth:
+            return 0
+        hashes = chain_hashes(root, token_ids[: max_depth * bs], bs)
+        stored = min(len(chain), max_depth)
+        depth = self._deepest(hashes, stored, local_depth)
+        if depth is None:
+            return 0
+        num_bytes = (max(depth - stored, 0)) * store.spec.kv_block_bytes + store.spec.checkpoint_bytes
+        if not worth_fetching(self.flops, local_depth * bs, depth * bs, num_bytes, self.min_flops_per_byte):
+            logger.debug("the tier holds a hit of %d tokens; recomputing is cheaper", depth * bs)
+            return 0
+        entries = self._fetch(store, token_ids, hashes, stored, depth)
+        if entries is None:
+            return 0
+        if not _insert(store, self.publisher, token_ids, root, chain[:stored], hashes, depth, *entries):
+            return 0
+        grown = (depth - local_depth) * bs
+        self.client.count("remote_hit_tokens", grown)
+        logger.debug("remote tier: hit grew from %d to %d tokens", local_depth * bs, depth * bs)
+        return grown
+
+    def _deepest(self, hashes: list[BlockHash], stored: int, local_depth: int) -> int | None:
+        """The deepest boundary (in blocks) past ``local_depth`` whose KV chain is stored here or in the tier and
+        whose checkpoint is in the tier; None if there is none (or the tier did not answer)."""
+        kv_keys = [kv_key(self.key_prefix, h) for h in hashes[stored:]]
+        depths = list(range(local_depth + 1, len(hashes) + 1))
+        ck_keys = [checkpoint_key(self.key_prefix, hashes[d - 1]) for d in depths]
+        found = self.client.exists(kv_keys + ck_keys)
+        if found is None:
+            return None
+        chain_end = stored
+        for present in found[: len(kv_keys)]:
+            if not present:
+                break
+            chain_end += 1
+        for d, present in reversed(list(zip(depths, found[len(kv_keys) :]))):
+            if present and d <= chain_end:
+                return d
+        return None
+
+    def _fetch(self, store: PrefixStore, token_ids: list[int], hashes: list[BlockHash], stored: int, depth: int):
+        """The verified KV blocks ``[stored, depth)`` and the checkpoint at ``depth``, or None."""
+        bs, spec = store.block_size, store.spec
+        keys = [kv_key(self.key_prefix, hashes[i]) for i in range(stored, depth)]
+        keys.append(checkpoint_key(self.key_prefix, hashes[depth - 1]))
+        values = self.client.get(keys)
+        if values is None:
+            return None
+        kvs = []
+        for i, value in zip(range(stored, depth), values):
+            tensors = decode(value, "kv", hashes[i], token_ids[i * bs : (i + 1) * bs], spec)
+            if tensors is None:
+                return self._miss(value)
+            kvs.append(kv_tensors(tensors))
+        tensors = decode(values[-1], "checkpoint", hashes[depth - 1], token_ids[(depth - 1) * bs : depth * bs], spec)
+        if tensors is None:
+            return self._miss(values[-1])
+        return kvs, checkpoint_states(tensors)
+
+    def _miss(self, value: bytes | None) -> None:
+        if value is not None:  # present but unusable (a vanished entry is an ordinary miss)
+            self.client.count("remote_corrupt_entries")
+        return None
+
+
+def _insert(store: PrefixStore, publisher: Publisher, token_ids, root, local_chain, hashes, depth, kvs, states) -> bool:
+    """Add the fetched blocks after ``local_chain`` (pinned meanwhile, so making room never evicts it) and the
+    checkpoint at ``depth``; everything is unpinned again (the request's lookup pins its hit). True if all fit."""
+    bs, added = store.block_size, []
+    store.pin(local_chain)
+    publisher.muted = True
+    try:
+        parent_id = local_chain[-1] if local_chain else None
+        parent_hash = hashes[len(local_chain) - 1] if local_chain else root
+        for i, kv in enumerate(kvs, start=len(local_chain)):
+            result = store.add_block(parent_id, parent_hash, tuple(token_ids[i * bs : (i + 1) * bs]), lambda kv=kv: kv)
+            if result is None:
+                return False
+            added.append(result[0])
+            parent_id, parent_hash = result
+        block_id = (list(local_chain) + added)[depth - 1]
+        return store.add_checkpoint(block_id, states) is not None
+    finally:
+        publisher.muted = False
+        store.release(added)
+        store.release(list(local_chain))
