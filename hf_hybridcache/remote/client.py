@@ -124,9 +124,3 @@ class TierClient:
             return False
         self.count("remote_bytes_written", sum(len(v) for (_, v), r in zip(items, replies) if r))
         return True
-
-    def get_or_set(self, key: str, value: bytes) -> bytes | None:
-        """The value stored under ``key``, storing ``value`` first if there is none (SET NX then GET, one round
-        trip); None when the tier did not answer."""
-        replies = self._run(lambda pipe: (pipe.set(key, value, nx=True), pipe.get(key)))
-        return None if replies is None else replies[1]

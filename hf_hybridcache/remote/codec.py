@@ -37,10 +37,6 @@ def checkpoint_key(prefix: str, block_hash: BlockHash) -> str:
     return f"{prefix}:{FORMAT}:ck:{block_hash.hex()}"
 
 
-def namespace_key(prefix: str, identity: str) -> str:
-    return f"{prefix}:{FORMAT}:ns:{hashlib.sha256(identity.encode()).hexdigest()}"
-
-
 def _digest(tensors: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name in sorted(tensors):

@@ -1,38 +1,38 @@
 """The tier's namespace: one hash seed shared by every cache of the same model, so their block hashes agree.
 
 A cache draws a random hash seed (:func:`~hf_hybridcache.sharing.hash_seed`), so two processes would never compute
-the same block hash. With a tier, the seed is instead read from the tier under a key derived from the model identity
+the same block hash. With a tier and no ``seed=``, the seed is instead derived from the key prefix, the model identity
 (class, config, dtype; :func:`~hf_hybridcache.hashing.model_identity`) and the hf_hybridcache and transformers
-versions (stored states are only reused under the versions that computed them). The first cache to ask stores 32
-random bytes there with ``SET NX``; every later one, in any process, adopts them. The weights state (weights
+versions (stored states are only reused under the versions that computed them). The weights state (weights
 fingerprint and adapters) and the cache salt are mixed into every root hash after the seed, so caches of other
-weights or other tenants still never share an entry. A seed given with ``seed=`` is used as it is (every process that
-should share must then pass the same bytes).
+weights or other tenants never share an entry.
+
+Derived rather than drawn once and kept in the tier (``SET NX``): a seed kept there would be lost when the server
+restarts or its ``allkeys-lru`` policy evicts that key, and processes started afterwards would draw a new one and stop
+sharing with those started before; a derived one needs no round trip and no server at construction. It hides nothing
+from whoever can read the tier (a stored seed would not either). To keep a deployment's hashes unguessable, pass the
+same secret ``seed=`` bytes to every cache that should share; it is then used as it is.
 """
 
 from __future__ import annotations
 
-import os
+import hashlib
 
 from .. import _compat
-from .client import TierClient
-from .codec import namespace_key
-
-SEED_BYTES = 32
 
 
 def namespace_identity(model_identity: str) -> str:
-    """What the namespace key is derived from: the model identity and the versions that compute the states."""
+    """What the namespace seed is derived from besides the key prefix: the model identity and the versions that
+    compute the states."""
     from .. import __version__
 
     return f"{model_identity}|hf_hybridcache {__version__}|transformers {_compat.TRANSFORMERS_VERSION}"
 
 
-def shared_seed(client: TierClient, key_prefix: str, model_identity: str) -> bytes | None:
-    """The namespace seed stored in the tier for this model (stored now if there is none); None when the tier did not
-    answer or holds something that is not a seed."""
-    key = namespace_key(key_prefix, namespace_identity(model_identity))
-    value = client.get_or_set(key, os.urandom(SEED_BYTES))
-    if not isinstance(value, bytes) or len(value) != SEED_BYTES:
-        return None
-    return value
+def namespace_seed(key_prefix: str, model_identity: str) -> bytes:
+    """The hash seed of every cache of this model using the tier under ``key_prefix`` without a ``seed=``."""
+    h = hashlib.sha256(b"hf_hybridcache-remote-namespace\0")
+    for part in (key_prefix, namespace_identity(model_identity)):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part.encode())
+    return h.digest()

@@ -9,17 +9,13 @@ cache without ``remote=`` has no tier and none of this runs.
 
 from __future__ import annotations
 
-import logging
-
 from ..flops import FlopModel
 from ..store import PrefixStore
 from .client import CircuitBreaker, TierClient
 from .config import RemoteConfig, make_client
 from .fetch import Fetcher
-from .namespace import shared_seed
+from .namespace import namespace_seed
 from .writer import Publisher
-
-logger = logging.getLogger("hf_hybridcache")
 
 
 class RemoteTier:
@@ -29,18 +25,14 @@ class RemoteTier:
         config: the validated settings.
         store: the cache's local store (entries it keeps are published; fetched ones are inserted into it).
         flops: the model's prefill FLOPs (fetch or recompute).
-        namespace: the model identity the namespace seed is kept under, or None when the cache was given its seed
-            (nothing to adopt).
     """
 
-    def __init__(self, config: RemoteConfig, store: PrefixStore, flops: FlopModel, namespace: str | None) -> None:
+    def __init__(self, config: RemoteConfig, store: PrefixStore, flops: FlopModel) -> None:
         self.config = config
         self.store = store
         self.client = TierClient(make_client(config), CircuitBreaker(config.breaker_errors, config.retry_after_s))
         self.publisher = Publisher(self.client, config.key_prefix, config.max_pending_writes)
         self.fetcher = Fetcher(self.client, self.publisher, config.key_prefix, flops, config.min_flops_per_byte)
-        self._namespace = namespace
-        self.ready = namespace is None
 
     @property
     def counters(self) -> dict[str, int]:
@@ -56,34 +48,12 @@ class RemoteTier:
         """Wait until every queued entry is written to the tier (or dropped); False if ``timeout_s`` passed first."""
         return self.publisher.flush(timeout_s)
 
-    def adopt_namespace(self, shared) -> bool:
-        """Make ``shared`` (the cache's :class:`~hf_hybridcache.sharing.SharedState`) use the tier's namespace seed if
-        it does not yet; True once it does. Entries stored locally under the seed drawn before stay unreachable until
-        evicted (they are never published)."""
-        if self.ready:
-            return True
-        seed = shared_seed(self.client, self.config.key_prefix, self._namespace)
-        if seed is None:
-            return False
-        shared.seed = seed
-        self.store.root = shared.root(None)
-        self.ready = True
-        logger.debug("remote tier: adopted the namespace seed of this model")
-        return True
-
     def extend(self, cache, token_ids: list[int]) -> None:
-        """Before ``cache``'s local lookup of ``token_ids``: adopt the namespace if that is still to do (re-rooting
-        the view), then insert what the tier holds beyond the local hit."""
-        if not self.ready:
-            if not self.adopt_namespace(cache._shared):
-                return
-            cache._root = cache._shared.root(cache.salt)
+        """Before ``cache``'s local lookup of ``token_ids``: insert what the tier holds beyond the local hit."""
         self.fetcher.extend(self.store, token_ids, cache._root)
 
     def on_stored(self, kind: str, block_id: int) -> None:
         """The store kept a new KV block (``kind == "kv"``) or checkpoint at the end of ``block_id``: publish it."""
-        if not self.ready:
-            return
         block = self.store.pool[block_id]
         if kind == "kv":
             self.publisher.publish_kv(block.block_hash, block.token_ids, self.store.kv.get(block_id))
@@ -93,29 +63,17 @@ class RemoteTier:
 
 def attach(cache, config: RemoteConfig | None, seed_given: bool) -> RemoteTier | None:
     """Give ``cache`` (a new :class:`~hf_hybridcache.HybridPrefixCache`, store built, no view started) its tier:
-    adopt the namespace seed unless the seed was given, and hook the store. None when ``config`` is None.
+    the namespace seed (:mod:`~hf_hybridcache.remote.namespace`) unless the seed was given, and the store's hook.
+    None when ``config`` is None. Nothing is sent to the server yet.
 
     Raises:
         ImportError: redis-py is not installed.
     """
     if config is None:
         return None
-    from ..hashing import model_identity
-
-    namespace = None if seed_given else model_identity(cache.model)
-    tier = RemoteTier(config, cache._store, FlopModel.from_model(cache.model, cache.spec), namespace)
-    if not tier.adopt_namespace(cache._shared):
-        logger.warning(
-            "The remote tier at %s did not answer; this cache runs on its local store and tries the tier again at "
-            "its next requests.", _describe(config.target),
-        )
+    tier = RemoteTier(config, cache._store, FlopModel.from_model(cache.model, cache.spec))
+    if not seed_given:
+        cache._shared.seed = namespace_seed(config.key_prefix, cache._shared.identity)
+        cache._store.root = cache._shared.root(None)
     cache._store.on_stored = tier.on_stored
     return tier
-
-
-def _describe(target) -> str:
-    """``target`` without a password."""
-    if not isinstance(target, str):
-        return type(target).__name__
-    scheme, _, rest = target.partition("://")
-    return f"{scheme}://{rest.rpartition('@')[2]}"
