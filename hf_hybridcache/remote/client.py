@@ -40,6 +40,13 @@ class CircuitBreaker:
     def is_open(self) -> bool:
         return self.opened_at is not None and self.clock() - self.opened_at < self.retry_after_s
 
+    @property
+    def state(self) -> str:
+        """``"closed"`` (the tier is used), ``"open"`` (skipped) or ``"half-open"`` (the next operation tries it)."""
+        if self.opened_at is None:
+            return "closed"
+        return "open" if self.is_open else "half-open"
+
     def allow(self) -> bool:
         return not self.is_open
 

@@ -112,17 +112,18 @@ class Fetcher:
         for i, value in zip(range(stored, depth), values):
             tensors = decode(value, "kv", hashes[i], token_ids[i * bs : (i + 1) * bs], spec)
             if tensors is None:
-                return self._miss(value)
+                self._count_unusable(value)
+                return None
             kvs.append(kv_tensors(tensors))
         tensors = decode(values[-1], "checkpoint", hashes[depth - 1], token_ids[(depth - 1) * bs : depth * bs], spec)
         if tensors is None:
-            return self._miss(values[-1])
+            self._count_unusable(values[-1])
+            return None
         return kvs, checkpoint_states(tensors)
 
-    def _miss(self, value: bytes | None) -> None:
+    def _count_unusable(self, value: bytes | None) -> None:
         if value is not None:  # present but unusable (a vanished entry is an ordinary miss)
             self.client.count("remote_corrupt_entries")
-        return None
 
 
 def _insert(store: PrefixStore, publisher: Publisher, token_ids, root, local_chain, hashes, depth, kvs, states) -> bool:
