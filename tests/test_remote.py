@@ -14,7 +14,8 @@ from redis_server import RedisServer, require_redis
 
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.remote import RemoteConfig
-from hf_hybridcache.remote.codec import FORMAT
+from hf_hybridcache.hashing import chain_hashes
+from hf_hybridcache.remote.codec import FORMAT, kv_key
 from hf_hybridcache.toy import build_model
 
 #: Tests that build their models themselves compare with the jamba ``cold_model``.
@@ -278,3 +279,17 @@ def test_an_explicit_seed_is_kept(server, model):
 def test_invalid_remote_is_refused(family, model, remote, error):
     with pytest.raises(error):
         HybridPrefixCache(model, remote=remote())
+
+
+@JAMBA
+def test_a_vanished_block_backs_the_hit_off_to_the_checkpoint_before_it(server, cold_model):
+    server.client().flushall()
+    ids = random_ids(70, seed=542)
+    first = warm(build_model("jamba", seed=0), cold_model, server.url, ids, retention_interval="dense")
+    hashes = chain_hashes(first.root_hash, ids[0].tolist(), 16)
+    server.client().delete(kv_key("hfhc", hashes[2]))  # tokens [32, 48): as allkeys-lru would
+    model = build_model("jamba", seed=0)
+    cache = HybridPrefixCache(model, remote=server.url)
+    assert_matches_cold(model, cold_model, cache, ids, new_tokens=4)
+    assert cache.last_hit_tokens == [32] and cache.stats.remote_hit_tokens == 32
+    assert cache.stats.remote_corrupt_entries == 0

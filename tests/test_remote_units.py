@@ -1,0 +1,147 @@
+"""The remote tier's parts without a server: circuit breaker, background writer, wire format, fetch rule, namespace."""
+
+import threading
+
+import pytest
+import torch
+
+from hf_hybridcache.config import AttentionLayerSpec, MambaLayerSpec, ModelStateSpec, TensorSpec
+from hf_hybridcache.flops import FlopModel
+from hf_hybridcache.hashing import BlockHash, block_hash
+from hf_hybridcache.remote import CircuitBreaker
+from hf_hybridcache.remote.client import TierClient
+from hf_hybridcache.remote.codec import checkpoint_states, decode, encode_checkpoint, encode_kv, kv_tensors
+from hf_hybridcache.remote.fetch import worth_fetching
+from hf_hybridcache.remote.namespace import namespace_seed
+from hf_hybridcache.remote.writer import Publisher
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_breaker_opens_after_consecutive_errors_and_half_opens_after_the_wait():
+    clock = Clock()
+    breaker = CircuitBreaker(max_errors=3, retry_after_s=5.0, clock=clock)
+    breaker.failure()
+    breaker.failure()
+    breaker.success()  # a success in between resets the count
+    breaker.failure()
+    breaker.failure()
+    assert breaker.state == "closed" and breaker.allow()
+    breaker.failure()
+    assert breaker.state == "open" and not breaker.allow() and breaker.times_opened == 1
+    clock.now += 4.9
+    assert not breaker.allow()
+    clock.now += 0.2
+    assert breaker.state == "half-open" and breaker.allow()
+    breaker.failure()  # the trial failed: open again for another wait, still one opening
+    assert breaker.state == "open" and breaker.times_opened == 1
+    clock.now += 5.1
+    breaker.success()
+    assert breaker.state == "closed" and breaker.errors == 0
+
+
+class BlockingPipeline:
+    """Stands in for a redis-py pipeline: records SETs, and ``execute`` waits until the test releases it."""
+
+    def __init__(self, client):
+        self.client, self.commands = client, []
+
+    def set(self, key, value, nx=False):
+        self.commands.append((key, value, nx))
+
+    def execute(self):
+        self.client.release.wait(10)
+        self.client.written.extend(self.commands)
+        return [True] * len(self.commands)
+
+
+class BlockingClient:
+    def __init__(self):
+        self.release, self.written = threading.Event(), []
+
+    def pipeline(self, transaction=False):
+        return BlockingPipeline(self)
+
+
+def test_full_write_queue_drops_and_counts_instead_of_waiting():
+    fake = BlockingClient()
+    client = TierClient(fake, CircuitBreaker(3, 5.0))
+    publisher = Publisher(client, "test", max_pending=2)
+    h = BlockHash(b"\x01" * 32)
+    kv = {0: torch.zeros(2, 1, 4, 2)}
+    publisher.publish_kv(h, [1, 2, 3, 4], kv)  # taken by the writer, which then blocks in execute()
+    for _ in range(50):
+        if publisher._queue.unfinished_tasks == 1 and publisher._queue.empty():
+            break
+        threading.Event().wait(0.02)
+    for i in range(5):
+        publisher.publish_kv(BlockHash(bytes([i + 2]) * 32), [1, 2, 3, 4], kv)
+    assert client.counters["remote_dropped_writes"] == 3  # two fit the queue
+    fake.release.set()
+    assert publisher.flush(10)
+    assert len(fake.written) == 3 and all(nx for _, _, nx in fake.written)
+    assert client.counters["remote_bytes_written"] == sum(len(v) for _, v, _ in fake.written)
+    publisher.muted = True
+    publisher.publish_kv(BlockHash(b"\x09" * 32), [1, 2, 3, 4], kv)
+    assert publisher.flush(10) and len(fake.written) == 3
+
+
+SPEC = ModelStateSpec(
+    attention=(AttentionLayerSpec(1, 2, 4, torch.float32),),
+    mamba=(MambaLayerSpec(0, TensorSpec((6, 3), torch.float32), TensorSpec((6, 5), torch.float32)),),
+    block_size=4,
+)
+TOKENS = [7, 8, 9, 10]
+HASH = block_hash(BlockHash(b"\x00" * 32), TOKENS)
+
+
+def test_entries_round_trip_exactly():
+    kv = {1: torch.randn(2, 2, 4, 4)}
+    states = {0: (torch.randn(1, 6, 3), torch.randn(1, 6, 5))}
+    got_kv = kv_tensors(decode(encode_kv(HASH, TOKENS, kv), "kv", HASH, TOKENS, SPEC))
+    assert torch.equal(got_kv[1], kv[1])
+    got = checkpoint_states(decode(encode_checkpoint(HASH, TOKENS, states), "checkpoint", HASH, TOKENS, SPEC))
+    assert torch.equal(got[0][0], states[0][0]) and torch.equal(got[0][1], states[0][1])
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["other hash", "other tokens", "other kind", "other shape", "other dtype", "missing", "garbage"],
+)
+def test_entries_that_do_not_fit_the_reader_are_misses(case):
+    kv = {1: torch.randn(2, 2, 4, 4)}
+    value, kind, h, tokens = encode_kv(HASH, TOKENS, kv), "kv", HASH, TOKENS
+    if case == "other hash":
+        h = block_hash(HASH, TOKENS)
+    elif case == "other tokens":
+        tokens = [7, 8, 9, 11]
+    elif case == "other kind":
+        kind = "checkpoint"
+    elif case == "other shape":
+        value = encode_kv(HASH, TOKENS, {1: torch.randn(2, 2, 4, 3)})
+    elif case == "other dtype":
+        value = encode_kv(HASH, TOKENS, {1: kv[1].double()})
+    elif case == "missing":
+        value = None
+    else:
+        value = b"\xff" * 100
+    assert decode(value, kind, h, tokens, SPEC) is None
+
+
+def test_fetch_rule_compares_saved_flops_per_byte():
+    flops = FlopModel(flops_per_token=1000.0, flops_per_key=0.0)
+    assert worth_fetching(flops, 0, 16, 1000, min_flops_per_byte=16.0)  # 16,000 FLOPs for 1,000 bytes
+    assert not worth_fetching(flops, 0, 16, 1000, min_flops_per_byte=16.1)
+    assert worth_fetching(flops, 16, 32, 10**9, min_flops_per_byte=0.0)
+
+
+def test_namespace_seed_is_shared_per_prefix_and_model():
+    seed = namespace_seed("hfhc", "model-a")
+    assert seed == namespace_seed("hfhc", "model-a") and len(seed) == 32
+    assert seed != namespace_seed("hfhc", "model-b") and seed != namespace_seed("other", "model-a")
