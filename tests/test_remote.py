@@ -13,8 +13,8 @@ from conftest import assert_matches_cold, assert_restored_states_match, random_i
 from redis_server import RedisServer, require_redis
 
 from hf_hybridcache import HybridPrefixCache
-from hf_hybridcache.remote import RemoteConfig
 from hf_hybridcache.hashing import chain_hashes
+from hf_hybridcache.remote import RemoteConfig
 from hf_hybridcache.remote.codec import FORMAT, kv_key
 from hf_hybridcache.toy import build_model
 
@@ -293,3 +293,22 @@ def test_a_vanished_block_backs_the_hit_off_to_the_checkpoint_before_it(server, 
     assert_matches_cold(model, cold_model, cache, ids, new_tokens=4)
     assert cache.last_hit_tokens == [32] and cache.stats.remote_hit_tokens == 32
     assert cache.stats.remote_corrupt_entries == 0
+
+
+@JAMBA
+def test_a_divergence_from_a_path_only_the_tier_holds_is_admitted(server, cold_model):
+    """Workload (a) over several processes: the second one cannot see in its own store that its prompt leaves the
+    first one's path, but the tier's KV chain shows it, so it keeps the checkpoint at the end of the shared part."""
+    server.client().flushall()
+    shared = random_ids(48, seed=543)
+    prompts = [torch.cat([shared, random_ids(30, seed=seed)], dim=1) for seed in (544, 545, 546)]
+    caches = []
+    for ids in prompts:
+        model = build_model("jamba", seed=0)
+        cache = HybridPrefixCache(model, remote=server.url)
+        assert_matches_cold(model, cold_model, cache, ids, new_tokens=4)
+        assert cache.remote.flush(30)
+        caches.append(cache)
+    assert [c.last_hit_tokens for c in caches] == [[0], [0], [48]]
+    assert [c.stats.divergence_checkpoints for c in caches] == [0, 1, 0]
+    assert caches[2].stats.remote_hit_tokens == 48

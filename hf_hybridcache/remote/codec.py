@@ -73,7 +73,8 @@ def encode_checkpoint(block_hash: BlockHash, token_ids, states: dict[int, LayerS
 
 def _expected(kind: str, spec: ModelStateSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     if kind == "kv":
-        return {f"kv.{a.layer_idx}": ((2, a.num_kv_heads, spec.block_size, a.head_dim), a.dtype) for a in spec.attention}
+        bs = spec.block_size
+        return {f"kv.{a.layer_idx}": ((2, a.num_kv_heads, bs, a.head_dim), a.dtype) for a in spec.attention}
     expected = {}
     for m in spec.mamba:
         expected[f"conv.{m.layer_idx}"] = ((1, *m.conv.shape), m.conv.dtype)

@@ -59,7 +59,8 @@ class RemoteConfig:
             )
         for name in ("connect_timeout_s", "timeout_s", "retry_after_s"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"RemoteConfig.{name} must be a positive number of seconds, got {getattr(self, name)}.")
+                value = getattr(self, name)
+                raise ValueError(f"RemoteConfig.{name} must be a positive number of seconds, got {value}.")
         for name in ("max_pending_writes", "breaker_errors"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -26,7 +26,9 @@ from .writer import Publisher
 logger = logging.getLogger("hf_hybridcache")
 
 
-def worth_fetching(flops: FlopModel, start_tokens: int, end_tokens: int, num_bytes: int, min_flops_per_byte: float) -> bool:
+def worth_fetching(
+    flops: FlopModel, start_tokens: int, end_tokens: int, num_bytes: int, min_flops_per_byte: float
+) -> bool:
     """Fetch ``num_bytes`` to restore ``end_tokens`` instead of ``start_tokens`` only when the prefill FLOPs saved
     (:meth:`~hf_hybridcache.flops.FlopModel.span_flops`) per byte reach ``min_flops_per_byte``: transferring beats
     recomputing when ``bytes / bandwidth < FLOPs / compute rate``, i.e. FLOPs per byte above compute rate divided by
@@ -54,8 +56,13 @@ class Fetcher:
         self.min_flops_per_byte = min_flops_per_byte
 
     def extend(self, store: PrefixStore, token_ids: list[int], root: BlockHash) -> int:
-        """Insert into ``store`` what the tier holds beyond the local hit of ``token_ids`` under ``root``. Returns
-        the tokens the hit grew by (0 when the tier has nothing longer, is not worth it, fails or is skipped)."""
+        """Insert into ``store`` what the tier holds beyond the local hit of ``token_ids`` under ``root``.
+
+        Returns a divergence point for admission, or 0: the boundary where the prompt leaves a KV chain that the
+        tier holds past the local store's (another process stored that path). A process whose own store lacks the
+        path cannot see the divergence itself, yet a checkpoint there is what lets the next request on any process
+        reuse the shared part. When the path merely ended there, its writer kept a checkpoint at its end, which
+        would have been fetched instead."""
         bs = store.block_size
         max_depth = (len(token_ids) - 1) // bs
         chain, _ = match_blocks(store.pool, token_ids, root, bs)
@@ -64,26 +71,31 @@ class Fetcher:
             return 0
         hashes = chain_hashes(root, token_ids[: max_depth * bs], bs)
         stored = min(len(chain), max_depth)
-        depth = self._deepest(hashes, stored, local_depth)
-        if depth is None:
+        found = self._deepest(hashes, stored, local_depth)
+        if found is None:
             return 0
-        num_bytes = (max(depth - stored, 0)) * store.spec.kv_block_bytes + store.spec.checkpoint_bytes
+        chain_end, depth = found
+        divergence = chain_end * bs if stored < chain_end < len(token_ids) // bs else 0
+        if depth is not None:
+            self._fetch_and_insert(store, token_ids, root, chain[:stored], hashes, local_depth, depth)
+        return divergence
+
+    def _fetch_and_insert(self, store, token_ids, root, local_chain, hashes, local_depth: int, depth: int) -> None:
+        bs, stored = store.block_size, len(local_chain)
+        num_bytes = max(depth - stored, 0) * store.spec.kv_block_bytes + store.spec.checkpoint_bytes
         if not worth_fetching(self.flops, local_depth * bs, depth * bs, num_bytes, self.min_flops_per_byte):
             logger.debug("the tier holds a hit of %d tokens; recomputing is cheaper", depth * bs)
-            return 0
+            return
         entries = self._fetch(store, token_ids, hashes, stored, depth)
-        if entries is None:
-            return 0
-        if not _insert(store, self.publisher, token_ids, root, chain[:stored], hashes, depth, *entries):
-            return 0
-        grown = (depth - local_depth) * bs
-        self.client.count("remote_hit_tokens", grown)
+        if entries is None or not _insert(store, self.publisher, token_ids, root, local_chain, hashes, depth, *entries):
+            return
+        self.client.count("remote_hit_tokens", (depth - local_depth) * bs)
         logger.debug("remote tier: hit grew from %d to %d tokens", local_depth * bs, depth * bs)
-        return grown
 
-    def _deepest(self, hashes: list[BlockHash], stored: int, local_depth: int) -> int | None:
-        """The deepest boundary (in blocks) past ``local_depth`` whose KV chain is stored here or in the tier and
-        whose checkpoint is in the tier; None if there is none (or the tier did not answer)."""
+    def _deepest(self, hashes: list[BlockHash], stored: int, local_depth: int) -> tuple[int, int | None] | None:
+        """``(chain_end, depth)``: the blocks of the prompt's KV chain stored here or in the tier, and the deepest
+        boundary (in blocks) past ``local_depth`` within it whose checkpoint is in the tier (None if there is none).
+        None when the tier did not answer."""
         kv_keys = [kv_key(self.key_prefix, h) for h in hashes[stored:]]
         depths = list(range(local_depth + 1, len(hashes) + 1))
         ck_keys = [checkpoint_key(self.key_prefix, hashes[d - 1]) for d in depths]
@@ -97,8 +109,8 @@ class Fetcher:
             chain_end += 1
         for d, present in reversed(list(zip(depths, found[len(kv_keys) :]))):
             if present and d <= chain_end:
-                return d
-        return None
+                return chain_end, d
+        return chain_end, None
 
     def _fetch(self, store: PrefixStore, token_ids: list[int], hashes: list[BlockHash], stored: int, depth: int):
         """The verified KV blocks ``[stored, depth)`` and the checkpoint at ``depth``, or None."""

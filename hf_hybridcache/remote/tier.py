@@ -48,9 +48,10 @@ class RemoteTier:
         """Wait until every queued entry is written to the tier (or dropped); False if ``timeout_s`` passed first."""
         return self.publisher.flush(timeout_s)
 
-    def extend(self, cache, token_ids: list[int]) -> None:
-        """Before ``cache``'s local lookup of ``token_ids``: insert what the tier holds beyond the local hit."""
-        self.fetcher.extend(self.store, token_ids, cache._root)
+    def extend(self, cache, token_ids: list[int]) -> int:
+        """Before ``cache``'s local lookup of ``token_ids``: insert what the tier holds beyond the local hit. Returns
+        a divergence point the tier revealed, or 0 (see :meth:`~hf_hybridcache.remote.fetch.Fetcher.extend`)."""
+        return self.fetcher.extend(self.store, token_ids, cache._root)
 
     def on_stored(self, kind: str, block_id: int) -> None:
         """The store kept a new KV block (``kind == "kv"``) or checkpoint at the end of ``block_id``: publish it."""

@@ -56,7 +56,8 @@ class Publisher:
 
     def publish_checkpoint(self, block_hash: BlockHash, token_ids, states: dict[int, LayerState]) -> None:
         """Queue a stored checkpoint ``{mamba layer idx: (conv, ssm)}`` at the end of the block ``block_hash``."""
-        self._offer(checkpoint_key(self.key_prefix, block_hash), lambda: encode_checkpoint(block_hash, token_ids, states))
+        key = checkpoint_key(self.key_prefix, block_hash)
+        self._offer(key, lambda: encode_checkpoint(block_hash, token_ids, states))
 
     def _offer(self, key: str, encode: Callable[[], bytes]) -> None:
         if self.muted:
