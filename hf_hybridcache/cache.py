@@ -75,7 +75,10 @@ class HybridPrefixCache(LiveCache):
 
     Raises:
         ValueError: unsupported model; invalid ``block_size``, ``retention_interval``, ``max_cache_bytes``, ``seed``,
-            ``offload``, ``admit_divergence``, ``eviction`` or ``remote``; a budget smaller than one KV block plus one checkpoint.
+            ``offload``, ``admit_divergence``, ``eviction`` or ``remote``; a budget smaller than one KV block plus one
+            checkpoint.
+        TypeError: ``remote`` is not a URL, a redis-py client or a ``RemoteConfig``.
+        ImportError: ``remote`` is a URL and redis-py is not installed (``pip install 'hf_hybridcache[redis]'``).
     """
 
     def __init__(
