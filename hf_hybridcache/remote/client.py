@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 
 logger = logging.getLogger("hf_hybridcache")
@@ -22,6 +23,8 @@ COUNTERS = (
     "remote_hit_tokens", "remote_bytes_read", "remote_bytes_written", "remote_round_trips", "remote_errors",
     "remote_dropped_writes", "remote_corrupt_entries",
 )
+#: Round-trip times kept per kind.
+LATENCY_SAMPLES = 4096
 
 
 class CircuitBreaker:
@@ -73,27 +76,32 @@ class TierClient:
 
     Attributes:
         counters: ``{name: int}`` for :data:`COUNTERS` (bytes and round trips counted here; hits by the fetcher).
+        latencies_s: ``{"read": deque, "write": deque}``, seconds of the latest successful round trips (reads:
+            EXISTS and GET pipelines; writes: SET pipelines), for benchmarks and health checks.
     """
 
     def __init__(self, client, breaker: CircuitBreaker) -> None:
         self.client = client
         self.breaker = breaker
         self.counters = dict.fromkeys(COUNTERS, 0)
+        self.latencies_s = {"read": deque(maxlen=LATENCY_SAMPLES), "write": deque(maxlen=LATENCY_SAMPLES)}
         self._lock = threading.Lock()
 
     def count(self, name: str, amount: int = 1) -> None:
         with self._lock:
             self.counters[name] += amount
 
-    def _run(self, queue) -> list | None:
+    def _run(self, queue, kind: str = "read") -> list | None:
         """Run ``queue(pipeline)`` as one round trip; its replies, or None when the breaker is open or it failed."""
         with self._lock:
             if not self.breaker.allow():
                 return None
         try:
+            started = time.perf_counter()
             pipe = self.client.pipeline(transaction=False)
             queue(pipe)
             replies = pipe.execute()
+            seconds = time.perf_counter() - started
         except Exception as error:  # redis errors, OSError, timeouts: a tier failure never fails a request
             with self._lock:
                 self.counters["remote_round_trips"] += 1
@@ -103,6 +111,7 @@ class TierClient:
             return None
         with self._lock:
             self.counters["remote_round_trips"] += 1
+            self.latencies_s[kind].append(seconds)
             self.breaker.success()
         return replies
 
@@ -126,7 +135,7 @@ class TierClient:
         """Store each ``(key, value)`` unless the key exists (entries are immutable: the first writer wins)."""
         if not items:
             return True
-        replies = self._run(lambda pipe: [pipe.set(key, value, nx=True) for key, value in items])
+        replies = self._run(lambda pipe: [pipe.set(key, value, nx=True) for key, value in items], "write")
         if replies is None:
             return False
         self.count("remote_bytes_written", sum(len(v) for (_, v), r in zip(items, replies) if r))
