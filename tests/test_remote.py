@@ -256,6 +256,25 @@ def test_fetching_is_skipped_when_recomputing_is_cheaper(server, cold_model):
 
 
 @JAMBA
+def test_measured_transfer_time_decides_once_known(server, cold_model):
+    """With a compute rate far beyond any network, recomputing always wins once the transfer time is measured: the
+    first fetch (nothing measured yet) happens and measures it, the next is skipped."""
+    server.client().flushall()
+    prompts = [random_ids(70, seed=seed) for seed in (547, 548)]
+    warmer = build_model("jamba", seed=0)
+    for ids in prompts:
+        warm(warmer, cold_model, server.url, ids)
+    model = build_model("jamba", seed=0)
+    cache = HybridPrefixCache(model, remote=RemoteConfig(server.url, compute_flops_per_s=1e18))
+    hits = []
+    for ids in prompts:
+        assert_matches_cold(model, cold_model, cache, ids, new_tokens=4)
+        hits.append(cache.last_hit_tokens[0])
+    assert hits == [64, 0]
+    assert cache.remote.client.rate.seconds(1) is not None
+
+
+@JAMBA
 def test_without_remote_nothing_changes(model):
     cache = HybridPrefixCache(model)
     assert cache.remote is None and cache.store.on_stored is None

@@ -8,11 +8,12 @@ import torch
 from hf_hybridcache.config import AttentionLayerSpec, MambaLayerSpec, ModelStateSpec, TensorSpec
 from hf_hybridcache.flops import FlopModel
 from hf_hybridcache.hashing import BlockHash, block_hash
-from hf_hybridcache.remote import CircuitBreaker
+from hf_hybridcache.remote import CircuitBreaker, RemoteConfig
 from hf_hybridcache.remote.client import TierClient
 from hf_hybridcache.remote.codec import checkpoint_states, decode, encode_checkpoint, encode_kv, kv_tensors
 from hf_hybridcache.remote.fetch import worth_fetching
 from hf_hybridcache.remote.namespace import namespace_seed
+from hf_hybridcache.remote.rate import TransferRate
 from hf_hybridcache.remote.writer import Publisher
 
 
@@ -134,11 +135,26 @@ def test_entries_that_do_not_fit_the_reader_are_misses(case):
     assert decode(value, kind, h, tokens, SPEC) is None
 
 
-def test_fetch_rule_compares_saved_flops_per_byte():
-    flops = FlopModel(flops_per_token=1000.0, flops_per_key=0.0)
-    assert worth_fetching(flops, 0, 16, 1000, min_flops_per_byte=16.0)  # 16,000 FLOPs for 1,000 bytes
-    assert not worth_fetching(flops, 0, 16, 1000, min_flops_per_byte=16.1)
-    assert worth_fetching(flops, 16, 32, 10**9, min_flops_per_byte=0.0)
+def test_fetch_rule_compares_flops_per_byte_and_measured_transfer_time():
+    saved = FlopModel(flops_per_token=1000.0, flops_per_key=0.0).span_flops(0, 16)  # 16,000 FLOPs
+    assert worth_fetching(saved, 1000, RemoteConfig("redis://h", min_flops_per_byte=16.0), None)
+    assert not worth_fetching(saved, 1000, RemoteConfig("redis://h", min_flops_per_byte=16.1), None)
+    timed = RemoteConfig("redis://h", compute_flops_per_s=1e6)  # recomputing takes 16 ms
+    assert worth_fetching(saved, 1000, timed, None)  # not measured yet: fetch, which measures
+    assert worth_fetching(saved, 1000, timed, 0.015)
+    assert not worth_fetching(saved, 1000, timed, 0.017)
+
+
+def test_transfer_rate_separates_latency_from_bandwidth():
+    rate = TransferRate()
+    rate.observe_transfer(10_000, 0.01)  # no latency known yet: not used
+    assert rate.seconds(1000) is None
+    rate.observe_round_trip(0.001)
+    rate.observe_transfer(1_000_000, 0.011)  # 1 MB in 10 ms after 1 ms of latency: 100 MB/s
+    assert rate.latency_s == pytest.approx(0.001) and rate.bytes_per_s == pytest.approx(1e8)
+    assert rate.seconds(2_000_000) == pytest.approx(0.021)
+    rate.observe_round_trip(0.002)
+    assert rate.latency_s == pytest.approx(0.8 * 0.001 + 0.2 * 0.002)
 
 
 def test_namespace_seed_is_shared_per_prefix_and_model():

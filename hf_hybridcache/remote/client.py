@@ -16,6 +16,8 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
+from .rate import TransferRate
+
 logger = logging.getLogger("hf_hybridcache")
 
 #: The tier's counters (see :class:`~hf_hybridcache.stats.PrefixCacheStats`).
@@ -78,6 +80,7 @@ class TierClient:
         counters: ``{name: int}`` for :data:`COUNTERS` (bytes and round trips counted here; hits by the fetcher).
         latencies_s: ``{"read": deque, "write": deque}``, seconds of the latest successful round trips (reads:
             EXISTS and GET pipelines; writes: SET pipelines), for benchmarks and health checks.
+        rate: the measured latency and bandwidth of reads (:mod:`~hf_hybridcache.remote.rate`).
     """
 
     def __init__(self, client, breaker: CircuitBreaker) -> None:
@@ -85,14 +88,16 @@ class TierClient:
         self.breaker = breaker
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.latencies_s = {"read": deque(maxlen=LATENCY_SAMPLES), "write": deque(maxlen=LATENCY_SAMPLES)}
+        self.rate = TransferRate()
         self._lock = threading.Lock()
 
     def count(self, name: str, amount: int = 1) -> None:
         with self._lock:
             self.counters[name] += amount
 
-    def _run(self, queue, kind: str = "read") -> list | None:
-        """Run ``queue(pipeline)`` as one round trip; its replies, or None when the breaker is open or it failed."""
+    def _run(self, queue, kind: str = "read") -> tuple[list, float] | None:
+        """Run ``queue(pipeline)`` as one round trip; its replies and seconds, or None when the breaker is open or it
+        failed."""
         with self._lock:
             if not self.breaker.allow():
                 return None
@@ -113,30 +118,38 @@ class TierClient:
             self.counters["remote_round_trips"] += 1
             self.latencies_s[kind].append(seconds)
             self.breaker.success()
-        return replies
+        return replies, seconds
 
     def exists(self, keys: Sequence[str]) -> list[bool] | None:
         """Whether each key is stored (None: the tier did not answer)."""
         if not keys:
             return []
-        replies = self._run(lambda pipe: [pipe.exists(key) for key in keys])
-        return None if replies is None else [bool(r) for r in replies]
+        done = self._run(lambda pipe: [pipe.exists(key) for key in keys])
+        if done is None:
+            return None
+        self.rate.observe_round_trip(done[1])
+        return [bool(r) for r in done[0]]
 
     def get(self, keys: Sequence[str]) -> list[bytes | None] | None:
         """The value of each key, None where it is missing (None for all: the tier did not answer)."""
         if not keys:
             return []
-        replies = self._run(lambda pipe: [pipe.get(key) for key in keys])
-        if replies is not None:
-            self.count("remote_bytes_read", sum(len(r) for r in replies if r is not None))
+        done = self._run(lambda pipe: [pipe.get(key) for key in keys])
+        if done is None:
+            return None
+        replies, seconds = done
+        num_bytes = sum(len(r) for r in replies if r is not None)
+        self.count("remote_bytes_read", num_bytes)
+        self.rate.observe_transfer(num_bytes, seconds)
         return replies
 
     def set_new(self, items: Sequence[tuple[str, bytes]]) -> bool:
         """Store each ``(key, value)`` unless the key exists (entries are immutable: the first writer wins)."""
         if not items:
             return True
-        replies = self._run(lambda pipe: [pipe.set(key, value, nx=True) for key, value in items], "write")
-        if replies is None:
+        done = self._run(lambda pipe: [pipe.set(key, value, nx=True) for key, value in items], "write")
+        if done is None:
             return False
+        replies = done[0]
         self.count("remote_bytes_written", sum(len(v) for (_, v), r in zip(items, replies) if r))
         return True

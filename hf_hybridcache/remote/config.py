@@ -31,8 +31,10 @@ class RemoteConfig:
         breaker_errors: consecutive failed operations that open the circuit breaker (the tier is skipped).
         retry_after_s: how long the breaker stays open before one operation tries the tier again.
         min_flops_per_byte: fetch a remote chain only when the prefill FLOPs it saves per byte transferred reach this
-            (0: fetch whenever the tier extends the local hit). Compare with your accelerator's FLOP/s divided by the
-            network's bytes/s; see :func:`~hf_hybridcache.remote.fetch.worth_fetching`.
+            (0: no floor). Compare with your accelerator's FLOP/s divided by the network's bytes/s.
+        compute_flops_per_s: the prefill FLOP/s this process sustains; when given, a chain is fetched only when the
+            measured transfer time (latency + bytes / bandwidth, :mod:`~hf_hybridcache.remote.rate`) is below the
+            time to recompute it. None: no such check. See :func:`~hf_hybridcache.remote.fetch.worth_fetching`.
         key_prefix: first part of every key (several deployments can share one server under different prefixes).
     """
 
@@ -43,6 +45,7 @@ class RemoteConfig:
     breaker_errors: int = 3
     retry_after_s: float = 5.0
     min_flops_per_byte: float = 0.0
+    compute_flops_per_s: float | None = None
     key_prefix: str = DEFAULT_KEY_PREFIX
 
     def __post_init__(self) -> None:
@@ -65,6 +68,8 @@ class RemoteConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"RemoteConfig.{name} must be an int >= 1, got {value!r}.")
+        if self.compute_flops_per_s is not None and not self.compute_flops_per_s > 0:
+            raise ValueError(f"RemoteConfig.compute_flops_per_s must be None or > 0, got {self.compute_flops_per_s}.")
         if not self.min_flops_per_byte >= 0:
             raise ValueError(f"RemoteConfig.min_flops_per_byte must be >= 0, got {self.min_flops_per_byte}.")
         if not isinstance(self.key_prefix, str) or not self.key_prefix:

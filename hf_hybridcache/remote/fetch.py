@@ -21,19 +21,24 @@ from ..store import PrefixStore
 from ..store.lookup import hit_blocks, match_blocks
 from .client import TierClient
 from .codec import checkpoint_key, checkpoint_states, decode, kv_key, kv_tensors
+from .config import RemoteConfig
 from .writer import Publisher
 
 logger = logging.getLogger("hf_hybridcache")
 
 
 def worth_fetching(
-    flops: FlopModel, start_tokens: int, end_tokens: int, num_bytes: int, min_flops_per_byte: float
+    saved_flops: float, num_bytes: int, config: RemoteConfig, transfer_seconds: float | None
 ) -> bool:
-    """Fetch ``num_bytes`` to restore ``end_tokens`` instead of ``start_tokens`` only when the prefill FLOPs saved
-    (:meth:`~hf_hybridcache.flops.FlopModel.span_flops`) per byte reach ``min_flops_per_byte``: transferring beats
-    recomputing when ``bytes / bandwidth < FLOPs / compute rate``, i.e. FLOPs per byte above compute rate divided by
-    bandwidth (e.g. 400 TFLOP/s over 10 GB/s: 40,000)."""
-    return flops.span_flops(start_tokens, end_tokens) >= min_flops_per_byte * num_bytes
+    """Fetch ``num_bytes`` that save ``saved_flops`` of prefill
+    (:meth:`~hf_hybridcache.flops.FlopModel.span_flops`) only when the FLOPs per byte reach
+    ``config.min_flops_per_byte`` and, when ``config.compute_flops_per_s`` is given and the transfer time is measured
+    (``transfer_seconds``), transferring takes less time than recomputing."""
+    if saved_flops < config.min_flops_per_byte * num_bytes:
+        return False
+    if config.compute_flops_per_s is None or transfer_seconds is None:
+        return True
+    return transfer_seconds < saved_flops / config.compute_flops_per_s
 
 
 class Fetcher:
@@ -43,17 +48,16 @@ class Fetcher:
         client: the tier's connection.
         publisher: muted while fetched entries are inserted (they are in the tier already).
         key_prefix: first part of every key.
+        config: the tier's settings (key prefix, fetch rule).
         flops: the model's prefill FLOPs, for :func:`worth_fetching`.
-        min_flops_per_byte: see :class:`~hf_hybridcache.remote.config.RemoteConfig`.
     """
 
-    def __init__(self, client: TierClient, publisher: Publisher, key_prefix: str, flops: FlopModel,
-                 min_flops_per_byte: float) -> None:
+    def __init__(self, client: TierClient, publisher: Publisher, config: RemoteConfig, flops: FlopModel) -> None:
         self.client = client
         self.publisher = publisher
-        self.key_prefix = key_prefix
+        self.config = config
+        self.key_prefix = config.key_prefix
         self.flops = flops
-        self.min_flops_per_byte = min_flops_per_byte
 
     def extend(self, store: PrefixStore, token_ids: list[int], root: BlockHash) -> int:
         """Insert into ``store`` what the tier holds beyond the local hit of ``token_ids`` under ``root``.
@@ -83,7 +87,8 @@ class Fetcher:
     def _fetch_and_insert(self, store, token_ids, root, local_chain, hashes, local_depth: int, depth: int) -> None:
         bs, stored = store.block_size, len(local_chain)
         num_bytes = max(depth - stored, 0) * store.spec.kv_block_bytes + store.spec.checkpoint_bytes
-        if not worth_fetching(self.flops, local_depth * bs, depth * bs, num_bytes, self.min_flops_per_byte):
+        saved = self.flops.span_flops(local_depth * bs, depth * bs)
+        if not worth_fetching(saved, num_bytes, self.config, self.client.rate.seconds(num_bytes)):
             logger.debug("the tier holds a hit of %d tokens; recomputing is cheaper", depth * bs)
             return
         entries = self._fetch(store, token_ids, hashes, stored, depth)

@@ -32,7 +32,7 @@ class RemoteTier:
         self.store = store
         self.client = TierClient(make_client(config), CircuitBreaker(config.breaker_errors, config.retry_after_s))
         self.publisher = Publisher(self.client, config.key_prefix, config.max_pending_writes)
-        self.fetcher = Fetcher(self.client, self.publisher, config.key_prefix, flops, config.min_flops_per_byte)
+        self.fetcher = Fetcher(self.client, self.publisher, config, flops)
 
     @property
     def counters(self) -> dict[str, int]:
