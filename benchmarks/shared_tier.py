@@ -11,7 +11,7 @@ worker waits for its queued writes after a request (``cache.remote.flush()``, no
 deterministic; in a service the writes overlap the next requests. Every first token must equal the reference run's.
 
 Reports per run the token hit rate, the median TTFT, the bytes read from the tier per request it served a hit to,
-and the median GET / SET round-trip times. Without ``--redis`` a ``redis-server`` is started on a free loopback port
+and the median read (EXISTS / GET pipelines) and write (SET pipelines) round-trip times. Without ``--redis`` a ``redis-server`` is started on a free loopback port
 (Debian: ``apt-get install redis-server``); with it, keys go under a fresh prefix, so nothing there is touched.
 """
 
@@ -163,7 +163,7 @@ def main() -> None:
             server.kill()
             server.wait()
     print("\n| workload | run | requests | token hit rate | median TTFT | requests hit from the tier | bytes read "
-          "per such hit | median GET / SET round trip (ms) | tier errors / dropped writes |")
+          "per such hit | median read / write round trip (ms) | tier errors / dropped writes |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['workload']} | {r['run']} | {r['requests']} | {r['hit_rate']:.3f} | {r['median_ttft']:.3f} s | "
