@@ -161,3 +161,15 @@ def test_namespace_seed_is_shared_per_prefix_and_model():
     seed = namespace_seed("hfhc", "model-a")
     assert seed == namespace_seed("hfhc", "model-a") and len(seed) == 32
     assert seed != namespace_seed("hfhc", "model-b") and seed != namespace_seed("other", "model-a")
+
+
+def test_a_missing_redis_server_skips_outside_ci_and_fails_in_ci(monkeypatch):
+    import redis_server
+
+    monkeypatch.setattr(redis_server.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception):
+        redis_server.require_redis()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI"):
+        redis_server.require_redis()
