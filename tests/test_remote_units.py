@@ -173,3 +173,53 @@ def test_a_missing_redis_server_skips_outside_ci_and_fails_in_ci(monkeypatch):
     monkeypatch.setenv("CI", "true")
     with pytest.raises(pytest.fail.Exception, match="CI"):
         redis_server.require_redis()
+
+
+class DictPipeline:
+    def __init__(self, data):
+        self.data, self.ops = data, []
+
+    def exists(self, key):
+        self.ops.append(lambda: int(key in self.data))
+
+    def get(self, key):
+        self.ops.append(lambda: self.data.get(key))
+
+    def set(self, key, value, nx=False):
+        def op():
+            if nx and key in self.data:
+                return None
+            self.data[key] = value
+            return True
+
+        self.ops.append(op)
+
+    def execute(self):
+        return [op() for op in self.ops]
+
+
+class DictClient:
+    """An in-memory stand-in for a redis-py client, passed as ``remote=`` (the client-object path)."""
+
+    def __init__(self):
+        self.data = {}
+
+    def pipeline(self, transaction=False):
+        return DictPipeline(self.data)
+
+
+@pytest.mark.parametrize("family", ["jamba"])
+def test_a_given_client_object_is_used_as_it_is(family, cold_model):
+    from conftest import assert_matches_cold, random_ids
+
+    from hf_hybridcache import HybridPrefixCache
+    from hf_hybridcache.toy import build_model
+
+    client, ids = DictClient(), random_ids(70, seed=549)
+    first_model, second_model = build_model("jamba", seed=0), build_model("jamba", seed=0)
+    first = HybridPrefixCache(first_model, remote=client)
+    assert_matches_cold(first_model, cold_model, first, ids, new_tokens=4)
+    assert first.remote.flush(30) and len(client.data) == first.stats.kv_blocks + first.stats.checkpoints
+    second = HybridPrefixCache(second_model, remote=client)
+    assert_matches_cold(second_model, cold_model, second, ids, new_tokens=4)
+    assert second.last_hit_tokens == [64] and second.stats.remote_hit_tokens == 64

@@ -95,7 +95,10 @@ class Fetcher:
         if entries is None or not _insert(store, self.publisher, token_ids, root, local_chain, hashes, depth, *entries):
             return
         self.client.count("remote_hit_tokens", (depth - local_depth) * bs)
-        logger.debug("remote tier: hit grew from %d to %d tokens", local_depth * bs, depth * bs)
+        logger.debug(
+            "remote tier: hit grew from %d to %d tokens (%d KV blocks and a checkpoint fetched); tier so far: %s",
+            local_depth * bs, depth * bs, max(depth - stored, 0), dict(self.client.counters),
+        )
 
     def _deepest(self, hashes: list[BlockHash], stored: int, local_depth: int) -> tuple[int, int | None] | None:
         """``(chain_end, depth)``: the blocks of the prompt's KV chain stored here or in the tier, and the deepest
