@@ -102,27 +102,32 @@ class CacheDriver:
     def __init__(self, cache: HybridPrefixCache) -> None:
         self.cache = cache
         spec = cache.spec
-        self._kv = {a.layer_idx: (a.num_kv_heads, a.head_dim, a.dtype) for a in spec.attention}
+        self._kv = {a.layer_idx: (a.num_kv_heads, (a.head_dim, a.value_head_dim), a.dtype) for a in spec.attention}
         self._states = {
             m.layer_idx: (torch.empty(1, *m.conv.shape, dtype=m.conv.dtype, device="meta"),
                           torch.empty(1, *m.ssm.shape, dtype=m.ssm.dtype, device="meta"))
             for m in spec.mamba
         }
         bs = spec.block_size
-        self._block = {idx: torch.empty(2, heads, bs, dim, dtype=dtype, device="meta")
-                       for idx, (heads, dim, dtype) in self._kv.items()}
+        self._block = {idx: tuple(torch.empty(heads, bs, dim, dtype=dtype, device="meta") for dim in dims)
+                       for idx, (heads, dims, dtype) in self._kv.items()}
         cache._store.gather_kv = self._gather_kv
 
     def _gather_kv(self, layer_idx: int, block_ids) -> tuple[torch.Tensor, torch.Tensor]:
-        heads, dim, dtype = self._kv[layer_idx]
-        keys = torch.empty(1, heads, len(block_ids) * self.cache.block_size, dim, dtype=dtype, device="meta")
-        return keys, keys
+        return self._meta_kv(layer_idx, len(block_ids) * self.cache.block_size)
+
+    def _meta_kv(self, layer_idx: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        heads, dims, dtype = self._kv[layer_idx]
+        keys, values = (torch.empty(1, heads, num_tokens, dim, dtype=dtype, device="meta") for dim in dims)
+        return keys, values
 
     def request(self, prompt_ids: list[int], generated_ids: list[int]) -> int:
         """Serve one request; returns its hit (restored tokens)."""
         cache = self.cache
         lifecycle.start_request(cache, torch.tensor([prompt_ids]), None, 1)
-        cache._request._live_block_kv = lambda row, pad, block: {idx: t.clone() for idx, t in self._block.items()}
+        cache._request._live_block_kv = lambda row, pad, block: {
+            idx: (keys.clone(), values.clone()) for idx, (keys, values) in self._block.items()
+        }
         hit = cache.last_hit_tokens[0]
         for layer_idx, (conv, ssm) in self._states.items():
             if _compat.get_linear_state(cache.layers[layer_idx]) is None:
@@ -139,12 +144,11 @@ class CacheDriver:
         positions = cache.checkpoint_positions(num_tokens)
         # The model appends the new tokens' KV; a fresh meta tensor of the new length stands for that (torch.cat
         # on meta tensors costs tens of microseconds in Python and would dominate the replay).
-        for layer_idx, (heads, head_dim, dtype) in self._kv.items():
+        for layer_idx in self._kv:
             layer = cache.layers[layer_idx]
             kv = _compat.get_kv(layer)
             length = (0 if kv is None else kv[0].shape[2]) + num_tokens
-            keys = torch.empty(1, heads, length, head_dim, dtype=dtype, device="meta")
-            _compat.set_kv(layer, keys, keys)
+            _compat.set_kv(layer, *self._meta_kv(layer_idx, length))
         if positions:
             for layer_idx, state in self._states.items():
                 cache.capture_states(layer_idx, positions, [state] * len(positions))

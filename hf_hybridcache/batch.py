@@ -95,7 +95,8 @@ def _assemble(cache, row_layers: list[list], pads: list[int]) -> None:
         for layers, pad in zip(row_layers, pads):
             kv = _compat.get_kv(layers[attn.layer_idx])
             if kv is None:
-                kv = (torch.zeros(1, attn.num_kv_heads, 0, attn.head_dim, dtype=attn.dtype, device=device),) * 2
+                kv = tuple(torch.zeros(1, attn.num_kv_heads, 0, dim, dtype=attn.dtype, device=device)
+                           for dim in (attn.head_dim, attn.value_head_dim))
             keys.append(torch.nn.functional.pad(kv[0], (0, 0, pad, 0)))
             values.append(torch.nn.functional.pad(kv[1], (0, 0, pad, 0)))
         _compat.set_kv(cache.layers[attn.layer_idx], torch.cat(keys), torch.cat(values))

@@ -1,7 +1,7 @@
 """Frozen option and state-spec dataclasses.
 
-Shape legend used across the package: B batch, T tokens, H heads, Hkv kv heads, D head dim, I mamba intermediate
-channels, C conv channels, W conv width (``d_conv``), N SSM state size.
+Shape legend used across the package: B batch, T tokens, H heads, Hkv kv heads, D head dim (Dk / Dv where keys and
+values differ), I mamba intermediate channels, C conv channels, W conv width (``d_conv``), N SSM state size.
 """
 
 from __future__ import annotations
@@ -47,12 +47,26 @@ class MambaLayerSpec:
 
 @dataclass(frozen=True)
 class AttentionLayerSpec:
-    """KV of one attention layer: one block holds keys and values ``[2, Hkv, block_size, D]``."""
+    """KV of one attention layer: one block holds keys ``[Hkv, block_size, D]`` and values ``[Hkv, block_size, Dv]``.
+
+    ``value_head_dim`` (``Dv``) defaults to ``head_dim``; it differs where a layer caches keys and values of other
+    widths, such as MLA layers, which cache a compressed latent as keys and a shared rope key as values
+    (:func:`~hf_hybridcache.models.base.mla_attention_layer_spec`).
+    """
 
     layer_idx: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    value_head_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.value_head_dim is None:
+            object.__setattr__(self, "value_head_dim", self.head_dim)
+
+    def block_bytes(self, block_size: int) -> int:
+        """Bytes of one stored block of this layer (keys and values)."""
+        return self.num_kv_heads * block_size * (self.head_dim + self.value_head_dim) * _dtype_bytes(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -66,7 +80,7 @@ class ModelStateSpec:
     @functools.cached_property
     def kv_block_bytes(self) -> int:
         """Bytes of one stored KV block over all attention layers."""
-        return sum(2 * a.num_kv_heads * self.block_size * a.head_dim * _dtype_bytes(a.dtype) for a in self.attention)
+        return sum(a.block_bytes(self.block_size) for a in self.attention)
 
     @functools.cached_property
     def checkpoint_bytes(self) -> int:

@@ -13,8 +13,10 @@ A token at position ``t`` (0-based, so it attends to ``t + 1`` keys) costs, summ
   ``[Hv, Dk, Dv]``; a short conv has none); a selective scan or delta rule does about
   ``SCAN_FLOPS_PER_STATE_ELEMENT`` operations per state element and token (decay the state, read it with the key,
   write the correction, read it out).
-- ``A``: the sum over attention layers of ``num_attention_heads * head_dim``; the scores ``q.k`` and the weighted sum
-  of values cost 2 FLOPs per dimension each, per query and key.
+- ``A``: the sum over attention layers of ``num_attention_heads * (Dk + Dv) / 2`` (``num_attention_heads * D`` where
+  keys and values have one width); the scores ``q.k`` and the weighted sum of values cost 2 FLOPs per dimension each,
+  per query and key. For MLA layers ``Dk`` and ``Dv`` are the cached widths (latent and rope key), which stand in
+  for the expanded head dims (within a factor of two for Kimi Linear's and Ling's shapes).
 
 So the prefill of tokens ``[0, n)`` costs ``n * (2W + scan) + 4A * n (n + 1) / 2``: linear in ``n`` for the
 projections, MLPs and Mamba layers, quadratic for attention. The accounting follows the per-layer FLOP counts of the
@@ -64,7 +66,7 @@ class FlopModel:
         weights = sum(_weights_per_token(layer, top_k) for layer in _decoder_layers(model, config))
         state_elements = sum(_numel(m.ssm.shape) for m in spec.mamba)
         heads = config.num_attention_heads
-        per_key = sum(4 * heads * a.head_dim for a in spec.attention)
+        per_key = sum(2 * heads * (a.head_dim + a.value_head_dim) for a in spec.attention)
         return cls(2 * weights + SCAN_FLOPS_PER_STATE_ELEMENT * state_elements, per_key)
 
 

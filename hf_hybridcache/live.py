@@ -15,7 +15,7 @@ import logging
 import torch
 
 from . import _compat
-from .kernels.paged_copy import scatter_kv_blocks
+from .kernels.paged_copy import KVBlock, scatter_kv_blocks
 from .rows import Row, store_row_blocks, store_row_checkpoint
 from .store import LayerState, last_boundary, retained_boundaries
 
@@ -165,8 +165,9 @@ class LiveRequest:
         if not self.rollback:
             self.captured.clear()
 
-    def _live_block_kv(self, row: int, pad: int, block: int) -> dict[int, torch.Tensor]:
-        """Copies of a row's block ``block`` of live KV: ``{attention layer idx: [2, Hkv, block_size, D]}``."""
+    def _live_block_kv(self, row: int, pad: int, block: int) -> dict[int, KVBlock]:
+        """Copies of a row's block ``block`` of live KV: ``{attention layer idx: (keys [Hkv, block_size, Dk],
+        values [Hkv, block_size, Dv])}``."""
         cache, block_size = self.cache, self.cache.options.block_size
         start = pad + block * block_size
         kv = {}

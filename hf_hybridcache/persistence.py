@@ -1,8 +1,9 @@
 """Saving a cache to one file and loading it back: safetensors for the tensors, JSON for the rest, never pickle.
 
-A file holds, per attention layer, the stored KV blocks stacked ``kv.{layer} [num_blocks, 2, Hkv, block_size, D]``
-and, per Mamba layer, the checkpoints stacked ``conv.{layer} [num_checkpoints, C, W]`` and ``ssm.{layer}
-[num_checkpoints, ...]``, in the stored dtypes. The safetensors header's metadata carries a JSON document — versions,
+A file holds, per attention layer, the stored KV blocks stacked ``keys.{layer} [num_blocks, Hkv, block_size, Dk]``
+and ``values.{layer} [num_blocks, Hkv, block_size, Dv]`` (two tensors: MLA layers cache keys and values of
+different widths) and, per Mamba layer, the checkpoints stacked ``conv.{layer} [num_checkpoints, C, W]`` and
+``ssm.{layer} [num_checkpoints, ...]``, in the stored dtypes. The safetensors header's metadata carries a JSON document — versions,
 the model identity and a fingerprint of its weights, the options, the hash seed, the block tree (parent, token ids
 and hash per block), which blocks have a checkpoint and the recency order — plus SHA-256 checksums of that JSON and
 of every tensor. Loading checks everything before it builds anything, so a file that is truncated, corrupted or made
@@ -30,8 +31,12 @@ from .models import support_for
 from .store import StoredBlock
 from .weights import weights_fingerprint
 
-#: Version 2: the weights state (weights fingerprint and adapters) is part of every hash root.
-FORMAT = "hf_hybridcache/2"
+#: Version 2: the weights state (weights fingerprint and adapters) is part of every hash root. Version 3: keys and
+#: values of a layer are two tensors (``keys.{layer}``, ``values.{layer}``) instead of one ``kv.{layer}
+#: [num_blocks, 2, Hkv, block_size, D]``.
+FORMAT = "hf_hybridcache/3"
+#: Older formats that load: version 2 files' ``kv.{layer}`` tensors are split into keys and values on reading.
+READABLE_FORMATS = ("hf_hybridcache/2", FORMAT)
 
 
 def save_cache(cache, path: str | os.PathLike) -> None:
@@ -113,7 +118,9 @@ def _stack_entries(spec: ModelStateSpec, blocks: list[StoredBlock], with_checkpo
     tensors = {}
     if blocks:
         for attn in spec.attention:
-            tensors[f"kv.{attn.layer_idx}"] = torch.stack([block.kv[attn.layer_idx].cpu() for block in blocks])
+            for half, name in enumerate(("keys", "values")):
+                stored = [block.kv[attn.layer_idx][half].cpu() for block in blocks]
+                tensors[f"{name}.{attn.layer_idx}"] = torch.stack(stored)
     if with_checkpoint:
         for m in spec.mamba:
             states = [block.checkpoint[m.layer_idx] for block in with_checkpoint]
@@ -171,7 +178,7 @@ def _read(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except (SafetensorError, OSError, RuntimeError) as error:
         raise _invalid(path, f"it cannot be read as safetensors, so it is truncated or corrupted ({error})") from error
-    if metadata.get("format") != FORMAT:
+    if metadata.get("format") not in READABLE_FORMATS:
         raise _invalid(path, f"its format is {metadata.get('format')!r}, expected {FORMAT!r} (written by cache.save)")
     text = metadata.get("meta", "")
     if hashlib.sha256(text.encode()).hexdigest() != metadata.get("meta_sha256"):
@@ -186,7 +193,20 @@ def _read(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     for name, tensor in tensors.items():
         if _tensor_digest(tensor) != digests[name]:
             raise _invalid(path, f"the checksum of tensor {name!r} does not match, so it is corrupted")
-    return meta, tensors
+    return meta, _split_stacked_kv(tensors)
+
+
+def _split_stacked_kv(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Version 2's ``kv.{layer} [n, 2, Hkv, bs, D]`` as version 3's ``keys.{layer}`` and ``values.{layer}``; a
+    tensor of another shape is left to the shape check."""
+    split = {}
+    for name, tensor in tensors.items():
+        if name.startswith("kv.") and tensor.dim() == 5 and tensor.shape[1] == 2:
+            layer = name[len("kv."):]
+            split[f"keys.{layer}"], split[f"values.{layer}"] = tensor[:, 0], tensor[:, 1]
+        else:
+            split[name] = tensor
+    return split
 
 
 def _check_model(meta: dict, model, path: str) -> None:
@@ -246,7 +266,8 @@ def _check_entries(meta: dict, tensors: dict, spec: ModelStateSpec, model) -> di
     expected = {}
     if blocks:
         for a in spec.attention:
-            expected[f"kv.{a.layer_idx}"] = ((len(blocks), 2, a.num_kv_heads, bs, a.head_dim), a.dtype)
+            expected[f"keys.{a.layer_idx}"] = ((len(blocks), a.num_kv_heads, bs, a.head_dim), a.dtype)
+            expected[f"values.{a.layer_idx}"] = ((len(blocks), a.num_kv_heads, bs, a.value_head_dim), a.dtype)
     if checkpoints:
         for m in spec.mamba:
             expected[f"conv.{m.layer_idx}"] = ((len(checkpoints), *m.conv.shape), m.conv.dtype)
@@ -269,7 +290,8 @@ def _fill(cache, meta: dict, tensors: dict, plan: dict) -> None:
     for i, (parent, token_ids, hash_hex) in enumerate(meta["blocks"]):
         if ("kv", i) not in keep:
             continue
-        kv = {a.layer_idx: tensors[f"kv.{a.layer_idx}"][i].clone() for a in spec.attention}
+        kv = {a.layer_idx: (tensors[f"keys.{a.layer_idx}"][i].clone(), tensors[f"values.{a.layer_idx}"][i].clone())
+              for a in spec.attention}
         checkpoint = None if i not in rows else {
             m.layer_idx: (tensors[f"conv.{m.layer_idx}"][rows[i] : rows[i] + 1].clone(),
                           tensors[f"ssm.{m.layer_idx}"][rows[i] : rows[i] + 1].clone())

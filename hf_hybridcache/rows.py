@@ -11,9 +11,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from .hashing import BlockHash
+from .kernels.paged_copy import KVBlock
 from .store import LayerState, PrefixStore
 
 logger = logging.getLogger("hf_hybridcache")
@@ -52,9 +51,9 @@ class Row:
     finished: bool = False
 
 
-def store_row_blocks(store: PrefixStore, row: Row, live_block_kv: Callable[[int], dict[int, torch.Tensor]]) -> None:
+def store_row_blocks(store: PrefixStore, row: Row, live_block_kv: Callable[[int], dict[int, KVBlock]]) -> None:
     """Store every full block of ``row`` not stored yet; ``live_block_kv(index)`` copies block ``index`` of the row's
-    live KV (``{attention layer idx: [2, Hkv, block_size, D]}``)."""
+    live KV (``{attention layer idx: (keys [Hkv, block_size, Dk], values [Hkv, block_size, Dv])}``)."""
     bs = store.block_size
     while row.storing and len(row.block_ids) < len(row.token_ids) // bs:
         index = len(row.block_ids)

@@ -244,6 +244,57 @@ _TINY_CONFIGS = {
             max_position_embeddings=16384,
         ),
     ),
+    # KDA layers around one MLA layer (NoPE): the cache holds a 32-wide latent as keys and an 8-wide rope key as
+    # values. MoE MLPs after the first layer; MLA expands its latent to every head, so as many KV heads as heads.
+    "kimi_linear": (
+        "KimiLinearConfig",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            linear_num_heads=4,
+            linear_head_dim=16,
+            linear_conv_kernel_dim=4,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            moe_intermediate_size=32,
+            tie_word_embeddings=False,
+            max_position_embeddings=16384,
+        ),
+    ),
+    # Ling (bailing_hybrid): KDA layers with the bounded ("safe") forget gate around one MLA layer with interleaved
+    # rotary embeddings on the rope key (a 32-wide latent as keys, a 16-wide rope key as values), gated output.
+    # ``head_dim`` is the KDA head dim (the config then sets ``head_dim = qk_rope_head_dim``; equal here, so a
+    # save_pretrained round trip cannot change either).
+    "bailing_hybrid": (
+        "BailingHybridConfig",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+            num_key_value_heads=4,
+            head_dim=16,
+            kv_lora_rank=32,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            short_conv_kernel_size=4,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            moe_intermediate_size=32,
+            tie_word_embeddings=False,
+            max_position_embeddings=16384,
+        ),
+    ),
     # Short-conv layers (conv window of 3 tokens) around one attention layer.
     "lfm2": (
         "Lfm2Config",

@@ -25,9 +25,11 @@ MAMBA1_FAMILIES = ["jamba", "zamba"]
 MAMBA2_FAMILIES = ["zamba2", "falcon_h1", "bamba", "granitemoehybrid", "nemotron_h"]
 #: Gated delta net families: upstream mixers run unchanged, the routed kernel hands over the recurrent states.
 GDN_FAMILIES = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid"]
+#: KDA families (decay per key channel; Ling's bounded gate) with MLA attention layers: keys and values of two widths.
+KDA_FAMILIES = ["kimi_linear", "bailing_hybrid"]
 #: Short-conv families: a checkpoint is the conv window alone (no recurrent state).
 SHORT_CONV_FAMILIES = ["lfm2", "lfm2_moe"]
-LINEAR_FAMILIES = GDN_FAMILIES + SHORT_CONV_FAMILIES
+LINEAR_FAMILIES = GDN_FAMILIES + KDA_FAMILIES + SHORT_CONV_FAMILIES
 #: Every supported family runs the whole exactness suite.
 FAMILIES = MAMBA1_FAMILIES + MAMBA2_FAMILIES + LINEAR_FAMILIES
 

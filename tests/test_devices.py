@@ -35,7 +35,8 @@ def assert_entries_on_layer_devices(cache, offloaded=False):
     store, layers = cache.store, _compat.decoder_layers(cache.model)
     for block in store.blocks():
         for idx, kv in block.kv.items():
-            assert kv.device == (torch.device("cpu") if offloaded else _compat.execution_device(layers[idx]))
+            for t in kv:
+                assert t.device == (torch.device("cpu") if offloaded else _compat.execution_device(layers[idx]))
     for block in store.blocks():
         for idx, states in (block.checkpoint or {}).items():
             for t in states:

@@ -157,11 +157,11 @@ def test_paged_copy_references_round_trip():
     """Blocks scattered out of live KV and gathered back give the live KV; every result is a copy."""
     keys, values = torch.randn(1, 2, 15, 3), torch.randn(1, 2, 15, 3)
     blocks = kernels.scatter_kv_blocks(keys, values, [0, 5, 10], 5)
-    assert [tuple(b.shape) for b in blocks] == [(2, 2, 5, 3)] * 3
+    assert [(tuple(k.shape), tuple(v.shape)) for k, v in blocks] == [((2, 5, 3), (2, 5, 3))] * 3
     gathered_keys, gathered_values = kernels.gather_kv_blocks(blocks)
     assert torch.equal(gathered_keys, keys) and torch.equal(gathered_values, values)
     gathered_keys.zero_()
-    blocks[0].zero_()
+    blocks[0][0].zero_()
     assert keys.abs().sum() > 0 and torch.equal(kernels.gather_kv_blocks(blocks[1:])[0], keys[:, :, 5:])
     states = [torch.randn(1, 4, 3), torch.randn(1, 4, 2)]
     copies = kernels.copy_states(states)
@@ -171,10 +171,14 @@ def test_paged_copy_references_round_trip():
 def test_paged_copy_errors():
     with pytest.raises(ValueError, match="at least one block"):
         kernels.gather_kv_blocks([])
-    with pytest.raises(ValueError, match="share shape, dtype and device"):
-        kernels.gather_kv_blocks([torch.zeros(2, 1, 4, 3), torch.zeros(2, 1, 4, 3, dtype=torch.bfloat16)])
-    with pytest.raises(ValueError, match=r"\[2, Hkv, block_size, D\]"):
-        kernels.gather_kv_blocks([torch.zeros(1, 4, 3)])
+    with pytest.raises(ValueError, match="share shapes, dtype and device"):
+        kernels.gather_kv_blocks([(torch.zeros(1, 4, 3),) * 2, (torch.zeros(1, 4, 3, dtype=torch.bfloat16),) * 2])
+    with pytest.raises(ValueError, match="share shapes, dtype and device"):
+        kernels.gather_kv_blocks([(torch.zeros(1, 4, 3), torch.zeros(1, 4, 2)), (torch.zeros(1, 4, 3),) * 2])
+    with pytest.raises(ValueError, match=r"pairs \(keys \[Hkv, block_size, Dk\]"):
+        kernels.gather_kv_blocks([torch.zeros(2, 1, 4, 3)])
+    with pytest.raises(ValueError, match="must share batch, heads and tokens"):
+        kernels.scatter_kv_blocks(torch.zeros(1, 1, 8, 2), torch.zeros(1, 1, 7, 2), [0], 4)
     live = torch.zeros(2, 1, 10, 2)
     with pytest.raises(ValueError, match="within the 10 live tokens"):
         kernels.scatter_kv_blocks(live, live, [7], 4)

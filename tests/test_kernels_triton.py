@@ -74,25 +74,30 @@ def test_dispatch_runs_triton_when_forced():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_gather_kv_blocks_triton_equals_reference(dtype):
-    blocks = [torch.randn(2, 3, 5, 7, device=DEVICE).to(dtype) for _ in range(4)]
+@pytest.mark.parametrize("value_dim", [7, 3], ids=["same-width", "mla-widths"])
+def test_gather_kv_blocks_triton_equals_reference(dtype, value_dim):
+    blocks = [
+        (torch.randn(3, 5, 7, device=DEVICE).to(dtype), torch.randn(3, 5, value_dim, device=DEVICE).to(dtype))
+        for _ in range(4)
+    ]
     keys, values = gather_kv_blocks_triton(blocks)
     keys_ref, values_ref = paged_copy.gather_kv_blocks_ref(blocks)
     assert torch.equal(keys, keys_ref) and torch.equal(values, values_ref)
     keys.fill_(0)
-    assert blocks[0].abs().sum() > 0, "the gather must return copies"
+    assert blocks[0][0].abs().sum() > 0, "the gather must return copies"
 
 
-def test_scatter_kv_blocks_triton_equals_reference():
+@pytest.mark.parametrize("value_dim", [7, 3], ids=["same-width", "mla-widths"])
+def test_scatter_kv_blocks_triton_equals_reference(value_dim):
     """Blocks of row 1 of two rows, at offsets that are not multiples of the block size (left padding)."""
-    keys, values = torch.randn(2, 3, 23, 7, device=DEVICE), torch.randn(2, 3, 23, 7, device=DEVICE)
+    keys, values = torch.randn(2, 3, 23, 7, device=DEVICE), torch.randn(2, 3, 23, value_dim, device=DEVICE)
     starts = [2, 17, 7]
     actual = scatter_kv_blocks_triton(keys, values, starts, 5, row=1)
     expected = paged_copy.scatter_kv_blocks_ref(keys, values, starts, 5, row=1)
-    assert all(torch.equal(a, e) for a, e in zip(actual, expected))
+    assert all(torch.equal(a, e) for pa, pe in zip(actual, expected) for a, e in zip(pa, pe))
     strided_keys = keys.transpose(2, 3).contiguous().transpose(2, 3)
     again = scatter_kv_blocks_triton(strided_keys, values, starts, 5, row=1)
-    assert all(torch.equal(a, e) for a, e in zip(again, expected))
+    assert all(torch.equal(a, e) for pa, pe in zip(again, expected) for a, e in zip(pa, pe))
 
 
 def test_copy_states_triton_equals_reference():
@@ -109,7 +114,7 @@ def test_copy_states_triton_equals_reference():
 def test_stores_copy_through_triton_when_forced():
     """KVStore.gather and CheckpointStore.get_copy dispatch to the kernels."""
     kv = KVStore((1,))
-    blocks = {b: torch.randn(2, 2, 3, 4, device=DEVICE) for b in (7, 8, 9)}
+    blocks = {b: (torch.randn(2, 3, 4, device=DEVICE), torch.randn(2, 3, 5, device=DEVICE)) for b in (7, 8, 9)}
     for block_id, block in blocks.items():
         kv.put(block_id, {1: block})
     checkpoints = CheckpointStore((0, 2))

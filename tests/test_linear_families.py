@@ -6,7 +6,15 @@ import types
 import pytest
 import torch
 import transformers
-from conftest import GDN_FAMILIES, LINEAR_FAMILIES, SHORT_CONV_FAMILIES, assert_matches_cold, cold_states, random_ids
+from conftest import (
+    GDN_FAMILIES,
+    KDA_FAMILIES,
+    LINEAR_FAMILIES,
+    SHORT_CONV_FAMILIES,
+    assert_matches_cold,
+    cold_states,
+    random_ids,
+)
 
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.models.gated_delta import GDN_KERNEL
@@ -44,7 +52,7 @@ def test_states_at_every_boundary_of_one_prefill_equal_cold_prefills(family, mod
             cache.reset()
 
 
-@pytest.mark.parametrize("family", GDN_FAMILIES[:1])
+@pytest.mark.parametrize("family", GDN_FAMILIES[:1] + KDA_FAMILIES)
 def test_a_state_one_token_off_fails_the_state_check(family, model, cold_model):
     """Power of the check above: the cold state one token later differs by far more than its tolerance."""
     ids = random_ids(150, seed=90)
@@ -52,9 +60,29 @@ def test_a_state_one_token_off_fails_the_state_check(family, model, cold_model):
     layer = HybridPrefixCache(model).spec.mamba[0].layer_idx
     diff = (at_64.layers[layer].recurrent_states[0] - at_65.layers[layer].recurrent_states[0]).abs().max()
     assert diff > 1e-3
+    assert not torch.equal(at_64.layers[layer].conv_states[0], at_65.layers[layer].conv_states[0])
 
 
-@pytest.mark.parametrize("family", GDN_FAMILIES[:1])
+@pytest.mark.parametrize("family", KDA_FAMILIES)
+@pytest.mark.parametrize("part", ["conv", "recurrent"])
+def test_zeroed_restored_kda_state_fails_the_exactness_check(family, part, model, cold_model):
+    """Power for the KDA families: the prefix reaches the logits through both parts of the restored state, so a hit
+    whose conv window or recurrent state is zeroed after the restore no longer equals the cold run."""
+    cache = HybridPrefixCache(model, retention_interval="dense")
+    ids = random_ids(100, seed=94)
+    assert_matches_cold(model, cold_model, cache, ids, new_tokens=1)
+    cache.restore(ids)
+    assert cache.last_hit_tokens == [96]
+    for m in cache.spec.mamba:
+        layer = cache.layers[m.layer_idx]
+        (layer.conv_states if part == "conv" else layer.recurrent_states)[0].zero_()
+    with torch.no_grad():
+        broken = model(ids[:, 96:], past_key_values=cache, use_cache=True).logits[:, -1]
+    cache.reset()
+    assert (broken - _logits(cold_model, ids)[:, -1]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("family", GDN_FAMILIES[:1] + KDA_FAMILIES)
 def test_other_models_of_the_family_run_the_kernel_unchanged(family, model):
     """The kernel is rebound in its modeling module; outside a cache's own mixer calls it passes every call through."""
     other = build_model(family, seed=1)
@@ -65,7 +93,7 @@ def test_other_models_of_the_family_run_the_kernel_unchanged(family, model):
     assert torch.equal(_logits(other, ids), before)
 
 
-@pytest.mark.parametrize("family", GDN_FAMILIES)
+@pytest.mark.parametrize("family", GDN_FAMILIES + KDA_FAMILIES)
 def test_piecewise_kernel_calls_are_exact(family, model, cold_model, monkeypatch):
     """With ``fla`` installed the states come from calling the kernel piecewise (initial_state -> final_state); the
     same path on CPU keeps the cache exact."""
@@ -74,6 +102,23 @@ def test_piecewise_kernel_calls_are_exact(family, model, cold_model, monkeypatch
     ids = random_ids(150, seed=92)
     for expected_hit in (0, 144):
         assert_matches_cold(model, cold_model, cache, ids)
+        assert cache.last_hit_tokens == [expected_hit]
+
+
+def test_ling_conv_kept_in_float32_in_a_bf16_checkpoint(tmp_path):
+    """Ling keeps ``conv1d`` in float32 when loaded in bf16 (``_keep_in_fp32_modules_strict``) while its conv state
+    holds the bf16 q|k|v projections; the checkpoint spec follows the state, so a loaded bf16 model hits exactly."""
+    build_model("bailing_hybrid", seed=0).save_pretrained(tmp_path)
+    model, cold_model = (
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval() for _ in range(2)
+    )
+    mixer = model.model.layers[0].self_attn
+    assert mixer.conv1d.weight.dtype == torch.float32 and mixer.q_proj.weight.dtype == torch.bfloat16
+    cache = HybridPrefixCache(model)
+    assert {m.conv.dtype for m in cache.spec.mamba} == {torch.bfloat16}
+    ids = random_ids(100, seed=95)
+    for expected_hit in (0, 96):
+        assert_matches_cold(model, cold_model, cache, ids, new_tokens=4)
         assert cache.last_hit_tokens == [expected_hit]
 
 

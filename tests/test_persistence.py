@@ -18,7 +18,8 @@ from hf_hybridcache import HybridPrefixCache, _compat, persistence
 from hf_hybridcache.checks import check_store, entry_digests
 from hf_hybridcache.toy import build_model
 
-pytestmark = pytest.mark.parametrize("family", ["jamba", "zamba2"])
+# Kimi Linear: an MLA layer stores keys and values of two widths (two tensors per layer in the file).
+pytestmark = pytest.mark.parametrize("family", ["jamba", "zamba2", "kimi_linear"])
 
 
 @pytest.fixture
@@ -52,14 +53,14 @@ def test_file_is_safetensors_with_json_metadata(warm):
         header_len = struct.unpack("<Q", f.read(8))[0]
         header = json.loads(f.read(header_len))
     meta = json.loads(header["__metadata__"]["meta"])
-    assert header["__metadata__"]["format"] == "hf_hybridcache/2"
+    assert header["__metadata__"]["format"] == "hf_hybridcache/3"
     versions = {"hf_hybridcache": hf_hybridcache.__version__, "transformers": _compat.TRANSFORMERS_VERSION}
     assert meta["versions"] == versions
     assert meta["seed"] == cache.seed.hex()
     assert len(meta["blocks"]) == cache.stats.kv_blocks and len(meta["checkpoints"]) == cache.stats.checkpoints
     with safe_open(path, framework="pt") as f:
         names = set(f.keys())
-    assert names == {f"kv.{a.layer_idx}" for a in cache.spec.attention} | {
+    assert names == {f"{kind}.{a.layer_idx}" for a in cache.spec.attention for kind in ("keys", "values")} | {
         f"{kind}.{m.layer_idx}" for m in cache.spec.mamba for kind in ("conv", "ssm")
     }
 

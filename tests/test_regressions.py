@@ -266,7 +266,7 @@ def test_forward_with_grad_enabled_stores_detached_entries(model, cold_model):
     logits = model(ids, past_key_values=cache, use_cache=True).logits
     assert logits.requires_grad and cache.stats.kv_blocks == 2 and cache.stats.checkpoints >= 1
     blocks, _ = cache.store.export_entries()
-    tensors = [t for block in blocks for t in block.kv.values()]
+    tensors = [t for block in blocks for pair in block.kv.values() for t in pair]
     tensors += [t for block in blocks if block.checkpoint for state in block.checkpoint.values() for t in state]
     assert tensors and not any(t.requires_grad or t.grad_fn is not None for t in tensors)
     assert_matches_cold(model, cold_model, cache, ids)

@@ -1,9 +1,12 @@
 """Copies between the stored side (paged KV blocks, checkpoints) and the live cache, with their torch references.
 
-- :func:`gather_kv_blocks`: stored KV blocks ``[2, Hkv, bs, D]`` of one attention layer -> live keys and values
-  ``[1, Hkv, n * bs, D]`` (restore);
-- :func:`scatter_kv_blocks`: live keys and values -> copies of some of their blocks, ``[2, Hkv, bs, D]`` each (store);
+- :func:`gather_kv_blocks`: stored KV blocks of one attention layer, each a pair (keys ``[Hkv, bs, Dk]``, values
+  ``[Hkv, bs, Dv]``) -> live keys ``[1, Hkv, n * bs, Dk]`` and values ``[1, Hkv, n * bs, Dv]`` (restore);
+- :func:`scatter_kv_blocks`: live keys and values -> copies of some of their blocks, one such pair each (store);
 - :func:`copy_states`: copies of a list of conv / SSM state tensors (checkpoint restore and capture).
+
+Keys and values are separate tensors because their widths may differ (``Dk != Dv`` in MLA layers, whose cache holds
+a compressed latent and a rope key); elsewhere ``Dk == Dv == D``.
 
 On CUDA the Triton versions (``paged_copy_triton``) do each call in one launch whatever the number of blocks or
 tensors, from a table of source and destination addresses (the block-table idea of vLLM's paged attention, Kwon et
@@ -19,20 +22,27 @@ import torch
 
 from . import backend
 
+#: One stored KV block of one attention layer: (keys ``[Hkv, bs, Dk]``, values ``[Hkv, bs, Dv]``).
+KVBlock = tuple[torch.Tensor, torch.Tensor]
 
-def gather_kv_blocks_ref(blocks: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values ``[1, Hkv, len(blocks) * bs, D]`` (the blocks' dtype and device) of ``blocks``, each
-    ``[2, Hkv, bs, D]`` (keys, values), in order."""
-    kv = torch.cat(list(blocks), dim=2)
-    return kv[0].unsqueeze(0), kv[1].unsqueeze(0)
+
+def gather_kv_blocks_ref(blocks: Sequence[KVBlock]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys ``[1, Hkv, len(blocks) * bs, Dk]`` and values ``[1, Hkv, len(blocks) * bs, Dv]`` (the blocks' dtype and
+    device) of ``blocks``, each a pair (keys ``[Hkv, bs, Dk]``, values ``[Hkv, bs, Dv]``), in order."""
+    keys = torch.cat([k for k, _ in blocks], dim=1)
+    values = torch.cat([v for _, v in blocks], dim=1)
+    return keys.unsqueeze(0), values.unsqueeze(0)
 
 
 def scatter_kv_blocks_ref(
     keys: torch.Tensor, values: torch.Tensor, block_starts: Sequence[int], block_size: int, row: int = 0
-) -> list[torch.Tensor]:
-    """Copies ``[2, Hkv, block_size, D]`` of the blocks of ``row`` of live ``keys`` / ``values`` ``[B, Hkv, T, D]``
-    that start at the token offsets ``block_starts`` (tokens ``[s, s + block_size)``; left padding included)."""
-    return [torch.stack([keys[row, :, s : s + block_size], values[row, :, s : s + block_size]]) for s in block_starts]
+) -> list[KVBlock]:
+    """Copies (keys ``[Hkv, block_size, Dk]``, values ``[Hkv, block_size, Dv]``) of the blocks of ``row`` of live
+    ``keys`` ``[B, Hkv, T, Dk]`` / ``values`` ``[B, Hkv, T, Dv]`` that start at the token offsets ``block_starts``
+    (tokens ``[s, s + block_size)``; left padding included)."""
+    return [
+        (keys[row, :, s : s + block_size].clone(), values[row, :, s : s + block_size].clone()) for s in block_starts
+    ]
 
 
 def copy_states_ref(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -40,23 +50,47 @@ def copy_states_ref(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t.clone() for t in tensors]
 
 
-def _check_blocks(blocks: Sequence[torch.Tensor]) -> None:
+def _is_pair(block) -> bool:
+    return (
+        isinstance(block, (tuple, list))
+        and len(block) == 2
+        and all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in block)
+        and block[0].shape[:2] == block[1].shape[:2]
+    )
+
+
+def _describe(block) -> str:
+    if not isinstance(block, (tuple, list)):
+        return f"a {type(block).__name__} {tuple(getattr(block, 'shape', ()))}"
+    return " / ".join(f"{tuple(t.shape)} {t.dtype} {t.device}" for t in block)
+
+
+def _check_blocks(blocks: Sequence[KVBlock]) -> None:
     if not blocks:
         raise ValueError("gather_kv_blocks needs at least one block.")
     first = blocks[0]
-    if first.dim() != 4 or first.shape[0] != 2:
-        raise ValueError(f"KV blocks must be [2, Hkv, block_size, D]; got {tuple(first.shape)}.")
     for block in blocks:
-        if block.shape != first.shape or block.dtype != first.dtype or block.device != first.device:
+        if not _is_pair(block):
             raise ValueError(
-                "All KV blocks of a gather must share shape, dtype and device; got "
-                f"{tuple(first.shape)} {first.dtype} {first.device} and {tuple(block.shape)} {block.dtype} "
-                f"{block.device}."
+                "KV blocks must be pairs (keys [Hkv, block_size, Dk], values [Hkv, block_size, Dv]); got "
+                f"{_describe(block)}."
+            )
+        dtype, device = first[0].dtype, first[0].device
+        if any(t.shape != f.shape or t.dtype != dtype or t.device != device for t, f in zip(block, first)):
+            raise ValueError(
+                "All KV blocks of a gather must share shapes, dtype and device; got "
+                f"{_describe(first)} and {_describe(block)}."
             )
 
 
-def _check_span(keys: torch.Tensor, block_starts: Sequence[int], block_size: int, row: int) -> None:
+def _check_span(
+    keys: torch.Tensor, values: torch.Tensor, block_starts: Sequence[int], block_size: int, row: int
+) -> None:
     num_rows, _, num_tokens, _ = keys.shape
+    if values.shape[:3] != keys.shape[:3]:
+        raise ValueError(
+            f"Live keys {tuple(keys.shape)} and values {tuple(values.shape)} must share batch, heads and tokens."
+        )
     if block_size < 1 or any(s < 0 or s + block_size > num_tokens for s in block_starts):
         raise ValueError(
             f"Blocks of {block_size} tokens starting at {list(block_starts)} do not lie within the {num_tokens} live "
@@ -66,14 +100,15 @@ def _check_span(keys: torch.Tensor, block_starts: Sequence[int], block_size: int
         raise ValueError(f"Row {row} does not exist in live KV of {num_rows} rows.")
 
 
-def gather_kv_blocks(blocks: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv_blocks(blocks: Sequence[KVBlock]) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatching form of :func:`gather_kv_blocks_ref` (same arguments and results).
 
     Raises:
-        ValueError: no blocks, or blocks that are not ``[2, Hkv, bs, D]`` of one shape, dtype and device.
+        ValueError: no blocks, or blocks that are not (keys ``[Hkv, bs, Dk]``, values ``[Hkv, bs, Dv]``) pairs of
+            one set of shapes, one dtype and one device.
     """
     _check_blocks(blocks)
-    if backend.resolve(blocks[0].device, fast="reference") == "triton":
+    if backend.resolve(blocks[0][0].device, fast="reference") == "triton":
         from .paged_copy_triton import gather_kv_blocks_triton
 
         return gather_kv_blocks_triton(blocks)
@@ -82,13 +117,14 @@ def gather_kv_blocks(blocks: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torc
 
 def scatter_kv_blocks(
     keys: torch.Tensor, values: torch.Tensor, block_starts: Sequence[int], block_size: int, row: int = 0
-) -> list[torch.Tensor]:
+) -> list[KVBlock]:
     """Dispatching form of :func:`scatter_kv_blocks_ref` (same arguments and results).
 
     Raises:
-        ValueError: a block reaches outside the live tokens, or ``row`` does not exist.
+        ValueError: a block reaches outside the live tokens, ``row`` does not exist, or keys and values differ in
+            batch, heads or tokens.
     """
-    _check_span(keys, block_starts, block_size, row)
+    _check_span(keys, values, block_starts, block_size, row)
     if backend.resolve(keys.device, fast="reference") == "triton":
         from .paged_copy_triton import scatter_kv_blocks_triton
 

@@ -60,37 +60,38 @@ def _dense_heads(tensor: torch.Tensor) -> bool:
     return tensor.stride(-1) == 1 and tensor.stride(-2) == tensor.shape[-1]
 
 
-def gather_kv_blocks_triton(blocks: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv_blocks_triton(blocks: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`~hf_hybridcache.kernels.paged_copy.gather_kv_blocks_ref`."""
-    blocks = [b if b.is_contiguous() else b.contiguous() for b in blocks]
-    _, num_heads, block_size, head_dim = blocks[0].shape
-    shape = (1, num_heads, len(blocks) * block_size, head_dim)
-    keys = torch.empty(shape, dtype=blocks[0].dtype, device=blocks[0].device)
-    values = torch.empty_like(keys)
+    blocks = [tuple(t if t.is_contiguous() else t.contiguous() for t in block) for block in blocks]
+    num_heads, block_size = blocks[0][0].shape[:2]
+    outs = [
+        torch.empty((1, num_heads, len(blocks) * block_size, t.shape[2]), dtype=t.dtype, device=t.device)
+        for t in blocks[0]
+    ]
     rows = []
     for j, block in enumerate(blocks):
-        for half, out in ((0, keys), (1, values)):
-            src = _head_rows(block[half], 0, block_size)
+        for stored, out in zip(block, outs):
+            src = _head_rows(stored, 0, block_size)
             dst = _head_rows(out[0], j * block_size, block_size)
             rows += [(s, d, n) for (s, n), (d, _) in zip(src, dst)]
-    _copy_rows(rows, keys.device)
-    return keys, values
+    _copy_rows(rows, outs[0].device)
+    return outs[0], outs[1]
 
 
 def scatter_kv_blocks_triton(
     keys: torch.Tensor, values: torch.Tensor, block_starts: Sequence[int], block_size: int, row: int = 0
-) -> list[torch.Tensor]:
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """See :func:`~hf_hybridcache.kernels.paged_copy.scatter_kv_blocks_ref`."""
-    keys, values = keys[row], values[row]
-    if not (_dense_heads(keys) and _dense_heads(values)):
-        keys, values = keys.contiguous(), values.contiguous()
-    shape = (2, keys.shape[0], block_size, keys.shape[2])
-    blocks = [torch.empty(shape, dtype=keys.dtype, device=keys.device) for _ in block_starts]
+    live = [t if _dense_heads(t) else t.contiguous() for t in (keys[row], values[row])]
+    blocks = [
+        tuple(torch.empty((t.shape[0], block_size, t.shape[2]), dtype=t.dtype, device=t.device) for t in live)
+        for _ in block_starts
+    ]
     rows = []
     for start, block in zip(block_starts, blocks):
-        for half, live in ((0, keys), (1, values)):
-            src = _head_rows(live, start, block_size)
-            dst = _head_rows(block[half], 0, block_size)
+        for source, stored in zip(live, block):
+            src = _head_rows(source, start, block_size)
+            dst = _head_rows(stored, 0, block_size)
             rows += [(s, d, n) for (s, n), (d, _) in zip(src, dst)]
     _copy_rows(rows, keys.device)
     return blocks

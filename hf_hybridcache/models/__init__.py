@@ -7,6 +7,8 @@ from .base import ModelSupport
 from .falcon_h1 import SUPPORT as _FALCON_H1
 from .granitemoehybrid import SUPPORT as _GRANITEMOEHYBRID
 from .jamba import SUPPORT as _JAMBA
+from .kimi_delta import BAILING_HYBRID as _BAILING_HYBRID
+from .kimi_delta import KIMI_LINEAR as _KIMI_LINEAR
 from .nemotron_h import SUPPORT as _NEMOTRON_H
 from .olmo_hybrid import SUPPORT as _OLMO_HYBRID
 from .qwen3_5 import MOE_SUPPORT as _QWEN3_5_MOE
@@ -64,3 +66,5 @@ register(_QWEN3_5_MOE)
 register(_LFM2)
 register(_LFM2_MOE)
 register(_OLMO_HYBRID)
+register(_KIMI_LINEAR)
+register(_BAILING_HYBRID)

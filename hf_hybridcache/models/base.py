@@ -29,3 +29,19 @@ def attention_layer_spec(layer_idx: int, attention: torch.nn.Module) -> Attentio
     """KV of one attention module with ``k_proj`` and ``head_dim`` (GQA heads counted from ``k_proj``)."""
     num_kv_heads = attention.k_proj.out_features // attention.head_dim
     return AttentionLayerSpec(layer_idx, num_kv_heads, attention.head_dim, attention.k_proj.weight.dtype)
+
+
+def mla_attention_layer_spec(layer_idx: int, attention: torch.nn.Module) -> AttentionLayerSpec:
+    """KV of one multi-head latent attention (MLA) module, as it reaches the cache: its forward hands
+    ``past_key_values.update`` the normed compressed latent ``[B, 1, T, kv_lora_rank]`` as keys and the shared rope
+    key ``[B, 1, T, qk_rope_head_dim]`` as values (one head each), and expands them into per-head keys and values
+    only after the cache (DeepSeek-V2's MLA; ``KimiLinearAttention``, ``BailingHybridAttention`` in transformers
+    5.23.0). The widths come from the module's ``kv_lora_rank`` and ``qk_rope_head_dim``, checked against
+    ``kv_a_proj_with_mqa``, which projects to both."""
+    keys_dim, values_dim = attention.kv_lora_rank, attention.qk_rope_head_dim
+    projection = attention.kv_a_proj_with_mqa
+    assert projection.out_features == keys_dim + values_dim, (
+        f"{type(attention).__name__}.kv_a_proj_with_mqa projects to {projection.out_features} features, not "
+        f"kv_lora_rank + qk_rope_head_dim = {keys_dim} + {values_dim}"
+    )
+    return AttentionLayerSpec(layer_idx, 1, keys_dim, projection.weight.dtype, value_head_dim=values_dim)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _compat, emission
-from ..config import MambaLayerSpec, ModelStateSpec, TensorSpec
+from ..config import AttentionLayerSpec, MambaLayerSpec, ModelStateSpec, TensorSpec
 from .base import ModelSupport, attention_layer_spec
 from .mamba1 import checkpoint_positions
 
@@ -80,6 +80,11 @@ class LinearVariant:
         conv_shape: ``mixer -> (C, W)``, the conv state of one row (model dtype).
         recurrent_shape: ``mixer -> shape`` of one row's recurrent state (float32), or None for a short conv.
         kernels: the recurrence functions the mixer calls (empty for a short conv).
+        attention_spec: ``(layer_idx, attention module) -> AttentionLayerSpec``, what the attention module caches
+            (:func:`~.base.attention_layer_spec` for ``k_proj`` / ``head_dim`` attention,
+            :func:`~.base.mla_attention_layer_spec` for MLA).
+        conv_dtype: ``mixer -> dtype`` of the conv inputs the mixer hands to the cache, where it differs from the
+            conv weight's (a conv kept in float32 in a bf16 model); None: the conv weight's dtype.
     """
 
     mixer_class: str
@@ -87,6 +92,8 @@ class LinearVariant:
     conv_shape: Callable[[torch.nn.Module], tuple[int, int]]
     recurrent_shape: Callable[[torch.nn.Module], tuple[int, ...]] | None = None
     kernels: tuple[RecurrenceKernel, ...] = ()
+    attention_spec: Callable[[int, torch.nn.Module], AttentionLayerSpec] = attention_layer_spec
+    conv_dtype: Callable[[torch.nn.Module], torch.dtype] | None = None
 
 
 def route_recurrence(kernel: RecurrenceKernel, original: Callable, *args, **kwargs):
@@ -158,15 +165,18 @@ def install_mixers(model: torch.nn.Module, variant: LinearVariant) -> None:
 
 
 def linear_layer_spec(layer_idx: int, mixer, variant: LinearVariant) -> MambaLayerSpec:
-    """State of one mixer layer: conv state ``[C, W]`` in the model dtype and the recurrent state in float32 (the
-    chunked and the per-token kernels keep it in float32 in every dtype), or none for a short conv."""
-    conv_weight = next(p for name, p in mixer.named_parameters() if "conv" in name and name.endswith("weight"))
+    """State of one mixer layer: conv state ``[C, W]`` in the dtype of the conv inputs and the recurrent state in
+    float32 (the chunked and the per-token kernels keep it in float32 in every dtype), or none for a short conv."""
+    if variant.conv_dtype is not None:
+        conv_dtype = variant.conv_dtype(mixer)
+    else:
+        conv_dtype = next(p for name, p in mixer.named_parameters() if "conv" in name and name.endswith("weight")).dtype
     ssm = (
         NO_RECURRENT_STATE
         if variant.recurrent_shape is None
         else TensorSpec(variant.recurrent_shape(mixer), torch.float32)
     )
-    return MambaLayerSpec(layer_idx, conv=TensorSpec(variant.conv_shape(mixer), conv_weight.dtype), ssm=ssm)
+    return MambaLayerSpec(layer_idx, conv=TensorSpec(variant.conv_shape(mixer), conv_dtype), ssm=ssm)
 
 
 def state_spec(model: torch.nn.Module, block_size: int, variant: LinearVariant) -> ModelStateSpec:
@@ -181,7 +191,7 @@ def state_spec(model: torch.nn.Module, block_size: int, variant: LinearVariant) 
         if mixers:
             linear.append(linear_layer_spec(idx, mixers[0], variant))
         if attentions:
-            attention.append(attention_layer_spec(idx, attentions[0]))
+            attention.append(variant.attention_spec(idx, attentions[0]))
     return ModelStateSpec(tuple(attention), tuple(linear), block_size)
 
 

@@ -14,10 +14,6 @@ _SLIDING = (
     "keeps sliding-window attention layers (only the last `sliding_window` tokens of KV), which the block store does "
     "not restore yet."
 )
-_MLA = (
-    "caches MLA attention as a compressed latent and a rope key of different widths, which the block store does not "
-    "hold yet."
-)
 
 #: model_type -> why it is refused.
 REFUSED: dict[str, str] = {
@@ -33,8 +29,6 @@ REFUSED: dict[str, str] = {
     ),
     "qwen4_exp": "keeps indexed (sparse top-k) attention layers and token-id n-gram states, which are not stored yet.",
     "qwen4_exp_text": "keeps indexed (sparse top-k) attention layers and token-id n-gram states, which are not stored yet.",
-    "kimi_linear": _MLA,
-    "bailing_hybrid": _MLA,
     "lfm3": _SLIDING,
     "zaya": (
         _SLIDING[:-1] + " in some configs, and its CCA projection hands the cache an already-windowed conv state, so "

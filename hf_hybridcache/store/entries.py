@@ -26,7 +26,7 @@ class StoredBlock:
         block_id, parent_id: ids in the store (or, for :func:`import_entries`, any numbering of the given blocks).
         token_ids: the block's ``block_size`` tokens.
         block_hash: its chained hash.
-        kv: ``{attention layer idx: [2, Hkv, block_size, D]}`` keys and values.
+        kv: ``{attention layer idx: (keys [Hkv, block_size, Dk], values [Hkv, block_size, Dv])}``.
         checkpoint: ``{mamba layer idx: (conv [1, C, W], ssm [1, ...])}`` at the block's end, or None.
         ref_count: requests pinning it (exported only; imported blocks are unpinned).
     """
@@ -35,7 +35,7 @@ class StoredBlock:
     parent_id: int | None
     token_ids: tuple[int, ...]
     block_hash: BlockHash
-    kv: dict[int, torch.Tensor]
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]]
     checkpoint: dict[int, LayerState] | None = None
     ref_count: int = 0
 

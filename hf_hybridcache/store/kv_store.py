@@ -1,4 +1,5 @@
-"""Paged KV storage: one ``[2, Hkv, block_size, D]`` tensor (keys, values) per stored block and attention layer.
+"""Paged KV storage: per stored block and attention layer, keys ``[Hkv, block_size, Dk]`` and values
+``[Hkv, block_size, Dv]`` (two tensors, since MLA layers cache keys and values of different widths).
 
 The store knows block ids and tensors only; which block holds which tokens is the block pool's business.
 """
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.paged_copy import gather_kv_blocks
+from ..kernels.paged_copy import KVBlock, gather_kv_blocks
 from ..placement import Placement
 
 
@@ -18,7 +19,7 @@ class KVStore:
     def __init__(self, attention_layers: tuple[int, ...], placement: Placement | None = None) -> None:
         self.attention_layers = attention_layers
         self.placement = placement or Placement()
-        self._blocks: dict[int, dict[int, torch.Tensor]] = {}
+        self._blocks: dict[int, dict[int, KVBlock]] = {}
         self._bytes: dict[int, int] = {}
         self.num_bytes = 0
 
@@ -31,14 +32,15 @@ class KVStore:
     def block_ids(self) -> list[int]:
         return list(self._blocks)
 
-    def put(self, block_id: int, kv: dict[int, torch.Tensor]) -> None:
-        """Store ``kv[layer_idx]`` of shape ``[2, Hkv, block_size, D]`` for every attention layer. The tensors must
-        not alias the live cache (pass copies)."""
+    def put(self, block_id: int, kv: dict[int, KVBlock]) -> None:
+        """Store ``kv[layer_idx]`` = (keys ``[Hkv, block_size, Dk]``, values ``[Hkv, block_size, Dv]``) for every
+        attention layer. The tensors must not alias the live cache (pass copies)."""
         assert block_id not in self._blocks, "KV block stored twice"
         assert set(kv) == set(self.attention_layers), "a KV block needs every attention layer"
-        kv = {idx: self.placement.stash(idx, t) for idx, t in kv.items()}
+        stash = self.placement.stash
+        kv = {idx: (stash(idx, keys), stash(idx, values)) for idx, (keys, values) in kv.items()}
         self._blocks[block_id] = kv
-        self._bytes[block_id] = sum(t.numel() * t.element_size() for t in kv.values())
+        self._bytes[block_id] = sum(t.numel() * t.element_size() for pair in kv.values() for t in pair)
         self.num_bytes += self._bytes[block_id]
 
     def remove(self, block_id: int) -> None:
@@ -48,13 +50,14 @@ class KVStore:
     def block_bytes(self, block_id: int) -> int:
         return self._bytes[block_id]
 
-    def get(self, block_id: int) -> dict[int, torch.Tensor]:
-        """The stored tensors of one block, ``{layer idx: [2, Hkv, block_size, D]}``: read them, never write them."""
+    def get(self, block_id: int) -> dict[int, KVBlock]:
+        """The stored tensors of one block, ``{layer idx: (keys [Hkv, block_size, Dk], values [Hkv, block_size,
+        Dv])}``: read them, never write them."""
         return self._blocks[block_id]
 
     def gather(self, layer_idx: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of ``block_ids`` in order, as new tensors of shape ``[1, Hkv, len(block_ids) *
-        block_size, D]`` on the layer's device (a copy: writing them never touches the store; one Triton launch on
+        """Keys and values of ``block_ids`` in order, as new tensors ``[1, Hkv, len(block_ids) * block_size, Dk]``
+        and ``[..., Dv]`` on the layer's device (a copy: writing them never touches the store; one Triton launch on
         CUDA, then a copy to the device when entries are offloaded)."""
         keys, values = gather_kv_blocks([self._blocks[b][layer_idx] for b in block_ids])
         fetch = self.placement.fetch

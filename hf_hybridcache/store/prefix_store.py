@@ -126,7 +126,8 @@ class PrefixStore:
                    divergence if divergence > hit_tokens else 0)
 
     def gather_kv(self, layer_idx: int, block_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the keys and values ``[1, Hkv, len(block_ids) * block_size, D]`` of one attention layer."""
+        """Copies of the keys ``[1, Hkv, len(block_ids) * block_size, Dk]`` and values ``[..., Dv]`` of one attention
+        layer."""
         return self.kv.gather(layer_idx, list(block_ids))
 
     def checkpoint_copy(self, block_id: int) -> dict[int, LayerState]:
