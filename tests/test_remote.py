@@ -51,7 +51,7 @@ def warm(model, cold_model, url, ids, **kwargs) -> HybridPrefixCache:
     return cache
 
 
-@pytest.mark.parametrize("family", ["jamba", "zamba2", "lfm2", "qwen3_next"])
+@pytest.mark.parametrize("family", ["jamba", "zamba2", "lfm2", "qwen3_next", "kimi_linear"])
 def test_second_cache_hits_what_the_first_published_and_matches_cold(server, family, model, cold_model):
     server.client().flushall()
     ids = random_ids(70, seed=500)

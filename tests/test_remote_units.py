@@ -75,7 +75,7 @@ def test_full_write_queue_drops_and_counts_instead_of_waiting():
     client = TierClient(fake, CircuitBreaker(3, 5.0))
     publisher = Publisher(client, "test", max_pending=2)
     h = BlockHash(b"\x01" * 32)
-    kv = {0: torch.zeros(2, 1, 4, 2)}
+    kv = {0: (torch.zeros(1, 4, 2), torch.zeros(1, 4, 2))}
     publisher.publish_kv(h, [1, 2, 3, 4], kv)  # taken by the writer, which then blocks in execute()
     for _ in range(50):
         if publisher._queue.unfinished_tasks == 1 and publisher._queue.empty():
@@ -94,7 +94,7 @@ def test_full_write_queue_drops_and_counts_instead_of_waiting():
 
 
 SPEC = ModelStateSpec(
-    attention=(AttentionLayerSpec(1, 2, 4, torch.float32),),
+    attention=(AttentionLayerSpec(1, 2, 4, torch.float32, value_head_dim=3),),
     mamba=(MambaLayerSpec(0, TensorSpec((6, 3), torch.float32), TensorSpec((6, 5), torch.float32)),),
     block_size=4,
 )
@@ -103,10 +103,10 @@ HASH = block_hash(BlockHash(b"\x00" * 32), TOKENS)
 
 
 def test_entries_round_trip_exactly():
-    kv = {1: torch.randn(2, 2, 4, 4)}
+    kv = {1: (torch.randn(2, 4, 4), torch.randn(2, 4, 3))}  # keys and values of other widths, as MLA layers cache
     states = {0: (torch.randn(1, 6, 3), torch.randn(1, 6, 5))}
     got_kv = kv_tensors(decode(encode_kv(HASH, TOKENS, kv), "kv", HASH, TOKENS, SPEC))
-    assert torch.equal(got_kv[1], kv[1])
+    assert torch.equal(got_kv[1][0], kv[1][0]) and torch.equal(got_kv[1][1], kv[1][1])
     got = checkpoint_states(decode(encode_checkpoint(HASH, TOKENS, states), "checkpoint", HASH, TOKENS, SPEC))
     assert torch.equal(got[0][0], states[0][0]) and torch.equal(got[0][1], states[0][1])
 
@@ -116,7 +116,7 @@ def test_entries_round_trip_exactly():
     ["other hash", "other tokens", "other kind", "other shape", "other dtype", "missing", "garbage"],
 )
 def test_entries_that_do_not_fit_the_reader_are_misses(case):
-    kv = {1: torch.randn(2, 2, 4, 4)}
+    kv = {1: (torch.randn(2, 4, 4), torch.randn(2, 4, 3))}
     value, kind, h, tokens = encode_kv(HASH, TOKENS, kv), "kv", HASH, TOKENS
     if case == "other hash":
         h = block_hash(HASH, TOKENS)
@@ -125,9 +125,9 @@ def test_entries_that_do_not_fit_the_reader_are_misses(case):
     elif case == "other kind":
         kind = "checkpoint"
     elif case == "other shape":
-        value = encode_kv(HASH, TOKENS, {1: torch.randn(2, 2, 4, 3)})
+        value = encode_kv(HASH, TOKENS, {1: (torch.randn(2, 4, 4), torch.randn(2, 4, 4))})
     elif case == "other dtype":
-        value = encode_kv(HASH, TOKENS, {1: kv[1].double()})
+        value = encode_kv(HASH, TOKENS, {1: (kv[1][0].double(), kv[1][1].double())})
     elif case == "missing":
         value = None
     else:

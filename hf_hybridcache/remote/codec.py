@@ -1,7 +1,8 @@
 """The tier's wire format: where an entry lives (its key) and its value, safetensors bytes that verify themselves.
 
-A KV block is stored under ``{prefix}:{FORMAT}:kv:{block hash hex}`` and holds ``kv.{layer}`` ``[2, Hkv,
-block_size, D]`` per attention layer; a checkpoint is stored under ``{prefix}:{FORMAT}:ck:{block hash hex}`` (the
+A KV block is stored under ``{prefix}:{FORMAT}:kv:{block hash hex}`` and holds ``keys.{layer}`` ``[Hkv,
+block_size, Dk]`` and ``values.{layer}`` ``[Hkv, block_size, Dv]`` per attention layer (two tensors: MLA layers cache
+keys and values of different widths); a checkpoint is stored under ``{prefix}:{FORMAT}:ck:{block hash hex}`` (the
 hash of the block that ends at it) and holds ``conv.{layer}`` ``[1, C, W]`` and ``ssm.{layer}`` per Mamba layer, in
 the stored dtypes. The safetensors metadata names the format, the kind, the block hash, the block's token ids and a
 SHA-256 over every tensor's name, shape, dtype and bytes. Decoding checks all of it against what the reader expects
@@ -21,12 +22,13 @@ from safetensors.torch import load, save
 
 from ..config import ModelStateSpec
 from ..hashing import BlockHash
+from ..kernels.paged_copy import KVBlock
 from ..store import LayerState
 
 logger = logging.getLogger("hf_hybridcache")
 
 #: Bump when the value layout changes: keys of other formats are never read.
-FORMAT = "hfhc-remote/1"
+FORMAT = "hfhc-remote/2"
 
 
 def kv_key(prefix: str, block_hash: BlockHash) -> str:
@@ -58,9 +60,13 @@ def _encode(kind: str, block_hash: BlockHash, token_ids, tensors: dict[str, torc
     return save(tensors, metadata=metadata)
 
 
-def encode_kv(block_hash: BlockHash, token_ids, kv: dict[int, torch.Tensor]) -> bytes:
-    """A KV block ``{attention layer idx: [2, Hkv, block_size, D]}`` as safetensors bytes."""
-    return _encode("kv", block_hash, token_ids, {f"kv.{idx}": t for idx, t in kv.items()})
+def encode_kv(block_hash: BlockHash, token_ids, kv: dict[int, KVBlock]) -> bytes:
+    """A KV block ``{attention layer idx: (keys [Hkv, block_size, Dk], values [Hkv, block_size, Dv])}`` as
+    safetensors bytes."""
+    tensors = {}
+    for idx, (keys, values) in kv.items():
+        tensors[f"keys.{idx}"], tensors[f"values.{idx}"] = keys, values
+    return _encode("kv", block_hash, token_ids, tensors)
 
 
 def encode_checkpoint(block_hash: BlockHash, token_ids, states: dict[int, LayerState]) -> bytes:
@@ -73,8 +79,11 @@ def encode_checkpoint(block_hash: BlockHash, token_ids, states: dict[int, LayerS
 
 def _expected(kind: str, spec: ModelStateSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     if kind == "kv":
-        bs = spec.block_size
-        return {f"kv.{a.layer_idx}": ((2, a.num_kv_heads, bs, a.head_dim), a.dtype) for a in spec.attention}
+        bs, expected = spec.block_size, {}
+        for a in spec.attention:
+            expected[f"keys.{a.layer_idx}"] = ((a.num_kv_heads, bs, a.head_dim), a.dtype)
+            expected[f"values.{a.layer_idx}"] = ((a.num_kv_heads, bs, a.value_head_dim), a.dtype)
+        return expected
     expected = {}
     for m in spec.mamba:
         expected[f"conv.{m.layer_idx}"] = ((1, *m.conv.shape), m.conv.dtype)
@@ -120,9 +129,10 @@ def _metadata(value: bytes) -> dict[str, str]:
     return metadata
 
 
-def kv_tensors(tensors: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
-    """Decoded KV tensors as ``{attention layer idx: [2, Hkv, block_size, D]}``."""
-    return {int(name.split(".")[1]): t for name, t in tensors.items()}
+def kv_tensors(tensors: dict[str, torch.Tensor]) -> dict[int, KVBlock]:
+    """Decoded KV tensors as ``{attention layer idx: (keys, values)}``."""
+    layers = {int(name.split(".")[1]) for name in tensors}
+    return {idx: (tensors[f"keys.{idx}"], tensors[f"values.{idx}"]) for idx in sorted(layers)}
 
 
 def checkpoint_states(tensors: dict[str, torch.Tensor]) -> dict[int, LayerState]:

@@ -51,7 +51,7 @@ class Publisher:
         self._start_lock = threading.Lock()
 
     def publish_kv(self, block_hash: BlockHash, token_ids, kv: dict) -> None:
-        """Queue a stored KV block ``{attention layer idx: [2, Hkv, block_size, D]}``."""
+        """Queue a stored KV block ``{attention layer idx: (keys, values)}``."""
         self._offer(kv_key(self.key_prefix, block_hash), lambda: encode_kv(block_hash, token_ids, kv))
 
     def publish_checkpoint(self, block_hash: BlockHash, token_ids, states: dict[int, LayerState]) -> None:
