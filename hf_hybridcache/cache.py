@@ -27,6 +27,8 @@ from .live import LiveRequest
 from .live_cache import LiveCache
 from .models import support_for
 from .placement import Placement, layer_devices
+from .remote import RemoteTier, remote_config
+from .remote import attach as attach_remote
 from .sharing import SharedState, hash_seed
 from .stats import PrefixCacheStats
 from .store import PrefixStore, make_eviction
@@ -60,6 +62,10 @@ class HybridPrefixCache(LiveCache):
         admit_divergence: when a prompt leaves an already stored token path, keep a checkpoint at the last block
             boundary of the shared part, taken inside the same prefill, so the shared prefix is reusable from the next
             request on (Marconi's admission rule).
+        remote: a shared second tier (Redis or Valkey; :mod:`hf_hybridcache.remote`): a ``redis://`` or ``rediss://``
+            URL, a redis-py client or a :class:`~hf_hybridcache.remote.RemoteConfig`. Every entry stored is also
+            published there, and a request whose local hit is short fetches the longer chain other processes stored.
+            Unless ``seed`` is given the hash seed is the tier's for this model, so processes share. None: no tier.
         eviction: ``"flop_aware"`` (evict the lowest recency + alpha x prefill FLOPs saved per byte, after Marconi)
             or ``"lru"`` (least recently used first). Either way a KV block goes only after the blocks that extend it
             and after its own checkpoint, and the running request's blocks never go.
@@ -69,8 +75,10 @@ class HybridPrefixCache(LiveCache):
 
     Raises:
         ValueError: unsupported model; invalid ``block_size``, ``retention_interval``, ``max_cache_bytes``, ``seed``,
-            ``offload``, ``admit_divergence`` or ``eviction``; a budget smaller than one KV block plus one checkpoint;
-            a ``block_size`` longer than a sliding attention window of the model.
+            ``offload``, ``admit_divergence``, ``eviction`` or ``remote``; a budget smaller than one KV block plus one
+            checkpoint; a ``block_size`` longer than a sliding attention window of the model.
+        TypeError: ``remote`` is not a URL, a redis-py client or a ``RemoteConfig``.
+        ImportError: ``remote`` is a URL and redis-py is not installed (``pip install 'hf_hybridcache[redis]'``).
     """
 
     def __init__(
@@ -84,10 +92,12 @@ class HybridPrefixCache(LiveCache):
         offload: str | None = None,
         admit_divergence: bool = True,
         eviction: str = "flop_aware",
+        remote=None,
     ) -> None:
         _compat.check_version()
         support = support_for(model)
-        seed = hash_seed(seed)  # validated (or drawn) before anything is patched
+        seed_given, seed = seed is not None, hash_seed(seed)  # validated (or drawn) before anything is patched
+        remote = remote_config(remote)
         options = CacheOptions(
             block_size,
             retention_interval,
@@ -110,6 +120,7 @@ class HybridPrefixCache(LiveCache):
         policy = make_eviction(options.eviction, FlopModel.from_model(model, self.spec))
         self._store = PrefixStore(self.spec, self._shared.root(None), options.max_cache_bytes, placement, policy)
         self._counters = dict(requests=0, prompt_tokens=0, hit_tokens=0, divergence_checkpoints=0)
+        self._remote = attach_remote(self, remote, seed_given)
         self._start_view(None)
 
     def _start_view(self, salt: str | None) -> None:
@@ -160,6 +171,11 @@ class HybridPrefixCache(LiveCache):
         return self._store
 
     @property
+    def remote(self) -> RemoteTier | None:
+        """The shared second tier (``remote=``), or None; ``cache.remote.flush()`` waits for queued writes."""
+        return self._remote
+
+    @property
     def root_hash(self) -> bytes:
         """Parent hash of block 0 for this view's requests: seed, model identity, weights state and salt mixed."""
         return self._root
@@ -183,7 +199,8 @@ class HybridPrefixCache(LiveCache):
     def stats(self) -> PrefixCacheStats:
         """Counters of this cache and all its :meth:`with_salt` views (they share one store)."""
         with self._shared.lock:
-            return PrefixCacheStats.snapshot(self._counters, self._store)
+            remote = None if self._remote is None else self._remote.counters
+            return PrefixCacheStats.snapshot(self._counters, self._store, remote)
 
     def reset(self) -> None:
         """End the live request and empty the live layers; stored blocks and checkpoints stay. Waits for a running

@@ -25,12 +25,16 @@ logger = logging.getLogger("hf_hybridcache")
 
 def restore_row(cache, token_ids: list[int]) -> Row:
     """Copy the longest stored prefix of ``token_ids`` into ``cache``'s (fresh, single-row) live layers and pin its
-    chain. Returns the row, whose ``hit_tokens`` is the restored length P (0 on a miss)."""
+    chain. Returns the row, whose ``hit_tokens`` is the restored length P (0 on a miss). With a remote tier, what it
+    holds beyond the local hit is inserted into the store first (:mod:`~hf_hybridcache.remote.fetch`), and a path
+    it holds that the prompt leaves counts as a divergence point."""
+    remote_divergence = 0 if cache._remote is None else cache._remote.extend(cache, token_ids)
     store, root = cache._store, cache._root
     hit = store.lookup(token_ids, root)
     row = Row(len(token_ids), token_ids=token_ids[: hit.hit_tokens], hit_tokens=hit.hit_tokens, root=root)
     if cache.options.admit_divergence:
-        row.divergence_tokens = hit.divergence_tokens
+        remote_divergence = remote_divergence if remote_divergence > hit.hit_tokens else 0
+        row.divergence_tokens = hit.divergence_tokens or remote_divergence
     if not hit.hit_tokens:
         return row
     for attn in cache.spec.attention:

@@ -23,6 +23,14 @@ class PrefixCacheStats:
         evicted_kv_blocks: KV blocks evicted so far.
         evicted_checkpoints: checkpoints evicted so far.
         divergence_checkpoints: checkpoints admitted at divergence points so far.
+        remote_hit_tokens: hit tokens restored from entries fetched from the remote tier (part of ``hit_tokens``).
+        remote_bytes_read, remote_bytes_written: bytes of entries read from / written to the tier.
+        remote_round_trips: pipelines sent to the tier (each is one round trip on a standalone server).
+        remote_errors: tier operations that failed (timeouts, refused connections); the requests ran on.
+        remote_dropped_writes: entries not published (the writer's queue was full, or the tier failed or was
+            skipped by its circuit breaker).
+        remote_corrupt_entries: entries read from the tier that did not verify (served as misses).
+        The ``remote_*`` counters stay 0 without ``remote=``.
     """
 
     requests: int = 0
@@ -38,10 +46,18 @@ class PrefixCacheStats:
     evicted_kv_blocks: int = 0
     evicted_checkpoints: int = 0
     divergence_checkpoints: int = 0
+    remote_hit_tokens: int = 0
+    remote_bytes_read: int = 0
+    remote_bytes_written: int = 0
+    remote_round_trips: int = 0
+    remote_errors: int = 0
+    remote_dropped_writes: int = 0
+    remote_corrupt_entries: int = 0
 
     @classmethod
-    def snapshot(cls, counters: dict[str, int], store) -> PrefixCacheStats:
-        """The counters of past requests plus what ``store`` (a :class:`~hf_hybridcache.store.PrefixStore`) holds."""
+    def snapshot(cls, counters: dict[str, int], store, remote: dict[str, int] | None = None) -> PrefixCacheStats:
+        """The counters of past requests plus what ``store`` (a :class:`~hf_hybridcache.store.PrefixStore`) holds
+        and the remote tier's counters (``{"remote_*": int}``, None without a tier)."""
         return cls(
             requests=counters["requests"],
             prompt_tokens=counters["prompt_tokens"],
@@ -56,6 +72,7 @@ class PrefixCacheStats:
             evicted_kv_blocks=store.evicted_kv_blocks,
             evicted_checkpoints=store.evicted_checkpoints,
             divergence_checkpoints=counters["divergence_checkpoints"],
+            **(remote or {}),
         )
 
     @property

@@ -52,6 +52,10 @@ class PrefixStore:
         max_cache_bytes: the budget, bytes of the stored tensors (settable; call :meth:`make_room` after shrinking).
         placement: where stored tensors are kept and where restored copies go (None: where they are given).
         eviction: ranks what to evict; least recently used when None.
+
+    Attributes:
+        on_stored: called with ``("kv" | "checkpoint", block id)`` after a new KV block or checkpoint is stored (the
+            remote tier publishes it); None: nobody listens.
     """
 
     def __init__(
@@ -73,6 +77,7 @@ class PrefixStore:
         self.links = CheckpointLinks()
         self.evicted_kv_blocks = 0
         self.evicted_checkpoints = 0
+        self.on_stored: Callable[[str, int], None] | None = None
 
     # ------------------------------------------------------------------ sizes
 
@@ -161,6 +166,8 @@ class PrefixStore:
                 return None
             block_id = self.pool.add(h, parent_id, token_ids)
             self.kv.put(block_id, make_kv())
+            if self.on_stored is not None:
+                self.on_stored("kv", block_id)
         self.pool.ref([block_id])
         self.eviction.touch(("kv", block_id))
         return block_id, h
@@ -175,6 +182,8 @@ class PrefixStore:
             return None
         self._put_checkpoint(block_id, states)
         self.eviction.touch(("checkpoint", block_id))
+        if self.on_stored is not None:
+            self.on_stored("checkpoint", block_id)
         return True
 
     def pin(self, block_ids) -> None:

@@ -1,0 +1,113 @@
+"""What ``HybridPrefixCache(model, remote=...)`` accepts, validated, and the redis-py client made from it.
+
+``remote`` is a URL (``redis://host:6379/0``, ``rediss://`` for TLS, ``redis://:password@host/0`` or
+``redis://user:password@host/0``), an existing redis-py client (``redis.Redis`` or ``redis.cluster.RedisCluster``,
+used as it is: its own timeouts and retries apply), or a :class:`RemoteConfig` for the tier's other settings. Valkey
+speaks the same protocol, so the same URL and client serve it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+#: Keys of every entry start with this (then the format version); see :mod:`hf_hybridcache.remote.keys`.
+DEFAULT_KEY_PREFIX = "hfhc"
+
+_NO_REDIS = "HybridPrefixCache(remote=...) needs redis-py: pip install 'hf_hybridcache[redis]' (or pip install redis)."
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    """Settings of the shared second tier.
+
+    Attributes:
+        target: a ``redis://`` / ``rediss://`` URL or an existing redis-py client.
+        connect_timeout_s, timeout_s: socket connect and read timeouts of a client made from a URL. Small: a request
+            waits at most about this long for a tier that went away before it runs without it.
+        max_pending_writes: entries queued for the background writer; when the queue is full a new entry is dropped
+            (and counted) rather than stalling the request.
+        breaker_errors: consecutive failed operations that open the circuit breaker (the tier is skipped).
+        retry_after_s: how long the breaker stays open before one operation tries the tier again.
+        min_flops_per_byte: fetch a remote chain only when the prefill FLOPs it saves per byte transferred reach this
+            (0: no floor). Compare with your accelerator's FLOP/s divided by the network's bytes/s.
+        compute_flops_per_s: the prefill FLOP/s this process sustains; when given, a chain is fetched only when the
+            measured transfer time (latency + bytes / bandwidth, :mod:`~hf_hybridcache.remote.rate`) is below the
+            time to recompute it. None: no such check. See :func:`~hf_hybridcache.remote.fetch.worth_fetching`.
+        key_prefix: first part of every key (several deployments can share one server under different prefixes).
+    """
+
+    target: Any
+    connect_timeout_s: float = 0.25
+    timeout_s: float = 0.5
+    max_pending_writes: int = 256
+    breaker_errors: int = 3
+    retry_after_s: float = 5.0
+    min_flops_per_byte: float = 0.0
+    compute_flops_per_s: float | None = None
+    key_prefix: str = DEFAULT_KEY_PREFIX
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target, str):
+            if not self.target.startswith(("redis://", "rediss://", "unix://")):
+                raise ValueError(
+                    f"`remote` must be a redis:// or rediss:// URL (e.g. 'redis://localhost:6379/0'), a redis-py "
+                    f"client or a RemoteConfig; got the string {self.target!r}."
+                )
+        elif not callable(getattr(self.target, "pipeline", None)):
+            raise TypeError(
+                f"`remote` must be a redis:// URL, a redis-py client (redis.Redis, RedisCluster) or a RemoteConfig; "
+                f"got {type(self.target).__name__}."
+            )
+        for name in ("connect_timeout_s", "timeout_s", "retry_after_s"):
+            if not getattr(self, name) > 0:
+                value = getattr(self, name)
+                raise ValueError(f"RemoteConfig.{name} must be a positive number of seconds, got {value}.")
+        for name in ("max_pending_writes", "breaker_errors"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"RemoteConfig.{name} must be an int >= 1, got {value!r}.")
+        if self.compute_flops_per_s is not None and not self.compute_flops_per_s > 0:
+            raise ValueError(f"RemoteConfig.compute_flops_per_s must be None or > 0, got {self.compute_flops_per_s}.")
+        if not self.min_flops_per_byte >= 0:
+            raise ValueError(f"RemoteConfig.min_flops_per_byte must be >= 0, got {self.min_flops_per_byte}.")
+        if not isinstance(self.key_prefix, str) or not self.key_prefix:
+            raise ValueError(f"RemoteConfig.key_prefix must be a non-empty string, got {self.key_prefix!r}.")
+
+
+def remote_config(remote: Any) -> RemoteConfig | None:
+    """``remote`` as a :class:`RemoteConfig` (None stays None: no tier).
+
+    Raises:
+        ValueError, TypeError: ``remote`` is not a URL, a client or a RemoteConfig (see :class:`RemoteConfig`).
+        ImportError: a URL is given but redis-py is not installed.
+    """
+    config = remote if remote is None or isinstance(remote, RemoteConfig) else RemoteConfig(remote)
+    if config is not None and isinstance(config.target, str) and importlib.util.find_spec("redis") is None:
+        raise ImportError(_NO_REDIS)
+    return config
+
+
+def make_client(config: RemoteConfig):
+    """A redis-py client for ``config.target``: a URL gets the small timeouts and no retries (the circuit breaker
+    decides when to try again); a given client is used as it is.
+
+    Raises:
+        ImportError: redis-py is not installed (``pip install 'hf_hybridcache[redis]'``).
+    """
+    if not isinstance(config.target, str):
+        return config.target
+    try:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+    except ImportError as error:
+        raise ImportError(_NO_REDIS) from error
+    return redis.from_url(
+        config.target,
+        socket_connect_timeout=config.connect_timeout_s,
+        socket_timeout=config.timeout_s,
+        retry=Retry(NoBackoff(), 0),
+        health_check_interval=0,
+    )

@@ -1,0 +1,169 @@
+"""The read path: before a request's local lookup, extend the local store with the longest chain the tier holds
+beyond the local hit, so the usual lookup and restore serve it.
+
+Two round trips at most: one pipeline of ``EXISTS`` over the prompt's successive KV block keys past the locally
+stored chain and the checkpoint keys past the local hit; then, if the deepest boundary with a complete KV chain and a
+checkpoint (``D``) is worth it, one pipeline of ``GET`` for exactly the blocks ``[local chain, D)`` and the checkpoint
+at ``D``. Every value is verified (:func:`~hf_hybridcache.remote.codec.decode`) before anything is inserted; one that
+fails (corrupt, tampered, vanished since the ``EXISTS``) makes the whole fetch a miss, so a hit never crosses a
+missing piece. Any entry may vanish at any time (the server's ``maxmemory`` policy evicts what it likes), which this
+order tolerates: what is missing is simply not there. After vLLM v1's hybrid coordinator, the KV chain is matched left
+to right and the checkpoint side searched right to left.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..flops import FlopModel
+from ..hashing import BlockHash, chain_hashes
+from ..store import PrefixStore
+from ..store.lookup import hit_blocks, match_blocks
+from .client import TierClient
+from .codec import checkpoint_key, checkpoint_states, decode, kv_key, kv_tensors
+from .config import RemoteConfig
+from .writer import Publisher
+
+logger = logging.getLogger("hf_hybridcache")
+
+
+def worth_fetching(
+    saved_flops: float, num_bytes: int, config: RemoteConfig, transfer_seconds: float | None
+) -> bool:
+    """Fetch ``num_bytes`` that save ``saved_flops`` of prefill
+    (:meth:`~hf_hybridcache.flops.FlopModel.span_flops`) only when the FLOPs per byte reach
+    ``config.min_flops_per_byte`` and, when ``config.compute_flops_per_s`` is given and the transfer time is measured
+    (``transfer_seconds``), transferring takes less time than recomputing."""
+    if saved_flops < config.min_flops_per_byte * num_bytes:
+        return False
+    if config.compute_flops_per_s is None or transfer_seconds is None:
+        return True
+    return transfer_seconds < saved_flops / config.compute_flops_per_s
+
+
+class Fetcher:
+    """Extends a store from the tier; see the module docstring.
+
+    Args:
+        client: the tier's connection.
+        publisher: muted while fetched entries are inserted (they are in the tier already).
+        key_prefix: first part of every key.
+        config: the tier's settings (key prefix, fetch rule).
+        flops: the model's prefill FLOPs, for :func:`worth_fetching`.
+    """
+
+    def __init__(self, client: TierClient, publisher: Publisher, config: RemoteConfig, flops: FlopModel) -> None:
+        self.client = client
+        self.publisher = publisher
+        self.config = config
+        self.key_prefix = config.key_prefix
+        self.flops = flops
+
+    def extend(self, store: PrefixStore, token_ids: list[int], root: BlockHash) -> int:
+        """Insert into ``store`` what the tier holds beyond the local hit of ``token_ids`` under ``root``.
+
+        Returns a divergence point for admission, or 0: the boundary where the prompt leaves a KV chain that the
+        tier holds past the local store's (another process stored that path). A process whose own store lacks the
+        path cannot see the divergence itself, yet a checkpoint there is what lets the next request on any process
+        reuse the shared part. When the path merely ended there, its writer kept a checkpoint at its end, which
+        would have been fetched instead."""
+        bs = store.block_size
+        max_depth = (len(token_ids) - 1) // bs
+        chain, _ = match_blocks(store.pool, token_ids, root, bs)
+        local_depth = hit_blocks(chain, store.checkpoints.__contains__, len(token_ids), bs)
+        if local_depth >= max_depth:
+            return 0
+        hashes = chain_hashes(root, token_ids[: max_depth * bs], bs)
+        stored = min(len(chain), max_depth)
+        found = self._deepest(hashes, stored, local_depth)
+        if found is None:
+            return 0
+        chain_end, depth = found
+        divergence = chain_end * bs if stored < chain_end < len(token_ids) // bs else 0
+        if depth is not None:
+            self._fetch_and_insert(store, token_ids, root, chain[:stored], hashes, local_depth, depth)
+        return divergence
+
+    def _fetch_and_insert(self, store, token_ids, root, local_chain, hashes, local_depth: int, depth: int) -> None:
+        bs, stored = store.block_size, len(local_chain)
+        num_bytes = max(depth - stored, 0) * store.spec.kv_block_bytes + store.spec.checkpoint_bytes
+        saved = self.flops.span_flops(local_depth * bs, depth * bs)
+        if not worth_fetching(saved, num_bytes, self.config, self.client.rate.seconds(num_bytes)):
+            logger.debug("the tier holds a hit of %d tokens; recomputing is cheaper", depth * bs)
+            return
+        entries = self._fetch(store, token_ids, hashes, stored, depth)
+        if entries is None or not _insert(store, self.publisher, token_ids, root, local_chain, hashes, depth, *entries):
+            return
+        self.client.count("remote_hit_tokens", (depth - local_depth) * bs)
+        logger.debug(
+            "remote tier: hit grew from %d to %d tokens (%d KV blocks and a checkpoint fetched); tier so far: %s",
+            local_depth * bs, depth * bs, max(depth - stored, 0), dict(self.client.counters),
+        )
+
+    def _deepest(self, hashes: list[BlockHash], stored: int, local_depth: int) -> tuple[int, int | None] | None:
+        """``(chain_end, depth)``: the blocks of the prompt's KV chain stored here or in the tier, and the deepest
+        boundary (in blocks) past ``local_depth`` within it whose checkpoint is in the tier (None if there is none).
+        None when the tier did not answer."""
+        kv_keys = [kv_key(self.key_prefix, h) for h in hashes[stored:]]
+        depths = list(range(local_depth + 1, len(hashes) + 1))
+        ck_keys = [checkpoint_key(self.key_prefix, hashes[d - 1]) for d in depths]
+        found = self.client.exists(kv_keys + ck_keys)
+        if found is None:
+            return None
+        chain_end = stored
+        for present in found[: len(kv_keys)]:
+            if not present:
+                break
+            chain_end += 1
+        for d, present in reversed(list(zip(depths, found[len(kv_keys) :]))):
+            if present and d <= chain_end:
+                return chain_end, d
+        return chain_end, None
+
+    def _fetch(self, store: PrefixStore, token_ids: list[int], hashes: list[BlockHash], stored: int, depth: int):
+        """The verified KV blocks ``[stored, depth)`` and the checkpoint at ``depth``, or None."""
+        bs, spec = store.block_size, store.spec
+        keys = [kv_key(self.key_prefix, hashes[i]) for i in range(stored, depth)]
+        keys.append(checkpoint_key(self.key_prefix, hashes[depth - 1]))
+        values = self.client.get(keys)
+        if values is None:
+            return None
+        kvs = []
+        for i, value in zip(range(stored, depth), values):
+            tensors = decode(value, "kv", hashes[i], token_ids[i * bs : (i + 1) * bs], spec)
+            if tensors is None:
+                self._count_unusable(value)
+                return None
+            kvs.append(kv_tensors(tensors))
+        tensors = decode(values[-1], "checkpoint", hashes[depth - 1], token_ids[(depth - 1) * bs : depth * bs], spec)
+        if tensors is None:
+            self._count_unusable(values[-1])
+            return None
+        return kvs, checkpoint_states(tensors)
+
+    def _count_unusable(self, value: bytes | None) -> None:
+        if value is not None:  # present but unusable (a vanished entry is an ordinary miss)
+            self.client.count("remote_corrupt_entries")
+
+
+def _insert(store: PrefixStore, publisher: Publisher, token_ids, root, local_chain, hashes, depth, kvs, states) -> bool:
+    """Add the fetched blocks after ``local_chain`` (pinned meanwhile, so making room never evicts it) and the
+    checkpoint at ``depth``; everything is unpinned again (the request's lookup pins its hit). True if all fit."""
+    bs, added = store.block_size, []
+    store.pin(local_chain)
+    publisher.muted = True
+    try:
+        parent_id = local_chain[-1] if local_chain else None
+        parent_hash = hashes[len(local_chain) - 1] if local_chain else root
+        for i, kv in enumerate(kvs, start=len(local_chain)):
+            result = store.add_block(parent_id, parent_hash, tuple(token_ids[i * bs : (i + 1) * bs]), lambda kv=kv: kv)
+            if result is None:
+                return False
+            added.append(result[0])
+            parent_id, parent_hash = result
+        block_id = (list(local_chain) + added)[depth - 1]
+        return store.add_checkpoint(block_id, states) is not None
+    finally:
+        publisher.muted = False
+        store.release(added)
+        store.release(list(local_chain))

@@ -1,0 +1,38 @@
+"""The tier's namespace: one hash seed shared by every cache of the same model, so their block hashes agree.
+
+A cache draws a random hash seed (:func:`~hf_hybridcache.sharing.hash_seed`), so two processes would never compute
+the same block hash. With a tier and no ``seed=``, the seed is instead derived from the key prefix, the model identity
+(class, config, dtype; :func:`~hf_hybridcache.hashing.model_identity`) and the hf_hybridcache and transformers
+versions (stored states are only reused under the versions that computed them). The weights state (weights
+fingerprint and adapters) and the cache salt are mixed into every root hash after the seed, so caches of other
+weights or other tenants never share an entry.
+
+Derived rather than drawn once and kept in the tier (``SET NX``): a seed kept there would be lost when the server
+restarts or its ``allkeys-lru`` policy evicts that key, and processes started afterwards would draw a new one and stop
+sharing with those started before; a derived one needs no round trip and no server at construction. It hides nothing
+from whoever can read the tier (a stored seed would not either). To keep a deployment's hashes unguessable, pass the
+same secret ``seed=`` bytes to every cache that should share; it is then used as it is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from .. import _compat
+
+
+def namespace_identity(model_identity: str) -> str:
+    """What the namespace seed is derived from besides the key prefix: the model identity and the versions that
+    compute the states."""
+    from .. import __version__
+
+    return f"{model_identity}|hf_hybridcache {__version__}|transformers {_compat.TRANSFORMERS_VERSION}"
+
+
+def namespace_seed(key_prefix: str, model_identity: str) -> bytes:
+    """The hash seed of every cache of this model using the tier under ``key_prefix`` without a ``seed=``."""
+    h = hashlib.sha256(b"hf_hybridcache-remote-namespace\0")
+    for part in (key_prefix, namespace_identity(model_identity)):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part.encode())
+    return h.digest()

@@ -1,0 +1,80 @@
+"""RemoteTier: the shared second tier behind one cache's local store, composed of the connection and its breaker
+(:mod:`~hf_hybridcache.remote.client`), the namespace (:mod:`~hf_hybridcache.remote.namespace`), the background
+writer (:mod:`~hf_hybridcache.remote.writer`) and the read path (:mod:`~hf_hybridcache.remote.fetch`).
+
+The cache calls :func:`attach` once, after its store is built; the store then reports every entry it keeps
+(``PrefixStore.on_stored``), and every request's restore calls :meth:`RemoteTier.extend` before its local lookup. A
+cache without ``remote=`` has no tier and none of this runs.
+"""
+
+from __future__ import annotations
+
+from ..flops import FlopModel
+from ..store import PrefixStore
+from .client import CircuitBreaker, TierClient
+from .config import RemoteConfig, make_client
+from .fetch import Fetcher
+from .namespace import namespace_seed
+from .writer import Publisher
+
+
+class RemoteTier:
+    """The tier of one cache and its salted views.
+
+    Args:
+        config: the validated settings.
+        store: the cache's local store (entries it keeps are published; fetched ones are inserted into it).
+        flops: the model's prefill FLOPs (fetch or recompute).
+    """
+
+    def __init__(self, config: RemoteConfig, store: PrefixStore, flops: FlopModel) -> None:
+        self.config = config
+        self.store = store
+        self.client = TierClient(make_client(config), CircuitBreaker(config.breaker_errors, config.retry_after_s))
+        self.publisher = Publisher(self.client, config.key_prefix, config.max_pending_writes)
+        self.fetcher = Fetcher(self.client, self.publisher, config, flops)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """A copy of the tier's counters (see :data:`~hf_hybridcache.remote.client.COUNTERS`)."""
+        with self.client._lock:
+            return dict(self.client.counters)
+
+    @property
+    def breaker(self) -> CircuitBreaker:
+        return self.client.breaker
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every queued entry is written to the tier (or dropped); False if ``timeout_s`` passed first."""
+        return self.publisher.flush(timeout_s)
+
+    def extend(self, cache, token_ids: list[int]) -> int:
+        """Before ``cache``'s local lookup of ``token_ids``: insert what the tier holds beyond the local hit. Returns
+        a divergence point the tier revealed, or 0 (see :meth:`~hf_hybridcache.remote.fetch.Fetcher.extend`)."""
+        return self.fetcher.extend(self.store, token_ids, cache._root)
+
+    def on_stored(self, kind: str, block_id: int) -> None:
+        """The store kept a new KV block (``kind == "kv"``) or checkpoint at the end of ``block_id``: publish it."""
+        block = self.store.pool[block_id]
+        if kind == "kv":
+            self.publisher.publish_kv(block.block_hash, block.token_ids, self.store.kv.get(block_id))
+        else:
+            self.publisher.publish_checkpoint(block.block_hash, block.token_ids, self.store.checkpoints.get(block_id))
+
+
+def attach(cache, config: RemoteConfig | None, seed_given: bool) -> RemoteTier | None:
+    """Give ``cache`` (a new :class:`~hf_hybridcache.HybridPrefixCache`, store built, no view started) its tier:
+    the namespace seed (:mod:`~hf_hybridcache.remote.namespace`) unless the seed was given, and the store's hook.
+    None when ``config`` is None. Nothing is sent to the server yet.
+
+    Raises:
+        ImportError: redis-py is not installed.
+    """
+    if config is None:
+        return None
+    tier = RemoteTier(config, cache._store, FlopModel.from_model(cache.model, cache.spec))
+    if not seed_given:
+        cache._shared.seed = namespace_seed(config.key_prefix, cache._shared.identity)
+        cache._store.root = cache._shared.root(None)
+    cache._store.on_stored = tier.on_stored
+    return tier

@@ -1,0 +1,112 @@
+"""The write path: every KV block and checkpoint the local store keeps is published to the tier by a background
+thread, off the request's critical path.
+
+The request thread only queues ``(key, encode)`` with references to the stored tensors (which are never written
+after they are stored, so reading them later is safe; an evicted entry's tensors stay alive until written). The
+writer thread encodes them (:mod:`~hf_hybridcache.remote.codec`) and stores them with ``SET NX`` in pipelined batches.
+The queue is bounded: when it is full the entry is dropped and counted (``remote_dropped_writes``) rather than making
+the request wait; an entry the tier refused or could not take (breaker open, timeout) is counted the same way.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from ..hashing import BlockHash
+from ..store import LayerState
+from .client import TierClient
+from .codec import checkpoint_key, encode_checkpoint, encode_kv, kv_key
+
+logger = logging.getLogger("hf_hybridcache")
+
+#: Entries written per round trip.
+WRITE_BATCH = 16
+#: How long the interpreter's exit waits for queued writes.
+EXIT_FLUSH_S = 2.0
+
+
+class Publisher:
+    """A bounded queue of entries to publish and the daemon thread that writes them.
+
+    Args:
+        client: the tier's connection.
+        key_prefix: first part of every key.
+        max_pending: entries the queue holds before new ones are dropped.
+
+    Attributes:
+        muted: while True nothing is queued (set while entries fetched from the tier are inserted locally).
+    """
+
+    def __init__(self, client: TierClient, key_prefix: str, max_pending: int) -> None:
+        self.client = client
+        self.key_prefix = key_prefix
+        self.muted = False
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    def publish_kv(self, block_hash: BlockHash, token_ids, kv: dict) -> None:
+        """Queue a stored KV block ``{attention layer idx: (keys, values)}``."""
+        self._offer(kv_key(self.key_prefix, block_hash), lambda: encode_kv(block_hash, token_ids, kv))
+
+    def publish_checkpoint(self, block_hash: BlockHash, token_ids, states: dict[int, LayerState]) -> None:
+        """Queue a stored checkpoint ``{mamba layer idx: (conv, ssm)}`` at the end of the block ``block_hash``."""
+        key = checkpoint_key(self.key_prefix, block_hash)
+        self._offer(key, lambda: encode_checkpoint(block_hash, token_ids, states))
+
+    def _offer(self, key: str, encode: Callable[[], bytes]) -> None:
+        if self.muted:
+            return
+        self._ensure_thread()
+        try:
+            self._queue.put_nowait((key, encode))
+        except queue.Full:
+            self.client.count("remote_dropped_writes")
+
+    def _ensure_thread(self) -> None:
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="hf_hybridcache-remote-writer", daemon=True)
+                self._thread.start()
+                atexit.register(self.flush, EXIT_FLUSH_S)
+
+    def _run(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            while len(batch) < WRITE_BATCH:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                self._write(batch)
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
+
+    def _write(self, batch: list[tuple[str, Callable[[], bytes]]]) -> None:
+        items = []
+        for key, encode in batch:
+            try:
+                items.append((key, encode()))
+            except Exception as error:  # a device error while copying to the host must not kill the writer
+                logger.debug("could not encode %s for the remote tier: %s", key, error)
+                self.client.count("remote_dropped_writes")
+        if not self.client.set_new(items):
+            self.client.count("remote_dropped_writes", len(items))
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every queued entry is written (or dropped); False if ``timeout_s`` passed first."""
+        deadline = time.monotonic() + timeout_s
+        with self._queue.all_tasks_done:
+            while self._queue.unfinished_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._queue.all_tasks_done.wait(left)
+        return True

@@ -1,0 +1,71 @@
+"""A throwaway redis-server on a free loopback port, for the remote tier's tests and benchmark.
+
+Outside CI the tests that need one skip when ``redis-server`` or redis-py is not installed; in CI (``CI`` set) a
+missing server fails them, since ``.ci/run`` installs it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+
+
+def require_redis() -> None:
+    """Skip (fail in CI) unless ``redis-server`` and redis-py are installed."""
+    missing = [name for name, ok in (("redis-server", shutil.which("redis-server")),
+                                     ("redis-py", importlib.util.find_spec("redis"))) if not ok]
+    if not missing:
+        return
+    why = f"{' and '.join(missing)} not installed (apt-get install redis-server; pip install 'hf_hybridcache[redis]')"
+    if os.environ.get("CI"):
+        pytest.fail(f"{why}: .ci/run installs them in CI")
+    pytest.skip(why)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """One ``redis-server`` process without persistence; :meth:`stop` and :meth:`start` again keep its port (a
+    restarted server is empty)."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self):
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+
+    def start(self) -> RedisServer:
+        args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                self.client().ping()
+                return self
+            except Exception:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+            self.process = None
