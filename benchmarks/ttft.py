@@ -1,4 +1,8 @@
-"""Time to first token (TTFT) of a Jamba-shaped model with and without HybridPrefixCache, against the lower bound.
+"""Time to first token (TTFT) of a hybrid model with and without HybridPrefixCache, against the lower bound.
+
+The model is a Jamba-shaped one of two sizes (``--size``, the default), or with ``--family F [--shape NAME]
+[--layers N]`` a real model shape from ``benchmarks/model_shapes.py`` (random weights; the header line names the
+checkpoint and any cut, and the bytes of one KV block and of one checkpoint).
 
 For each prefix length (default 1k / 2k / 4k / 8k tokens) a prompt is the prefix plus a 64-token suffix, and one run
 prints, side by side:
@@ -12,7 +16,9 @@ prints, side by side:
 - ``suffix``: prefilling only the 64 suffix tokens with no cache (faster of stock and ``*``): the lower bound of a hit
   (each hit and its lower bound run on the same suffix; the hit's prefix checkpoint serves several new suffixes);
 - restore steps of the hit one by one (lookup, KV gather, checkpoint copy) with their bytes;
-- the Mamba-1 scan alone at ``--scan-tokens`` tokens: transformers' scan against ours.
+- the Mamba-1 scan alone at ``--scan-tokens`` tokens: transformers' scan against ours (Jamba-shaped model only).
+
+``no cache*`` and the scan need transformers' Jamba scan; other families print ``-`` there.
 
 Times are the best of ``--repeats`` runs (``--repeats x --hit-repeats`` for the cheap hit and suffix runs; the
 machine is shared, and the best run is the least disturbed one); the variants run in turn within each repeat. The
@@ -22,6 +28,7 @@ Usage::
 
     PYTHONPATH=. python benchmarks/ttft.py                      # CPU, ~25M-parameter model (a few minutes)
     PYTHONPATH=. python benchmarks/ttft.py --device cuda --size large --dtype bfloat16
+    PYTHONPATH=. python benchmarks/ttft.py --family qwen3_5_text --shape 0.8b --prefixes 1024 4096 8192
 """
 
 from __future__ import annotations
@@ -29,7 +36,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import statistics
 import time
 
 # On a shared, oversubscribed CPU, OpenMP threads that spin at barriers stall every small torch op for a scheduler
@@ -39,6 +45,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 from tqdm.auto import tqdm
 
+from benchmarks.model_shapes import SHAPES, build_shape_model
+from benchmarks.ttft_report import print_report
 from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
 from hf_hybridcache.kernels import backend, selective_scan, selective_scan_chunked
 from hf_hybridcache.toy import VOCAB_SIZE, build_model
@@ -141,6 +149,7 @@ def measure_prefix(args, stock, patched, cache, prefix_tokens: int, device) -> d
 
     warm, prompt = with_suffix(1), with_suffix(2)
     times: dict[str, list[float]] = {}
+    swap_scan = stock.config.model_type == "jamba"
 
     def record(name, seconds):
         times.setdefault(name, []).append(seconds)
@@ -148,17 +157,18 @@ def measure_prefix(args, stock, patched, cache, prefix_tokens: int, device) -> d
     for repeat in range(args.repeats):
         seconds, reference_logits = timed(device, lambda: first_token(stock, prompt))
         record("no cache", seconds)
-        with transformers_scan_replaced():
-            seconds, cpu_seconds, _ = timed_with_cpu(device, lambda: first_token(stock, prompt))
-        record("no cache*", seconds)
-        record("no cache* cpu", cpu_seconds)
+        if swap_scan:
+            with transformers_scan_replaced():
+                seconds, cpu_seconds, _ = timed_with_cpu(device, lambda: first_token(stock, prompt))
+            record("no cache*", seconds)
+            record("no cache* cpu", cpu_seconds)
         cache.clear()
         seconds, cpu_seconds, _ = timed_with_cpu(device, lambda: first_token(patched, prompt, cache))
         record("miss", seconds)
         record("miss cpu", cpu_seconds)
         cache.clear()
         first_token(patched, warm, cache)
-        checkpoints = cache.stats.checkpoints
+        checkpoints, stored = cache.stats.checkpoints, cache.stored_bytes
         # Hits are cheap: several per warm-up, each with a new suffix (the prefix's checkpoint serves them all),
         # interleaved with the lower bound on the same suffix.
         for k in range(args.hit_repeats):
@@ -172,10 +182,11 @@ def measure_prefix(args, stock, patched, cache, prefix_tokens: int, device) -> d
                 hit_tokens = cache.last_hit_tokens[0]
             suffix = hit_prompt[:, prefix_tokens:]
             record("suffix", timed(device, lambda s=suffix: first_token(stock, s))[0])
-            with transformers_scan_replaced():
-                record("suffix", timed(device, lambda s=suffix: first_token(stock, s))[0])
+            if swap_scan:
+                with transformers_scan_replaced():
+                    record("suffix", timed(device, lambda s=suffix: first_token(stock, s))[0])
     best = {name: min(values) for name, values in times.items()}
-    best.update(max_logit_diff=max_logit_diff, hit_tokens=hit_tokens, checkpoints=checkpoints)
+    best.update(max_logit_diff=max_logit_diff, hit_tokens=hit_tokens, checkpoints=checkpoints, stored_bytes=stored)
     best["kv_bytes"], best["ckpt_bytes"] = int(best["kv_bytes"]), int(best["ckpt_bytes"])
     return best
 
@@ -233,68 +244,32 @@ def measure_scan(args, model, device, dtype) -> list[tuple[str, float]]:
     return [(name, min(values)) for name, values in results.items()]
 
 
-def print_report(args, model, device, dtype, rows: dict, scan: list) -> None:
-    num_params = sum(p.numel() for p in model.parameters())
-    num_mamba = sum(type(m).__name__ == "JambaMambaMixer" for m in model.modules())
-    layers = model.config.num_hidden_layers
-    threads = f", {torch.get_num_threads()} CPU threads (OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']})"
-    threads = threads if device.type == "cpu" else ""
-    print(
-        f"\nJamba-shaped model '{args.size}': {num_params / 1e6:.1f}M parameters, {layers} layers ({num_mamba} Mamba, "
-        f"{layers - num_mamba} attention), {device.type} {str(dtype).removeprefix('torch.')}{threads}; block_size "
-        f"{args.block_size}, retention {args.retention}; best of {args.repeats} (hits: {args.repeats * args.hit_repeats});"
-        f" kernel backend "
-        f"{backend.get_backend()}"
-    )
-    print(
-        f"TTFT in ms for prefix + {args.suffix_tokens}-token suffix (no cache* = stock with our scan swapped in; "
-        "cpu time = the same miss/nocache* ratio in this process's CPU seconds)"
-    )
-    header = (
-        f"{'prefix':>6} | {'no cache':>9} {'no cache*':>9} {'miss':>9} {'hit':>8} {'suffix':>7} | "
-        f"{'hit/suffix':>10} {'nocache/hit':>11} {'miss/nocache':>12} {'miss/nocache*':>13} {'(cpu time)':>10} | "
-        f"{'hit P':>5} "
-        f"{'max|dlogit|':>11}"
-    )
-    print(header)
-    print("-" * len(header))
-    for prefix_tokens, r in rows.items():
-        ms = {k: 1e3 * v for k, v in r.items()}
-        print(
-            f"{prefix_tokens:>6} | {ms['no cache']:>9.1f} {ms['no cache*']:>9.1f} {ms['miss']:>9.1f} {ms['hit']:>8.1f} "
-            f"{ms['suffix']:>7.1f} | {r['hit'] / r['suffix']:>10.2f} {r['no cache'] / r['hit']:>11.1f} "
-            f"{r['miss'] / r['no cache']:>12.2f} {r['miss'] / r['no cache*']:>13.2f} "
-            f"{r['miss cpu'] / r['no cache* cpu']:>10.3f} | {r['hit_tokens']:>5} "
-            f"{r['max_logit_diff']:>11.1e}"
+def build_models(args, device, dtype):
+    """``(stock, patched, description)``. A ``--family`` shape is built once: HybridPrefixCache patches the instance's
+    mixers, and the patches run upstream's forward unchanged for any other cache (or none), so the same instance is
+    the stock model when called without our cache; a second copy of a real-size model would double the memory."""
+    if args.family is None:
+        stock, patched = (
+            build_model("jamba", seed=0, long_memory=False, dtype=dtype, **SIZES[args.size]).to(device)
+            for _ in range(2)
         )
-    print("\nRestore of the hit, step by step (ms; bytes copied into the live cache)")
-    header = (
-        f"{'prefix':>6} | {'lookup':>7} {'KV gather':>9} {'KV MiB':>7} | {'ckpt copy':>9} {'ckpt KiB':>8} | "
-        f"{'ckpts stored':>12}"
-    )
-    print(header)
-    print("-" * len(header))
-    for prefix_tokens, r in rows.items():
-        print(
-            f"{prefix_tokens:>6} | {1e3 * r['lookup']:>7.2f} {1e3 * r['kv_gather']:>9.2f} {r['kv_bytes'] / 2**20:>7.2f}"
-            f" | {1e3 * r['ckpt_copy']:>9.3f} {r['ckpt_bytes'] / 2**10:>8.1f} | {r['checkpoints']:>12}"
-        )
-    print(f"\nMamba-1 scan alone, {args.scan_tokens} tokens, first Mamba layer's shapes (ms)")
-    base = scan[0][1]
-    for name, seconds in scan:
-        print(f"  {name:<44} {1e3 * seconds:>9.1f}   speed-up {base / seconds:>5.1f}x")
-    hits = [r["hit"] / r["suffix"] for r in rows.values()]
-    print(f"\nhit/suffix median {statistics.median(hits):.2f}")
+        return stock, patched, f"Jamba-shaped model '{args.size}'"
+    shape = args.shape or next(iter(SHAPES[args.family]))
+    model, description = build_shape_model(args.family, shape, args.layers, dtype=dtype)
+    return model.to(device), model.to(device), f"{args.family} '{shape}' ({description}, random weights)"
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prefix-tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    parser.add_argument("--prefix-tokens", "--prefixes", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--suffix-tokens", type=int, default=64)
     parser.add_argument("--scan-tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3, help="runs of each full prefill (no cache, miss)")
     parser.add_argument("--hit-repeats", type=int, default=3, help="hits (and suffix-only runs) per repeat")
-    parser.add_argument("--size", choices=sorted(SIZES), default="small")
+    parser.add_argument("--size", choices=sorted(SIZES), default="small", help="the Jamba-shaped model (no --family)")
+    parser.add_argument("--family", choices=sorted(SHAPES), help="a real model shape's family (model_shapes.py)")
+    parser.add_argument("--shape", help="the family's shape (default: its first; see benchmarks/model_shapes.py)")
+    parser.add_argument("--layers", type=int, help="keep the shape's first N layers (the layer pattern is kept)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--block-size", type=int, default=16)
@@ -302,20 +277,30 @@ def main(argv: list[str] | None = None) -> None:
         "--retention", type=int, default=1024, help="retention interval in tokens (the prefixes are multiples of it)"
     )
     args = parser.parse_args(argv)
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if args.family is None and (args.shape or args.layers):
+        parser.error("--shape and --layers need --family")
+    return args
 
-    stock = build_model("jamba", seed=0, long_memory=False, dtype=dtype, **SIZES[args.size]).to(device)
-    patched = build_model("jamba", seed=0, long_memory=False, dtype=dtype, **SIZES[args.size]).to(device)
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    stock, patched, description = build_models(args, device, dtype)
     cache = HybridPrefixCache(patched, block_size=args.block_size, retention_interval=args.retention)
     warmup = random_ids(2 * args.block_size + 3, seed=0, device=device)
     first_token(stock, warmup)
     first_token(patched, warmup, cache)
 
     rows = {}
-    for prefix_tokens in tqdm(args.prefix_tokens, desc="prefixes", unit="prefix"):
-        rows[prefix_tokens] = measure_prefix(args, stock, patched, cache, prefix_tokens, device)
-    scan = measure_scan(args, stock, device, dtype)
-    print_report(args, stock, device, dtype, rows, scan)
+    try:
+        for prefix_tokens in tqdm(args.prefix_tokens, desc="prefixes", unit="prefix"):
+            rows[prefix_tokens] = measure_prefix(args, stock, patched, cache, prefix_tokens, device)
+    except KeyboardInterrupt:  # Ctrl-C during a long run still prints the prefixes measured so far
+        if not rows:
+            raise
+    complete = len(rows) == len(args.prefix_tokens)
+    scan = measure_scan(args, stock, device, dtype) if args.family is None and complete else []
+    print_report(args, stock, device, dtype, rows, scan, cache.spec, description)
 
 
 if __name__ == "__main__":

@@ -95,3 +95,32 @@ def test_eviction_scale_runs_on_a_tiny_store(capsys, monkeypatch):
     eviction_scale.main()
     table = capsys.readouterr().out.splitlines()
     assert table[0].startswith("| policy |") and [row.split(" | ")[0] for row in table[2:]] == ["| lru", "| flop_aware"]
+
+
+def test_ttft_runs_on_a_tiny_real_shape(capsys):
+    """``ttft.py --family``: the table's rows, the bytes of a KV block and a checkpoint, and an exact hit."""
+    from benchmarks import ttft
+
+    ttft.main(["--family", "qwen3_5_text", "--shape", "tiny", "--prefixes", "64", "--suffix-tokens", "16",
+               "--repeats", "1", "--hit-repeats", "1", "--retention", "64"])
+    out = capsys.readouterr().out
+    assert "qwen3_5_text 'tiny'" in out and "KV block 4 KiB" in out and "checkpoint 0.02 MiB" in out
+    row = next(line for line in out.splitlines() if line.strip().startswith("64 |") and "-" in line.split("|")[1])
+    hit_tokens, max_logit_diff = row.split("|")[-1].split()
+    assert int(hit_tokens) == 64 and float(max_logit_diff) < 1e-4
+
+
+def test_model_shapes_build_with_their_layer_pattern():
+    from benchmarks.model_shapes import SHAPES, shape_config
+
+    for family, shapes in SHAPES.items():
+        for name, shape in shapes.items():
+            config, description = shape_config(family, name)
+            assert config.model_type == family and description.startswith(shape.checkpoint)
+    config, description = shape_config("qwen3_5_text", "0.8b", layers=8)
+    assert config.layer_types == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + [
+        "full_attention"
+    ]
+    assert "first 8 of 24 layers" in description
+    with pytest.raises(ValueError, match="known shapes"):
+        shape_config("qwen3_5_text", "9b")

@@ -22,6 +22,9 @@ Private APIs touched, and why each is needed (transformers 5.23 - 5.24):
 - The module-level recurrence kernels of the linear-attention modeling files (``torch_chunk_gated_delta_rule`` and
   kin), rebound once in their module to a router that passes every call through unchanged except inside this
   package's own patched mixer calls, where it also returns the recurrent states at block boundaries.
+- ``transformers.integrations.sdpa_attention.use_gqa_in_sdpa``, rebound to a router that, inside this package's
+  forwards on CPU, lets a masked multi-query call use SDPA's ``enable_gqa`` instead of ``repeat_kv`` copies (same
+  output bit for bit; see :mod:`.attention`), and answers as before everywhere else.
 - accelerate's ``_hf_hook`` / ``_old_forward`` / ``weights_map`` / ``execution_device`` and transformers'
   ``force_accelerate_hooks``: instance patches must sit under accelerate's hooks, and offloaded weights and layer
   devices are read from them.

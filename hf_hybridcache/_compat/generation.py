@@ -35,6 +35,7 @@ import transformers
 from packaging.version import Version
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
+from . import attention
 from .accelerate import _InstanceHook, patch_instance_forward
 
 #: The kwarg a cache travels under: ``past_key_values`` (renamed ``cache`` in transformers 5.24; mixers got
@@ -92,6 +93,7 @@ def install_hooks(model: torch.nn.Module, hooks: Hooks) -> None:
     ):
         setattr(model, name, _InstanceHook(model, name, wrapper))
     patch_instance_forward(model, _wrapped_forward)
+    attention.route_grouped_query_sdpa()
 
 
 def _hooked_generate(self, *args, **kwargs):
@@ -179,7 +181,7 @@ def _wrapped_forward(model, original_forward, *args, **kwargs):
     scope = hooks.forward_call(
         cache, input_ids=input_ids, inputs_embeds=kwargs.get("inputs_embeds"), use_cache=kwargs.get("use_cache")
     )
-    with scope:
+    with scope, attention.package_forward():
         if len(args) <= 1:
             ids_or_embeds = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
             _fill_position_ids(model, cache, ids_or_embeds, kwargs)
