@@ -19,6 +19,7 @@ CUDA = torch.cuda.is_available()
 def _device_map(model, layer_device):
     """Every top-level module of ``model`` on "cpu", decoder layer ``i`` on ``layer_device(i)``."""
     device_map = {f"model.{name}": "cpu" for name, _ in model.model.named_children() if name != "layers"}
+    device_map.update({f"model.{name}": "cpu" for name, _ in model.model.named_parameters(recurse=False)})  # ZAYA
     device_map.update({f"model.layers.{i}": layer_device(i) for i in range(len(model.model.layers))})
     device_map.update({name: "cpu" for name, _ in model.named_children() if name != "model"})
     return device_map
