@@ -13,8 +13,10 @@ def test_grouped_query_sdpa_only_inside_package_forwards():
     key = value = torch.randn(1, 2, 40, 16)
     mask = torch.ones(1, 1, 8, 40, dtype=torch.bool)
     assert sdpa_attention.use_gqa_in_sdpa(mask, key, value) is False  # transformers' own answer
-    with attention.package_forward():
+    with attention.package_forward(), torch.no_grad():
         assert sdpa_attention.use_gqa_in_sdpa(mask, key, value) is True
+        with torch.enable_grad():  # training forwards (their checkpointed recompute runs outside the package's forward)
+            assert sdpa_attention.use_gqa_in_sdpa(mask, key, value) is False
         one_query = torch.ones(1, 1, 1, 40, dtype=torch.bool)
         assert sdpa_attention.use_gqa_in_sdpa(one_query, key, value) is False  # pack_gqa copies nothing
 

@@ -8,7 +8,8 @@ On CPU, torch's flash-attention kernel takes the mask and ``enable_gqa`` togethe
 bit (the same kernel over the same rows), without the copies: half the attention time of a 64-token tail over 4096
 restored tokens. So inside this package's forwards on CPU tensors, ``use_gqa_in_sdpa`` answers as for an unmasked
 call; everywhere else (other models, CUDA, where the masked ``enable_gqa`` path may fall back to the math kernel) it
-is transformers' own answer. One-query calls keep transformers' ``pack_gqa`` path, which copies nothing.
+is transformers' own answer, and so it is for forwards with grad enabled (training: a gradient-checkpointed layer
+recomputes its forward in backward, outside the package's forward). One-query calls keep transformers' ``pack_gqa`` path, which copies nothing.
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ _IN_PACKAGE_FORWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_h
 
 def _use_gqa_router(original, attention_mask: torch.Tensor | None, key: torch.Tensor, value: torch.Tensor) -> bool:
     masked_multi_query = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[-2] > 1
-    if _IN_PACKAGE_FORWARD.get() and masked_multi_query and key.device.type == "cpu":
+    # Only without grad: a gradient-checkpointed layer recomputes its forward in backward, outside the package's
+    # forward, and must see the same tensors (repeat_kv's copies) as the first time.
+    inference = _IN_PACKAGE_FORWARD.get() and not torch.is_grad_enabled()
+    if inference and masked_multi_query and key.device.type == "cpu":
         return original(None, key, value)
     return original(attention_mask, key, value)
 
