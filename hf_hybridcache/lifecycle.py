@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 
 import torch
 
-from . import _compat
+from . import _compat, placement
 from .batch import mask_lengths, replay_rows, unpadded_rows
 from .live import LiveRequest, restore_row
-from .placement import layer_devices
 from .rows import Row
 
 logger = logging.getLogger("hf_hybridcache")
@@ -68,17 +68,32 @@ def forward_call(cache, *, input_ids, inputs_embeds, use_cache):
     ids_or_embeds = input_ids if input_ids is not None else inputs_embeds
     with cache._shared.lock:
         try:
+            started = None
             if ids_or_embeds is not None:
                 num_rows, num_tokens = ids_or_embeds.shape[:2]
                 if use_cache is False:
                     _begin_uncached_forward(cache)
                 _before_forward(cache, input_ids, num_rows, num_tokens, storing=not cache.model.training)
+                if cache._remote is not None and num_rows == 1 and num_tokens > 1:
+                    started = time.perf_counter()
             yield
+            if started is not None:
+                _observe_forward(cache, started)
             if cache._request is not None:
                 cache._request.after_forward()
         except BaseException:
             end_request(cache)
             raise
+
+
+def _observe_forward(cache, started: float) -> None:
+    """A single-row multi-token forward with a remote tier just ended: its wall time feeds the tier's measured
+    compute rate (the fetch-or-recompute rule)."""
+    request = cache._request
+    if request is None or torch.is_grad_enabled():
+        return
+    placement.synchronize(cache._shared.devices.values())
+    cache._remote.observe_forward(request.forward_start, request.forward_end, time.perf_counter() - started)
 
 
 def _begin_uncached_forward(cache) -> None:
@@ -226,7 +241,7 @@ def check_request(cache, input_ids: torch.Tensor | None) -> None:
             f"The model is {model.dtype} but this HybridPrefixCache was built for it in {shared.dtype}, and its "
             f"stored entries are {shared.dtype}; convert the model back or build a new HybridPrefixCache."
         )
-    devices = layer_devices(model, shared.devices)
+    devices = placement.layer_devices(model, shared.devices)
     if devices != shared.devices:
         moved = {idx: f"{shared.devices[idx]} -> {now}" for idx, now in devices.items() if now != shared.devices[idx]}
         raise ValueError(

@@ -37,10 +37,12 @@ def restore_row(cache, token_ids: list[int]) -> Row:
         row.divergence_tokens = hit.divergence_tokens or remote_divergence
     if not hit.hit_tokens:
         return row
+    room = len(token_ids) - hit.hit_tokens  # full layers: the prompt's tail is written after the prefix, not concatenated
     for attn in cache.spec.attention:
         first = attn.restore_from_block(hit.hit_tokens, store.block_size)
-        keys, values = store.gather_kv(attn.layer_idx, hit.block_ids[first:])
-        _compat.set_kv(cache.layers[attn.layer_idx], keys, values, hit.hit_tokens)
+        full = attn.sliding_window is None
+        keys, values = store.gather_kv(attn.layer_idx, hit.block_ids[first:], room if full else 0)
+        _compat.set_kv(cache.layers[attn.layer_idx], keys, values, hit.hit_tokens, owns_room=full)
     for key, (conv, ssm) in store.checkpoint_copy(hit.block_ids[-1]).items():
         layer_idx, state_idx = split_state_key(key)
         _compat.set_linear_state(cache.layers[layer_idx], conv, ssm, state_idx)

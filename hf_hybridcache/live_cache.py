@@ -42,7 +42,8 @@ class LiveCache(Cache):
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self._check_owner()
-        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        appended = _compat.append_kv_in_room(self.layers[layer_idx], key_states, value_states)
+        keys, values = appended or super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if layer_idx in self.spec.sliding_layers:
             self._request.record_sliding_kv(layer_idx, keys, values)
         return keys, values

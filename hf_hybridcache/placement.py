@@ -66,3 +66,11 @@ def layer_devices(model: torch.nn.Module, layer_indices) -> dict[int, torch.devi
     of its weights), for each of ``layer_indices``."""
     layers = _compat.decoder_layers(model)
     return {idx: _compat.execution_device(layers[idx]) or model.device for idx in layer_indices}
+
+
+def synchronize(devices) -> None:
+    """Wait for the kernels queued on every accelerator device in ``devices`` (CPU devices need no wait), so a wall
+    clock read afterwards covers the work; used to time forwards."""
+    for device in {torch.device(d) for d in devices}:
+        if device.type != "cpu":
+            torch.accelerator.synchronize(device)

@@ -30,6 +30,8 @@ class PrefixCacheStats:
         remote_dropped_writes: entries not published (the writer's queue was full, or the tier failed or was
             skipped by its circuit breaker).
         remote_corrupt_entries: entries read from the tier that did not verify (served as misses).
+        remote_recomputed_tokens: tokens the tier held beyond the local hit but left there, recomputing them being
+            measured as faster than fetching them (:func:`~hf_hybridcache.remote.fetch.worth_fetching`).
         The ``remote_*`` counters stay 0 without ``remote=``.
     """
 
@@ -53,6 +55,7 @@ class PrefixCacheStats:
     remote_errors: int = 0
     remote_dropped_writes: int = 0
     remote_corrupt_entries: int = 0
+    remote_recomputed_tokens: int = 0
 
     @classmethod
     def snapshot(cls, counters: dict[str, int], store, remote: dict[str, int] | None = None) -> PrefixCacheStats:

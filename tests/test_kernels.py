@@ -5,6 +5,7 @@ import torch
 
 from hf_hybridcache import kernels
 from hf_hybridcache.kernels import backend, selective_scan, selective_scan_chunked, selective_scan_ref
+from hf_hybridcache.kernels.paged_copy import kv_room
 
 # fp32 round-off of sums of a few hundred terms of magnitude <= ~100.
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
@@ -166,6 +167,19 @@ def test_paged_copy_references_round_trip():
     states = [torch.randn(1, 4, 3), torch.randn(1, 4, 2)]
     copies = kernels.copy_states(states)
     assert all(torch.equal(c, s) and c.data_ptr() != s.data_ptr() for c, s in zip(copies, states))
+
+
+def test_gather_with_room_returns_the_leading_view_of_a_larger_buffer():
+    keys, values = torch.randn(1, 2, 15, 3), torch.randn(1, 2, 15, 4)
+    blocks = kernels.scatter_kv_blocks(keys, values, [0, 5, 10], 5)
+    gathered_keys, gathered_values = kernels.gather_kv_blocks(blocks, room_tokens=7)
+    assert torch.equal(gathered_keys, keys) and torch.equal(gathered_values, values)
+    assert kv_room(gathered_keys) == kv_room(gathered_values) == 7
+    assert kv_room(gathered_keys[..., :-2, :]) == 9  # a crop keeps the buffer
+    assert kv_room(keys) == 0 and kv_room(torch.cat([keys, keys], -2)[..., :20, :]) == 10
+    assert kv_room(keys.transpose(-1, -2)) == 0
+    with pytest.raises(ValueError, match="room_tokens must be >= 0"):
+        kernels.gather_kv_blocks(blocks, room_tokens=-1)
 
 
 def test_paged_copy_errors():

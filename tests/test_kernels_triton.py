@@ -75,14 +75,16 @@ def test_dispatch_runs_triton_when_forced():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("value_dim", [7, 3], ids=["same-width", "mla-widths"])
-def test_gather_kv_blocks_triton_equals_reference(dtype, value_dim):
+@pytest.mark.parametrize("room", [0, 6], ids=["no-room", "room"])
+def test_gather_kv_blocks_triton_equals_reference(dtype, value_dim, room):
     blocks = [
         (torch.randn(3, 5, 7, device=DEVICE).to(dtype), torch.randn(3, 5, value_dim, device=DEVICE).to(dtype))
         for _ in range(4)
     ]
-    keys, values = gather_kv_blocks_triton(blocks)
-    keys_ref, values_ref = paged_copy.gather_kv_blocks_ref(blocks)
+    keys, values = gather_kv_blocks_triton(blocks, room)
+    keys_ref, values_ref = paged_copy.gather_kv_blocks_ref(blocks, room)
     assert torch.equal(keys, keys_ref) and torch.equal(values, values_ref)
+    assert paged_copy.kv_room(keys) == paged_copy.kv_room(values) == room
     keys.fill_(0)
     assert blocks[0][0].abs().sum() > 0, "the gather must return copies"
 

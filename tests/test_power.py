@@ -46,9 +46,9 @@ def test_corrupted_restored_kv_fails_the_check(model, cold_model, monkeypatch):
     cache, ids = _warm(model, cold_model)
     original = KVStore.gather
 
-    def broken(self, layer_idx, block_ids):
-        keys, values = original(self, layer_idx, block_ids)
-        return keys, torch.zeros_like(values)
+    def broken(self, layer_idx, block_ids, *args):
+        keys, values = original(self, layer_idx, block_ids, *args)
+        return keys, values.zero_()  # in place: the restore keeps the room it writes the prompt's tail into
 
     monkeypatch.setattr(KVStore, "gather", broken)
     with pytest.raises(AssertionError):

@@ -311,3 +311,25 @@ def test_restore_refuses_ids_that_are_not_a_batch(model):
     with pytest.raises(ValueError, match=r"\[batch, tokens\]"):
         cache.restore(random_ids(20, seed=452)[0])
     greedy(model, random_ids(20, seed=452), cache, new_tokens=2)
+
+
+@pytest.mark.parametrize("family", ["jamba", "qwen3_5_text", "bailing_hybrid", "zaya"])
+def test_a_hit_writes_the_prompt_tail_after_the_restored_kv_in_place(model, cold_model):
+    # A hit's full attention layers are restored into buffers with room for the prompt's tail, which the layer's
+    # update then writes after the prefix instead of concatenating (a second copy of the prefix per layer). Decoding
+    # past the room concatenates as transformers does. Exact either way.
+    cache = HybridPrefixCache(model, retention_interval="dense")
+    ids = random_ids(40, seed=460)
+    greedy(model, ids, cache, new_tokens=2)
+    prompt = torch.cat([ids[:, :36], random_ids(5, seed=461)], dim=1)
+    assert cache.restore(prompt) == [32]
+    layer = cache.layers[next(a.layer_idx for a in cache.spec.attention if a.sliding_window is None)]
+    restored = layer.keys.data_ptr()
+    with torch.no_grad():
+        logits = model(prompt[:, 32:], past_key_values=cache, use_cache=True).logits[:, -1]
+        assert layer.keys.shape[-2] == 41 and layer.keys.data_ptr() == restored
+        torch.testing.assert_close(logits, cold_model(prompt).logits[:, -1], rtol=0, atol=1e-4)
+        tokens = torch.cat([prompt, logits.argmax(-1, keepdim=True)], dim=1)
+        logits = model(tokens[:, -1:], past_key_values=cache, use_cache=True).logits[:, -1]
+        assert layer.keys.shape[-2] == 42 and layer.keys.data_ptr() != restored
+        torch.testing.assert_close(logits, cold_model(tokens).logits[:, -1], rtol=0, atol=1e-4)

@@ -56,8 +56,8 @@ def _break_sliding_kv(monkeypatch, cache, how):
     original = KVStore.gather
     sliding = cache.spec.sliding_layers
 
-    def broken(self, layer_idx, block_ids):
-        keys, values = original(self, layer_idx, block_ids)
+    def broken(self, layer_idx, block_ids, *args):
+        keys, values = original(self, layer_idx, block_ids, *args)
         if layer_idx not in sliding:
             return keys, values
         if how == "zero":
@@ -84,8 +84,8 @@ def test_a_window_that_forgets_the_cumulative_length_fails_the_check(model, cold
     cache, ids = _warm(model, cold_model)
     original = compat.set_kv
 
-    def forgetful(layer, keys, values, num_tokens=None):
-        original(layer, keys, values, num_tokens)
+    def forgetful(layer, keys, values, num_tokens=None, **kwargs):
+        original(layer, keys, values, num_tokens, **kwargs)
         if getattr(layer, "is_sliding", False):
             layer.cumulative_length = layer.keys.shape[-2]
 

@@ -64,9 +64,10 @@ def test_a_corrupted_latent_or_rope_key_fails_the_check(family, model, cold_mode
     cache = _warm(model, cold_model)
     original = KVStore.gather
 
-    def broken(self, layer_idx, block_ids):
-        keys, values = original(self, layer_idx, block_ids)
-        return (torch.zeros_like(keys), values) if half == "keys" else (keys, torch.zeros_like(values))
+    def broken(self, layer_idx, block_ids, *args):
+        keys, values = original(self, layer_idx, block_ids, *args)
+        (keys if half == "keys" else values).zero_()  # in place: the restore keeps its room for the prompt's tail
+        return keys, values
 
     monkeypatch.setattr(KVStore, "gather", broken)
     with pytest.raises(AssertionError):

@@ -52,6 +52,7 @@ from .generation import (
 )
 from .layers import (
     conv_state_before_update,
+    append_kv_in_room,
     crop_kv,
     decoder_layers,
     get_kv,
@@ -75,6 +76,7 @@ __all__ = [
     "allow_speculative_decoding",
     "check_version",
     "conv_state_before_update",
+    "append_kv_in_room",
     "crop_kv",
     "decoder_layers",
     "execution_device",

@@ -10,7 +10,12 @@ A sliding-window layer (``is_sliding``; transformers 5.23 ``cache_utils.py``) ke
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from ..kernels.paged_copy import kv_room
+
+#: Attribute of a live layer naming the (keys, values) data pointers of KV restored into buffers with room to spare.
+_ROOM_ATTR = "_hf_hybridcache_kv_room"
 
 
 def new_live_layers(config) -> list:
@@ -41,10 +46,17 @@ def get_kv(layer) -> tuple[torch.Tensor, torch.Tensor] | None:
     return layer.keys, layer.values
 
 
-def set_kv(layer, keys: torch.Tensor, values: torch.Tensor, num_tokens: int | None = None) -> None:
+def set_kv(
+    layer, keys: torch.Tensor, values: torch.Tensor, num_tokens: int | None = None, owns_room: bool = False
+) -> None:
     """Make an attention layer hold the state it has after ``num_tokens`` tokens (default ``T``), given the KV
     ``[B, Hkv, T, D]`` of the last ``T`` of them (taken over, not copied): a full layer needs all of them; a sliding
-    layer keeps the last ``sliding_window - 1`` and counts ``num_tokens``, as its own ``update`` would have."""
+    layer keeps the last ``sliding_window - 1`` and counts ``num_tokens``, as its own ``update`` would have.
+
+    ``owns_room``: ``keys`` and ``values`` are the leading views of buffers that nothing else reads, with room after
+    them (:func:`~hf_hybridcache.kernels.paged_copy.kv_room`); :func:`append_kv_in_room` may then write the next
+    tokens there."""
+    setattr(layer, _ROOM_ATTR, (keys.data_ptr(), values.data_ptr()) if owns_room else None)
     num_tokens = keys.shape[-2] if num_tokens is None else num_tokens
     layer.lazy_initialization(keys[..., :0, :], values[..., :0, :])
     if getattr(layer, "is_sliding", False):
@@ -55,6 +67,36 @@ def set_kv(layer, keys: torch.Tensor, values: torch.Tensor, num_tokens: int | No
     else:
         assert keys.shape[-2] == num_tokens, f"a full attention layer needs the KV of all {num_tokens} tokens"
     layer.keys, layer.values = keys, values
+
+
+def append_kv_in_room(
+    layer, key_states: torch.Tensor, value_states: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """What a full attention layer's ``update`` does (append ``key_states`` / ``value_states`` ``[B, Hkv, n, D]``
+    and return all its keys and values), done by writing into the room after a restored prefix
+    (:func:`set_kv` with ``owns_room``) instead of concatenating: one copy of the prefix per restore, not two. None
+    when that does not apply (no room owned, not enough of it, a layer with its own ``update``, a batch reordered
+    since, or a forward with grad), and the layer's own ``update`` runs.
+
+    A crop keeps the buffer: the next tokens overwrite the dropped ones, as they replace them in the layer."""
+    owned = getattr(layer, _ROOM_ATTR, None)
+    if owned is None or type(layer).update is not DynamicLayer.update or getattr(layer, "is_sliding", False):
+        return None
+    keys, values, num_new = layer.keys, layer.values, key_states.shape[-2]
+    if (keys.data_ptr(), values.data_ptr()) != owned or min(kv_room(keys), kv_room(values)) < num_new:
+        return None
+    if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+        return None
+    grown = []
+    for live, new in ((keys, key_states), (values, value_states)):
+        if new.shape[:2] != live.shape[:2] or new.shape[-1] != live.shape[-1] or new.dtype != live.dtype:
+            return None
+        shape = (*live.shape[:-2], live.shape[-2] + num_new, live.shape[-1])
+        grown.append(live.as_strided(shape, live.stride(), live.storage_offset()))
+    for whole, new in zip(grown, (key_states, value_states)):
+        whole[..., whole.shape[-2] - num_new :, :].copy_(new)
+    layer.keys, layer.values = grown
+    return layer.keys, layer.values
 
 
 def crop_kv(layer, num_tokens: int) -> None:

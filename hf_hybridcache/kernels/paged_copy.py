@@ -1,7 +1,9 @@
 """Copies between the stored side (paged KV blocks, checkpoints) and the live cache, with their torch references.
 
 - :func:`gather_kv_blocks`: stored KV blocks of one attention layer, each a pair (keys ``[Hkv, bs, Dk]``, values
-  ``[Hkv, bs, Dv]``) -> live keys ``[1, Hkv, n * bs, Dk]`` and values ``[1, Hkv, n * bs, Dv]`` (restore);
+  ``[Hkv, bs, Dv]``) -> live keys ``[1, Hkv, n * bs, Dk]`` and values ``[1, Hkv, n * bs, Dv]`` (restore), optionally
+  the first ``n * bs`` tokens of buffers with room for more (the prompt's tail is then written after them instead of
+  concatenated: one copy of the prefix per restore instead of two);
 - :func:`scatter_kv_blocks`: live keys and values -> copies of some of their blocks, one such pair each (store);
 - :func:`copy_states`: copies of a list of conv / SSM state tensors (checkpoint restore and capture).
 
@@ -26,12 +28,31 @@ from . import backend
 KVBlock = tuple[torch.Tensor, torch.Tensor]
 
 
-def gather_kv_blocks_ref(blocks: Sequence[KVBlock]) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv_blocks_ref(blocks: Sequence[KVBlock], room_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys ``[1, Hkv, len(blocks) * bs, Dk]`` and values ``[1, Hkv, len(blocks) * bs, Dv]`` (the blocks' dtype and
-    device) of ``blocks``, each a pair (keys ``[Hkv, bs, Dk]``, values ``[Hkv, bs, Dv]``), in order."""
-    keys = torch.cat([k for k, _ in blocks], dim=1)
-    values = torch.cat([v for _, v in blocks], dim=1)
-    return keys.unsqueeze(0), values.unsqueeze(0)
+    device) of ``blocks``, each a pair (keys ``[Hkv, bs, Dk]``, values ``[Hkv, bs, Dv]``), in order. With
+    ``room_tokens``, each is the leading view of a new buffer ``[1, Hkv, len(blocks) * bs + room_tokens, D]`` whose
+    remaining tokens are uninitialized (:func:`kv_room`)."""
+    num_tokens = len(blocks) * blocks[0][0].shape[1]
+    outs = []
+    for side in (0, 1):
+        parts = [block[side] for block in blocks]
+        if not room_tokens:
+            outs.append(torch.cat(parts, dim=1).unsqueeze(0))
+            continue
+        heads, _, width = parts[0].shape
+        buffer = torch.empty((1, heads, num_tokens + room_tokens, width), dtype=parts[0].dtype, device=parts[0].device)
+        torch.cat(parts, dim=1, out=buffer[0, :, :num_tokens])
+        outs.append(buffer[:, :, :num_tokens])
+    return outs[0], outs[1]
+
+
+def kv_room(tensor: torch.Tensor) -> int:
+    """Tokens that fit after the last one of live keys or values ``[B, H, T, D]`` inside the buffer they are the
+    leading view of (0 for an ordinary tensor): ``stride(-3) // D - T`` when the tokens x D of each head are dense."""
+    if tensor.dim() != 4 or tensor.stride(-1) != 1 or tensor.stride(-2) != tensor.shape[-1] or not tensor.shape[-1]:
+        return 0
+    return max(tensor.stride(-3) // tensor.shape[-1] - tensor.shape[-2], 0)
 
 
 def scatter_kv_blocks_ref(
@@ -100,19 +121,21 @@ def _check_span(
         raise ValueError(f"Row {row} does not exist in live KV of {num_rows} rows.")
 
 
-def gather_kv_blocks(blocks: Sequence[KVBlock]) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv_blocks(blocks: Sequence[KVBlock], room_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatching form of :func:`gather_kv_blocks_ref` (same arguments and results).
 
     Raises:
-        ValueError: no blocks, or blocks that are not (keys ``[Hkv, bs, Dk]``, values ``[Hkv, bs, Dv]``) pairs of
-            one set of shapes, one dtype and one device.
+        ValueError: no blocks, blocks that are not (keys ``[Hkv, bs, Dk]``, values ``[Hkv, bs, Dv]``) pairs of
+            one set of shapes, one dtype and one device, or a negative ``room_tokens``.
     """
     _check_blocks(blocks)
+    if room_tokens < 0:
+        raise ValueError(f"room_tokens must be >= 0, got {room_tokens}.")
     if backend.resolve(blocks[0][0].device, fast="reference") == "triton":
         from .paged_copy_triton import gather_kv_blocks_triton
 
-        return gather_kv_blocks_triton(blocks)
-    return gather_kv_blocks_ref(blocks)
+        return gather_kv_blocks_triton(blocks, room_tokens)
+    return gather_kv_blocks_ref(blocks, room_tokens)
 
 
 def scatter_kv_blocks(

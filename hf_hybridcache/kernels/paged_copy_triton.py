@@ -60,12 +60,15 @@ def _dense_heads(tensor: torch.Tensor) -> bool:
     return tensor.stride(-1) == 1 and tensor.stride(-2) == tensor.shape[-1]
 
 
-def gather_kv_blocks_triton(blocks: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv_blocks_triton(
+    blocks: Sequence[tuple[torch.Tensor, torch.Tensor]], room_tokens: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`~hf_hybridcache.kernels.paged_copy.gather_kv_blocks_ref`."""
     blocks = [tuple(t if t.is_contiguous() else t.contiguous() for t in block) for block in blocks]
     num_heads, block_size = blocks[0][0].shape[:2]
+    num_tokens = len(blocks) * block_size
     outs = [
-        torch.empty((1, num_heads, len(blocks) * block_size, t.shape[2]), dtype=t.dtype, device=t.device)
+        torch.empty((1, num_heads, num_tokens + room_tokens, t.shape[2]), dtype=t.dtype, device=t.device)
         for t in blocks[0]
     ]
     rows = []
@@ -75,7 +78,7 @@ def gather_kv_blocks_triton(blocks: Sequence[tuple[torch.Tensor, torch.Tensor]])
             dst = _head_rows(out[0], j * block_size, block_size)
             rows += [(s, d, n) for (s, n), (d, _) in zip(src, dst)]
     _copy_rows(rows, outs[0].device)
-    return outs[0], outs[1]
+    return outs[0][:, :, :num_tokens], outs[1][:, :, :num_tokens]
 
 
 def scatter_kv_blocks_triton(

@@ -23,7 +23,7 @@ logger = logging.getLogger("hf_hybridcache")
 #: The tier's counters (see :class:`~hf_hybridcache.stats.PrefixCacheStats`).
 COUNTERS = (
     "remote_hit_tokens", "remote_bytes_read", "remote_bytes_written", "remote_round_trips", "remote_errors",
-    "remote_dropped_writes", "remote_corrupt_entries",
+    "remote_dropped_writes", "remote_corrupt_entries", "remote_recomputed_tokens",
 )
 #: Round-trip times kept per kind.
 LATENCY_SAMPLES = 4096

@@ -22,23 +22,31 @@ from ..store.lookup import hit_blocks, match_blocks
 from .client import TierClient
 from .codec import checkpoint_key, checkpoint_states, decode, kv_key, kv_tensors
 from .config import RemoteConfig
+from .rate import ComputeRate
 from .writer import Publisher
 
 logger = logging.getLogger("hf_hybridcache")
 
 
 def worth_fetching(
-    saved_flops: float, num_bytes: int, config: RemoteConfig, transfer_seconds: float | None
+    saved_flops: float,
+    num_bytes: int,
+    config: RemoteConfig,
+    transfer_seconds: float | None,
+    measured_flops_per_s: float | None = None,
 ) -> bool:
     """Fetch ``num_bytes`` that save ``saved_flops`` of prefill
     (:meth:`~hf_hybridcache.flops.FlopModel.span_flops`) only when the FLOPs per byte reach
-    ``config.min_flops_per_byte`` and, when ``config.compute_flops_per_s`` is given and the transfer time is measured
-    (``transfer_seconds``), transferring takes less time than recomputing."""
+    ``config.min_flops_per_byte`` and transferring takes less time than recomputing: ``transfer_seconds`` (measured,
+    :class:`~hf_hybridcache.remote.rate.TransferRate`) against ``saved_flops`` over the compute rate, which is
+    ``config.compute_flops_per_s`` when given, else ``measured_flops_per_s``
+    (:class:`~hf_hybridcache.remote.rate.ComputeRate`). Either time unknown yet: fetch (which measures the transfer)."""
     if saved_flops < config.min_flops_per_byte * num_bytes:
         return False
-    if config.compute_flops_per_s is None or transfer_seconds is None:
+    flops_per_s = config.compute_flops_per_s or measured_flops_per_s
+    if flops_per_s is None or transfer_seconds is None:
         return True
-    return transfer_seconds < saved_flops / config.compute_flops_per_s
+    return transfer_seconds < saved_flops / flops_per_s
 
 
 class Fetcher:
@@ -50,14 +58,22 @@ class Fetcher:
         key_prefix: first part of every key.
         config: the tier's settings (key prefix, fetch rule).
         flops: the model's prefill FLOPs, for :func:`worth_fetching`.
+
+    Attributes:
+        compute: this process's measured prefill FLOP/s (:meth:`observe_forward` feeds it).
     """
 
     def __init__(self, client: TierClient, publisher: Publisher, config: RemoteConfig, flops: FlopModel) -> None:
         self.client = client
+        self.compute = ComputeRate()
         self.publisher = publisher
         self.config = config
         self.key_prefix = config.key_prefix
         self.flops = flops
+
+    def observe_forward(self, start_tokens: int, end_tokens: int, seconds: float) -> None:
+        """The cache's forward of tokens ``[start_tokens, end_tokens)`` of one row took ``seconds``."""
+        self.compute.observe(end_tokens - start_tokens, self.flops.span_flops(start_tokens, end_tokens), seconds)
 
     def extend(self, store: PrefixStore, token_ids: list[int], root: BlockHash) -> int:
         """Insert into ``store`` what the tier holds beyond the local hit of ``token_ids`` under ``root``.
@@ -88,8 +104,14 @@ class Fetcher:
         bs, stored = store.block_size, len(local_chain)
         num_bytes = max(depth - stored, 0) * store.spec.kv_block_bytes + store.spec.checkpoint_bytes
         saved = self.flops.span_flops(local_depth * bs, depth * bs)
-        if not worth_fetching(saved, num_bytes, self.config, self.client.rate.seconds(num_bytes)):
-            logger.debug("the tier holds a hit of %d tokens; recomputing is cheaper", depth * bs)
+        transfer_seconds = self.client.rate.seconds(num_bytes)
+        if not worth_fetching(saved, num_bytes, self.config, transfer_seconds, self.compute.flops_per_s):
+            self.client.count("remote_recomputed_tokens", (depth - local_depth) * bs)
+            logger.debug(
+                "the tier holds a hit of %d tokens; recomputing %d of them is cheaper (transfer %s s, compute %s FLOP/s)",
+                depth * bs, (depth - local_depth) * bs, transfer_seconds,
+                self.config.compute_flops_per_s or self.compute.flops_per_s,
+            )
             return
         entries = self._fetch(store, token_ids, hashes, stored, depth)
         if entries is None or not _insert(store, self.publisher, token_ids, root, local_chain, hashes, depth, *entries):

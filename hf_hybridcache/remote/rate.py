@@ -1,8 +1,12 @@
-"""The measured transfer model of the read path: one round trip costs ``latency_s + num_bytes / bytes_per_s``.
+"""The two measured rates the read path weighs against each other (:func:`~hf_hybridcache.remote.fetch.worth_fetching`).
 
-Both terms are exponential moving averages over this process's successful reads: ``EXISTS`` pipelines (a few bytes)
-measure the latency, ``GET`` pipelines the bandwidth after that latency is taken off. Until both are measured the
-model has no opinion, and the fetch rule fetches (which measures them).
+- :class:`TransferRate`: one round trip to the tier costs ``latency_s + num_bytes / bytes_per_s``. Both terms are
+  exponential moving averages over this process's successful reads: ``EXISTS`` pipelines (a few bytes) measure the
+  latency, ``GET`` pipelines the bandwidth after that latency is taken off.
+- :class:`ComputeRate`: the prefill FLOP/s this process sustains, from the cache's own multi-token forwards (their
+  FLOPs by the FLOP model over their wall time, the accelerator synchronized at the end).
+
+Until a rate is measured it has no opinion, and the fetch rule fetches (which measures the transfer rate).
 """
 
 from __future__ import annotations
@@ -37,6 +41,25 @@ class TransferRate:
         if self.latency_s is None or self.bytes_per_s is None:
             return None
         return self.latency_s + num_bytes / self.bytes_per_s
+
+
+class ComputeRate:
+    """Prefill FLOP/s of this process, measured on the cache's own forwards.
+
+    Only forwards of at least ``min_tokens`` tokens count: shorter ones are dominated by per-call overhead.
+
+    Attributes:
+        flops_per_s: moving average of the forwards' FLOPs per second (None until one is measured).
+    """
+
+    def __init__(self, min_tokens: int = 16) -> None:
+        self.min_tokens = min_tokens
+        self.flops_per_s: float | None = None
+
+    def observe(self, num_tokens: int, flops: float, seconds: float) -> None:
+        """A forward of ``num_tokens`` tokens that cost ``flops`` (FLOP model) took ``seconds`` of wall time."""
+        if num_tokens >= self.min_tokens and seconds > 0 and flops > 0:
+            self.flops_per_s = _average(self.flops_per_s, flops / seconds)
 
 
 def _average(old: float | None, new: float) -> float:

@@ -53,6 +53,11 @@ class RemoteTier:
         a divergence point the tier revealed, or 0 (see :meth:`~hf_hybridcache.remote.fetch.Fetcher.extend`)."""
         return self.fetcher.extend(self.store, token_ids, cache._root)
 
+    def observe_forward(self, start_tokens: int, end_tokens: int, seconds: float) -> None:
+        """The cache's forward of tokens ``[start_tokens, end_tokens)`` of one row took ``seconds`` (wall time, the
+        devices synchronized): feeds the measured compute rate of the fetch-or-recompute rule."""
+        self.fetcher.observe_forward(start_tokens, end_tokens, seconds)
+
     def on_stored(self, kind: str, block_id: int) -> None:
         """The store kept a new KV block (``kind == "kv"``) or checkpoint at the end of ``block_id``: publish it."""
         block = self.store.pool[block_id]

@@ -55,13 +55,24 @@ class KVStore:
         Dv])}``: read them, never write them."""
         return self._blocks[block_id]
 
-    def gather(self, layer_idx: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, layer_idx: int, block_ids: list[int], room_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``block_ids`` in order, as new tensors ``[1, Hkv, len(block_ids) * block_size, Dk]``
         and ``[..., Dv]`` on the layer's device (a copy: writing them never touches the store; one Triton launch on
-        CUDA, then a copy to the device when entries are offloaded)."""
-        keys, values = gather_kv_blocks([self._blocks[b][layer_idx] for b in block_ids])
-        fetch = self.placement.fetch
-        return fetch(layer_idx, keys, False), fetch(layer_idx, values, False)
+        CUDA, then a copy to the device when entries are offloaded). With ``room_tokens``, each is the leading view
+        of a buffer with room for that many more tokens (:func:`~hf_hybridcache.kernels.paged_copy.kv_room`)."""
+        keys, values = gather_kv_blocks([self._blocks[b][layer_idx] for b in block_ids], room_tokens)
+        return self._to_layer(layer_idx, keys, room_tokens), self._to_layer(layer_idx, values, room_tokens)
+
+    def _to_layer(self, layer_idx: int, tensor: torch.Tensor, room_tokens: int) -> torch.Tensor:
+        device = self.placement.device(layer_idx, tensor)
+        if tensor.device == device:
+            return tensor
+        if not room_tokens:
+            return self.placement.fetch(layer_idx, tensor, False)
+        shape = (*tensor.shape[:-2], tensor.shape[-2] + room_tokens, tensor.shape[-1])
+        buffer = torch.empty(shape, dtype=tensor.dtype, device=device)
+        buffer[..., : tensor.shape[-2], :].copy_(tensor)
+        return buffer[..., : tensor.shape[-2], :]
 
     def clear(self) -> None:
         self._blocks.clear()

@@ -125,10 +125,12 @@ class PrefixStore:
         return Hit(hit_tokens, tuple(chain[:depth]), tuple(hashes[:depth]),
                    divergence if divergence > hit_tokens else 0)
 
-    def gather_kv(self, layer_idx: int, block_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_kv(
+        self, layer_idx: int, block_ids: tuple[int, ...], room_tokens: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the keys ``[1, Hkv, len(block_ids) * block_size, Dk]`` and values ``[..., Dv]`` of one attention
-        layer."""
-        return self.kv.gather(layer_idx, list(block_ids))
+        layer, with room for ``room_tokens`` more after them (:meth:`~hf_hybridcache.store.kv_store.KVStore.gather`)."""
+        return self.kv.gather(layer_idx, list(block_ids), room_tokens)
 
     def checkpoint_copy(self, block_id: int) -> dict[int, LayerState]:
         """A copy of the checkpoint at the end of ``block_id``: ``{mamba layer idx: (conv, ssm)}``."""
