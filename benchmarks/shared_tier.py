@@ -11,6 +11,7 @@ worker waits for its queued writes after a request (``cache.remote.flush()``, no
 deterministic; in a service the writes overlap the next requests. Every first token must equal the reference run's.
 
 Reports per run the token hit rate, the median TTFT, the bytes read from the tier per request it served a hit to,
+the tokens the tier held that were recomputed instead (the fetch-or-recompute rule measured recomputing as faster),
 and the median read (EXISTS / GET pipelines) and write (SET pipelines) round-trip times. Without ``--redis`` a ``redis-server`` is started on a free loopback port
 (Debian: ``apt-get install redis-server``); with it, keys go under a fresh prefix, so nothing there is touched.
 """
@@ -63,6 +64,7 @@ def _worker(conn, remote, threads: int) -> None:
             bytes_read=after.remote_bytes_read - before.remote_bytes_read,
             bytes_written=after.remote_bytes_written - before.remote_bytes_written,
             errors=after.remote_errors, dropped=after.remote_dropped_writes, latencies=latencies,
+            recomputed=after.remote_recomputed_tokens,
         ))
     conn.close()
 
@@ -109,6 +111,7 @@ def summarize(label: str, results: list[dict]) -> dict:
         bytes_per_hit=(sum(r["bytes_read"] for r in served) / len(served)) if served else 0,
         remote_hits=len(served), get_ms=ms(lat["read"]), set_ms=ms(lat["write"]),
         errors=sum(r["errors"] for r in last.values()), dropped=sum(r["dropped"] for r in last.values()),
+        recomputed=sum(r["recomputed"] for r in last.values()),
     )
 
 
@@ -130,7 +133,7 @@ def start_server() -> tuple[subprocess.Popen, str]:
     raise RuntimeError("redis-server did not start")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from benchmarks.simulate import tokenize_workload
     from benchmarks.workloads import WORKLOADS
     from hf_hybridcache.toy import byte_tokenizer
@@ -141,7 +144,7 @@ def main() -> None:
     parser.add_argument("--redis", help="URL of a running Redis / Valkey (default: start a redis-server here)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--requests", type=int, help="serve only the first N requests of each workload")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     server, url = (None, args.redis) if args.redis else start_server()
     tokenizer = byte_tokenizer()
     rows = []
@@ -163,11 +166,12 @@ def main() -> None:
             server.kill()
             server.wait()
     print("\n| workload | run | requests | token hit rate | median TTFT | requests hit from the tier | bytes read "
-          "per such hit | median read / write round trip (ms) | tier errors / dropped writes |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "per such hit | tier tokens recomputed | median read / write round trip (ms) | tier errors / dropped writes |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['workload']} | {r['run']} | {r['requests']} | {r['hit_rate']:.3f} | {r['median_ttft']:.3f} s | "
-              f"{r['remote_hits']} | {r['bytes_per_hit'] / 1024:.0f} KiB | {r['get_ms']} / {r['set_ms']} | "
+              f"{r['remote_hits']} | {r['bytes_per_hit'] / 1024:.0f} KiB | {r['recomputed']} | "
+              f"{r['get_ms']} / {r['set_ms']} | "
               f"{r['errors']} / {r['dropped']} |")
     print("\nfirst tokens identical in every run")
 

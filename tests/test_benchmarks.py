@@ -124,3 +124,17 @@ def test_model_shapes_build_with_their_layer_pattern():
     assert "first 8 of 24 layers" in description
     with pytest.raises(ValueError, match="known shapes"):
         shape_config("qwen3_5_text", "9b")
+
+
+def test_shared_tier_runs_two_workers_on_a_real_server(capsys):
+    """``shared_tier.py``: its own redis-server, worker processes, identical first tokens (it asserts them) and the
+    tier serving the second worker what the first published."""
+    from benchmarks import shared_tier
+    from redis_server import require_redis
+
+    require_redis()
+    shared_tier.main(["--workloads", "a_system_prompt", "--workers", "2", "--requests", "3"])
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| a_system")]
+    assert [row[1] for row in rows] == ["1 worker", "2 workers, local", "2 workers + tier"]
+    hit_rate = {row[1]: float(row[3]) for row in rows}
+    assert hit_rate["2 workers + tier"] == hit_rate["1 worker"] > hit_rate["2 workers, local"]

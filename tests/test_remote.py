@@ -275,6 +275,27 @@ def test_measured_transfer_time_decides_once_known(server, cold_model):
 
 
 @JAMBA
+def test_the_compute_rate_measured_on_the_caches_own_prefills_decides(server, cold_model):
+    """By default the rule weighs the measured transfer time against the prefill FLOP/s measured on this cache's own
+    forwards: a fetch when recomputing is slower, none (counted in remote_recomputed_tokens) when it is faster."""
+    server.client().flushall()
+    prompts = [random_ids(70, seed=seed) for seed in (549, 550)]
+    warmer = build_model("jamba", seed=0)
+    for ids in prompts:
+        warm(warmer, cold_model, server.url, ids)
+    model = build_model("jamba", seed=0)
+    cache = HybridPrefixCache(model, remote=server.url)
+    assert cache.remote.compute_flops_per_s is None
+    assert_matches_cold(model, cold_model, cache, random_ids(40, seed=551), new_tokens=2)  # a miss, measured
+    assert cache.remote.compute_flops_per_s > 0
+    assert_matches_cold(model, cold_model, cache, prompts[0], new_tokens=4)
+    assert cache.last_hit_tokens == [64] and cache.stats.remote_hit_tokens == 64
+    cache.remote.fetcher.compute.flops_per_s = 1e18  # as if this process computed far faster than any network
+    assert_matches_cold(model, cold_model, cache, prompts[1], new_tokens=4)
+    assert cache.last_hit_tokens == [0] and cache.stats.remote_recomputed_tokens == 64
+
+
+@JAMBA
 def test_without_remote_nothing_changes(model):
     cache = HybridPrefixCache(model)
     assert cache.remote is None and cache.store.on_stored is None

@@ -13,7 +13,7 @@ from hf_hybridcache.remote.client import TierClient
 from hf_hybridcache.remote.codec import checkpoint_states, decode, encode_checkpoint, encode_kv, kv_tensors
 from hf_hybridcache.remote.fetch import worth_fetching
 from hf_hybridcache.remote.namespace import namespace_seed
-from hf_hybridcache.remote.rate import TransferRate
+from hf_hybridcache.remote.rate import ComputeRate, TransferRate
 from hf_hybridcache.remote.writer import Publisher
 
 
@@ -143,6 +143,27 @@ def test_fetch_rule_compares_flops_per_byte_and_measured_transfer_time():
     assert worth_fetching(saved, 1000, timed, None)  # not measured yet: fetch, which measures
     assert worth_fetching(saved, 1000, timed, 0.015)
     assert not worth_fetching(saved, 1000, timed, 0.017)
+
+
+def test_worth_fetching_uses_the_measured_compute_rate_unless_one_is_given():
+    saved = 16_000.0
+    default = RemoteConfig("redis://h")
+    assert worth_fetching(saved, 1000, default, 0.017, None)  # nothing measured: fetch
+    assert worth_fetching(saved, 1000, default, 0.015, 1e6)  # recomputing takes 16 ms
+    assert not worth_fetching(saved, 1000, default, 0.017, 1e6)
+    assert worth_fetching(saved, 1000, RemoteConfig("redis://h", compute_flops_per_s=1e5), 0.017, 1e6)
+
+
+def test_compute_rate_averages_forwards_long_enough_to_measure():
+    rate = ComputeRate(min_tokens=16)
+    rate.observe(15, 1e9, 0.001)  # too short: per-call overhead dominates
+    assert rate.flops_per_s is None
+    rate.observe(64, 1e9, 0.01)
+    assert rate.flops_per_s == pytest.approx(1e11)
+    rate.observe(64, 1e9, 0.02)
+    assert rate.flops_per_s == pytest.approx(0.8 * 1e11 + 0.2 * 5e10)
+    rate.observe(64, 0.0, 0.02)  # nothing to learn from
+    assert rate.flops_per_s == pytest.approx(0.8 * 1e11 + 0.2 * 5e10)
 
 
 def test_transfer_rate_separates_latency_from_bandwidth():

@@ -32,9 +32,10 @@ class RemoteConfig:
         retry_after_s: how long the breaker stays open before one operation tries the tier again.
         min_flops_per_byte: fetch a remote chain only when the prefill FLOPs it saves per byte transferred reach this
             (0: no floor). Compare with your accelerator's FLOP/s divided by the network's bytes/s.
-        compute_flops_per_s: the prefill FLOP/s this process sustains; when given, a chain is fetched only when the
-            measured transfer time (latency + bytes / bandwidth, :mod:`~hf_hybridcache.remote.rate`) is below the
-            time to recompute it. None: no such check. See :func:`~hf_hybridcache.remote.fetch.worth_fetching`.
+        compute_flops_per_s: the prefill FLOP/s this process sustains, against which a chain's measured transfer
+            time (latency + bytes / bandwidth, :mod:`~hf_hybridcache.remote.rate`) is weighed: it is fetched only
+            when that is below the time to recompute it. None (the default): the rate measured on the cache's own
+            forwards. See :func:`~hf_hybridcache.remote.fetch.worth_fetching`.
         key_prefix: first part of every key (several deployments can share one server under different prefixes).
     """
 

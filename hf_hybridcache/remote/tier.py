@@ -41,6 +41,12 @@ class RemoteTier:
             return dict(self.client.counters)
 
     @property
+    def compute_flops_per_s(self) -> float | None:
+        """This process's prefill FLOP/s as measured on the cache's own forwards of at least 16 tokens (None until
+        one ran); the fetch-or-recompute rule uses it unless ``RemoteConfig.compute_flops_per_s`` is given."""
+        return self.fetcher.compute.flops_per_s
+
+    @property
     def breaker(self) -> CircuitBreaker:
         return self.client.breaker
 
