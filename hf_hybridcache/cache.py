@@ -272,6 +272,7 @@ class HybridPrefixCache(LiveCache):
         max_cache_bytes: int | None = None,
         retention_interval: int | str | None = None,
         offload: str | None = None,
+        remote=None,
     ) -> HybridPrefixCache:
         """A new cache for ``model`` holding what :meth:`save` wrote to ``path`` (a warm start after a restart).
 
@@ -282,6 +283,9 @@ class HybridPrefixCache(LiveCache):
             max_cache_bytes, retention_interval: None keeps the saved ones; a smaller budget keeps the most
                 recently used entries that fit.
             offload: as in the constructor.
+            remote: as in the constructor; the loaded entries are queued for the tier (``cache.remote.flush()``
+                waits until they are written). The file's hash seed is kept, so they are shared with other caches only when it
+                was saved by a cache with ``remote=`` (whose seed is the tier's namespace seed) or the same ``seed=``.
 
         Raises:
             ValueError: the file is not a cache file, is truncated or corrupted (checksums), or was saved for another
@@ -289,7 +293,7 @@ class HybridPrefixCache(LiveCache):
         """
         from .persistence import load_cache
 
-        return load_cache(cls, path, model, max_cache_bytes, retention_interval, offload)
+        return load_cache(cls, path, model, max_cache_bytes, retention_interval, offload, remote)
 
     def __repr__(self) -> str:
         o = self.options

@@ -81,7 +81,7 @@ def save_cache(cache, path: str | os.PathLike) -> None:
     _write_atomically(tensors, metadata, path)
 
 
-def load_cache(cls, path, model, max_cache_bytes, retention_interval, offload):
+def load_cache(cls, path, model, max_cache_bytes, retention_interval, offload, remote=None):
     """A new ``cls`` (HybridPrefixCache) for ``model`` holding the entries saved at ``path``; see
     :meth:`HybridPrefixCache.load`."""
     path = os.fspath(path)
@@ -103,9 +103,12 @@ def load_cache(cls, path, model, max_cache_bytes, retention_interval, offload):
         max_cache_bytes=options["max_cache_bytes"] if max_cache_bytes is None else max_cache_bytes,
         seed=seed,
         offload=offload,
+        remote=remote,
         **{name: options[name] for name in ("admit_divergence", "eviction") if name in options},
     )
     _fill(cache, meta, tensors, plan)
+    if cache.remote is not None:
+        cache.remote.publish_all()
     return cache
 
 

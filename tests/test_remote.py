@@ -296,6 +296,21 @@ def test_the_compute_rate_measured_on_the_caches_own_prefills_decides(server, co
 
 
 @JAMBA
+def test_a_cache_loaded_with_remote_publishes_its_entries(server, cold_model, tmp_path):
+    """A warm start from a file (saved by a cache with remote=) fills an emptied tier, and another cache hits it."""
+    server.client().flushall()
+    ids = random_ids(70, seed=552)
+    warm(build_model("jamba", seed=0), cold_model, server.url, ids).save(tmp_path / "cache.safetensors")
+    server.client().flushall()
+    loaded = HybridPrefixCache.load(tmp_path / "cache.safetensors", build_model("jamba", seed=0), remote=server.url)
+    assert loaded.remote.flush(30) and loaded.stats.remote_bytes_written > 0
+    model = build_model("jamba", seed=0)
+    cache = HybridPrefixCache(model, remote=server.url)
+    assert_matches_cold(model, cold_model, cache, ids, new_tokens=4)
+    assert cache.last_hit_tokens == [64] and cache.stats.remote_hit_tokens == 64
+
+
+@JAMBA
 def test_without_remote_nothing_changes(model):
     cache = HybridPrefixCache(model)
     assert cache.remote is None and cache.store.on_stored is None

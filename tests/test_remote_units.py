@@ -244,3 +244,28 @@ def test_a_given_client_object_is_used_as_it_is(family, cold_model):
     second = HybridPrefixCache(second_model, remote=client)
     assert_matches_cold(second_model, cold_model, second, ids, new_tokens=4)
     assert second.last_hit_tokens == [64] and second.stats.remote_hit_tokens == 64
+
+
+@pytest.mark.parametrize("family", ["jamba"])
+def test_close_writes_the_queue_and_stops_the_writer_thread(family, cold_model):
+    import threading
+
+    from conftest import assert_matches_cold, random_ids
+
+    from hf_hybridcache import HybridPrefixCache
+    from hf_hybridcache.toy import build_model
+
+    def writers():
+        return [t for t in threading.enumerate() if t.name == "hf_hybridcache-remote-writer" and t.is_alive()]
+
+    client, model = DictClient(), build_model("jamba", seed=0)
+    cache = HybridPrefixCache(model, remote=client)
+    before = len(writers())
+    assert_matches_cold(model, cold_model, cache, random_ids(70, seed=553), new_tokens=2)
+    assert len(writers()) == before + 1
+    assert cache.remote.close(10) and len(writers()) == before
+    written = len(client.data)
+    assert written > 0 and cache.stats.remote_dropped_writes == 0
+    assert cache.remote.close(10)  # idempotent
+    assert_matches_cold(model, cold_model, cache, random_ids(70, seed=554), new_tokens=2)  # a new thread publishes
+    assert cache.remote.close(10) and len(client.data) > written and len(writers()) == before

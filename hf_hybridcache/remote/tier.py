@@ -54,6 +54,12 @@ class RemoteTier:
         """Wait until every queued entry is written to the tier (or dropped); False if ``timeout_s`` passed first."""
         return self.publisher.flush(timeout_s)
 
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Write the queued entries (up to ``timeout_s``) and stop the background writer thread, e.g. before
+        dropping a cache in a long-lived process; publishing again later restarts it. False if not all were written
+        in time."""
+        return self.publisher.close(timeout_s)
+
     def extend(self, cache, token_ids: list[int]) -> int:
         """Before ``cache``'s local lookup of ``token_ids``: insert what the tier holds beyond the local hit. Returns
         a divergence point the tier revealed, or 0 (see :meth:`~hf_hybridcache.remote.fetch.Fetcher.extend`)."""
@@ -64,14 +70,23 @@ class RemoteTier:
         devices synchronized): feeds the measured compute rate of the fetch-or-recompute rule."""
         self.fetcher.observe_forward(start_tokens, end_tokens, seconds)
 
-    def on_stored(self, kind: str, block_id: int) -> None:
-        """The store kept a new KV block (``kind == "kv"``) or checkpoint at the end of ``block_id``: publish it."""
+    def publish_all(self) -> None:
+        """Queue every entry the local store holds, waiting for room in the writer's queue (a cache loaded from a
+        file publishes what it loaded; not for a request's path)."""
+        for block_id in sorted(self.store.kv.block_ids()):
+            self.on_stored("kv", block_id, wait=True)
+        for block_id in sorted(self.store.checkpoints.block_ids()):
+            self.on_stored("checkpoint", block_id, wait=True)
+
+    def on_stored(self, kind: str, block_id: int, wait: bool = False) -> None:
+        """The store kept a new KV block (``kind == "kv"``) or checkpoint at the end of ``block_id``: publish it
+        (``wait``: for room in a full queue instead of dropping it)."""
         block = self.store.pool[block_id]
         if kind == "kv":
-            self.publisher.publish_kv(block.block_hash, block.token_ids, self.store.kv.get(block_id))
+            self.publisher.publish_kv(block.block_hash, block.token_ids, self.store.kv.get(block_id), wait)
         else:
-            self.publisher.publish_checkpoint(block.block_hash, block.token_ids, self.store.checkpoints.get(block_id))
-
+            states = self.store.checkpoints.get(block_id)
+            self.publisher.publish_checkpoint(block.block_hash, block.token_ids, states, wait)
 
 def attach(cache, config: RemoteConfig | None, seed_given: bool) -> RemoteTier | None:
     """Give ``cache`` (a new :class:`~hf_hybridcache.HybridPrefixCache`, store built, no view started) its tier:

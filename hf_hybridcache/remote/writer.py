@@ -50,21 +50,24 @@ class Publisher:
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
 
-    def publish_kv(self, block_hash: BlockHash, token_ids, kv: dict) -> None:
-        """Queue a stored KV block ``{attention layer idx: (keys, values)}``."""
-        self._offer(kv_key(self.key_prefix, block_hash), lambda: encode_kv(block_hash, token_ids, kv))
+    def publish_kv(self, block_hash: BlockHash, token_ids, kv: dict, wait: bool = False) -> None:
+        """Queue a stored KV block ``{attention layer idx: (keys, values)}``; ``wait``: for room in a full queue
+        instead of dropping it (never on a request's path)."""
+        self._offer(kv_key(self.key_prefix, block_hash), lambda: encode_kv(block_hash, token_ids, kv), wait)
 
-    def publish_checkpoint(self, block_hash: BlockHash, token_ids, states: dict[int, LayerState]) -> None:
+    def publish_checkpoint(
+        self, block_hash: BlockHash, token_ids, states: dict[int, LayerState], wait: bool = False
+    ) -> None:
         """Queue a stored checkpoint ``{mamba layer idx: (conv, ssm)}`` at the end of the block ``block_hash``."""
         key = checkpoint_key(self.key_prefix, block_hash)
-        self._offer(key, lambda: encode_checkpoint(block_hash, token_ids, states))
+        self._offer(key, lambda: encode_checkpoint(block_hash, token_ids, states), wait)
 
-    def _offer(self, key: str, encode: Callable[[], bytes]) -> None:
+    def _offer(self, key: str, encode: Callable[[], bytes], wait: bool) -> None:
         if self.muted:
             return
         self._ensure_thread()
         try:
-            self._queue.put_nowait((key, encode))
+            self._queue.put((key, encode), block=wait)
         except queue.Full:
             self.client.count("remote_dropped_writes")
 
@@ -76,18 +79,36 @@ class Publisher:
                 atexit.register(self.flush, EXIT_FLUSH_S)
 
     def _run(self) -> None:
-        while True:
+        stop = False
+        while not stop:
             batch = [self._queue.get()]
-            while len(batch) < WRITE_BATCH:
+            while len(batch) < WRITE_BATCH and batch[-1] is not None:
                 try:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
+            stop = batch[-1] is None
             try:
-                self._write(batch)
+                self._write([item for item in batch if item is not None])
             finally:
                 for _ in batch:
                     self._queue.task_done()
+
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Write what is queued (waiting up to ``timeout_s``), then stop the writer thread; the next entry to publish
+        starts a new one. False if the queue was not written in time (the thread then stops after it)."""
+        with self._start_lock:
+            thread, self._thread = self._thread, None
+            if thread is None:
+                return True
+            atexit.unregister(self.flush)
+        flushed = self.flush(timeout_s)
+        try:
+            self._queue.put(None, timeout=max(timeout_s, 0.1))
+        except queue.Full:
+            return False
+        thread.join(timeout_s)
+        return flushed and not thread.is_alive()
 
     def _write(self, batch: list[tuple[str, Callable[[], bytes]]]) -> None:
         items = []
@@ -97,7 +118,7 @@ class Publisher:
             except Exception as error:  # a device error while copying to the host must not kill the writer
                 logger.debug("could not encode %s for the remote tier: %s", key, error)
                 self.client.count("remote_dropped_writes")
-        if not self.client.set_new(items):
+        if items and not self.client.set_new(items):
             self.client.count("remote_dropped_writes", len(items))
 
     def flush(self, timeout_s: float = 10.0) -> bool:
