@@ -57,7 +57,10 @@ def tiny_config(family: str = "jamba", **overrides):
     import transformers
 
     class_name, settings = TINY_CONFIGS[family]
-    return getattr(transformers, class_name)(**{**COMMON, "vocab_size": VOCAB_SIZE, **settings, **overrides})
+    # unpadded_vocab_size: the LM head's width where a config separates it from the (padded) embedding (Inkling 2
+    # from transformers 5.24); other configs keep it as an unused attribute.
+    vocab = {"vocab_size": VOCAB_SIZE, "unpadded_vocab_size": VOCAB_SIZE}
+    return getattr(transformers, class_name)(**{**COMMON, **vocab, **settings, **overrides})
 
 
 def long_memory_init_(

@@ -51,9 +51,10 @@ class RedisServer:
 
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
 
-    def start(self) -> RedisServer:
+    def start(self, *extra: str) -> RedisServer:
+        """Start ``redis-server`` (``extra``: more command-line options) and wait until it answers."""
         args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen([*args, *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 20
         while True:
             try:
@@ -69,3 +70,37 @@ class RedisServer:
             self.process.kill()
             self.process.wait(timeout=10)
             self.process = None
+
+
+class RedisClusterServers:
+    """A Redis Cluster of ``size`` primaries on loopback ports (no replicas), made with ``redis-cli --cluster
+    create``; node files go to ``workdir``."""
+
+    def __init__(self, workdir, size: int = 3) -> None:
+        self.workdir = workdir
+        self.nodes = [RedisServer() for _ in range(size)]
+
+    def client(self):
+        from redis.cluster import RedisCluster
+
+        return RedisCluster(host="127.0.0.1", port=self.nodes[0].port, socket_timeout=5)
+
+    def start(self) -> RedisClusterServers:
+        for node in self.nodes:
+            node.start("--cluster-enabled", "yes", "--cluster-config-file", f"{self.workdir}/nodes-{node.port}.conf",
+                       "--dir", str(self.workdir))
+        addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
+        subprocess.run(["redis-cli", "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+        deadline = time.monotonic() + 30
+        while b"cluster_state:ok" not in subprocess.run(
+            ["redis-cli", "-p", str(self.nodes[0].port), "cluster", "info"], capture_output=True, timeout=10
+        ).stdout:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the Redis Cluster did not reach cluster_state:ok")
+            time.sleep(0.1)
+        return self
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()

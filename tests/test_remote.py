@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 from conftest import assert_matches_cold, assert_restored_states_match, random_ids
-from redis_server import RedisServer, require_redis
+from redis_server import RedisClusterServers, RedisServer, require_redis
 
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.hashing import chain_hashes
@@ -308,6 +308,26 @@ def test_a_cache_loaded_with_remote_publishes_its_entries(server, cold_model, tm
     cache = HybridPrefixCache(model, remote=server.url)
     assert_matches_cold(model, cold_model, cache, ids, new_tokens=4)
     assert cache.last_hit_tokens == [64] and cache.stats.remote_hit_tokens == 64
+
+
+@JAMBA
+def test_a_redis_cluster_client_shares_across_caches(cold_model, tmp_path):
+    """remote= a RedisCluster client (three primaries): entries spread over the nodes' slots, each round trip is
+    split per node by redis-py's cluster pipeline, and a second cache with its own client hits exactly."""
+    require_redis()
+    cluster = RedisClusterServers(tmp_path).start()
+    try:
+        ids = random_ids(70, seed=555)
+        warm(build_model("jamba", seed=0), cold_model, cluster.client(), ids)
+        stored = [node.client().dbsize() for node in cluster.nodes]
+        assert sum(stored) >= 5 and sum(1 for n in stored if n) >= 2, stored  # 4 KV blocks + checkpoints, spread
+        model = build_model("jamba", seed=0)
+        cache = HybridPrefixCache(model, remote=cluster.client())
+        assert_matches_cold(model, cold_model, cache, ids, new_tokens=4)
+        assert cache.last_hit_tokens == [64] and cache.stats.remote_hit_tokens == 64
+        assert cache.stats.remote_errors == 0
+    finally:
+        cluster.stop()
 
 
 @JAMBA

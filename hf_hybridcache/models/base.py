@@ -38,9 +38,11 @@ class ModelSupport:
 
 
 def attention_layer_spec(layer_idx: int, attention: torch.nn.Module) -> AttentionLayerSpec:
-    """KV of one attention module with ``k_proj`` and ``head_dim`` (GQA heads counted from ``k_proj``)."""
-    num_kv_heads = attention.k_proj.out_features // attention.head_dim
-    return AttentionLayerSpec(layer_idx, num_kv_heads, attention.head_dim, attention.k_proj.weight.dtype)
+    """KV of one attention module with ``k_proj`` and ``head_dim`` (GQA heads counted from ``k_proj``, or from its
+    ``linear`` where ``k_proj`` is a module around one: Inkling 2 on transformers 5.24)."""
+    projection = attention.k_proj if hasattr(attention.k_proj, "out_features") else attention.k_proj.linear
+    num_kv_heads = projection.out_features // attention.head_dim
+    return AttentionLayerSpec(layer_idx, num_kv_heads, attention.head_dim, projection.weight.dtype)
 
 
 def mla_attention_layer_spec(layer_idx: int, attention: torch.nn.Module) -> AttentionLayerSpec:

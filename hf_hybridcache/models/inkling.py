@@ -10,8 +10,10 @@ then the rest, 3e-8 on the logits in float32).
 Inkling 2 has separate sliding and full attention classes, and its full-attention layers convolve keys and values
 with a *dynamic* short conv (``Inkling2DynamicShortConvolution``: static taps plus per-token taps projected from the
 layer input), which keeps the same window of raw inputs under ``state_idx`` 0 and 1; its block attention residuals
-mix layers at one position and keep no state. Upstream continues exactly from a cache too (7e-7). Upstream:
-``transformers/models/inkling/modeling_inkling.py``, ``models/inkling2/modeling_inkling2.py`` (5.23.0).
+mix layers at one position and keep no state. Upstream continues exactly from a cache too (7e-7). In transformers
+5.24 its key and value projections and their short convs sit in ``Inkling2KeyValueProjection`` modules (``k_proj``
+with a ``linear`` and an ``sconv`` inside); the mixers and their cache calls are the same. Upstream:
+``transformers/models/inkling/modeling_inkling.py``, ``models/inkling2/modeling_inkling2.py`` (5.23.0, 5.24.0).
 """
 
 from __future__ import annotations

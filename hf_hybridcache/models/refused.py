@@ -48,14 +48,7 @@ REFUSED: dict[str, str] = {
 
 #: model_type -> (the first transformers version it is refused on, why): families whose modeling code changed in a
 #: way the cache does not read yet.
-REFUSED_FROM_VERSION: dict[str, tuple[str, str]] = {
-    "inkling2_text": (
-        "5.24.0",
-        "is served with transformers 5.23 only: transformers 5.24 moved its key and value projections and their short "
-        "convs into Inkling2KeyValueProjection modules, which this version of hf_hybridcache does not read yet; "
-        "install transformers==5.23.0 to cache it.",
-    ),
-}
+REFUSED_FROM_VERSION: dict[str, tuple[str, str]] = {}
 for _model_type, (_version, _why) in REFUSED_FROM_VERSION.items():
     if Version(TRANSFORMERS_VERSION) >= Version(_version):
         REFUSED[_model_type] = _why
