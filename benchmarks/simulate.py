@@ -114,7 +114,8 @@ class CacheDriver:
                        for idx, (heads, dims, dtype) in self._kv.items()}
         cache._store.gather_kv = self._gather_kv
 
-    def _gather_kv(self, layer_idx: int, block_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather_kv(self, layer_idx: int, block_ids, room_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Meta keys and values of the blocks (no room after them: the simulator runs no forward)."""
         return self._meta_kv(layer_idx, len(block_ids) * self.cache.block_size)
 
     def _meta_kv(self, layer_idx: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
