@@ -34,12 +34,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (the port + 10000, which a cluster node also listens on) is valid and free."""
+    for _ in range(200):
+        port = free_port()
+        if port + 10000 < 65536:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port + 10000))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no free port pair (port, port + 10000) for a Redis Cluster node")
+
+
 class RedisServer:
     """One ``redis-server`` process without persistence; :meth:`stop` and :meth:`start` again keep its port (a
     restarted server is empty)."""
 
-    def __init__(self) -> None:
-        self.port = free_port()
+    def __init__(self, port: int | None = None) -> None:
+        self.port = free_port() if port is None else port
         self.process: subprocess.Popen | None = None
 
     @property
@@ -78,7 +92,7 @@ class RedisClusterServers:
 
     def __init__(self, workdir, size: int = 3) -> None:
         self.workdir = workdir
-        self.nodes = [RedisServer() for _ in range(size)]
+        self.nodes = [RedisServer(free_cluster_port()) for _ in range(size)]
 
     def client(self):
         from redis.cluster import RedisCluster
