@@ -334,26 +334,8 @@ class HybridPrefixCache(LiveCache):
             return list(self.last_hit_tokens)
 
 
-def _find_cache(model, kwargs) -> HybridPrefixCache | None:
-    """The HybridPrefixCache of a call to ``model``, or None.
-
-    Raises:
-        ValueError: the cache was built for another model.
-    """
-    cache = _compat.find_cache(kwargs)
-    if not isinstance(cache, HybridPrefixCache):
-        return None
-    if cache.model is not model:
-        raise ValueError(
-            f"This HybridPrefixCache was built for another model ({type(cache.model).__name__} at "
-            f"{id(cache.model):#x}) than the one it was passed to ({type(model).__name__} at {id(model):#x}); build "
-            "one HybridPrefixCache per model."
-        )
-    return cache
-
-
 _HOOKS = _compat.Hooks(
-    find=_find_cache,
+    find=lifecycle.find_cache,
     generate_call=lifecycle.generate_call,
     begin_request=lifecycle.begin_request,
     forward_call=lifecycle.forward_call,

@@ -22,9 +22,28 @@ import torch
 from . import _compat, placement
 from .batch import mask_lengths, replay_rows, unpadded_rows
 from .live import LiveRequest, restore_row
+from .live_cache import LiveCache
 from .rows import Row
 
 logger = logging.getLogger("hf_hybridcache")
+
+
+def find_cache(model, kwargs) -> LiveCache | None:
+    """The HybridPrefixCache (a :class:`~hf_hybridcache.live_cache.LiveCache`) of a call to ``model``, or None.
+
+    Raises:
+        ValueError: the cache was built for another model.
+    """
+    cache = _compat.find_cache(kwargs)
+    if not isinstance(cache, LiveCache):
+        return None
+    if cache.model is not model:
+        raise ValueError(
+            f"This HybridPrefixCache was built for another model ({type(cache.model).__name__} at "
+            f"{id(cache.model):#x}) than the one it was passed to ({type(model).__name__} at {id(model):#x}); build "
+            "one HybridPrefixCache per model."
+        )
+    return cache
 
 
 @contextlib.contextmanager

@@ -1,7 +1,6 @@
 """The exactness checks have power: a deliberately broken restore or replay makes them fail."""
 
 import pytest
-import torch
 from conftest import MAMBA1_FAMILIES, SHORT_CONV_FAMILIES, assert_matches_cold, greedy, random_ids
 
 from hf_hybridcache import HybridPrefixCache

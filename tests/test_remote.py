@@ -51,6 +51,16 @@ def warm(model, cold_model, url, ids, **kwargs) -> HybridPrefixCache:
     return cache
 
 
+def publish(server, cold_model, seeds) -> list[torch.Tensor]:
+    """An emptied server holding what a Jamba cache stored for one 70-token prompt per seed; the prompts."""
+    server.client().flushall()
+    prompts = [random_ids(70, seed=seed) for seed in seeds]
+    warmer = build_model("jamba", seed=0)
+    for ids in prompts:
+        warm(warmer, cold_model, server.url, ids)
+    return prompts
+
+
 @pytest.mark.parametrize("family", ["jamba", "zamba2", "lfm2", "qwen3_next", "kimi_linear"])
 def test_second_cache_hits_what_the_first_published_and_matches_cold(server, family, model, cold_model):
     server.client().flushall()
@@ -259,11 +269,7 @@ def test_fetching_is_skipped_when_recomputing_is_cheaper(server, cold_model):
 def test_measured_transfer_time_decides_once_known(server, cold_model):
     """With a compute rate far beyond any network, recomputing always wins once the transfer time is measured: the
     first fetch (nothing measured yet) happens and measures it, the next is skipped."""
-    server.client().flushall()
-    prompts = [random_ids(70, seed=seed) for seed in (547, 548)]
-    warmer = build_model("jamba", seed=0)
-    for ids in prompts:
-        warm(warmer, cold_model, server.url, ids)
+    prompts = publish(server, cold_model, (547, 548))
     model = build_model("jamba", seed=0)
     cache = HybridPrefixCache(model, remote=RemoteConfig(server.url, compute_flops_per_s=1e18))
     hits = []
@@ -278,11 +284,7 @@ def test_measured_transfer_time_decides_once_known(server, cold_model):
 def test_the_compute_rate_measured_on_the_caches_own_prefills_decides(server, cold_model):
     """By default the rule weighs the measured transfer time against the prefill FLOP/s measured on this cache's own
     forwards: a fetch when recomputing is slower, none (counted in remote_recomputed_tokens) when it is faster."""
-    server.client().flushall()
-    prompts = [random_ids(70, seed=seed) for seed in (549, 550)]
-    warmer = build_model("jamba", seed=0)
-    for ids in prompts:
-        warm(warmer, cold_model, server.url, ids)
+    prompts = publish(server, cold_model, (549, 550))
     model = build_model("jamba", seed=0)
     cache = HybridPrefixCache(model, remote=server.url)
     assert cache.remote.compute_flops_per_s is None

@@ -83,7 +83,10 @@ def append_kv_in_room(
     if owned is None or type(layer).update is not DynamicLayer.update or getattr(layer, "is_sliding", False):
         return None
     keys, values, num_new = layer.keys, layer.values, key_states.shape[-2]
-    if (keys.data_ptr(), values.data_ptr()) != owned or min(kv_room(keys), kv_room(values)) < num_new:
+    if (keys.data_ptr(), values.data_ptr()) != owned:
+        setattr(layer, _ROOM_ATTR, None)  # the layer left its buffer (concatenated, reordered): never again
+        return None
+    if min(kv_room(keys), kv_room(values)) < num_new:
         return None
     if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
         return None
