@@ -15,7 +15,7 @@ from redis_server import RedisClusterServers, RedisServer, require_redis
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.hashing import chain_hashes
 from hf_hybridcache.remote import RemoteConfig
-from hf_hybridcache.remote.codec import FORMAT, kv_key
+from hf_hybridcache.remote.codec import key_namespace
 from hf_hybridcache.toy import build_model
 
 #: Tests that build their models themselves compare with the jamba ``cold_model``.
@@ -40,8 +40,8 @@ def own_server():
     server.stop()
 
 
-def keys(server, kind: str) -> list[bytes]:
-    return sorted(server.client().keys(f"hfhc:{FORMAT}:{kind}:*"))
+def keys(server, kind: str, secret: bytes | None = None) -> list[bytes]:
+    return sorted(server.client().keys(f"{key_namespace('hfhc', secret)}:{kind}:*"))
 
 
 def warm(model, cold_model, url, ids, **kwargs) -> HybridPrefixCache:
@@ -364,7 +364,7 @@ def test_a_vanished_block_backs_the_hit_off_to_the_checkpoint_before_it(server, 
     ids = random_ids(70, seed=542)
     first = warm(build_model("jamba", seed=0), cold_model, server.url, ids, retention_interval="dense")
     hashes = chain_hashes(first.root_hash, ids[0].tolist(), 16)
-    server.client().delete(kv_key("hfhc", hashes[2]))  # tokens [32, 48): as allkeys-lru would
+    server.client().delete(first.remote.codec.key("kv", hashes[2]))  # tokens [32, 48): as allkeys-lru would
     model = build_model("jamba", seed=0)
     cache = HybridPrefixCache(model, remote=server.url)
     assert_matches_cold(model, cold_model, cache, ids, new_tokens=4)
