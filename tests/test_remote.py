@@ -12,7 +12,8 @@ import torch
 from conftest import assert_matches_cold, assert_restored_states_match, random_ids
 from redis_server import RedisClusterServers, RedisServer, require_redis
 
-from hf_hybridcache import HybridPrefixCache
+import hf_hybridcache
+from hf_hybridcache import HybridPrefixCache, _compat
 from hf_hybridcache.hashing import chain_hashes
 from hf_hybridcache.remote import RemoteConfig
 from hf_hybridcache.remote.codec import key_namespace
@@ -87,7 +88,8 @@ _PROCESS_B = """
 import json, sys, torch
 sys.path.insert(0, {tests!r})
 from conftest import greedy, random_ids
-from hf_hybridcache import HybridPrefixCache
+import hf_hybridcache
+from hf_hybridcache import HybridPrefixCache, _compat
 from hf_hybridcache.toy import build_model
 torch.set_num_threads(1)
 model, cold = build_model("jamba", seed=0), build_model("jamba", seed=0)
@@ -344,6 +346,31 @@ def test_without_remote_nothing_changes(model):
 def test_an_explicit_seed_is_kept(server, model):
     cache = HybridPrefixCache(model, remote=server.url, seed=b"deployment-secret")
     assert cache.seed == b"deployment-secret"
+
+
+@JAMBA
+@pytest.mark.filterwarnings("ignore:hf_hybridcache is tested with transformers")
+@pytest.mark.parametrize("package", ["transformers", "hf_hybridcache"])
+def test_an_explicit_seed_shares_only_under_the_same_versions(server, cold_model, monkeypatch, package):
+    # With seed= the namespace seed is not derived (it held the versions), and keys named no version: a cache under
+    # other versions served the states those versions computed, which README and load() refuse.
+    server.client().flushall()
+    ids = random_ids(70, seed=556)
+    warm(build_model("jamba", seed=0), cold_model, server.url, ids, seed=b"deployment seed")
+    if package == "transformers":
+        monkeypatch.setattr(_compat, "TRANSFORMERS_VERSION", "9.9.9")
+    else:
+        monkeypatch.setattr(hf_hybridcache, "__version__", "9.9.9")
+    model = build_model("jamba", seed=0)
+    cache = HybridPrefixCache(model, remote=server.url, seed=b"deployment seed")
+    assert_matches_cold(model, cold_model, cache, ids, new_tokens=4)
+    assert cache.last_hit_tokens == [0]
+    assert cache.stats.remote_bytes_read == cache.stats.remote_corrupt_entries == 0
+    monkeypatch.undo()
+    model = build_model("jamba", seed=0)
+    cache = HybridPrefixCache(model, remote=server.url, seed=b"deployment seed")
+    assert_matches_cold(model, cold_model, cache, ids, new_tokens=4)
+    assert cache.last_hit_tokens == [64]
 
 
 @JAMBA

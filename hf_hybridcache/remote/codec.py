@@ -1,11 +1,13 @@
 """The tier's wire format: where an entry lives (its key) and its value, safetensors bytes that verify themselves.
 
 Keys: ``{namespace}:kv:{block hash hex}`` for a KV block and ``{namespace}:ck:{block hash hex}`` for the checkpoint
-at the end of that block, where the namespace is ``{key prefix}:{FORMAT}`` without a secret and
-``{key prefix}:{FORMAT}:signed-{tag}`` with one (``tag``: 16 hex digits of an HMAC of a fixed label under the secret,
-which names the secret without revealing it). So processes under different secrets, or with and without one, never
-write or read each other's keys: they cannot serve each other's entries, nor fight over a key (each one finding the
-other's value unverifiable and removing it).
+at the end of that block, where the namespace is ``{key prefix}:{FORMAT}:hfhc-{version}:tf-{version}`` (the
+hf_hybridcache and transformers versions that compute the states: a cache given ``seed=`` derives no seed from them),
+followed by ``:signed-{tag}`` under a secret (``tag``: 16 hex digits of an HMAC of a fixed label under the secret,
+which names the secret without revealing it). So processes under other versions, other secrets, or with and without
+a secret never write or read each other's keys: they cannot serve each other's entries, nor fight over a key (each
+one finding the other's value unverifiable and removing it). The versions in the key also let an operator delete an
+old version's entries by pattern.
 
 Values: the entry's named tensors in the layout shared with cache files (:mod:`~hf_hybridcache.layout`), in the
 stored dtypes; the safetensors metadata names the format, the kind, the block hash, the block's token ids and a
@@ -30,6 +32,7 @@ from safetensors.torch import load, save
 from ..config import ModelStateSpec, StateKey
 from ..hashing import BlockHash
 from ..layout import KINDS, entry_layout
+from .namespace import computing_versions
 
 logger = logging.getLogger("hf_hybridcache")
 
@@ -44,11 +47,12 @@ Entry = dict[StateKey, tuple[torch.Tensor, torch.Tensor]]
 
 
 def key_namespace(key_prefix: str, secret: bytes | None) -> str:
-    """The part of every key before the kind and the block hash."""
+    """The part of every key before the kind and the block hash, under the running versions."""
+    ours, transformers = computing_versions()
+    namespace = f"{key_prefix}:{FORMAT}:hfhc-{ours}:tf-{transformers}"
     if secret is None:
-        return f"{key_prefix}:{FORMAT}"
-    tag = hmac.new(secret, _NAMESPACE_LABEL, hashlib.sha256).hexdigest()[:16]
-    return f"{key_prefix}:{FORMAT}:signed-{tag}"
+        return namespace
+    return f"{namespace}:signed-{hmac.new(secret, _NAMESPACE_LABEL, hashlib.sha256).hexdigest()[:16]}"
 
 
 def _digest(tensors: dict[str, torch.Tensor]) -> str:
