@@ -8,7 +8,7 @@ model share), ``writer`` (background publishing), ``fetch`` (extending a local h
 """
 
 from .client import COUNTERS, CircuitBreaker
-from .config import RemoteConfig, remote_config
+from .config import SECRET_ENV, RemoteConfig, remote_config
 from .tier import RemoteTier, attach
 
-__all__ = ["COUNTERS", "CircuitBreaker", "RemoteConfig", "RemoteTier", "attach", "remote_config"]
+__all__ = ["COUNTERS", "SECRET_ENV", "CircuitBreaker", "RemoteConfig", "RemoteTier", "attach", "remote_config"]

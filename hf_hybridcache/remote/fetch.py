@@ -7,9 +7,10 @@ checkpoint (``D``) is worth it, one pipeline of ``GET`` for exactly the blocks `
 at ``D``. Every value is verified (:meth:`~hf_hybridcache.remote.codec.Codec.decode`) before anything is inserted;
 one that fails (corrupt, tampered, unsigned under a secret, vanished since the ``EXISTS``) makes the whole fetch a
 miss, so a hit never crosses a missing piece, and one that is present but fails is counted and removed from the tier
-(:meth:`~hf_hybridcache.remote.writer.Publisher.remove`), so the next process that computes it replaces it. Any entry may vanish at any time (the server's ``maxmemory`` policy evicts what it likes), which this
-order tolerates: what is missing is simply not there. After vLLM v1's hybrid coordinator, the KV chain is matched left
-to right and the checkpoint side searched right to left.
+(:meth:`~hf_hybridcache.remote.writer.Publisher.remove`), so the next process that computes it replaces it. Any entry
+may vanish at any time (the server's ``maxmemory`` policy evicts what it likes), which this order tolerates: what is
+missing is simply not there. After vLLM v1's hybrid coordinator, the KV chain is matched left to right and the
+checkpoint side searched right to left.
 """
 
 from __future__ import annotations
