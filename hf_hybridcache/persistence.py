@@ -1,13 +1,14 @@
 """Saving a cache to one file and loading it back: safetensors for the tensors, JSON for the rest, never pickle.
 
-A file holds, per attention layer, the stored KV blocks stacked ``keys.{layer} [num_blocks, Hkv, block_size, Dk]``
-and ``values.{layer} [num_blocks, Hkv, block_size, Dv]`` (two tensors: MLA layers cache keys and values of
-different widths) and, per Mamba layer, the checkpoints stacked ``conv.{layer} [num_checkpoints, C, W]`` and
-``ssm.{layer} [num_checkpoints, ...]``, in the stored dtypes. The safetensors header's metadata carries a JSON document — versions,
-the model identity and a fingerprint of its weights, the options, the hash seed, the block tree (parent, token ids
-and hash per block), which blocks have a checkpoint and the recency order — plus SHA-256 checksums of that JSON and
-of every tensor. Loading checks everything before it builds anything, so a file that is truncated, corrupted or made
-for another model is refused with a ``ValueError`` and nothing in memory changes.
+A file holds every stored KV block and checkpoint as the named tensors of their layout
+(:mod:`~hf_hybridcache.layout`, shared with the remote tier), the entries of each name stacked along a new first
+dim: ``keys.{layer} [num_blocks, Hkv, block_size, Dk]``, ``values.{layer} [num_blocks, Hkv, block_size, Dv]``,
+``conv.{state} [num_checkpoints, C, W]`` and ``ssm.{state} [num_checkpoints, ...]``, in the stored dtypes. The
+safetensors header's metadata carries a JSON document — versions, the model identity and a fingerprint of its
+weights, the options, the hash seed, the block tree (parent, token ids and hash per block), which blocks have a
+checkpoint and the recency order — plus SHA-256 checksums of that JSON and of every tensor. Loading checks
+everything before it builds anything, so a file that is truncated, corrupted or made for another model is refused
+with a ``ValueError`` and nothing in memory changes.
 
 Loading cannot run code (safetensors and JSON only), but a cache file decides what the model "remembers" for a
 prefix: load only files you trust, as you would a checkpoint of weights.
@@ -27,6 +28,7 @@ from safetensors.torch import save_file
 from . import _compat
 from .config import ModelStateSpec
 from .hashing import BlockHash, block_hash, identity_config, model_identity
+from .layout import EntryLayout, entry_layout
 from .models import support_for
 from .store import StoredBlock
 from .weights import weights_fingerprint
@@ -116,19 +118,14 @@ def load_cache(cls, path, model, max_cache_bytes, retention_interval, offload, r
 
 
 def _stack_entries(spec: ModelStateSpec, blocks: list[StoredBlock], with_checkpoint: list[StoredBlock]) -> dict:
-    """Entries stacked per layer, in host memory (one block at a time leaves its device, so saving never needs
-    twice the cache's size on a device)."""
+    """Entries stacked per name of their layout (:mod:`~hf_hybridcache.layout`), in host memory (one block at a time
+    leaves its device, so saving never needs twice the cache's size on a device)."""
     tensors = {}
-    if blocks:
-        for attn in spec.attention:
-            for half, name in enumerate(("keys", "values")):
-                stored = [block.kv[attn.layer_idx][half].cpu() for block in blocks]
-                tensors[f"{name}.{attn.layer_idx}"] = torch.stack(stored)
-    if with_checkpoint:
-        for m in spec.mamba:
-            states = [block.checkpoint[m.key] for block in with_checkpoint]
-            tensors[f"conv.{m.name}"] = torch.cat([conv.cpu() for conv, _ in states])
-            tensors[f"ssm.{m.name}"] = torch.cat([ssm.cpu() for _, ssm in states])
+    for kind, entries in (("kv", [b.kv for b in blocks]), ("checkpoint", [b.checkpoint for b in with_checkpoint])):
+        layout = entry_layout(spec, kind)
+        rows = [layout.tensors(entry) for entry in entries]
+        for name in layout.names if rows else ():
+            tensors[name] = torch.stack([row[name].cpu() for row in rows])
     return {name: t.contiguous() for name, t in tensors.items()}
 
 
@@ -267,14 +264,9 @@ def _check_entries(meta: dict, tensors: dict, spec: ModelStateSpec, model) -> di
     if len(recency) != len(entries) or set(recency) != entries:
         raise ValueError("the recency order does not list every stored entry once")
     expected = {}
-    if blocks:
-        for a in spec.attention:
-            expected[f"keys.{a.layer_idx}"] = ((len(blocks), a.num_kv_heads, bs, a.head_dim), a.dtype)
-            expected[f"values.{a.layer_idx}"] = ((len(blocks), a.num_kv_heads, bs, a.value_head_dim), a.dtype)
-    if checkpoints:
-        for m in spec.mamba:
-            expected[f"conv.{m.name}"] = ((len(checkpoints), *m.conv.shape), m.conv.dtype)
-            expected[f"ssm.{m.name}"] = ((len(checkpoints), *m.ssm.shape), m.ssm.dtype)
+    for kind, num_entries in (("kv", len(blocks)), ("checkpoint", len(checkpoints))):
+        if num_entries:
+            expected.update(entry_layout(spec, kind).shapes(num_entries))
     got = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
     if got != expected:
         raise ValueError(f"tensors {got} do not match the model's layers {expected}")
@@ -293,16 +285,16 @@ def _fill(cache, meta: dict, tensors: dict, plan: dict) -> None:
     for i, (parent, token_ids, hash_hex) in enumerate(meta["blocks"]):
         if ("kv", i) not in keep:
             continue
-        kv = {a.layer_idx: (tensors[f"keys.{a.layer_idx}"][i].clone(), tensors[f"values.{a.layer_idx}"][i].clone())
-              for a in spec.attention}
-        checkpoint = None if i not in rows else {
-            m.key: (tensors[f"conv.{m.name}"][rows[i] : rows[i] + 1].clone(),
-                    tensors[f"ssm.{m.name}"][rows[i] : rows[i] + 1].clone())
-            for m in spec.mamba
-        }
+        kv = _row(entry_layout(spec, "kv"), tensors, i)
+        checkpoint = _row(entry_layout(spec, "checkpoint"), tensors, rows[i]) if i in rows else None
         blocks.append(StoredBlock(i, None if parent < 0 else parent, tuple(token_ids),
                                   BlockHash(bytes.fromhex(hash_hex)), kv, checkpoint))
     cache._store.import_entries(blocks, [key for key in plan["recency"] if key in keep])
+
+
+def _row(layout: EntryLayout, tensors: dict, row: int) -> dict:
+    """Entry ``row`` of the stacked ``tensors``, as the store keeps it (copies: the file's tensors are not kept)."""
+    return layout.entry({name: tensors[name][row].clone() for name in layout.names})
 
 
 def _entries_within_budget(recency: list, blocks: list, spec: ModelStateSpec, max_cache_bytes: int) -> set:

@@ -29,7 +29,10 @@ class PrefixCacheStats:
         remote_errors: tier operations that failed (timeouts, refused connections); the requests ran on.
         remote_dropped_writes: entries not published (the writer's queue was full, or the tier failed or was
             skipped by its circuit breaker).
-        remote_corrupt_entries: entries read from the tier that did not verify (served as misses).
+        remote_corrupt_entries: entries read from the tier that did not verify (served as misses): damaged,
+            tampered or foreign, or, under ``RemoteConfig(secret=...)``, unsigned or signed under another secret.
+        remote_removed_entries: such entries this process removed from the tier, so that the next process that
+            computes them writes them again (:mod:`~hf_hybridcache.remote.writer`).
         remote_recomputed_tokens: tokens the tier held beyond the local hit but left there, recomputing them being
             measured as faster than fetching them (:func:`~hf_hybridcache.remote.fetch.worth_fetching`).
         The ``remote_*`` counters stay 0 without ``remote=``.
@@ -55,6 +58,7 @@ class PrefixCacheStats:
     remote_errors: int = 0
     remote_dropped_writes: int = 0
     remote_corrupt_entries: int = 0
+    remote_removed_entries: int = 0
     remote_recomputed_tokens: int = 0
 
     @classmethod

@@ -12,10 +12,11 @@ import torch
 from conftest import assert_matches_cold, assert_restored_states_match, random_ids
 from redis_server import RedisClusterServers, RedisServer, require_redis
 
-from hf_hybridcache import HybridPrefixCache
+import hf_hybridcache
+from hf_hybridcache import HybridPrefixCache, _compat
 from hf_hybridcache.hashing import chain_hashes
 from hf_hybridcache.remote import RemoteConfig
-from hf_hybridcache.remote.codec import FORMAT, kv_key
+from hf_hybridcache.remote.codec import key_namespace
 from hf_hybridcache.toy import build_model
 
 #: Tests that build their models themselves compare with the jamba ``cold_model``.
@@ -40,8 +41,8 @@ def own_server():
     server.stop()
 
 
-def keys(server, kind: str) -> list[bytes]:
-    return sorted(server.client().keys(f"hfhc:{FORMAT}:{kind}:*"))
+def keys(server, kind: str, secret: bytes | None = None) -> list[bytes]:
+    return sorted(server.client().keys(f"{key_namespace('hfhc', secret)}:{kind}:*"))
 
 
 def warm(model, cold_model, url, ids, **kwargs) -> HybridPrefixCache:
@@ -87,7 +88,8 @@ _PROCESS_B = """
 import json, sys, torch
 sys.path.insert(0, {tests!r})
 from conftest import greedy, random_ids
-from hf_hybridcache import HybridPrefixCache
+import hf_hybridcache
+from hf_hybridcache import HybridPrefixCache, _compat
 from hf_hybridcache.toy import build_model
 torch.set_num_threads(1)
 model, cold = build_model("jamba", seed=0), build_model("jamba", seed=0)
@@ -347,6 +349,31 @@ def test_an_explicit_seed_is_kept(server, model):
 
 
 @JAMBA
+@pytest.mark.filterwarnings("ignore:hf_hybridcache is tested with transformers")
+@pytest.mark.parametrize("package", ["transformers", "hf_hybridcache"])
+def test_an_explicit_seed_shares_only_under_the_same_versions(server, cold_model, monkeypatch, package):
+    # With seed= the namespace seed is not derived (it held the versions), and keys named no version: a cache under
+    # other versions served the states those versions computed, which README and load() refuse.
+    server.client().flushall()
+    ids = random_ids(70, seed=556)
+    warm(build_model("jamba", seed=0), cold_model, server.url, ids, seed=b"deployment seed")
+    if package == "transformers":
+        monkeypatch.setattr(_compat, "TRANSFORMERS_VERSION", "9.9.9")
+    else:
+        monkeypatch.setattr(hf_hybridcache, "__version__", "9.9.9")
+    model = build_model("jamba", seed=0)
+    cache = HybridPrefixCache(model, remote=server.url, seed=b"deployment seed")
+    assert_matches_cold(model, cold_model, cache, ids, new_tokens=4)
+    assert cache.last_hit_tokens == [0]
+    assert cache.stats.remote_bytes_read == cache.stats.remote_corrupt_entries == 0
+    monkeypatch.undo()
+    model = build_model("jamba", seed=0)
+    cache = HybridPrefixCache(model, remote=server.url, seed=b"deployment seed")
+    assert_matches_cold(model, cold_model, cache, ids, new_tokens=4)
+    assert cache.last_hit_tokens == [64]
+
+
+@JAMBA
 @pytest.mark.parametrize(
     "remote, error",
     [(lambda: "localhost:6379", ValueError), (lambda: 42, TypeError),
@@ -364,7 +391,7 @@ def test_a_vanished_block_backs_the_hit_off_to_the_checkpoint_before_it(server, 
     ids = random_ids(70, seed=542)
     first = warm(build_model("jamba", seed=0), cold_model, server.url, ids, retention_interval="dense")
     hashes = chain_hashes(first.root_hash, ids[0].tolist(), 16)
-    server.client().delete(kv_key("hfhc", hashes[2]))  # tokens [32, 48): as allkeys-lru would
+    server.client().delete(first.remote.codec.key("kv", hashes[2]))  # tokens [32, 48): as allkeys-lru would
     model = build_model("jamba", seed=0)
     cache = HybridPrefixCache(model, remote=server.url)
     assert_matches_cold(model, cold_model, cache, ids, new_tokens=4)

@@ -1,5 +1,6 @@
 """The remote tier's parts without a server: circuit breaker, background writer, wire format, fetch rule, namespace."""
 
+import dataclasses
 import threading
 
 import pytest
@@ -10,7 +11,7 @@ from hf_hybridcache.flops import FlopModel
 from hf_hybridcache.hashing import BlockHash, block_hash
 from hf_hybridcache.remote import CircuitBreaker, RemoteConfig
 from hf_hybridcache.remote.client import TierClient
-from hf_hybridcache.remote.codec import checkpoint_states, decode, encode_checkpoint, encode_kv, kv_tensors
+from hf_hybridcache.remote.codec import Codec
 from hf_hybridcache.remote.fetch import worth_fetching
 from hf_hybridcache.remote.namespace import namespace_seed
 from hf_hybridcache.remote.rate import ComputeRate, TransferRate
@@ -47,6 +48,15 @@ def test_breaker_opens_after_consecutive_errors_and_half_opens_after_the_wait():
     assert breaker.state == "closed" and breaker.errors == 0
 
 
+SPEC = ModelStateSpec(
+    attention=(AttentionLayerSpec(1, 2, 4, torch.float32, value_head_dim=3),),
+    mamba=(MambaLayerSpec(0, TensorSpec((6, 3), torch.float32), TensorSpec((6, 5), torch.float32)),),
+    block_size=4,
+)
+TOKENS = [7, 8, 9, 10]
+HASH = block_hash(BlockHash(b"\x00" * 32), TOKENS)
+
+
 class BlockingPipeline:
     """Stands in for a redis-py pipeline: records SETs, and ``execute`` waits until the test releases it."""
 
@@ -73,41 +83,33 @@ class BlockingClient:
 def test_full_write_queue_drops_and_counts_instead_of_waiting():
     fake = BlockingClient()
     client = TierClient(fake, CircuitBreaker(3, 5.0))
-    publisher = Publisher(client, "test", max_pending=2)
+    publisher = Publisher(client, Codec(SPEC, "test"), max_pending=2)
     h = BlockHash(b"\x01" * 32)
-    kv = {0: (torch.zeros(1, 4, 2), torch.zeros(1, 4, 2))}
-    publisher.publish_kv(h, [1, 2, 3, 4], kv)  # taken by the writer, which then blocks in execute()
+    kv = {1: (torch.zeros(2, 4, 4), torch.zeros(2, 4, 3))}
+    publisher.publish("kv", h, [1, 2, 3, 4], kv)  # taken by the writer, which then blocks in execute()
     for _ in range(50):
         if publisher._queue.unfinished_tasks == 1 and publisher._queue.empty():
             break
         threading.Event().wait(0.02)
     for i in range(5):
-        publisher.publish_kv(BlockHash(bytes([i + 2]) * 32), [1, 2, 3, 4], kv)
+        publisher.publish("kv", BlockHash(bytes([i + 2]) * 32), [1, 2, 3, 4], kv)
     assert client.counters["remote_dropped_writes"] == 3  # two fit the queue
     fake.release.set()
     assert publisher.flush(10)
     assert len(fake.written) == 3 and all(nx for _, _, nx in fake.written)
     assert client.counters["remote_bytes_written"] == sum(len(v) for _, v, _ in fake.written)
     publisher.muted = True
-    publisher.publish_kv(BlockHash(b"\x09" * 32), [1, 2, 3, 4], kv)
+    publisher.publish("kv", BlockHash(b"\x09" * 32), [1, 2, 3, 4], kv)
     assert publisher.flush(10) and len(fake.written) == 3
 
 
-SPEC = ModelStateSpec(
-    attention=(AttentionLayerSpec(1, 2, 4, torch.float32, value_head_dim=3),),
-    mamba=(MambaLayerSpec(0, TensorSpec((6, 3), torch.float32), TensorSpec((6, 5), torch.float32)),),
-    block_size=4,
-)
-TOKENS = [7, 8, 9, 10]
-HASH = block_hash(BlockHash(b"\x00" * 32), TOKENS)
-
-
 def test_entries_round_trip_exactly():
+    codec = Codec(SPEC, "test")
     kv = {1: (torch.randn(2, 4, 4), torch.randn(2, 4, 3))}  # keys and values of other widths, as MLA layers cache
     states = {0: (torch.randn(1, 6, 3), torch.randn(1, 6, 5))}
-    got_kv = kv_tensors(decode(encode_kv(HASH, TOKENS, kv), "kv", HASH, TOKENS, SPEC))
+    got_kv = codec.decode(codec.encode("kv", HASH, TOKENS, kv), "kv", HASH, TOKENS)
     assert torch.equal(got_kv[1][0], kv[1][0]) and torch.equal(got_kv[1][1], kv[1][1])
-    got = checkpoint_states(decode(encode_checkpoint(HASH, TOKENS, states), "checkpoint", HASH, TOKENS, SPEC))
+    got = codec.decode(codec.encode("checkpoint", HASH, TOKENS, states), "checkpoint", HASH, TOKENS)
     assert torch.equal(got[0][0], states[0][0]) and torch.equal(got[0][1], states[0][1])
 
 
@@ -116,23 +118,30 @@ def test_entries_round_trip_exactly():
     ["other hash", "other tokens", "other kind", "other shape", "other dtype", "missing", "garbage"],
 )
 def test_entries_that_do_not_fit_the_reader_are_misses(case):
+    codec = Codec(SPEC, "test")
     kv = {1: (torch.randn(2, 4, 4), torch.randn(2, 4, 3))}
-    value, kind, h, tokens = encode_kv(HASH, TOKENS, kv), "kv", HASH, TOKENS
+    value, kind, h, tokens = codec.encode("kv", HASH, TOKENS, kv), "kv", HASH, TOKENS
     if case == "other hash":
         h = block_hash(HASH, TOKENS)
     elif case == "other tokens":
         tokens = [7, 8, 9, 11]
     elif case == "other kind":
         kind = "checkpoint"
-    elif case == "other shape":
-        value = encode_kv(HASH, TOKENS, {1: (torch.randn(2, 4, 4), torch.randn(2, 4, 4))})
+    elif case == "other shape":  # a writer whose layout differs: values as wide as keys
+        value = _other_layout(value_head_dim=4).encode(kind, h, tokens, {1: (kv[1][0], torch.randn(2, 4, 4))})
     elif case == "other dtype":
-        value = encode_kv(HASH, TOKENS, {1: (kv[1][0].double(), kv[1][1].double())})
+        value = _other_layout(dtype=torch.float64).encode(kind, h, tokens, {1: (kv[1][0].double(), kv[1][1].double())})
     elif case == "missing":
         value = None
     else:
         value = b"\xff" * 100
-    assert decode(value, kind, h, tokens, SPEC) is None
+    assert codec.decode(value, kind, h, tokens) is None
+
+
+def _other_layout(**changes) -> Codec:
+    """The codec of a model whose attention layer differs from ``SPEC``'s by ``changes``."""
+    attention = dataclasses.replace(SPEC.attention[0], **changes)
+    return Codec(dataclasses.replace(SPEC, attention=(attention,)), "test")
 
 
 def test_fetch_rule_compares_flops_per_byte_and_measured_transfer_time():
@@ -178,6 +187,20 @@ def test_transfer_rate_separates_latency_from_bandwidth():
     assert rate.latency_s == pytest.approx(0.8 * 0.001 + 0.2 * 0.002)
 
 
+@pytest.mark.parametrize(
+    "secret, error, match",
+    [(b"", ValueError, "must not be empty"), (42, TypeError, "bytes, a str or None")],
+    ids=["empty", "not bytes"],
+)
+def test_an_unusable_secret_is_refused(secret, error, match):
+    with pytest.raises(error, match=match):
+        RemoteConfig("redis://h", secret=secret)
+
+
+def test_the_secret_stays_out_of_repr():
+    assert "hunter2" not in repr(RemoteConfig("redis://h", secret="hunter2"))
+
+
 def test_namespace_seed_is_shared_per_prefix_and_model():
     seed = namespace_seed("hfhc", "model-a")
     assert seed == namespace_seed("hfhc", "model-a") and len(seed) == 32
@@ -205,6 +228,9 @@ class DictPipeline:
 
     def get(self, key):
         self.ops.append(lambda: self.data.get(key))
+
+    def delete(self, key):
+        self.ops.append(lambda: int(self.data.pop(key, None) is not None))
 
     def set(self, key, value, nx=False):
         def op():

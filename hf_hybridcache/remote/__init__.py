@@ -2,13 +2,13 @@
 'hf_hybridcache[redis]'``), so several processes and machines serving one model share their prefixes.
 
 Modules, one job each: ``config`` (what ``remote=`` accepts; the client), ``client`` (pipelined operations, circuit
-breaker, counters), ``codec`` (keys and self-verifying safetensors values), ``namespace`` (the hash seed caches of one
+breaker, counters), ``codec`` (keys and self-verifying safetensors values, signed under a secret), ``namespace`` (the hash seed caches of one
 model share), ``writer`` (background publishing), ``fetch`` (extending a local hit from the tier) and ``tier``
 (:class:`RemoteTier`, which composes them).
 """
 
 from .client import COUNTERS, CircuitBreaker
-from .config import RemoteConfig, remote_config
+from .config import SECRET_ENV, RemoteConfig, remote_config
 from .tier import RemoteTier, attach
 
-__all__ = ["COUNTERS", "CircuitBreaker", "RemoteConfig", "RemoteTier", "attach", "remote_config"]
+__all__ = ["COUNTERS", "SECRET_ENV", "CircuitBreaker", "RemoteConfig", "RemoteTier", "attach", "remote_config"]

@@ -23,7 +23,7 @@ logger = logging.getLogger("hf_hybridcache")
 #: The tier's counters (see :class:`~hf_hybridcache.stats.PrefixCacheStats`).
 COUNTERS = (
     "remote_hit_tokens", "remote_bytes_read", "remote_bytes_written", "remote_round_trips", "remote_errors",
-    "remote_dropped_writes", "remote_corrupt_entries", "remote_recomputed_tokens",
+    "remote_dropped_writes", "remote_corrupt_entries", "remote_removed_entries", "remote_recomputed_tokens",
 )
 #: Round-trip times kept per kind.
 LATENCY_SAMPLES = 4096
@@ -73,7 +73,7 @@ class CircuitBreaker:
 
 
 class TierClient:
-    """Pipelined GET / EXISTS / SET NX over a redis-py client, guarded by a :class:`CircuitBreaker`; thread-safe
+    """Pipelined GET / EXISTS / SET NX / DEL over a redis-py client, guarded by a :class:`CircuitBreaker`; thread-safe
     (the request thread reads while the background writer writes).
 
     Attributes:
@@ -143,13 +143,24 @@ class TierClient:
         self.rate.observe_transfer(num_bytes, seconds)
         return replies
 
-    def set_new(self, items: Sequence[tuple[str, bytes]]) -> bool:
-        """Store each ``(key, value)`` unless the key exists (entries are immutable: the first writer wins)."""
+    def write(self, items: Sequence[tuple[str, bytes | None]]) -> bool:
+        """In one round trip and in order: store each ``(key, value)`` unless the key exists (entries are immutable:
+        the first writer wins), and delete each ``(key, None)`` (a value that failed verification, so that the next
+        writer of that key replaces it). False when the tier did not answer."""
         if not items:
             return True
-        done = self._run(lambda pipe: [pipe.set(key, value, nx=True) for key, value in items], "write")
+
+        def queue(pipe) -> None:
+            for key, value in items:
+                if value is None:
+                    pipe.delete(key)
+                else:
+                    pipe.set(key, value, nx=True)
+
+        done = self._run(queue, "write")
         if done is None:
             return False
-        replies = done[0]
-        self.count("remote_bytes_written", sum(len(v) for (_, v), r in zip(items, replies) if r))
+        replies = list(zip(items, done[0]))
+        self.count("remote_bytes_written", sum(len(value) for (_, value), r in replies if value is not None and r))
+        self.count("remote_removed_entries", sum(1 for (_, value), r in replies if value is None and r))
         return True

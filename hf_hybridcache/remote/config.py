@@ -9,11 +9,15 @@ speaks the same protocol, so the same URL and client serve it.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any
 
-#: Keys of every entry start with this (then the format version); see :mod:`hf_hybridcache.remote.keys`.
+#: Keys of every entry start with this (then the format version); see :mod:`hf_hybridcache.remote.codec`.
 DEFAULT_KEY_PREFIX = "hfhc"
+#: The environment variable a :class:`RemoteConfig` without ``secret=`` takes its secret from (deployments set it
+#: in every worker's environment rather than in code).
+SECRET_ENV = "HF_HYBRIDCACHE_REMOTE_SECRET"
 
 _NO_REDIS = "HybridPrefixCache(remote=...) needs redis-py: pip install 'hf_hybridcache[redis]' (or pip install redis)."
 
@@ -37,6 +41,14 @@ class RemoteConfig:
             when that is below the time to recompute it. None (the default): the rate measured on the cache's own
             forwards. See :func:`~hf_hybridcache.remote.fetch.worth_fetching`.
         key_prefix: first part of every key (several deployments can share one server under different prefixes).
+        secret: bytes or a str (UTF-8) shared by every process that should share entries; None (the default): the
+            value of the environment variable ``HF_HYBRIDCACHE_REMOTE_SECRET`` when it is set and not empty, else no
+            secret. Under a secret every value written carries an HMAC-SHA256 under it, a value read without a
+            valid one is a miss (counted in ``remote_corrupt_entries``) and removed, and keys live in a namespace
+            named after the secret (:mod:`~hf_hybridcache.remote.codec`), so processes with another secret or none
+            neither share entries nor touch each other's keys. Without a secret, anyone who can write to the server
+            can make every process serve states of their choosing. Use a long random value (``python -c "import
+            secrets; print(secrets.token_hex(32))"``). It is kept out of ``repr()``.
     """
 
     target: Any
@@ -48,8 +60,10 @@ class RemoteConfig:
     min_flops_per_byte: float = 0.0
     compute_flops_per_s: float | None = None
     key_prefix: str = DEFAULT_KEY_PREFIX
+    secret: bytes | str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "secret", _secret_bytes(self.secret))
         if isinstance(self.target, str):
             if not self.target.startswith(("redis://", "rediss://", "unix://")):
                 raise ValueError(
@@ -75,6 +89,22 @@ class RemoteConfig:
             raise ValueError(f"RemoteConfig.min_flops_per_byte must be >= 0, got {self.min_flops_per_byte}.")
         if not isinstance(self.key_prefix, str) or not self.key_prefix:
             raise ValueError(f"RemoteConfig.key_prefix must be a non-empty string, got {self.key_prefix!r}.")
+
+
+def _secret_bytes(secret: bytes | str | None) -> bytes | None:
+    """``secret`` as bytes, or the environment's when it is None (see :class:`RemoteConfig`)."""
+    if secret is None:
+        secret = os.environ.get(SECRET_ENV) or None
+        if secret is None:
+            return None
+    if isinstance(secret, str):
+        secret = secret.encode()
+    if not isinstance(secret, (bytes, bytearray)):
+        raise TypeError(f"RemoteConfig.secret must be bytes, a str or None, got {type(secret).__name__}.")
+    if not secret:
+        raise ValueError(f"RemoteConfig.secret must not be empty; pass None for no secret (and leave {SECRET_ENV} "
+                         "unset).")
+    return bytes(secret)
 
 
 def remote_config(remote: Any) -> RemoteConfig | None:

@@ -4,11 +4,13 @@ beyond the local hit, so the usual lookup and restore serve it.
 Two round trips at most: one pipeline of ``EXISTS`` over the prompt's successive KV block keys past the locally
 stored chain and the checkpoint keys past the local hit; then, if the deepest boundary with a complete KV chain and a
 checkpoint (``D``) is worth it, one pipeline of ``GET`` for exactly the blocks ``[local chain, D)`` and the checkpoint
-at ``D``. Every value is verified (:func:`~hf_hybridcache.remote.codec.decode`) before anything is inserted; one that
-fails (corrupt, tampered, vanished since the ``EXISTS``) makes the whole fetch a miss, so a hit never crosses a
-missing piece. Any entry may vanish at any time (the server's ``maxmemory`` policy evicts what it likes), which this
-order tolerates: what is missing is simply not there. After vLLM v1's hybrid coordinator, the KV chain is matched left
-to right and the checkpoint side searched right to left.
+at ``D``. Every value is verified (:meth:`~hf_hybridcache.remote.codec.Codec.decode`) before anything is inserted;
+one that fails (corrupt, tampered, unsigned under a secret, vanished since the ``EXISTS``) makes the whole fetch a
+miss, so a hit never crosses a missing piece, and one that is present but fails is counted and removed from the tier
+(:meth:`~hf_hybridcache.remote.writer.Publisher.remove`), so the next process that computes it replaces it. Any entry
+may vanish at any time (the server's ``maxmemory`` policy evicts what it likes), which this order tolerates: what is
+missing is simply not there. After vLLM v1's hybrid coordinator, the KV chain is matched left to right and the
+checkpoint side searched right to left.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from ..hashing import BlockHash, chain_hashes
 from ..store import PrefixStore
 from ..store.lookup import hit_blocks, match_blocks
 from .client import TierClient
-from .codec import checkpoint_key, checkpoint_states, decode, kv_key, kv_tensors
 from .config import RemoteConfig
 from .rate import ComputeRate
 from .writer import Publisher
@@ -54,9 +55,9 @@ class Fetcher:
 
     Args:
         client: the tier's connection.
-        publisher: muted while fetched entries are inserted (they are in the tier already).
-        key_prefix: first part of every key.
-        config: the tier's settings (key prefix, fetch rule).
+        publisher: muted while fetched entries are inserted (they are in the tier already); removes values that fail
+            verification. Its codec names and verifies the entries.
+        config: the tier's settings (fetch rule).
         flops: the model's prefill FLOPs, for :func:`worth_fetching`.
 
     Attributes:
@@ -67,8 +68,8 @@ class Fetcher:
         self.client = client
         self.compute = ComputeRate()
         self.publisher = publisher
+        self.codec = publisher.codec
         self.config = config
-        self.key_prefix = config.key_prefix
         self.flops = flops
 
     def observe_forward(self, start_tokens: int, end_tokens: int, seconds: float) -> None:
@@ -126,9 +127,9 @@ class Fetcher:
         """``(chain_end, depth)``: the blocks of the prompt's KV chain stored here or in the tier, and the deepest
         boundary (in blocks) past ``local_depth`` within it whose checkpoint is in the tier (None if there is none).
         None when the tier did not answer."""
-        kv_keys = [kv_key(self.key_prefix, h) for h in hashes[stored:]]
+        kv_keys = [self.codec.key("kv", h) for h in hashes[stored:]]
         depths = list(range(local_depth + 1, len(hashes) + 1))
-        ck_keys = [checkpoint_key(self.key_prefix, hashes[d - 1]) for d in depths]
+        ck_keys = [self.codec.key("checkpoint", hashes[d - 1]) for d in depths]
         found = self.client.exists(kv_keys + ck_keys)
         if found is None:
             return None
@@ -143,29 +144,25 @@ class Fetcher:
         return chain_end, None
 
     def _fetch(self, store: PrefixStore, token_ids: list[int], hashes: list[BlockHash], stored: int, depth: int):
-        """The verified KV blocks ``[stored, depth)`` and the checkpoint at ``depth``, or None."""
-        bs, spec = store.block_size, store.spec
-        keys = [kv_key(self.key_prefix, hashes[i]) for i in range(stored, depth)]
-        keys.append(checkpoint_key(self.key_prefix, hashes[depth - 1]))
+        """The verified KV blocks ``[stored, depth)`` and the checkpoint at ``depth``, or None. Every value is
+        verified, so that all the unusable ones are counted and removed at once."""
+        bs = store.block_size
+        wanted = [("kv", i) for i in range(stored, depth)] + [("checkpoint", depth - 1)]
+        keys = [self.codec.key(kind, hashes[i]) for kind, i in wanted]
         values = self.client.get(keys)
         if values is None:
             return None
-        kvs = []
-        for i, value in zip(range(stored, depth), values):
-            tensors = decode(value, "kv", hashes[i], token_ids[i * bs : (i + 1) * bs], spec)
-            if tensors is None:
-                self._count_unusable(value)
-                return None
-            kvs.append(kv_tensors(tensors))
-        tensors = decode(values[-1], "checkpoint", hashes[depth - 1], token_ids[(depth - 1) * bs : depth * bs], spec)
-        if tensors is None:
-            self._count_unusable(values[-1])
+        entries, unusable = [], []
+        for (kind, i), key, value in zip(wanted, keys, values):
+            entries.append(self.codec.decode(value, kind, hashes[i], token_ids[i * bs : (i + 1) * bs]))
+            if entries[-1] is None and value is not None:  # present but unusable (a vanished one is a plain miss)
+                unusable.append(key)
+        if unusable:
+            self.client.count("remote_corrupt_entries", len(unusable))
+            self.publisher.remove(unusable)
+        if any(entry is None for entry in entries):
             return None
-        return kvs, checkpoint_states(tensors)
-
-    def _count_unusable(self, value: bytes | None) -> None:
-        if value is not None:  # present but unusable (a vanished entry is an ordinary miss)
-            self.client.count("remote_corrupt_entries")
+        return entries[:-1], entries[-1]
 
 
 def _insert(store: PrefixStore, publisher: Publisher, token_ids, root, local_chain, hashes, depth, kvs, states) -> bool:

@@ -11,7 +11,9 @@ Derived rather than drawn once and kept in the tier (``SET NX``): a seed kept th
 restarts or its ``allkeys-lru`` policy evicts that key, and processes started afterwards would draw a new one and stop
 sharing with those started before; a derived one needs no round trip and no server at construction. It hides nothing
 from whoever can read the tier (a stored seed would not either). To keep a deployment's hashes unguessable, pass the
-same secret ``seed=`` bytes to every cache that should share; it is then used as it is.
+same secret ``seed=`` bytes to every cache that should share; it is then used as it is. (``RemoteConfig(secret=...)``
+is another matter: it signs values and names the keys' namespace, :mod:`~hf_hybridcache.remote.codec`, and leaves
+the seed alone.)
 """
 
 from __future__ import annotations
@@ -21,12 +23,20 @@ import hashlib
 from .. import _compat
 
 
+def computing_versions() -> tuple[str, str]:
+    """The versions that compute the states, hf_hybridcache's and transformers': states are only reused under
+    them, so they are in every key (:func:`~hf_hybridcache.remote.codec.key_namespace`) as well as in the derived
+    seed (a given ``seed=`` names no version)."""
+    from .. import __version__
+
+    return __version__, _compat.TRANSFORMERS_VERSION
+
+
 def namespace_identity(model_identity: str) -> str:
     """What the namespace seed is derived from besides the key prefix: the model identity and the versions that
     compute the states."""
-    from .. import __version__
-
-    return f"{model_identity}|hf_hybridcache {__version__}|transformers {_compat.TRANSFORMERS_VERSION}"
+    ours, transformers = computing_versions()
+    return f"{model_identity}|hf_hybridcache {ours}|transformers {transformers}"
 
 
 def namespace_seed(key_prefix: str, model_identity: str) -> bytes:

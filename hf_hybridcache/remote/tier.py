@@ -12,6 +12,7 @@ from __future__ import annotations
 from ..flops import FlopModel
 from ..store import PrefixStore
 from .client import CircuitBreaker, TierClient
+from .codec import Codec
 from .config import RemoteConfig, make_client
 from .fetch import Fetcher
 from .namespace import namespace_seed
@@ -31,7 +32,8 @@ class RemoteTier:
         self.config = config
         self.store = store
         self.client = TierClient(make_client(config), CircuitBreaker(config.breaker_errors, config.retry_after_s))
-        self.publisher = Publisher(self.client, config.key_prefix, config.max_pending_writes)
+        codec = Codec(store.spec, config.key_prefix, config.secret)
+        self.publisher = Publisher(self.client, codec, config.max_pending_writes)
         self.fetcher = Fetcher(self.client, self.publisher, config, flops)
 
     @property
@@ -45,6 +47,12 @@ class RemoteTier:
         """This process's prefill FLOP/s as measured on the cache's own forwards of at least 16 tokens (None until
         one ran); the fetch-or-recompute rule uses it unless ``RemoteConfig.compute_flops_per_s`` is given."""
         return self.fetcher.compute.flops_per_s
+
+    @property
+    def codec(self) -> Codec:
+        """The keys and values of this tier's entries (``codec.key(kind, block_hash)`` names an entry on the
+        server)."""
+        return self.publisher.codec
 
     @property
     def breaker(self) -> CircuitBreaker:
@@ -82,11 +90,9 @@ class RemoteTier:
         """The store kept a new KV block (``kind == "kv"``) or checkpoint at the end of ``block_id``: publish it
         (``wait``: for room in a full queue instead of dropping it)."""
         block = self.store.pool[block_id]
-        if kind == "kv":
-            self.publisher.publish_kv(block.block_hash, block.token_ids, self.store.kv.get(block_id), wait)
-        else:
-            states = self.store.checkpoints.get(block_id)
-            self.publisher.publish_checkpoint(block.block_hash, block.token_ids, states, wait)
+        entry = self.store.kv.get(block_id) if kind == "kv" else self.store.checkpoints.get(block_id)
+        self.publisher.publish(kind, block.block_hash, block.token_ids, entry, wait)
+
 
 def attach(cache, config: RemoteConfig | None, seed_given: bool) -> RemoteTier | None:
     """Give ``cache`` (a new :class:`~hf_hybridcache.HybridPrefixCache`, store built, no view started) its tier:

@@ -1,16 +1,24 @@
 """The write path: every KV block and checkpoint the local store keeps is published to the tier by a background
-thread, off the request's critical path.
+thread, off the request's critical path, and values that failed verification are removed from it.
 
 The request thread only queues ``(key, encode)`` with references to the stored tensors (which are never written
 after they are stored, so reading them later is safe; an evicted entry's tensors stay alive until written). The
 writer thread encodes them (:mod:`~hf_hybridcache.remote.codec`) and stores them with ``SET NX`` in pipelined batches.
 The queue is bounded: when it is full the entry is dropped and counted (``remote_dropped_writes``) rather than making
 the request wait; an entry the tier refused or could not take (breaker open, timeout) is counted the same way.
+
+Healing: a key whose value failed verification (damaged, tampered, unsigned under a secret) is queued as ``(key,
+None)`` and deleted (``DEL``) in queue order, so the same process's own recomputed entry, queued after it, is
+written by ``SET NX``; until a key is removed, every process that reads it misses. Two readers of one damaged value
+may race: a late ``DEL`` can remove the replacement another process wrote meanwhile, which costs a recomputation,
+never a wrong state (the late reader recomputes and writes that entry again). A removal that finds the queue full is
+skipped; the next reader of that value queues it again.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import queue
 import threading
@@ -18,9 +26,8 @@ import time
 from collections.abc import Callable
 
 from ..hashing import BlockHash
-from ..store import LayerState
 from .client import TierClient
-from .codec import checkpoint_key, encode_checkpoint, encode_kv, kv_key
+from .codec import Codec, Entry
 
 logger = logging.getLogger("hf_hybridcache")
 
@@ -35,41 +42,43 @@ class Publisher:
 
     Args:
         client: the tier's connection.
-        key_prefix: first part of every key.
+        codec: the keys and values of the tier's entries.
         max_pending: entries the queue holds before new ones are dropped.
 
     Attributes:
         muted: while True nothing is queued (set while entries fetched from the tier are inserted locally).
     """
 
-    def __init__(self, client: TierClient, key_prefix: str, max_pending: int) -> None:
+    def __init__(self, client: TierClient, codec: Codec, max_pending: int) -> None:
         self.client = client
-        self.key_prefix = key_prefix
+        self.codec = codec
         self.muted = False
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
 
-    def publish_kv(self, block_hash: BlockHash, token_ids, kv: dict, wait: bool = False) -> None:
-        """Queue a stored KV block ``{attention layer idx: (keys, values)}``; ``wait``: for room in a full queue
-        instead of dropping it (never on a request's path)."""
-        self._offer(kv_key(self.key_prefix, block_hash), lambda: encode_kv(block_hash, token_ids, kv), wait)
-
-    def publish_checkpoint(
-        self, block_hash: BlockHash, token_ids, states: dict[int, LayerState], wait: bool = False
-    ) -> None:
-        """Queue a stored checkpoint ``{mamba layer idx: (conv, ssm)}`` at the end of the block ``block_hash``."""
-        key = checkpoint_key(self.key_prefix, block_hash)
-        self._offer(key, lambda: encode_checkpoint(block_hash, token_ids, states), wait)
-
-    def _offer(self, key: str, encode: Callable[[], bytes], wait: bool) -> None:
+    def publish(self, kind: str, block_hash: BlockHash, token_ids, entry: Entry, wait: bool = False) -> None:
+        """Queue a stored entry of ``kind`` (``"kv"`` or ``"checkpoint"``, as :meth:`Codec.encode` takes it) of the
+        block ``block_hash``; ``wait``: for room in a full queue instead of dropping it (never on a request's
+        path)."""
         if self.muted:
             return
+        encode = functools.partial(self.codec.encode, kind, block_hash, token_ids, entry)
+        if not self._offer((self.codec.key(kind, block_hash), encode), wait):
+            self.client.count("remote_dropped_writes")
+
+    def remove(self, keys: list[str]) -> None:
+        """Queue the deletion of ``keys``, whose values failed verification (see the module docstring)."""
+        for key in keys:
+            self._offer((key, None), False)
+
+    def _offer(self, item: tuple[str, Callable[[], bytes] | None], wait: bool) -> bool:
         self._ensure_thread()
         try:
-            self._queue.put((key, encode), block=wait)
+            self._queue.put(item, block=wait)
         except queue.Full:
-            self.client.count("remote_dropped_writes")
+            return False
+        return True
 
     def _ensure_thread(self) -> None:
         with self._start_lock:
@@ -110,16 +119,16 @@ class Publisher:
         thread.join(timeout_s)
         return flushed and not thread.is_alive()
 
-    def _write(self, batch: list[tuple[str, Callable[[], bytes]]]) -> None:
+    def _write(self, batch: list[tuple[str, Callable[[], bytes] | None]]) -> None:
         items = []
         for key, encode in batch:
             try:
-                items.append((key, encode()))
+                items.append((key, None if encode is None else encode()))
             except Exception as error:  # a device error while copying to the host must not kill the writer
                 logger.debug("could not encode %s for the remote tier: %s", key, error)
                 self.client.count("remote_dropped_writes")
-        if items and not self.client.set_new(items):
-            self.client.count("remote_dropped_writes", len(items))
+        if items and not self.client.write(items):
+            self.client.count("remote_dropped_writes", sum(1 for _, value in items if value is not None))
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every queued entry is written (or dropped); False if ``timeout_s`` passed first."""
