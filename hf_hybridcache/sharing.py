@@ -65,7 +65,7 @@ class CacheCore:
        entry is never written), then ``core.pin(hit.block_ids)`` so that nothing evicts the chain under the request.
     4. ``core.count_request(prompt_tokens, hit_tokens)``.
     5. As the request computes: ``core.store_blocks(row, ...)`` and ``core.store_checkpoint(row, ...)``.
-    6. At its end ``core.release(row.block_ids)`` (and the blocks it stored).
+    6. At its end ``core.release(row.block_ids)``: the restored chain and the blocks ``store_blocks`` stored (pinned).
 
     Args:
         spec: the model's layers and per-entry byte sizes.
@@ -83,6 +83,7 @@ class CacheCore:
         counters: ``{"requests", "prompt_tokens", "hit_tokens", "divergence_checkpoints": int}`` of past requests.
         lock: held by every call that reads or changes the store (see the module docstring).
         active: the view whose request is live (its chain is pinned); a new request on any view ends it first.
+        generating_thread: the thread inside a ``generate()`` call with this core (:meth:`generate_scope`), or None.
         warned_masked_prompt: the warning that a prompt's mask ruled out reuse was given (it is given once).
     """
 
