@@ -52,7 +52,7 @@ class Config:
             seed=b"simulation",
         )
         if self.alpha is not None:
-            cache._store.eviction.alpha = self.alpha  # the benchmark sweeps the weight the package fixes
+            cache.store.eviction.alpha = self.alpha  # the benchmark sweeps the weight the package fixes
         return cache
 
 

@@ -112,7 +112,7 @@ class CacheDriver:
         bs = spec.block_size
         self._block = {idx: tuple(torch.empty(heads, bs, dim, dtype=dtype, device="meta") for dim in dims)
                        for idx, (heads, dims, dtype) in self._kv.items()}
-        cache._store.gather_kv = self._gather_kv
+        cache.store.gather_kv = self._gather_kv
 
     def _gather_kv(self, layer_idx: int, block_ids, room_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Meta keys and values of the blocks (no room after them: the simulator runs no forward)."""
@@ -127,7 +127,7 @@ class CacheDriver:
         """Serve one request; returns its hit (restored tokens)."""
         cache = self.cache
         lifecycle.start_request(cache, torch.tensor([prompt_ids]), None, 1)
-        cache._request._live_block_kv = lambda row, pad, block: {
+        cache.live.request._live_block_kv = lambda row, pad, block: {
             idx: (keys.clone(), values.clone()) for idx, (keys, values) in self._block.items()
         }
         hit = cache.last_hit_tokens[0]
@@ -142,7 +142,7 @@ class CacheDriver:
 
     def forward(self, token_ids: list[int]) -> None:
         cache, num_tokens = self.cache, len(token_ids)
-        request = cache._request
+        request = cache.live.request
         request.before_forward(torch.tensor([token_ids]), 1, num_tokens)
         positions = cache.checkpoint_positions(num_tokens)
         # The model appends the new tokens' KV; a fresh meta tensor of the new length stands for that (torch.cat

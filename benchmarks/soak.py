@@ -135,7 +135,7 @@ def run_soak(args: argparse.Namespace) -> dict:
     model = build_model(args.family, seed=0)
     retention = args.retention if args.retention == "dense" else int(args.retention)
     cache = HybridPrefixCache(model, retention_interval=retention, max_cache_bytes=args.budget_kib * 1024)
-    peak = PeakStored(cache._store)
+    peak = PeakStored(cache.store)
     plans = Workload(args).plan()
     records, served, lock = [], [0], threading.Lock()
     check_results = {"checks": 0, "rss_first_check": None}

@@ -193,7 +193,7 @@ def measure_prefix(args, stock, patched, cache, prefix_tokens: int, device) -> d
 
 def measure_restore(cache, prompt: torch.Tensor, device) -> dict:
     """The steps of the coming hit's restore, timed one by one (seconds), and the bytes they copy."""
-    store = cache._store  # the benchmark reaches into the store to time the restore steps one by one
+    store = cache.store  # the benchmark times the restore steps one by one
     token_ids = prompt[0].tolist()
     lookup_seconds, hit = timed(device, lambda: store.lookup(token_ids))
     if not hit.hit_tokens:

@@ -58,23 +58,23 @@ def replay_rows(cache, rows_tokens: list[list[int]], input_ids: torch.Tensor) ->
                 row = type(original)(**{**vars(original), "token_ids": list(original.token_ids),
                                         "block_ids": list(original.block_ids),
                                         "block_hashes": list(original.block_hashes)})
-                cache._store.pin(row.block_ids)
+                cache.core.pin(row.block_ids)
                 rows.append(row)
                 row_layers.append(row_layers[twin])
                 continue
             cache.layers = _compat.new_live_layers(cache.model.config)
             row = restore_row(cache, tokens)
-            cache._request = LiveRequest(cache, [row], tracking=True, forward_end=row.hit_tokens)
+            cache.live.request = LiveRequest(cache, [row], tracking=True, forward_end=row.hit_tokens)
             tail = tokens[row.hit_tokens : len(tokens) - 1]
             if tail:  # a forward that raises ends this row's request (and unpins it) on its way out
                 _compat.run_forward(cache.model, torch.tensor([tail], device=input_ids.device), cache)
-            cache._request = None
+            cache.live.request = None
             rows.append(row)
             row_layers.append(cache.layers)
     except BaseException:
-        cache._request = None
+        cache.live.request = None
         for row in rows:
-            cache._store.release(row.block_ids)
+            cache.core.release(row.block_ids)
         raise
     consumed = input_ids.shape[1] - 1
     for row in rows:
@@ -89,7 +89,7 @@ def _assemble(cache, row_layers: list[list], consumed: int) -> None:
     """Fill ``cache``'s fresh live layers with the rows' layers, each KV left-padded with zero positions (masked out
     by the attention mask) to the ``consumed`` live positions (a sliding layer: to the window it keeps of them), and
     a missing state (a row that consumed nothing) as zeros."""
-    devices = cache._shared.devices
+    devices = cache.core.devices
     for attn in cache.spec.attention:
         device = devices[attn.layer_idx]
         width = consumed if attn.sliding_window is None else min(consumed, attn.sliding_window - 1)

@@ -6,8 +6,10 @@ the patched mixers call. What happens during a call lives elsewhere, in the orde
 - :mod:`~hf_hybridcache._compat` wraps the model's ``generate()`` and ``forward()`` and calls
 - :mod:`~hf_hybridcache.lifecycle`, which starts a request (lookup + restore: :mod:`~hf_hybridcache.live`, batches:
   :mod:`~hf_hybridcache.batch`) and brackets every forward of the live request
-  (:class:`~hf_hybridcache.live.LiveRequest`), which stores full blocks and checkpoints in
-- :class:`~hf_hybridcache.store.PrefixStore` (block pool, KV and checkpoint stores, lookup, retention, eviction).
+  (:class:`~hf_hybridcache.live.LiveRequest`), which stores full blocks and checkpoints through
+- :class:`~hf_hybridcache.sharing.CacheCore`, what a cache and its views share (hash roots, weights state, remote
+  tier, counters, lock), in its :class:`~hf_hybridcache.store.PrefixStore` (block pool, KV and checkpoint stores,
+  lookup, retention, eviction).
 """
 
 from __future__ import annotations
@@ -23,13 +25,12 @@ from . import _compat, lifecycle
 from .config import DEFAULT_MAX_CACHE_BYTES, CacheOptions
 from .flops import FlopModel
 from .hashing import model_identity
-from .live import LiveRequest
-from .live_cache import LiveCache
+from .live_cache import LiveCache, LiveState
 from .models import support_for
 from .placement import Placement, layer_devices
 from .remote import RemoteTier, remote_config
 from .remote import attach as attach_remote
-from .sharing import SharedState, hash_seed
+from .sharing import CacheCore, hash_seed
 from .stats import PrefixCacheStats
 from .store import PrefixStore, make_eviction
 from .weights import WeightsTracker
@@ -73,6 +74,12 @@ class HybridPrefixCache(LiveCache):
     Threads: ``generate()`` calls with one cache (or its :meth:`with_salt` views) from several threads run one at a
     time under the cache's lock; see :mod:`hf_hybridcache.sharing`.
 
+    Attributes:
+        core: the :class:`~hf_hybridcache.sharing.CacheCore` this cache and its views share (store, hash roots,
+            weights state, remote tier, counters, lock): the interface for code that serves requests beside
+            ``generate()``; not needed to use the cache.
+        live: this view's :class:`~hf_hybridcache.live_cache.LiveState` (its live request).
+
     Raises:
         ValueError: unsupported model; invalid ``block_size``, ``retention_interval``, ``max_cache_bytes``, ``seed``,
             ``offload``, ``admit_divergence``, ``eviction`` or ``remote``; a budget smaller than one KV block plus one
@@ -114,29 +121,25 @@ class HybridPrefixCache(LiveCache):
         _compat.install_hooks(model, _HOOKS)
         super().__init__(layers=_compat.new_live_layers(model.config))
 
-        self._shared = SharedState(
-            seed, model_identity(model), WeightsTracker(model), model.dtype, devices, options
-        )
         policy = make_eviction(options.eviction, FlopModel.from_model(model, self.spec))
-        self._store = PrefixStore(self.spec, self._shared.root(None), options.max_cache_bytes, placement, policy)
-        self._counters = dict(requests=0, prompt_tokens=0, hit_tokens=0, divergence_checkpoints=0)
-        self._remote = attach_remote(self, remote, seed_given)
+        self.core = CacheCore(
+            self.spec, options, seed, model_identity(model), WeightsTracker(model), model.dtype, devices, placement,
+            policy,
+        )
+        self.core.remote = attach_remote(self, remote, seed_given)
         self._start_view(None)
 
     def _start_view(self, salt: str | None) -> None:
         """Give this object its own (empty) live state for requests under ``salt``."""
         self.salt = salt
-        self._root = self._shared.root(salt)
-        self._request: LiveRequest | None = None
-        self._awaiting_request = self._rollback_next_request = False
-        self._slice_first_forward = 0  # owned by _compat.generation (assisted decoding's first forward)
+        self.live = LiveState(self.core.root(salt))
         self.last_hit_tokens: list[int] = []
 
     # ------------------------------------------------------------------ public API
 
     @property
     def options(self) -> CacheOptions:
-        return self._shared.options
+        return self.core.options
 
     @property
     def block_size(self) -> int:
@@ -158,49 +161,44 @@ class HybridPrefixCache(LiveCache):
         value = DEFAULT_MAX_CACHE_BYTES if max_cache_bytes is None else max_cache_bytes
         options = replace(self.options, max_cache_bytes=value)
         self.spec.check_budget(value)
-        with self._shared.idle("Changing max_cache_bytes"):
+        with self.core.idle("Changing max_cache_bytes"):
             lifecycle.end_active_request(self)  # unpins the last request's chain, so everything above the budget can go
-            self._store.max_cache_bytes = value
-            fits = self._store.make_room(0)
-            assert fits, "nothing is pinned between requests, so any budget of at least one entry fits"
-            self._shared.options = options
+            self.core.set_options(options)
 
     @property
     def store(self) -> PrefixStore:
         """The store this cache and its views share (read it between calls: health checks, export, inspection)."""
-        return self._store
+        return self.core.store
 
     @property
     def remote(self) -> RemoteTier | None:
         """The shared second tier (``remote=``), or None; ``cache.remote.flush()`` waits for queued writes."""
-        return self._remote
+        return self.core.remote
 
     @property
     def root_hash(self) -> bytes:
         """Parent hash of block 0 for this view's requests: seed, model identity, weights state and salt mixed."""
-        return self._root
+        return self.live.root
 
     @property
     def seed(self) -> bytes:
         """The bytes mixed into every block hash (kept by :meth:`save`)."""
-        return self._shared.seed
+        return self.core.seed
 
     @property
     def layer_devices(self) -> dict[int, torch.device]:
         """``{cache layer idx: device}`` the model's layers computed on when the cache was built."""
-        return dict(self._shared.devices)
+        return dict(self.core.devices)
 
     @property
     def stored_bytes(self) -> int:
         """Bytes of the stored KV blocks and checkpoints (never above ``max_cache_bytes``)."""
-        return self._store.stored_bytes
+        return self.core.store.stored_bytes
 
     @property
     def stats(self) -> PrefixCacheStats:
         """Counters of this cache and all its :meth:`with_salt` views (they share one store)."""
-        with self._shared.lock:
-            remote = None if self._remote is None else self._remote.counters
-            return PrefixCacheStats.snapshot(self._counters, self._store, remote)
+        return self.core.stats()
 
     def reset(self) -> None:
         """End the live request and empty the live layers; stored blocks and checkpoints stay. Waits for a running
@@ -210,7 +208,7 @@ class HybridPrefixCache(LiveCache):
             RuntimeError: called from inside a running ``generate()`` in this thread (it would empty that call's live
                 layers).
         """
-        with self._shared.idle("reset()"):
+        with self.core.idle("reset()"):
             lifecycle.end_request(self)
             self.layers = _compat.new_live_layers(self.model.config)
 
@@ -221,10 +219,10 @@ class HybridPrefixCache(LiveCache):
         Raises:
             RuntimeError: called from inside a running ``generate()`` in this thread.
         """
-        with self._shared.idle("clear()"):
+        with self.core.idle("clear()"):
             lifecycle.end_active_request(self)
             self.layers = _compat.new_live_layers(self.model.config)
-            self._store.clear()
+            self.core.store.clear()
 
     def with_salt(self, salt: str | None) -> HybridPrefixCache:
         """A view of this cache for one tenant: requests made with it only reuse prefixes stored by requests with the
@@ -260,7 +258,7 @@ class HybridPrefixCache(LiveCache):
         """
         from .persistence import save_cache
 
-        with self._shared.idle("save()"):
+        with self.core.idle("save()"):
             save_cache(self, path)
 
     @classmethod
@@ -328,7 +326,7 @@ class HybridPrefixCache(LiveCache):
                 changed dtype or devices.
             RuntimeError: called from inside a running ``generate()`` in this thread.
         """
-        with self._shared.idle("restore()"):
+        with self.core.idle("restore()"):
             lifecycle.check_request(self, input_ids)
             lifecycle.start_request(self, input_ids, attention_mask, input_ids.shape[0])
             return list(self.last_hit_tokens)

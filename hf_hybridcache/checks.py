@@ -52,7 +52,7 @@ def entry_digests(cache) -> dict[tuple[str, bytes], str]:
     """SHA-256 of every stored entry keyed by (kind, block hash): ``"kv"`` over its KV tensors, ``"checkpoint"``
     over its conv and SSM states. Block hashes do not depend on block ids, so a saved cache and the cache loaded from
     its file compare equal."""
-    return {(kind, h): _entry_digest(entry) for kind, _, h, entry in _entries(cache._store.blocks())}
+    return {(kind, h): _entry_digest(entry) for kind, _, h, entry in _entries(cache.store.blocks())}
 
 
 def check_store(cache, before: dict | None = None) -> dict:
@@ -69,8 +69,8 @@ def check_store(cache, before: dict | None = None) -> dict:
     Raises:
         AssertionError: naming the invariant that does not hold.
     """
-    with cache._shared.lock:  # waits for a request running in another thread
-        store = cache._store
+    with cache.core.lock:  # waits for a request running in another thread
+        store = cache.core.store
         over = f"{store.stored_bytes} bytes stored over the budget of {store.max_cache_bytes}"
         _require(store.stored_bytes <= store.max_cache_bytes, over)
         pool_ids, kv_ids, checkpoint_ids = store.stored_ids()
@@ -91,8 +91,8 @@ def check_store(cache, before: dict | None = None) -> dict:
             same = [key for key in now.keys() & before.keys() if now[key][0] is before[key][0]]
             changed = [key for key in same if now[key][1] != before[key][1]]
             _require(not changed, f"stored entries were written: {changed[:3]}")
-        active = cache._shared.active
-        rows = active._request.rows if active is not None and active._request is not None else []
+        request = None if cache.core.active is None else cache.core.active.live.request
+        rows = [] if request is None else request.rows
         pinned = {block_id for row in rows for block_id in row.block_ids}
         for block in blocks.values():
             _require(block.ref_count == 0 or block.block_id in pinned, f"block {block.block_id} is pinned by nobody")

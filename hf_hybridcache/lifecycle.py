@@ -50,15 +50,15 @@ def find_cache(model, kwargs) -> LiveCache | None:
 def generate_call(cache):
     """Around one ``generate()`` call: hold the cache's lock; if the call raises, end its request (the live state is
     half-written and nothing more of it is stored)."""
-    with cache._shared.generate_scope():
-        cache._awaiting_request = True
+    with cache.core.generate_scope():
+        cache.live.awaiting_request = True
         try:
             yield
         except BaseException:
             end_request(cache)
             raise
         finally:
-            cache._awaiting_request = cache._rollback_next_request = False
+            cache.live.awaiting_request = cache.live.rollback_next_request = False
 
 
 def begin_request(cache, *, input_ids, attention_mask, inputs_embeds, use_cache) -> int:
@@ -85,7 +85,7 @@ def forward_call(cache, *, input_ids, inputs_embeds, use_cache):
     A forward with ``use_cache=False`` runs on fresh, empty live layers and stores nothing, so it computes exactly
     what the model computes without a cache (``generate(use_cache=False)`` re-feeds the whole sequence each step)."""
     ids_or_embeds = input_ids if input_ids is not None else inputs_embeds
-    with cache._shared.lock:
+    with cache.core.lock:
         try:
             started = None
             if ids_or_embeds is not None:
@@ -93,13 +93,13 @@ def forward_call(cache, *, input_ids, inputs_embeds, use_cache):
                 if use_cache is False:
                     _begin_uncached_forward(cache)
                 _before_forward(cache, input_ids, num_rows, num_tokens, storing=not cache.model.training)
-                if cache._remote is not None and num_rows == 1 and num_tokens > 1:
+                if cache.core.remote is not None and num_rows == 1 and num_tokens > 1:
                     started = time.perf_counter()
             yield
             if started is not None:
                 _observe_forward(cache, started)
-            if cache._request is not None:
-                cache._request.after_forward()
+            if cache.live.request is not None:
+                cache.live.request.after_forward()
         except BaseException:
             end_request(cache)
             raise
@@ -108,44 +108,42 @@ def forward_call(cache, *, input_ids, inputs_embeds, use_cache):
 def _observe_forward(cache, started: float) -> None:
     """A single-row multi-token forward with a remote tier just ended: its wall time feeds the tier's measured
     compute rate (the fetch-or-recompute rule)."""
-    request = cache._request
+    request, core = cache.live.request, cache.core
     if request is None or torch.is_grad_enabled():
         return
-    placement.synchronize(cache._shared.devices.values())
-    cache._remote.observe_forward(request.forward_start, request.forward_end, time.perf_counter() - started)
+    placement.synchronize(core.devices.values())
+    core.remote.observe_forward(request.forward_start, request.forward_end, time.perf_counter() - started)
 
 
 def _begin_uncached_forward(cache) -> None:
-    if cache._request is None:
+    if cache.live.request is None:
         end_active_request(cache)
-        cache._request = LiveRequest(cache, [], tracking=False)
-        cache._shared.active = cache
-    cache._request.stop_tracking("a forward with use_cache=False")
+        _make_live(cache, LiveRequest(cache, [], tracking=False))
+    cache.live.request.stop_tracking("a forward with use_cache=False")
     cache.layers = _compat.new_live_layers(cache.model.config)
 
 
 def _before_forward(cache, input_ids: torch.Tensor | None, num_rows: int, num_tokens: int, storing: bool) -> None:
-    if cache._request is None:  # a forward outside generate(): one request that starts with this forward
+    if cache.live.request is None:  # a forward outside generate(): one request that starts with this forward
         end_active_request(cache)
-        _refresh_weights(cache)
+        cache.live.root = cache.core.request_root(cache.salt)
         # Live layers that hold tokens nobody tracked (a failed or ended request) must not be stored as if they held
         # this forward's prefix.
         tracking = storing and num_rows == 1 and input_ids is not None and _live_is_empty(cache)
-        rows = [Row(prompt_tokens=num_tokens, root=cache._root)] if tracking else []
-        cache._request = LiveRequest(cache, rows, tracking)
-        cache._shared.active = cache
+        rows = [Row(prompt_tokens=num_tokens, root=cache.live.root)] if tracking else []
+        _make_live(cache, LiveRequest(cache, rows, tracking))
     if not storing:
         # Training mode: dropout may be on and gradient checkpointing drops the cache inside the layers, so nothing
         # of this forward may be stored and served to eval requests later.
-        cache._request.stop_tracking("a forward in training mode")
-    cache._request.before_forward(input_ids, num_rows, num_tokens)
+        cache.live.request.stop_tracking("a forward in training mode")
+    cache.live.request.before_forward(input_ids, num_rows, num_tokens)
 
 
 def rows_done(cache, is_done: torch.Tensor) -> None:
     """``generate()``'s stopping criteria finished the rows where ``is_done`` ``[B]`` is True: each such row is fed
     its last real token by the next forward and the pad id after that, which is not stored."""
-    if cache._request is not None:
-        cache._request.rows_done(is_done.tolist())
+    if cache.live.request is not None:
+        cache.live.request.rows_done(is_done.tolist())
 
 
 def start_request(
@@ -159,7 +157,7 @@ def start_request(
     request live. ``input_ids`` ``[B, T]`` (None: nothing is looked up, e.g. ``inputs_embeds``); ``prompt_tokens``
     counts the prompt when there are no ids."""
     end_active_request(cache)
-    _refresh_weights(cache)
+    cache.live.root = cache.core.request_root(cache.salt)
     cache.layers = _compat.new_live_layers(cache.model.config)
     rows_tokens = unpadded_rows(input_ids, attention_mask)
     if rows_tokens is None:
@@ -176,19 +174,15 @@ def start_request(
     else:
         request = replay_rows(cache, rows_tokens, input_ids)
         lengths = [len(t) for t in rows_tokens]
-    request.rollback, cache._rollback_next_request, cache._awaiting_request = cache._rollback_next_request, False, False
-    cache._request = request
-    cache._shared.active = cache
+    live = cache.live
+    request.rollback, live.rollback_next_request, live.awaiting_request = live.rollback_next_request, False, False
+    _make_live(cache, request)
     cache.last_hit_tokens = [row.hit_tokens for row in request.rows] or [0] * num_rows
-    counters = cache._counters
-    counters["requests"] += 1
-    counters["prompt_tokens"] += sum(lengths)
-    counters["hit_tokens"] += sum(cache.last_hit_tokens)
-    request.number = counters["requests"]
+    request.number = cache.core.count_request(sum(lengths), sum(cache.last_hit_tokens))
     divergences = [row.divergence_tokens for row in request.rows]
     logger.debug(
         "request %d: prompt tokens %s, hit %s, replay %d, divergence at %s",
-        counters["requests"],
+        request.number,
         lengths,
         cache.last_hit_tokens,
         sum(lengths) - sum(cache.last_hit_tokens),
@@ -203,10 +197,10 @@ def _log_no_reuse(cache, embeds_only: bool) -> None:
     if embeds_only:
         logger.debug("no prefix reuse for this call (inputs_embeds without input_ids); it runs like a fresh cache")
         return
-    if cache._shared.warned_masked_prompt:
+    if cache.core.warned_masked_prompt:
         logger.debug("no prefix reuse for this call (padding other than left padding); it runs like a fresh cache")
         return
-    cache._shared.warned_masked_prompt = True
+    cache.core.warned_masked_prompt = True
     logger.warning(
         "No prefix reuse for this call: its attention_mask masks tokens that are not left padding, so it runs like a "
         "fresh cache (reported once per cache). If the prompt holds the pad token id as a real token, pass "
@@ -214,21 +208,17 @@ def _log_no_reuse(cache, embeds_only: bool) -> None:
     )
 
 
-def _refresh_weights(cache) -> None:
-    """Re-read the model's weights state (:mod:`~hf_hybridcache.weights`) and root this request's chains in it."""
-    if cache._shared.weights.refresh():
-        logger.warning(
-            "The model's weights or adapters changed since the last request: prefixes stored under other weights are "
-            "not served (they are again if those weights come back; cache.clear() drops them)."
-        )
-    cache._root = cache._shared.root(cache.salt)
+def _make_live(cache, request: LiveRequest) -> None:
+    """Make ``request`` the live request of ``cache`` and of the store (the previous one has ended)."""
+    cache.live.request = request
+    cache.core.active = cache
 
 
 def end_request(cache) -> None:
     """End ``cache``'s live request (if any) and unpin its chains."""
-    request, cache._request = cache._request, None
-    if cache._shared.active is cache:
-        cache._shared.active = None
+    request, cache.live.request = cache.live.request, None
+    if cache.core.active is cache:
+        cache.core.active = None
     if request is not None:
         request.end()
 
@@ -236,7 +226,7 @@ def end_request(cache) -> None:
 def end_active_request(cache) -> None:
     """End the live request of whichever view of the store has one. A request stays live after ``generate()``
     returns (a direct forward may continue it); only one per store, so views made per call pin nothing for long."""
-    active = cache._shared.active
+    active = cache.core.active
     if active is not None:
         end_request(active)
 
@@ -249,24 +239,14 @@ def _live_is_empty(cache) -> bool:
 
 def check_request(cache, input_ids: torch.Tensor | None) -> None:
     """Refuse, before anything changes, a request that cannot run: the model changed dtype or devices since the cache
-    was built, an empty prompt, token ids outside the vocabulary.
+    was built (:meth:`~hf_hybridcache.sharing.CacheCore.check_model`), an empty prompt, token ids outside the
+    vocabulary.
 
     Raises:
         ValueError: with what to do.
     """
-    shared, model = cache._shared, cache.model
-    if model.dtype != shared.dtype:
-        raise ValueError(
-            f"The model is {model.dtype} but this HybridPrefixCache was built for it in {shared.dtype}, and its "
-            f"stored entries are {shared.dtype}; convert the model back or build a new HybridPrefixCache."
-        )
-    devices = placement.layer_devices(model, shared.devices)
-    if devices != shared.devices:
-        moved = {idx: f"{shared.devices[idx]} -> {now}" for idx, now in devices.items() if now != shared.devices[idx]}
-        raise ValueError(
-            f"The model's layers moved to other devices since this HybridPrefixCache was built (layer: was -> now "
-            f"{moved}); move them back or build a new HybridPrefixCache after placing the model."
-        )
+    model = cache.model
+    cache.core.check_model(model)
     if input_ids is None:
         return
     if input_ids.dim() != 2:

@@ -17,24 +17,21 @@ import torch
 from . import _compat
 from .config import StateKey, split_state_key
 from .kernels.paged_copy import KVBlock, scatter_kv_blocks
-from .rows import Row, store_row_blocks, store_row_checkpoint
+from .rows import Row
 from .store import LayerState, last_boundary, retained_boundaries
 
 logger = logging.getLogger("hf_hybridcache")
 
 
 def restore_row(cache, token_ids: list[int]) -> Row:
-    """Copy the longest stored prefix of ``token_ids`` into ``cache``'s (fresh, single-row) live layers and pin its
-    chain. Returns the row, whose ``hit_tokens`` is the restored length P (0 on a miss). With a remote tier, what it
-    holds beyond the local hit is inserted into the store first (:mod:`~hf_hybridcache.remote.fetch`), and a path
-    it holds that the prompt leaves counts as a divergence point."""
-    remote_divergence = 0 if cache._remote is None else cache._remote.extend(cache, token_ids)
-    store, root = cache._store, cache._root
-    hit = store.lookup(token_ids, root)
-    row = Row(len(token_ids), token_ids=token_ids[: hit.hit_tokens], hit_tokens=hit.hit_tokens, root=root)
-    if cache.options.admit_divergence:
-        remote_divergence = remote_divergence if remote_divergence > hit.hit_tokens else 0
-        row.divergence_tokens = hit.divergence_tokens or remote_divergence
+    """Copy the longest stored prefix of ``token_ids`` (:meth:`~hf_hybridcache.sharing.CacheCore.lookup`, the remote
+    tier included) into ``cache``'s (fresh, single-row) live layers and pin its chain. Returns the row, whose
+    ``hit_tokens`` is the restored length P (0 on a miss)."""
+    core, root = cache.core, cache.live.root
+    store = core.store
+    hit = core.lookup(token_ids, root)
+    row = Row(len(token_ids), token_ids=token_ids[: hit.hit_tokens], hit_tokens=hit.hit_tokens, root=root,
+              divergence_tokens=hit.divergence_tokens)
     if not hit.hit_tokens:
         return row
     room = len(token_ids) - hit.hit_tokens  # full layers: the prompt's tail is written after the prefix, not concatenated
@@ -46,7 +43,7 @@ def restore_row(cache, token_ids: list[int]) -> Row:
     for key, (conv, ssm) in store.checkpoint_copy(hit.block_ids[-1]).items():
         layer_idx, state_idx = split_state_key(key)
         _compat.set_linear_state(cache.layers[layer_idx], conv, ssm, state_idx)
-    store.pin(hit.block_ids)
+    core.pin(hit.block_ids)
     row.block_ids, row.block_hashes = list(hit.block_ids), list(hit.block_hashes)
     return row
 
@@ -83,8 +80,8 @@ class LiveRequest:
         self.captured: dict[int, dict[StateKey, LayerState]] = {}
         self.forward_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.in_forward = False
-        self.number = cache._counters["requests"]  # generate() requests so far (a direct forward's takes the last one)
-        store = cache._store
+        self.number = cache.core.num_requests  # generate() requests so far (a direct forward's takes the last one)
+        store = cache.core.store
         self.evicted_at_start = (store.evicted_kv_blocks, store.evicted_checkpoints)
 
     # ------------------------------------------------------------------ around every forward
@@ -151,12 +148,12 @@ class LiveRequest:
         if not self.tracking:
             self.forward_kv.clear()
             return
-        options, store = self.cache.options, self.cache._store
+        options, core = self.cache.options, self.cache.core
         num_tokens = self.forward_end - self.forward_start
         for index, row in enumerate(self.rows):
             if row.finished:
                 continue
-            store_row_blocks(store, row, lambda block: self._live_block_kv(index, row.pad, block))
+            core.store_blocks(row, lambda block: self._live_block_kv(index, row.pad, block))
             end = len(row.token_ids)
             single = len(self.rows) == 1
             captured = {b: self.captured[b] for b in self.wanted if b in self.captured} if single else {}
@@ -170,9 +167,9 @@ class LiveRequest:
             # A divergence checkpoint counts only where nothing else (retention, prompt end) would have kept one.
             admitted = divergence in captured and divergence not in retained_boundaries(*plan)
             for boundary in sorted(captured):
-                stored = store_row_checkpoint(store, row, boundary, captured[boundary], boundary not in retained)
+                stored = core.store_checkpoint(row, boundary, captured[boundary], boundary not in retained)
                 if stored and admitted and boundary == divergence:
-                    self.cache._counters["divergence_checkpoints"] += 1
+                    core.count_divergence_checkpoint()
         if not self.rollback:  # kept for crop() otherwise
             self.captured.clear()
             self.forward_kv.clear()
@@ -239,7 +236,7 @@ class LiveRequest:
         row = self.rows[0]
         del row.token_ids[keep:]
         full_blocks = keep // cache.options.block_size
-        cache._store.release(row.block_ids[full_blocks:])
+        cache.core.release(row.block_ids[full_blocks:])
         del row.block_ids[full_blocks:], row.block_hashes[full_blocks:]
         self.forward_end = keep
         self.captured.clear()
@@ -254,9 +251,10 @@ class LiveRequest:
     def end(self) -> None:
         """Unpin the rows' chains; the last checkpoint each row reached stays as its decode-end one."""
         self.in_forward = False
-        store = self.cache._store
+        core = self.cache.core
+        store = core.store
         for row in self.rows:
-            store.release(row.block_ids)
+            core.release(row.block_ids)
         kv_blocks, checkpoints = self.evicted_at_start
         logger.debug(
             "request %d released its chains (requests stay live until the next begins or reset()); it evicted %d KV "

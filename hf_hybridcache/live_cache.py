@@ -9,31 +9,52 @@ views, persistence) is :class:`~hf_hybridcache.HybridPrefixCache`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers.cache_utils import Cache
 
 from . import _compat, emission
 from .config import state_key
+from .hashing import BlockHash
 from .live import LiveRequest
+from .sharing import CacheCore
+
+
+@dataclass(eq=False)
+class LiveState:
+    """The live-request state of one view (a cache or one of its ``with_salt`` views); what the view shares with the
+    others is its :class:`~hf_hybridcache.sharing.CacheCore`.
+
+    Attributes:
+        root: parent hash of block 0 for this view's requests (its salt and the weights state of its last request).
+        request: the live request of this view, or None between requests.
+        awaiting_request: a ``generate()`` call is running and its request has not begun yet.
+        rollback_next_request: assisted decoding asked for per-token states before its request began.
+    """
+
+    root: BlockHash
+    request: LiveRequest | None = None
+    awaiting_request: bool = False
+    rollback_next_request: bool = False
 
 
 class LiveCache(Cache):
     """The transformers ``Cache`` methods of a HybridPrefixCache; its ``layers`` are the live cache layers.
 
     Attributes:
-        _request: the live request of this view, or None between requests.
-        _awaiting_request: a ``generate()`` call is running and its request has not begun yet.
-        _rollback_next_request: assisted decoding asked for per-token states before its request began.
-        _slice_first_forward: restored tokens that assisted decoding's first forward must skip (set by ``_compat``).
+        core: what this view shares with the cache and its other views.
+        live: this view's own live-request state.
     """
 
     model: torch.nn.Module
-    _request: LiveRequest | None
+    core: CacheCore
+    live: LiveState
 
     # ------------------------------------------------------------------ Cache methods transformers calls
 
     def _check_owner(self) -> None:
-        if self._request is None or not self._request.in_forward:
+        if self.live.request is None or not self.live.request.in_forward:
             raise ValueError(
                 f"This HybridPrefixCache serves generate()/forward() calls of the model it was built for "
                 f"({type(self.model).__name__} at {id(self.model):#x}), not of another model or of that model's "
@@ -45,7 +66,7 @@ class LiveCache(Cache):
         appended = _compat.append_kv_in_room(self.layers[layer_idx], key_states, value_states)
         keys, values = appended or super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if layer_idx in self.spec.sliding_layers:
-            self._request.record_sliding_kv(layer_idx, keys, values)
+            self.live.request.record_sliding_kv(layer_idx, keys, values)
         return keys, values
 
     def update_conv_state(self, conv_states, layer_idx, *args, **kwargs):
@@ -73,8 +94,8 @@ class LiveCache(Cache):
         super().batch_select_indices(indices)
 
     def _stop_tracking(self, why: str) -> None:
-        if self._request is not None:
-            self._request.stop_tracking(why)
+        if self.live.request is not None:
+            self.live.request.stop_tracking(why)
 
     # ------------------------------------------------------------------ called by the patched mixers
 
@@ -82,13 +103,13 @@ class LiveCache(Cache):
         """Token counts ``1 <= t < seq_len`` of the running forward after which a Mamba mixer must hand its state to
         :meth:`capture_states` (single-row forwards only). The state at the forward's end is read from the live
         layers instead."""
-        return () if self._request is None else self._request.checkpoint_positions(seq_len)
+        return () if self.live.request is None else self.live.request.checkpoint_positions(seq_len)
 
     def capture_states(self, layer_idx, positions, states: list) -> None:
         """Receive one Mamba layer's (conv state ``[1, C, W]``, SSM state) copies after each of ``positions`` tokens
         of the running forward; ``layer_idx`` is a :data:`~hf_hybridcache.config.StateKey` for a layer's later
         states."""
-        self._request.capture_states(layer_idx, positions, states)
+        self.live.request.capture_states(layer_idx, positions, states)
 
     # ------------------------------------------------------------------ speculative decoding: roll back rejected tokens
 
@@ -96,15 +117,15 @@ class LiveCache(Cache):
         """Called by transformers before assisted / prompt-lookup decoding: from now on every forward of the request
         keeps the state after each of its tokens, so :meth:`crop` can roll rejected draft tokens back exactly (the
         per-token states of vLLM's Mamba speculative decoding)."""
-        if self._awaiting_request:  # assisted decoding asks before its request begins
-            self._rollback_next_request = True
-        elif self._request is not None:
-            self._request.rollback = True
+        if self.live.awaiting_request:  # assisted decoding asks before its request begins
+            self.live.rollback_next_request = True
+        elif self.live.request is not None:
+            self.live.request.rollback = True
 
     @property
     def is_croppable(self) -> bool:
         """True while the live request keeps the per-token states that :meth:`crop` rolls back to."""
-        return self._request is not None and self._request.is_croppable
+        return self.live.request is not None and self.live.request.is_croppable
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens of the last forward: KV is cut, the Mamba state is set back to
@@ -123,9 +144,9 @@ class LiveCache(Cache):
         num_tokens = -tokens_to_remove
         if num_tokens == 0:
             return
-        if self._request is None:
+        if self.live.request is None:
             raise ValueError(
                 "HybridPrefixCache can only roll back tokens fed by the last forward of a single-row request after "
                 "activate_past_recording(); no request is running."
             )
-        self._request.crop(num_tokens)
+        self.live.request.crop(num_tokens)

@@ -54,7 +54,7 @@ def save_cache(cache, path: str | os.PathLike) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ValueError(f"The folder {folder!r} does not exist; create it first (os.makedirs) or save elsewhere.")
-    stored, recency = cache._store.export_entries()  # parents before children
+    stored, recency = cache.store.export_entries()  # parents before children
     index = {block.block_id: i for i, block in enumerate(stored)}
     with_checkpoint = [block for block in stored if block.checkpoint is not None]
     tensors = _stack_entries(cache.spec, stored, with_checkpoint)
@@ -72,7 +72,7 @@ def save_cache(cache, path: str | os.PathLike) -> None:
             "admit_divergence": cache.options.admit_divergence,
             "eviction": cache.options.eviction,
         },
-        "seed": cache._shared.seed.hex(),
+        "seed": cache.seed.hex(),
         "blocks": blocks,
         "checkpoints": [index[block.block_id] for block in with_checkpoint],
         "recency": [[kind, index[block_id]] for kind, block_id in recency],
@@ -279,7 +279,7 @@ def _check_entries(meta: dict, tensors: dict, spec: ModelStateSpec, model) -> di
 def _fill(cache, meta: dict, tensors: dict, plan: dict) -> None:
     """Insert the entries that fit the budget (the most recently used), in their recency order."""
     spec = cache.spec
-    keep = _entries_within_budget(plan["recency"], meta["blocks"], spec, cache._store.max_cache_bytes)
+    keep = _entries_within_budget(plan["recency"], meta["blocks"], spec, cache.store.max_cache_bytes)
     rows = {i: row for row, i in enumerate(plan["checkpoints"]) if ("checkpoint", i) in keep}
     blocks = []
     for i, (parent, token_ids, hash_hex) in enumerate(meta["blocks"]):
@@ -289,7 +289,7 @@ def _fill(cache, meta: dict, tensors: dict, plan: dict) -> None:
         checkpoint = _row(entry_layout(spec, "checkpoint"), tensors, rows[i]) if i in rows else None
         blocks.append(StoredBlock(i, None if parent < 0 else parent, tuple(token_ids),
                                   BlockHash(bytes.fromhex(hash_hex)), kv, checkpoint))
-    cache._store.import_entries(blocks, [key for key in plan["recency"] if key in keep])
+    cache.store.import_entries(blocks, [key for key in plan["recency"] if key in keep])
 
 
 def _row(layout: EntryLayout, tensors: dict, row: int) -> dict:

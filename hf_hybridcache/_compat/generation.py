@@ -44,8 +44,21 @@ CACHE_KWARG_NAMES = ("past_key_values", "cache", "cache_params")
 #: The name ``generate()`` and ``forward()`` take the cache under in the installed transformers: ``cache`` from 5.24
 #: (``past_key_values`` still works there, with a ``FutureWarning``), ``past_key_values`` before.
 CACHE_KWARG = "cache" if Version(transformers.__version__) >= Version("5.24.0.dev0") else "past_key_values"
-#: The cache of the generate() call running in this thread (or task), for the hooks that get no kwargs.
-_GENERATING: contextvars.ContextVar = contextvars.ContextVar("hf_hybridcache_generating", default=None)
+#: The generate() call running in this thread (or task), for the hooks that get no kwargs.
+_GENERATING: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("hf_hybridcache_generating", default=None)
+
+
+@dataclass
+class _Call:
+    """One running ``generate()`` call with the package's cache.
+
+    Attributes:
+        cache: the call's cache.
+        slice_first_forward: restored tokens that assisted decoding's first forward must skip (0: none, or done).
+    """
+
+    cache: Any
+    slice_first_forward: int = 0
 
 
 @dataclass(frozen=True)
@@ -101,13 +114,10 @@ def _hooked_generate(self, *args, **kwargs):
     cache = hooks.find(self, kwargs)
     if cache is None:
         return type(self).generate(self, *args, **kwargs)
-    token = _GENERATING.set(cache)
+    token = _GENERATING.set(_Call(cache))
     try:
         with hooks.generate_call(cache), allow_speculative_decoding(self):
-            try:
-                return type(self).generate(self, *args, **kwargs)
-            finally:
-                cache._slice_first_forward = 0
+            return type(self).generate(self, *args, **kwargs)
     finally:
         _GENERATING.reset(token)
 
@@ -116,10 +126,10 @@ def _hooked_stopping_criteria(self, *args, **kwargs):
     """``generate()``'s stopping criteria, observed: which rows they finish is generate()'s own notion of a finished
     row (from the next step on it feeds such a row the pad id when an EOS criterion is present)."""
     criteria = type(self)._get_stopping_criteria(self, *args, **kwargs)
-    cache = _GENERATING.get()
-    if cache is None or not any(hasattr(c, "eos_token_id") for c in criteria):
+    call = _GENERATING.get()
+    if call is None or not any(hasattr(c, "eos_token_id") for c in criteria):
         return criteria
-    return _ObservedStoppingCriteria(criteria, self._hf_hybridcache_hooks.rows_done, cache)
+    return _ObservedStoppingCriteria(criteria, self._hf_hybridcache_hooks.rows_done, call.cache)
 
 
 class _ObservedStoppingCriteria(StoppingCriteriaList):
@@ -156,16 +166,16 @@ def _hooked_candidate_generator(self, *args, **kwargs):
     bound = inspect.signature(type(self)._get_candidate_generator).bind(self, *args, **kwargs).arguments
     model_kwargs = bound["model_kwargs"]
     restored = _begin_request(self, bound["input_ids"], model_kwargs, bound["generation_config"])
-    if restored:
-        find_cache(model_kwargs)._slice_first_forward = restored
+    if restored:  # only a hooked generate() call restores
+        _GENERATING.get().slice_first_forward = restored
     return type(self)._get_candidate_generator(self, *args, **kwargs)
 
 
 def _hooked_prepare_inputs(self, input_ids, *args, **kwargs):
-    cache = find_cache(kwargs)
-    restored = getattr(cache, "_slice_first_forward", 0)
+    call = _GENERATING.get()
+    restored = call.slice_first_forward if call is not None and call.cache is find_cache(kwargs) else 0
     if restored and not args and kwargs.get("next_sequence_length") is None:
-        cache._slice_first_forward = 0
+        call.slice_first_forward = 0
         kwargs["next_sequence_length"] = input_ids.shape[1] - restored
     return type(self).prepare_inputs_for_generation(self, input_ids, *args, **kwargs)
 

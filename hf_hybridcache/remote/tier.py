@@ -10,6 +10,7 @@ cache without ``remote=`` has no tier and none of this runs.
 from __future__ import annotations
 
 from ..flops import FlopModel
+from ..hashing import BlockHash
 from ..store import PrefixStore
 from .client import CircuitBreaker, TierClient
 from .codec import Codec
@@ -68,10 +69,10 @@ class RemoteTier:
         in time."""
         return self.publisher.close(timeout_s)
 
-    def extend(self, cache, token_ids: list[int]) -> int:
-        """Before ``cache``'s local lookup of ``token_ids``: insert what the tier holds beyond the local hit. Returns
-        a divergence point the tier revealed, or 0 (see :meth:`~hf_hybridcache.remote.fetch.Fetcher.extend`)."""
-        return self.fetcher.extend(self.store, token_ids, cache._root)
+    def extend(self, token_ids: list[int], root: BlockHash) -> int:
+        """Before the local lookup of ``token_ids`` under ``root``: insert what the tier holds beyond the local hit.
+        Returns a divergence point the tier revealed, or 0 (see :meth:`~hf_hybridcache.remote.fetch.Fetcher.extend`)."""
+        return self.fetcher.extend(self.store, token_ids, root)
 
     def observe_forward(self, start_tokens: int, end_tokens: int, seconds: float) -> None:
         """The cache's forward of tokens ``[start_tokens, end_tokens)`` of one row took ``seconds`` (wall time, the
@@ -104,9 +105,9 @@ def attach(cache, config: RemoteConfig | None, seed_given: bool) -> RemoteTier |
     """
     if config is None:
         return None
-    tier = RemoteTier(config, cache._store, FlopModel.from_model(cache.model, cache.spec))
+    tier = RemoteTier(config, cache.store, FlopModel.from_model(cache.model, cache.spec))
     if not seed_given:
-        cache._shared.seed = namespace_seed(config.key_prefix, cache._shared.identity)
-        cache._store.root = cache._shared.root(None)
-    cache._store.on_stored = tier.on_stored
+        cache.core.seed = namespace_seed(config.key_prefix, cache.core.identity)
+        cache.store.root = cache.core.root(None)
+    cache.store.on_stored = tier.on_stored
     return tier
