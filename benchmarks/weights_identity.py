@@ -94,11 +94,12 @@ def measure(family: str, shape: str, dtype: torch.dtype, args) -> tuple[dict, st
 
 
 def print_table(rows: list[dict]) -> None:
+    """A Markdown table, one row per shape and dtype."""
     widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in COLUMNS}
-    print(" | ".join(c.ljust(widths[c]) for c in COLUMNS))
-    print("-|-".join("-" * widths[c] for c in COLUMNS))
+    print("| " + " | ".join(c.ljust(widths[c]) for c in COLUMNS) + " |")
+    print("|-" + "-|-".join("-" * widths[c] for c in COLUMNS) + "-|")
     for row in rows:
-        print(" | ".join(str(row[c]).ljust(widths[c]) for c in COLUMNS))
+        print("| " + " | ".join(str(row[c]).ljust(widths[c]) for c in COLUMNS) + " |")
 
 
 def main(argv: list[str] | None = None) -> None:

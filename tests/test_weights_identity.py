@@ -142,7 +142,7 @@ def test_dense_writes_through_data_are_seen_and_clear_reads_sparse_ones(tmp_path
 
     cache.save(tmp_path / "before.safetensors")
     for m in (model, reference):
-        m.get_input_embeddings().weight.data[ids[0, 1]] += 0.5
+        m.get_input_embeddings().weight.data[ids[0, 2]] += 0.5  # a row between the per-request samples
     expected = greedy(reference, ids, None, NEW_TOKENS)
     cache.save(tmp_path / "after.safetensors")
     with pytest.raises(ValueError, match="other weights"):
