@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 from collections.abc import Iterable
 
@@ -31,8 +30,6 @@ from .config import ModelStateSpec
 from .hashing import BlockHash, block_hash, identity_config, model_identity
 from .models import support_for
 from .store import StoredBlock
-
-logger = logging.getLogger("hf_hybridcache")
 
 #: Version 2: the weights state (weights fingerprint and adapters) is part of every hash root. Version 3: keys and
 #: values of a layer are two tensors (``keys.{layer}``, ``values.{layer}``) instead of one ``kv.{layer}
@@ -56,6 +53,7 @@ def save_cache(cache, path: str | os.PathLike) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ValueError(f"The folder {folder!r} does not exist; create it first (os.makedirs) or save elsewhere.")
+    cache._shared.weights.refresh(full=True)  # the weights now, with a write through param.data since the last request
     stored, recency = cache._store.export_entries()  # parents before children
     index = {block.block_id: i for i, block in enumerate(stored)}
     with_checkpoint = [block for block in stored if block.checkpoint is not None]
@@ -66,7 +64,7 @@ def save_cache(cache, path: str | os.PathLike) -> None:
     ]
     meta = {
         "versions": _versions(),
-        "model": {**_model_facts(cache.model), "weights_identity": _current_weights(cache)},
+        "model": {**_model_facts(cache.model), "weights_identity": cache._shared.weights.identity},
         "options": {
             "block_size": cache.block_size,
             "retention_interval": cache.options.retention_interval,
@@ -174,14 +172,6 @@ def _model_facts(model) -> dict:
         "identity": model_identity(model),
         "config": identity_config(model),
     }
-
-
-def _current_weights(cache) -> str:
-    """The identity of the weights now, computed again (a write through ``param.data`` since the last request is
-    seen here); the cache's requests root in it from now on."""
-    if cache._shared.weights.refresh(full=True):
-        logger.warning("save(): the weights or adapters changed since the last request; the file names the new ones")
-    return cache._shared.weights.identity
 
 
 # ---------------------------------------------------------------------- reading and checking

@@ -128,9 +128,9 @@ def test_sparse_edits_never_serve_old_entries(family, server, tmp_path):
         cache.remote.close()
 
 
-def test_dense_writes_through_data_are_seen_and_clear_reads_sparse_ones(tmp_path):
+def test_dense_writes_through_data_are_seen_and_save_reads_sparse_ones(tmp_path):
     """The per-request samples see a write through ``.data`` that changes every element of a tensor (as peft's merge
-    does); a sparse one is read by ``clear()`` and ``save()``, which compute the identity again."""
+    does); a sparse one is read by ``save()``, which computes the identity again (the file names the new weights)."""
     model, reference = build_model("jamba", seed=0), build_model("jamba", seed=0)
     cache = HybridPrefixCache(model, retention_interval="dense")
     ids = random_ids(40, seed=481)
@@ -148,10 +148,25 @@ def test_dense_writes_through_data_are_seen_and_clear_reads_sparse_ones(tmp_path
     with pytest.raises(ValueError, match="other weights"):
         HybridPrefixCache.load(tmp_path / "before.safetensors", reference)
     HybridPrefixCache.load(tmp_path / "after.safetensors", reference)
-    _served(model, cache, ids, expected, 0)  # save() read the edit: requests root in the new weights
-    cache.clear()
-    _served(model, cache, ids, expected, 0)
+    _served(model, cache, ids, expected, 0)  # requests root in the weights save() read
     _served(model, cache, ids, expected, 32)
+
+
+def test_clear_reads_sparse_writes_through_data_so_the_tier_serves_no_old_entries(server):
+    """``clear()``, the remedy the README gives after a write through ``.data``, computes the identity again: the
+    entries the old weights published to the tier stay unreachable."""
+    server.client().flushall()
+    model, reference = build_model("jamba", seed=0), build_model("jamba", seed=0)
+    cache = HybridPrefixCache(model, retention_interval="dense", remote=server.url)
+    ids = random_ids(40, seed=481)
+    _served(model, cache, ids, greedy(reference, ids, None, NEW_TOKENS), 0)
+    assert cache.remote.flush(30)
+    for m in (model, reference):
+        m.get_input_embeddings().weight.data[ids[0, 2]] += 0.5  # a row between the per-request samples
+    cache.clear()
+    _served(model, cache, ids, greedy(reference, ids, None, NEW_TOKENS), 0)
+    assert cache.stats.remote_hit_tokens == 0
+    cache.remote.close()
 
 
 def test_rescaled_adapter_is_a_weights_state_of_its_own():
