@@ -69,13 +69,16 @@ class HybridPrefixCache(LiveCache):
         eviction: ``"flop_aware"`` (evict the lowest recency + alpha x prefill FLOPs saved per byte, after Marconi)
             or ``"lru"`` (least recently used first). Either way a KV block goes only after the blocks that extend it
             and after its own checkpoint, and the running request's blocks never go.
+        replay_replies: store replies from one prefill of their tokens when ``generate()`` has its output, and leave
+            two tokens to a hit's tail: decode steps round differently from a prefill in bf16/fp16
+            (:mod:`hf_hybridcache.reply_replay`). None: on in bfloat16 and float16, off otherwise.
 
     Threads: ``generate()`` calls with one cache (or its :meth:`with_salt` views) from several threads run one at a
     time under the cache's lock; see :mod:`hf_hybridcache.sharing`.
 
     Raises:
         ValueError: unsupported model; invalid ``block_size``, ``retention_interval``, ``max_cache_bytes``, ``seed``,
-            ``offload``, ``admit_divergence``, ``eviction`` or ``remote``; a budget smaller than one KV block plus one
+            ``offload``, ``admit_divergence``, ``eviction``, ``replay_replies`` or ``remote``; a budget smaller than one KV block plus one
             checkpoint; a ``block_size`` longer than a sliding attention window of the model.
         TypeError: ``remote`` is not a URL, a redis-py client or a ``RemoteConfig``.
         ImportError: ``remote`` is a URL and redis-py is not installed (``pip install 'hf_hybridcache[redis]'``).
@@ -93,6 +96,7 @@ class HybridPrefixCache(LiveCache):
         admit_divergence: bool = True,
         eviction: str = "flop_aware",
         remote=None,
+        replay_replies: bool | None = None,
     ) -> None:
         _compat.check_version()
         support = support_for(model)
@@ -104,6 +108,7 @@ class HybridPrefixCache(LiveCache):
             DEFAULT_MAX_CACHE_BYTES if max_cache_bytes is None else max_cache_bytes,
             admit_divergence,
             eviction,
+            model.dtype in (torch.bfloat16, torch.float16) if replay_replies is None else replay_replies,
         )
         self.spec = support.spec_for(model, block_size)
         self.spec.check_budget(options.max_cache_bytes)
@@ -119,7 +124,9 @@ class HybridPrefixCache(LiveCache):
         )
         policy = make_eviction(options.eviction, FlopModel.from_model(model, self.spec))
         self._store = PrefixStore(self.spec, self._shared.root(None), options.max_cache_bytes, placement, policy)
-        self._counters = dict(requests=0, prompt_tokens=0, hit_tokens=0, divergence_checkpoints=0)
+        self._counters = dict(
+            requests=0, prompt_tokens=0, hit_tokens=0, divergence_checkpoints=0, replayed_reply_tokens=0
+        )
         self._remote = attach_remote(self, remote, seed_given)
         self._start_view(None)
 

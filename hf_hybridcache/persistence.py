@@ -69,6 +69,7 @@ def save_cache(cache, path: str | os.PathLike) -> None:
             "max_cache_bytes": cache.max_cache_bytes,
             "admit_divergence": cache.options.admit_divergence,
             "eviction": cache.options.eviction,
+            "replay_replies": cache.options.replay_replies,
         },
         "seed": cache._shared.seed.hex(),
         "blocks": blocks,
@@ -104,7 +105,7 @@ def load_cache(cls, path, model, max_cache_bytes, retention_interval, offload, r
         seed=seed,
         offload=offload,
         remote=remote,
-        **{name: options[name] for name in ("admit_divergence", "eviction") if name in options},
+        **{name: options[name] for name in ("admit_divergence", "eviction", "replay_replies") if name in options},
     )
     _fill(cache, meta, tensors, plan)
     if cache.remote is not None:

@@ -1,0 +1,90 @@
+"""Replies stored as a prefill computes them (``replay_replies``, on by default in bfloat16 and float16).
+
+A reply's tokens go through the model one per forward, and a one-token forward over a cached state runs the mixers'
+decode step (Mamba's ``selective_state_update``, the gated delta rule's recurrent step, the conv window's dot
+product), whose bfloat16 rounding differs from their prefill kernels: the hidden states of the reply's tokens are
+one bf16 ulp apart from what a prefill of the same tokens computes, from the first recurrent layer on. KV blocks and
+a decode-end checkpoint taken from the decode steps are therefore not what a cold prefill of the next chat turn
+computes, and the turn that hits inside the reply gets first-step logits 0.02-0.06 away from a cold run on the tiny
+models (benchmarks/bf16_multiturn.py), enough to flip near-tied tokens. In float32 the two paths agree to round-off.
+
+With ``replay_replies`` a row stores nothing past its first decode step while the request runs
+(:attr:`~hf_hybridcache.rows.Row.prefill_tokens`). When ``generate()`` has produced its output,
+:func:`replay_replies` restores each row's deepest checkpoint at or before that step into fresh live layers and runs
+the row's tokens up to its last block boundary as one forward, which stores their KV blocks, the retained
+checkpoints and the decode-end checkpoint as a prefill does. The live layers of the request are left as they are
+(a direct forward may continue them, as it would continue a ``DynamicCache``), but nothing more of it is stored.
+
+Cost: one forward of about the reply's length (plus up to one block) per row, after the last token was produced,
+so it adds to the call's total time, never to its TTFT (benchmarks/bf16_multiturn.py measures it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from . import _compat
+from .live import LiveRequest, restore_row
+from .rows import Row
+from .store import last_boundary
+
+logger = logging.getLogger("hf_hybridcache")
+
+
+def replay_replies(cache, run_forward: Callable = _compat.run_forward) -> None:
+    """Store the decode-made part of each row of ``cache``'s live request from one prefill forward of its tokens
+    (``run_forward(model, input_ids [1, T], cache)``; the trace simulator passes its own) and count the tokens run.
+    Does nothing unless the request stored its rows up to their first decode step (``replay_replies`` on, a request
+    still tracking its rows)."""
+    request = cache._request
+    if request is None or not request.tracking:
+        return
+    bs = cache.options.block_size
+    spans: dict[tuple[int, ...], tuple[int, int]] = {}  # repeated rows (num_return_sequences) are replayed once
+    for row in request.rows:
+        start = _replay_start(row, bs)
+        if start is not None:
+            spans.setdefault(tuple(row.token_ids[: last_boundary(len(row.token_ids), bs)]), (start, row.prompt_tokens))
+    if not spans:
+        return
+    live_layers = cache.layers
+    try:
+        with torch.no_grad():
+            for tokens, (start, prompt_tokens) in spans.items():
+                tail = _replay(cache, list(tokens), start, prompt_tokens, request.input_device, run_forward)
+                cache._counters["replayed_reply_tokens"] += tail
+    finally:
+        cache.layers, cache._request = live_layers, request
+    request.stop_tracking("its reply was stored from a replay")
+
+
+def _replay_start(row: Row, block_size: int) -> int | None:
+    """The boundary a row's replay starts from (its last one before the first decode step), or None when no block
+    boundary was reached past it."""
+    if row.prefill_tokens is None or not row.storing:
+        return None
+    start = last_boundary(row.prefill_tokens, block_size)
+    return start if last_boundary(len(row.token_ids), block_size) > start else None
+
+
+def _replay(
+    cache, tokens: list[int], start: int, prompt_tokens: int, device: torch.device, run_forward: Callable
+) -> int:
+    """Run ``tokens`` (ending on a block boundary) from the deepest checkpoint at or before ``start`` as one forward
+    in fresh live layers, storing what it computes; returns the tokens run (0 when all is stored already)."""
+    if cache._store.lookup(tokens, cache._root, tail_tokens=0).hit_tokens == len(tokens):
+        return 0  # a re-run of the same reply: its blocks and decode-end checkpoint are stored (by a prefill)
+    cache.layers = _compat.new_live_layers(cache.model.config)
+    row = restore_row(cache, tokens[: start + 1], tail_tokens=1)
+    row.prompt_tokens, row.divergence_tokens = prompt_tokens, 0  # the same retained boundaries as the request
+    cache._request = replay = LiveRequest(cache, [row], tracking=True, forward_end=row.hit_tokens)
+    try:
+        tail = tokens[row.hit_tokens :]
+        run_forward(cache.model, torch.tensor([tail], device=device), cache)
+    finally:
+        replay.end()
+    logger.debug("replayed %d reply tokens from %d to store them as a prefill computes them", len(tail), row.hit_tokens)
+    return len(tail)
