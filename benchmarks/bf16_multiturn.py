@@ -19,6 +19,8 @@ Usage::
 
     PYTHONPATH=. python benchmarks/bf16_multiturn.py                          # flip table + cost table (~6 min)
     PYTHONPATH=. python benchmarks/bf16_multiturn.py --families lfm2 kimi_linear --seeds 4 --skip-cost
+    PYTHONPATH=. python benchmarks/bf16_multiturn.py --skip-flips --families --shape qwen3_5_text:0.8b --layers 4 \
+        --seeds 2 --new-tokens 64                                              # the cost on a real model shape
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 from transformers import DynamicCache
 
+from benchmarks.model_shapes import build_shape_model
 from hf_hybridcache import CACHE_KWARG, HybridPrefixCache, lifecycle
 from hf_hybridcache.store import last_boundary
 from hf_hybridcache.toy import VOCAB_SIZE, build_model
@@ -181,9 +184,7 @@ def cost_table(args) -> None:
     header = ("family", "request ms (off)", "request ms (on)", "replay ms", "replay / request",
               "replayed tokens per request")
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
-    dtype = getattr(torch, args.dtype)
-    for family in args.families:
-        model = build_model(family, dtype=dtype)
+    for label, model in _cost_models(args):
         totals = {False: 0.0, True: 0.0}
         replay_seconds = requests = replayed = 0
         for seed in range(args.seeds):
@@ -204,8 +205,19 @@ def cost_table(args) -> None:
             replayed += replayed_now
         off, on = totals[False] / requests * 1e3, totals[True] / requests * 1e3
         replay_ms = replay_seconds / requests * 1e3
-        print(f"| {family} | {off:.1f} | {on:.1f} | {replay_ms:.2f} | {replay_ms / off:.1%} | "
+        print(f"| {label} | {off:.1f} | {on:.1f} | {replay_ms:.2f} | {replay_ms / off:.1%} | "
               f"{replayed / requests:.1f} |", flush=True)
+
+
+def _cost_models(args):
+    """``(label, model)`` of each tiny family, then of ``--shape`` (a real model shape, random weights)."""
+    dtype = getattr(torch, args.dtype)
+    for family in args.families:
+        yield family, build_model(family, dtype=dtype)
+    if args.shape:
+        family, shape = args.shape.split(":")
+        model, description = build_shape_model(family, shape, args.layers, dtype=dtype)
+        yield description, model
 
 
 def _timed_chat(model, seed: int, args, replay: bool) -> tuple[list[float], int]:
@@ -224,7 +236,7 @@ def _timed_chat(model, seed: int, args, replay: bool) -> tuple[list[float], int]
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--families", nargs="+", default=["zamba2", "jamba", "qwen3_next"])
+    parser.add_argument("--families", nargs="*", default=["zamba2", "jamba", "qwen3_next"])
     parser.add_argument("--seeds", type=int, default=8, help="chats per family (seeds 0..N-1)")
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per turn")
@@ -232,6 +244,8 @@ def main(argv=None) -> None:
     parser.add_argument("--message-tokens", type=int, default=11, help="new tokens each later turn adds")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--repeats", type=int, default=3, help="timing runs per chat (the best counts)")
+    parser.add_argument("--shape", help="FAMILY:SHAPE of benchmarks/model_shapes.py to add to the cost table")
+    parser.add_argument("--layers", type=int, help="cut --shape to its first N layers")
     parser.add_argument("--skip-cost", action="store_true", help="print the flip table only")
     parser.add_argument("--skip-flips", action="store_true", help="print the cost table only")
     args = parser.parse_args(argv)

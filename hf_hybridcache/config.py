@@ -208,7 +208,7 @@ class CacheOptions:
         if not isinstance(self.replay_replies, bool):
             raise ValueError(
                 f"`replay_replies` must be True (store a reply's KV and checkpoints from one prefill of its tokens), "
-                f"False (store what the decode steps computed) or None (True in bfloat16 and float16), got "
+                f"False (store what the decode steps computed) or None (the default for the model's dtype), got "
                 f"{self.replay_replies!r}."
             )
 

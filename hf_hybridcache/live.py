@@ -31,7 +31,7 @@ def restore_row(cache, token_ids: list[int], tail_tokens: int | None = None) -> 
     prompt leaves counts as a divergence point."""
     remote_divergence = 0 if cache._remote is None else cache._remote.extend(cache, token_ids)
     store, root = cache._store, cache._root
-    hit = store.lookup(token_ids, root, tail_tokens or cache.options.min_tail_tokens)
+    hit = store.lookup(token_ids, root, cache.options.min_tail_tokens if tail_tokens is None else tail_tokens)
     row = Row(len(token_ids), token_ids=token_ids[: hit.hit_tokens], hit_tokens=hit.hit_tokens, root=root)
     if cache.options.admit_divergence:
         remote_divergence = remote_divergence if remote_divergence > hit.hit_tokens else 0

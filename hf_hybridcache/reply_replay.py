@@ -1,12 +1,15 @@
-"""Replies stored as a prefill computes them (``replay_replies``, on by default in bfloat16 and float16).
+"""Replies stored as a prefill computes them (``replay_replies``; by default on in bfloat16 and float16, see
+:func:`replays_by_default`).
 
 A reply's tokens go through the model one per forward, and a one-token forward over a cached state runs the mixers'
-decode step (Mamba's ``selective_state_update``, the gated delta rule's recurrent step, the conv window's dot
-product), whose bfloat16 rounding differs from their prefill kernels: the hidden states of the reply's tokens are
-one bf16 ulp apart from what a prefill of the same tokens computes, from the first recurrent layer on. KV blocks and
-a decode-end checkpoint taken from the decode steps are therefore not what a cold prefill of the next chat turn
-computes, and the turn that hits inside the reply gets first-step logits 0.02-0.06 away from a cold run on the tiny
-models (benchmarks/bf16_multiturn.py), enough to flip near-tied tokens. In float32 the two paths agree to round-off.
+decode step, which rounds differently from their prefill kernels in bf16: transformers' Mamba-2 single-token update
+computes ``dt * B * x`` in bf16 and its output from a bf16 copy of the fp32 state, where the chunked scan stays in
+fp32; Mamba-1's and the gated delta rule's steps differ likewise. From the first layer whose step rounds differently,
+the reply's hidden states are a bf16 ulp away from what a prefill of the same tokens computes, so KV blocks and a
+decode-end checkpoint taken from decode steps are a bf16 ulp (KV, conv windows) or 0.4-2% (SSM states) away from a
+cold prefill's, and a chat turn that hits inside the reply gets first-step logits 0.02-0.06 away from a cold run on
+the tiny models (benchmarks/bf16_multiturn.py), enough to flip near-tied tokens. In float32 the paths agree to
+round-off.
 
 With ``replay_replies`` a row stores nothing past its first decode step while the request runs
 (:attr:`~hf_hybridcache.rows.Row.prefill_tokens`). When ``generate()`` has produced its output,
@@ -27,11 +30,21 @@ from collections.abc import Callable
 import torch
 
 from . import _compat
+from .config import ModelStateSpec
 from .live import LiveRequest, restore_row
 from .rows import Row
 from .store import last_boundary
 
 logger = logging.getLogger("hf_hybridcache")
+
+
+def replays_by_default(dtype: torch.dtype, spec: ModelStateSpec) -> bool:
+    """``replay_replies`` when not given: on in bfloat16 and float16, where decode steps round differently from a
+    prefill. Off in float32 (the two agree to round-off), and for models with sliding-window attention layers: their
+    continuation from a cache already differs from one forward in round-off (the window's attention runs over fewer
+    keys), and a replay only adds a split that matches neither the cold run nor stock transformers' own continuation
+    (benchmarks/bf16_multiturn.py: LFM3, Inkling, ZAYA flipped as often with it as without)."""
+    return dtype in (torch.bfloat16, torch.float16) and not spec.sliding_layers
 
 
 def replay_replies(cache, run_forward: Callable = _compat.run_forward) -> None:
@@ -78,7 +91,8 @@ def _replay(
     if cache._store.lookup(tokens, cache._root, tail_tokens=0).hit_tokens == len(tokens):
         return 0  # a re-run of the same reply: its blocks and decode-end checkpoint are stored (by a prefill)
     cache.layers = _compat.new_live_layers(cache.model.config)
-    row = restore_row(cache, tokens[: start + 1], tail_tokens=1)
+    # At least two tokens run, or the forward would be a decode step again (block_size 1).
+    row = restore_row(cache, tokens[: min(start, len(tokens) - 2) + 1], tail_tokens=1)
     row.prompt_tokens, row.divergence_tokens = prompt_tokens, 0  # the same retained boundaries as the request
     cache._request = replay = LiveRequest(cache, [row], tracking=True, forward_end=row.hit_tokens)
     try:
