@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .explain import HitReport
 from .hashing import BlockHash
 from .kernels.paged_copy import KVBlock
 from .store import LayerState, PrefixStore
@@ -35,6 +36,7 @@ class Row:
             (0: none, or divergence admission is off).
         stop_at: tokens after which generate() feeds this row the pad id (its stopping criteria finished it).
         finished: the row ended in a batch and is now fed padding, which is not recorded.
+        report: why the row hit what it hit (:class:`~hf_hybridcache.explain.HitReport`), made at its lookup.
     """
 
     prompt_tokens: int
@@ -49,6 +51,7 @@ class Row:
     divergence_tokens: int = 0
     stop_at: int | None = None
     finished: bool = False
+    report: HitReport | None = None
 
 
 def store_row_blocks(store: PrefixStore, row: Row, live_block_kv: Callable[[int], dict[int, KVBlock]]) -> None:
