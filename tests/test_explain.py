@@ -347,5 +347,6 @@ def test_remote_explain_predicts_fetch_and_recompute(server, family):
     report = fetching.explain(ids, remote=True)
     assert (report.reason, report.hit_tokens) == ("complete", 64)
     assert fetching.stats.remote_round_trips == 0 and fetching.stats.remote_hit_tokens == 0
+    assert fetching.remote.client.rate.latency_s is None  # the EXISTS fed no latency sample to the fetch rule
     run(model, fetching, ids)
     assert fetching.last_report == report and fetching.stats.remote_hit_tokens == 64
