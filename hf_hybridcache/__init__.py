@@ -3,6 +3,7 @@
 from ._compat import CACHE_KWARG
 from .cache import HybridPrefixCache
 from .config import DEFAULT_MAX_CACHE_BYTES
+from .explain import HitReport
 from .models import supported_model_types
 from .stats import PrefixCacheStats
 
@@ -11,6 +12,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CACHE_KWARG",
     "DEFAULT_MAX_CACHE_BYTES",
+    "HitReport",
     "HybridPrefixCache",
     "PrefixCacheStats",
     "__version__",

@@ -21,8 +21,9 @@ from dataclasses import replace
 import torch
 from transformers.cache_utils import Cache
 
-from . import _compat, lifecycle
+from . import _compat, dry_run, lifecycle
 from .config import DEFAULT_MAX_CACHE_BYTES, CacheOptions
+from .explain import HitReport
 from .flops import FlopModel
 from .hashing import model_identity
 from .live_cache import LiveCache, LiveState
@@ -82,6 +83,7 @@ class HybridPrefixCache(LiveCache):
             weights state, remote tier, counters, lock): the interface for code that serves requests beside
             ``generate()``; not needed to use the cache.
         live: this view's :class:`~hf_hybridcache.live_cache.LiveState` (its live request).
+        last_reports: why each row of this view's latest request hit what it hit (``last_report``: the first row's).
 
     Raises:
         ValueError: unsupported model; invalid ``block_size``, ``retention_interval``, ``max_cache_bytes``, ``seed``,
@@ -141,6 +143,7 @@ class HybridPrefixCache(LiveCache):
         self.salt = salt
         self.live = LiveState(self.core.root(salt))
         self.last_hit_tokens: list[int] = []
+        self.last_reports: list[HitReport] = []
 
     # ------------------------------------------------------------------ public API
 
@@ -207,6 +210,16 @@ class HybridPrefixCache(LiveCache):
         """Counters of this cache and all its :meth:`with_salt` views (they share one store)."""
         return self.core.stats()
 
+    @property
+    def last_report(self) -> HitReport | None:
+        """Why the first row of this view's latest request hit what it hit; None before its first request."""
+        return self.last_reports[0] if self.last_reports else None
+
+    def explain(self, input_ids, salt: str | None = None, remote: bool = False, attention_mask=None):
+        """What a ``generate()`` of ``input_ids`` would restore and why, changing nothing; see
+        :func:`~hf_hybridcache.dry_run.explain_call` (arguments, what comes back, errors)."""
+        return dry_run.explain_call(self, input_ids, self.salt if salt is None else salt, remote, attention_mask)
+
     def reset(self) -> None:
         """End the live request and empty the live layers; stored blocks and checkpoints stay. Waits for a running
         call in another thread.
@@ -231,7 +244,7 @@ class HybridPrefixCache(LiveCache):
         with self.core.idle("clear()"):
             lifecycle.end_active_request(self)
             self.layers = _compat.new_live_layers(self.model.config)
-            self.core.store.clear()
+            self.core.clear_store()
             self.core.weights.refresh(full=True)
 
     def with_salt(self, salt: str | None) -> HybridPrefixCache:

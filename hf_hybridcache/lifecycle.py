@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from . import _compat, placement
+from . import _compat, explain, placement
 from .batch import mask_lengths, replay_rows, unpadded_rows
 from .live import LiveRequest, restore_row
 from .live_cache import LiveCache
@@ -68,7 +68,8 @@ def begin_request(cache, *, input_ids, attention_mask, inputs_embeds, use_cache)
     if use_cache is False or cache.model.training:
         # use_cache=False: each step re-feeds the whole sequence, nothing is cached between steps. Training mode:
         # states may be computed with dropout. Either way nothing is looked up or stored.
-        start_request(cache, None, None, input_ids.shape[0], prompt_tokens=input_ids.shape[1])
+        cause = "training" if cache.model.training else "use_cache"
+        start_request(cache, None, None, input_ids.shape[0], prompt_tokens=input_ids.shape[1], uncached=cause)
         return 0
     if inputs_embeds is not None:
         check_request(cache, None)
@@ -154,10 +155,12 @@ def start_request(
     attention_mask: torch.Tensor | None,
     num_rows: int,
     prompt_tokens: int = 0,
+    uncached: str | None = None,
 ) -> None:
     """End the store's live request, then restore each row's longest hit into fresh live layers and make the new
     request live. ``input_ids`` ``[B, T]`` (None: nothing is looked up, e.g. ``inputs_embeds``); ``prompt_tokens``
-    counts the prompt when there are no ids."""
+    counts the prompt when there are no ids; ``uncached`` says why there are none (a key of
+    :data:`~hf_hybridcache.explain.NOT_CACHEABLE`; None: ``inputs_embeds``, or padding inside a prompt)."""
     end_active_request(cache)
     cache.live.root = cache.core.request_root(cache.salt)
     cache.layers = _compat.new_live_layers(cache.model.config)
@@ -169,18 +172,24 @@ def start_request(
         rows = [Row(prompt_tokens=input_ids.shape[1], storing=False)] if single else []
         request = LiveRequest(cache, rows, tracking=single)
         _log_no_reuse(cache, input_ids is None)
+        cause = uncached or ("inputs_embeds" if input_ids is None else "padding")
+        reports = [explain.not_cacheable(n, cause) for n in lengths]
     elif num_rows == 1 and len(rows_tokens[0]) == input_ids.shape[1]:
         row = restore_row(cache, rows_tokens[0])
         request = LiveRequest(cache, [row], tracking=True, forward_end=row.hit_tokens)
-        lengths = [len(rows_tokens[0])]
+        lengths, reports = [len(rows_tokens[0])], [row.report]
     else:
         request = replay_rows(cache, rows_tokens, input_ids)
-        lengths = [len(t) for t in rows_tokens]
+        lengths, reports = [len(t) for t in rows_tokens], [row.report for row in request.rows]
     live = cache.live
     request.rollback, live.rollback_next_request, live.awaiting_request = live.rollback_next_request, False, False
     _make_live(cache, request)
     cache.last_hit_tokens = [row.hit_tokens for row in request.rows] or [0] * num_rows
-    request.number = cache.core.count_request(sum(lengths), sum(cache.last_hit_tokens))
+    cache.last_reports = reports
+    request.number = cache.core.count_request(
+        sum(lengths), sum(cache.last_hit_tokens), [report.reason for report in reports]
+    )
+    explain.log_request(request.number, reports)
     divergences = [row.divergence_tokens for row in request.rows]
     logger.debug(
         "request %d: prompt tokens %s, hit %s, replay %d, divergence at %s",

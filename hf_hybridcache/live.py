@@ -32,7 +32,7 @@ def restore_row(cache, token_ids: list[int], tail_tokens: int | None = None) -> 
     store = core.store
     hit = core.lookup(token_ids, root, tail_tokens)
     row = Row(len(token_ids), token_ids=token_ids[: hit.hit_tokens], hit_tokens=hit.hit_tokens, root=root,
-              divergence_tokens=hit.divergence_tokens)
+              divergence_tokens=hit.divergence_tokens, report=core.report(token_ids, root, hit))
     if not hit.hit_tokens:
         return row
     room = len(token_ids) - hit.hit_tokens  # full layers: the prompt's tail is written after the prefix, not concatenated

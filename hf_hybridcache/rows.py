@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .explain import HitReport
 from .hashing import BlockHash
 from .kernels.paged_copy import KVBlock
 from .store import LayerState, PrefixStore
@@ -39,6 +40,7 @@ class Row:
             forward over a cached state); blocks and checkpoints past them are not stored while the request runs
             (:mod:`~hf_hybridcache.reply_replay` stores them from one prefill when ``generate()`` ends). None: no
             decode step yet, or replies are not replayed.
+        report: why the row hit what it hit (:class:`~hf_hybridcache.explain.HitReport`), made at its lookup.
     """
 
     prompt_tokens: int
@@ -54,6 +56,7 @@ class Row:
     stop_at: int | None = None
     finished: bool = False
     prefill_tokens: int | None = None
+    report: HitReport | None = None
 
     @property
     def storable_tokens(self) -> int:

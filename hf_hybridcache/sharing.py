@@ -26,8 +26,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import explain
 from .config import CacheOptions, ModelStateSpec, StateKey
 from .hashing import BlockHash, root_hash
+from .history import Eviction, EvictionLog, WeightsHistory
 from .kernels.paged_copy import KVBlock
 from .placement import Placement, layer_devices
 from .rows import Row, store_row_blocks, store_row_checkpoint
@@ -37,6 +39,7 @@ from .weights import WeightsTracker
 
 if TYPE_CHECKING:
     from .remote import RemoteTier
+    from .remote.fetch import TierReach
 
 logger = logging.getLogger("hf_hybridcache")
 
@@ -60,10 +63,11 @@ class CacheCore:
     A request, whoever runs it, goes through it in this order, holding ``lock``:
 
     1. ``root = core.request_root(salt)``: re-read the weights state; the root of the request's chains.
-    2. ``hit = core.lookup(token_ids, root)``: the longest restorable prefix (extended from the tier first).
+    2. ``hit = core.lookup(token_ids, root)``: the longest restorable prefix (extended from the tier first), and
+       ``core.report(token_ids, root, hit)``: why it is that long (:class:`~hf_hybridcache.explain.HitReport`).
     3. Copy the hit into the request's own state (``core.store.gather_kv``, ``core.store.checkpoint_copy``; a stored
        entry is never written), then ``core.pin(hit.block_ids)`` so that nothing evicts the chain under the request.
-    4. ``core.count_request(prompt_tokens, hit_tokens)``.
+    4. ``core.count_request(prompt_tokens, hit_tokens, reasons)`` (the reports' reasons, one per row).
     5. As the request computes: ``core.store_blocks(row, ...)`` and ``core.store_checkpoint(row, ...)``.
     6. At its end ``core.release(row.block_ids)``: the restored chain and the blocks ``store_blocks`` stored (pinned).
 
@@ -82,6 +86,9 @@ class CacheCore:
         remote: the :class:`~hf_hybridcache.remote.RemoteTier`, or None without ``remote=``.
         counters: ``{"requests", "prompt_tokens", "hit_tokens", "divergence_checkpoints", "replayed_reply_tokens":
             int}`` of past requests.
+        reasons: ``{reason: rows}``, the :data:`~hf_hybridcache.explain.REASONS` of past requests' rows.
+        evictions: the entries the budget evicted lately (:class:`~hf_hybridcache.history.EvictionLog`).
+        weights_history: the weights states before the current one and the salts of roots in use.
         lock: held by every call that reads or changes the store (see the module docstring).
         active: the view whose request is live (its chain is pinned); a new request on any view ends it first.
         generating_thread: the thread inside a ``generate()`` call with this core (:meth:`generate_scope`), or None.
@@ -108,6 +115,11 @@ class CacheCore:
         self.counters = dict(
             requests=0, prompt_tokens=0, hit_tokens=0, divergence_checkpoints=0, replayed_reply_tokens=0
         )
+        self.reasons = dict.fromkeys(explain.REASONS, 0)
+        self.evictions = EvictionLog()
+        self.weights_history = WeightsHistory()
+        self._budget_lowered = False
+        self.store.on_removed = self._on_removed
         self.lock = threading.RLock()
         self.active = None
         self.generating_thread: int | None = None
@@ -122,12 +134,26 @@ class CacheCore:
     def request_root(self, salt: str | None) -> BlockHash:
         """Re-read the model's weights state (:mod:`~hf_hybridcache.weights`) and return the root a new request
         under ``salt`` chains its blocks from."""
+        before = self.weights.fingerprint
         if self.weights.refresh():
+            self.weights_history.weights_changed(before)
             logger.warning(
                 "The model's weights or adapters changed since the last request: prefixes stored under other weights "
                 "are not served (they are again if those weights come back; cache.clear() drops them)."
             )
-        return self.root(salt)
+        root = self.root(salt)
+        self.weights_history.saw_root(root, salt)
+        return root
+
+    def previous_roots(self, root: BlockHash) -> list[BlockHash]:
+        """The roots a request given ``root`` by :meth:`request_root` would have had under each remembered earlier
+        weights state, the most recent first (none when its salt is no longer remembered)."""
+        known, salt = self.weights_history.salt_of(root)
+        if not known:
+            return []
+        current = self.weights.fingerprint
+        return [root_hash(self.seed, f"{self.identity}|{fingerprint}", salt)
+                for fingerprint in self.weights_history.previous if fingerprint != current]
 
     def check_model(self, model: torch.nn.Module) -> None:
         """Refuse a request when ``model`` changed dtype or devices since the cache was built (stored entries would
@@ -157,12 +183,44 @@ class CacheCore:
         <hf_hybridcache.store.PrefixStore.lookup>`). With a remote tier, what it holds beyond the local hit is
         inserted into the store first (:mod:`~hf_hybridcache.remote.fetch`), and a path it holds that the prompt
         leaves counts as a divergence point. ``divergence_tokens`` is 0 unless ``admit_divergence`` is on."""
-        remote_divergence = 0 if self.remote is None else self.remote.extend(token_ids, root)
-        hit = self.store.lookup(token_ids, root, self.options.min_tail_tokens if tail_tokens is None else tail_tokens)
+        reach = None if self.remote is None else self.remote.extend(token_ids, root)
+        return self._with_tier(self.store.lookup(token_ids, root, self._tail(tail_tokens)), reach)
+
+    def peek(
+        self, token_ids: list[int], root: BlockHash, remote: bool = False, find: Callable[..., Hit] | None = None
+    ) -> Hit:
+        """What :meth:`lookup` would return, changing nothing (no recency, no counters, nothing fetched or stored).
+        ``remote``: ask the tier too, with one ``EXISTS`` pipeline that leaves no trace
+        (:meth:`~hf_hybridcache.remote.RemoteTier.probe`); a hit the tier would supply has no block ids. ``find``:
+        the local search, ``(token_ids, root) -> Hit`` (:meth:`PrefixStore.find
+        <hf_hybridcache.store.PrefixStore.find>` when None; a dry run of a batch adds what earlier rows store)."""
+        hit = (self.store.find if find is None else find)(token_ids, root, self._tail(None))
+        if not remote or self.remote is None:
+            return self._with_tier(hit, None)
+        reach = self.remote.probe(token_ids, root)
+        if reach.fetch and reach.checkpoint_tokens > hit.hit_tokens:
+            hit = replace(hit, hit_tokens=reach.checkpoint_tokens, block_ids=(), block_hashes=(),
+                          divergence_tokens=hit.divergence_tokens if hit.divergence_tokens > reach.checkpoint_tokens
+                          else 0)
+        return self._with_tier(hit, reach)
+
+    def _with_tier(self, hit: Hit, reach: TierReach | None) -> Hit:
+        """``hit`` with what the tier held past it and the divergence point admission acts on."""
+        if reach is not None:
+            left = reach.checkpoint_tokens if not reach.fetch and reach.checkpoint_tokens > hit.hit_tokens else 0
+            hit = replace(hit, tier_kv_tokens=reach.kv_tokens, tier_checkpoint_tokens=left)
         if not self.options.admit_divergence:
             return replace(hit, divergence_tokens=0)
-        remote_divergence = remote_divergence if remote_divergence > hit.hit_tokens else 0
+        remote_divergence = 0 if reach is None or reach.divergence_tokens <= hit.hit_tokens else reach.divergence_tokens
         return replace(hit, divergence_tokens=hit.divergence_tokens or remote_divergence)
+
+    def _tail(self, tail_tokens: int | None) -> int:
+        return self.options.min_tail_tokens if tail_tokens is None else tail_tokens
+
+    def report(self, token_ids: list[int], root: BlockHash, hit: Hit) -> explain.HitReport:
+        """Why the hit of ``token_ids`` under ``root`` is ``hit`` (what :meth:`lookup` or :meth:`peek` returned, before
+        anything else changes the store): :func:`~hf_hybridcache.explain.make_report`."""
+        return explain.make_report(self, token_ids, root, hit)
 
     def pin(self, block_ids) -> None:
         """Keep a request's chain ``block_ids`` from eviction until :meth:`release` (pins count per request)."""
@@ -186,9 +244,24 @@ class CacheCore:
         """Apply ``options`` whose ``max_cache_bytes`` (the only option that changes after construction) may differ:
         what no longer fits the budget is evicted. The caller holds ``lock`` and no chain is pinned."""
         self.store.max_cache_bytes = options.max_cache_bytes
-        fits = self.store.make_room(0)
+        self._budget_lowered = True
+        try:
+            fits = self.store.make_room(0)
+        finally:
+            self._budget_lowered = False
         assert fits, "nothing is pinned between requests, so any budget of at least one entry fits"
         self.options = options
+
+    def clear_store(self) -> None:
+        """Drop every stored entry and the record of evictions (they explain no miss any more)."""
+        self.store.clear()
+        self.evictions.clear()
+
+    def _on_removed(self, kind: str, block_hash: BlockHash, boundary_tokens: int, evicted: bool) -> None:
+        if evicted:
+            self.evictions.record(kind, block_hash, Eviction(boundary_tokens, self.num_requests, self._budget_lowered))
+        else:
+            self.evictions.forget(kind, block_hash)
 
     # ------------------------------------------------------------------ counters
 
@@ -197,11 +270,13 @@ class CacheCore:
         """Requests counted so far."""
         return self.counters["requests"]
 
-    def count_request(self, prompt_tokens: int, hit_tokens: int) -> int:
-        """Count a request (summed over its rows); returns its number."""
+    def count_request(self, prompt_tokens: int, hit_tokens: int, reasons=()) -> int:
+        """Count a request (summed over its rows) and the reasons of its rows' reports; returns its number."""
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += prompt_tokens
         self.counters["hit_tokens"] += hit_tokens
+        for reason in reasons:
+            self.reasons[reason] += 1
         return self.counters["requests"]
 
     def count_divergence_checkpoint(self) -> None:
@@ -215,7 +290,7 @@ class CacheCore:
         """A snapshot of the counters, the store and the tier's counters (waits for a running call)."""
         with self.lock:
             remote = None if self.remote is None else self.remote.counters
-            return PrefixCacheStats.snapshot(self.counters, self.store, remote)
+            return PrefixCacheStats.snapshot(self.counters, self.store, remote, self.reasons)
 
     # ------------------------------------------------------------------ the lock
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,10 @@ class PrefixCacheStats:
         remote_recomputed_tokens: tokens the tier held beyond the local hit but left there, recomputing them being
             measured as faster than fetching them (:func:`~hf_hybridcache.remote.fetch.worth_fetching`).
         The ``remote_*`` counters stay 0 without ``remote=``.
+        misses_by_reason: ``{reason: rows}`` over every :data:`~hf_hybridcache.explain.REASONS` (0 when none): why
+            each prompt row looked up so far hit what it hit (:class:`~hf_hybridcache.explain.HitReport`). A full hit
+            counts as ``"complete"``, so the values add up to the rows served (``requests`` for single-row calls);
+            every other reason is a miss or a short hit.
     """
 
     requests: int = 0
@@ -63,11 +67,14 @@ class PrefixCacheStats:
     remote_corrupt_entries: int = 0
     remote_removed_entries: int = 0
     remote_recomputed_tokens: int = 0
+    misses_by_reason: dict[str, int] = field(default_factory=dict)
 
     @classmethod
-    def snapshot(cls, counters: dict[str, int], store, remote: dict[str, int] | None = None) -> PrefixCacheStats:
-        """The counters of past requests plus what ``store`` (a :class:`~hf_hybridcache.store.PrefixStore`) holds
-        and the remote tier's counters (``{"remote_*": int}``, None without a tier)."""
+    def snapshot(
+        cls, counters: dict[str, int], store, remote: dict[str, int] | None = None, reasons: dict[str, int] | None = None
+    ) -> PrefixCacheStats:
+        """The counters of past requests plus what ``store`` (a :class:`~hf_hybridcache.store.PrefixStore`) holds,
+        the remote tier's counters (``{"remote_*": int}``, None without a tier) and the rows counted per reason."""
         return cls(
             requests=counters["requests"],
             prompt_tokens=counters["prompt_tokens"],
@@ -83,6 +90,7 @@ class PrefixCacheStats:
             evicted_checkpoints=store.evicted_checkpoints,
             divergence_checkpoints=counters["divergence_checkpoints"],
             replayed_reply_tokens=counters["replayed_reply_tokens"],
+            misses_by_reason=dict(reasons or {}),
             **(remote or {}),
         )
 

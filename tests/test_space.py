@@ -109,6 +109,9 @@ def test_api_two_turns_reuse_the_first_and_match_cold(app_url):
 
     assert turn1["identical_to_cold"] and turn2["identical_to_cold"]
     assert turn2["hit_tokens"] >= _decode_end_boundary(turn1) > 0, (turn1, turn2)
+    # The first turn found nothing stored; the second reaches the end of the first turn's stored path and goes on.
+    assert (turn1["reason"], turn2["reason"]) == ("new_tokens", "new_tokens"), (turn1, turn2)
+    assert turn2["detail"].startswith(f"the stored path ends at {turn2['hit_tokens']:,} tokens"), turn2
     assert turn2["replayed_tokens"] == turn2["prompt_tokens"] - turn2["hit_tokens"]
     assert turn2["prompt_tokens"] > turn1["prompt_tokens"] + turn1["new_tokens"]
     chat = second[0]
@@ -119,6 +122,7 @@ def test_api_two_turns_reuse_the_first_and_match_cold(app_url):
     assert "No cache yet" in panel_html
     cold = client_module.Client(app_url, verbose=False).predict(message="After the clear", api_name="/send")[4]
     assert cold["hit_tokens"] == 0 and cold["cold_ttft_ms"] is None
+    assert cold["reason"] == "new_tokens" and "holds nothing yet" in cold["detail"]
 
 
 # ---------------------------------------------------------------------- the browser
@@ -189,10 +193,12 @@ def test_browser_chat_shows_the_cache_at_work(app_url, tmp_path):
             # The second turn reuses at least the whole first prompt (down to a block boundary), plus the reply.
             assert hit2 >= prompt1 // BLOCK_SIZE * BLOCK_SIZE > 0, rows
             assert int(second["replayed tokens"]) == int(second["prompt tokens"]) - hit2
+            assert second["why"] == "new_tokens", rows  # the first turn's stored path ends, the prompt goes on
             chat_text = page.locator("#chatbot").inner_text()
             assert chat_text.count("identical to cold ✓") == 2, chat_text
             panel = page.locator("#cache-panel")
             assert int(panel.locator("[data-stat='requests']").inner_text()) >= 2
+            assert "new_tokens" in panel.locator("[data-stat='why']").inner_text()
             page.locator("#hit-plot canvas, #hit-plot svg").first.wait_for(timeout=30_000)
             assert page.locator("#retention input").is_disabled()  # settings are fixed once the cache exists
 

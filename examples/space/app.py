@@ -3,8 +3,9 @@
 Every chat turn is one ``generate()`` call with one shared :class:`~hf_hybridcache.HybridPrefixCache`: the second turn
 of a chat finds the first turn's prompt and reply in the cache (KV blocks for the attention layers, a checkpoint of the
 Mamba states at the reply's end) and runs only the new text. Beside each reply the app shows the prompt tokens, the
-hit (tokens restored), the replayed tokens (run through the model) and the time to first token (TTFT); with "compare"
-on it also runs the same prompt without the cache and checks that the reply is token for token the same.
+hit (tokens restored), why the hit is that long (``cache.last_report``: its reason and a sentence on what to do), the
+replayed tokens (run through the model) and the time to first token (TTFT); with "compare" on it also runs the same
+prompt without the cache and checks that the reply is token for token the same.
 
 Run it with one command (it prints the URL, http://127.0.0.1:7860 by default)::
 
@@ -98,7 +99,8 @@ class CacheSettings:
 
 @dataclass(frozen=True)
 class TurnStats:
-    """Numbers of one chat turn. TTFT is measured from the ``generate()`` call to the first new token, in ms."""
+    """Numbers of one chat turn. TTFT is measured from the ``generate()`` call to the first new token, in ms;
+    ``reason`` and ``detail`` say why the hit is that long (:class:`~hf_hybridcache.explain.HitReport`)."""
 
     prompt_tokens: int
     hit_tokens: int
@@ -107,6 +109,8 @@ class TurnStats:
     ttft_ms: float
     cold_ttft_ms: float | None = None
     identical_to_cold: bool | None = None
+    reason: str = ""
+    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -263,7 +267,7 @@ class ChatEngine:
                 with self.lock:
                     cache = self._cache_for(settings)
                     result["new_ids"], result["ttft_ms"] = self._generate(ids, cache, streamer)
-                    result["hit_tokens"] = cache.last_hit_tokens[0]
+                    result["hit_tokens"], result["report"] = cache.last_hit_tokens[0], cache.last_report
                     self._record(ids.shape[1], result["hit_tokens"])
             except BaseException as error:  # handed to the reader below, which raises it in the request's thread
                 result["error"] = error
@@ -284,8 +288,9 @@ class ChatEngine:
         if reply_ids and reply_ids[-1] == self.tokenizer.eos_token_id:
             reply_ids.pop()  # the template writes the end of the reply itself
         token_ids = ids[0].tolist() + reply_ids
-        prompt_tokens, hit_tokens = ids.shape[1], result["hit_tokens"]
-        turn = TurnStats(prompt_tokens, hit_tokens, prompt_tokens - hit_tokens, len(new_ids), result["ttft_ms"])
+        prompt_tokens, hit_tokens, report = ids.shape[1], result["hit_tokens"], result["report"]
+        turn = TurnStats(prompt_tokens, hit_tokens, prompt_tokens - hit_tokens, len(new_ids), result["ttft_ms"],
+                         reason=report.reason, detail=report.detail)
         if compare:
             yield ChatUpdate(text, "running the same prompt without the cache")
             with self.lock:
@@ -320,6 +325,7 @@ class ChatEngine:
             ("checkpoints", str(s.checkpoints)),
             ("evicted", f"{s.evicted_kv_blocks} KV blocks, {s.evicted_checkpoints} checkpoints"),
             ("requests", str(s.requests)),
+            ("why", ", ".join(f"{reason} {n}" for reason, n in s.misses_by_reason.items() if n) or "–"),
             ("token hit rate", f"{100 * s.token_hit_rate:.1f} % ({s.hit_tokens} of {s.prompt_tokens} tokens)"),
             ("settings", f"retention {settings.retention_interval}, eviction {settings.eviction}"),
         ]
@@ -347,8 +353,8 @@ class ChatEngine:
 
 def _badge(turn: TurnStats) -> str:
     text = (
-        f"⚡ hit {turn.hit_tokens} of {turn.prompt_tokens} prompt tokens · replayed {turn.replayed_tokens} · "
-        f"TTFT {turn.ttft_ms:.0f} ms"
+        f"⚡ hit {turn.hit_tokens} of {turn.prompt_tokens} prompt tokens ({turn.reason}) · replayed "
+        f"{turn.replayed_tokens} · TTFT {turn.ttft_ms:.0f} ms"
     )
     if turn.cold_ttft_ms is not None:
         same = "identical to cold ✓" if turn.identical_to_cold else "DIFFERS from cold ✗"
@@ -366,7 +372,8 @@ def render_chat(conversation: list[dict], turns: list[TurnStats], pending: ChatU
             turn = turns[turn_index]
             details = (
                 f"Prompt tokens {turn.prompt_tokens}: {turn.hit_tokens} restored from the cache, "
-                f"{turn.replayed_tokens} run through the model. {turn.new_tokens} new tokens."
+                f"{turn.replayed_tokens} run through the model. {turn.new_tokens} new tokens. "
+                f"Why {turn.reason}: {turn.detail}"
             )
             badge = {"title": _badge(turn), "status": "done"}
             shown.append({"role": "assistant", "content": details, "metadata": badge})
@@ -382,14 +389,14 @@ def turns_markdown(turns: list[TurnStats]) -> str:
     if not turns:
         return "_No turns yet in this session._"
     lines = [
-        "| # | prompt tokens | hit tokens | replayed tokens | TTFT (ms) | TTFT without cache (ms) "
+        "| # | prompt tokens | hit tokens | why | replayed tokens | TTFT (ms) | TTFT without cache (ms) "
         "| identical to cold |",
-        "|---:|---:|---:|---:|---:|---:|:---:|",
+        "|---:|---:|---:|:---|---:|---:|---:|:---:|",
     ]
     for i, t in enumerate(turns, 1):
         cold = "–" if t.cold_ttft_ms is None else f"{t.cold_ttft_ms:.0f}"
         same = "–" if t.identical_to_cold is None else ("yes" if t.identical_to_cold else "NO")
-        cells = [i, t.prompt_tokens, t.hit_tokens, t.replayed_tokens, f"{t.ttft_ms:.0f}", cold, same]
+        cells = [i, t.prompt_tokens, t.hit_tokens, t.reason, t.replayed_tokens, f"{t.ttft_ms:.0f}", cold, same]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 

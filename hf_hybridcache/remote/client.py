@@ -95,9 +95,9 @@ class TierClient:
         with self._lock:
             self.counters[name] += amount
 
-    def _run(self, queue, kind: str = "read") -> tuple[list, float] | None:
+    def _run(self, queue, kind: str = "read", record: bool = True) -> tuple[list, float] | None:
         """Run ``queue(pipeline)`` as one round trip; its replies and seconds, or None when the breaker is open or it
-        failed."""
+        failed. ``record=False``: the round trip leaves no trace (counters, latencies, breaker), for a dry run."""
         with self._lock:
             if not self.breaker.allow():
                 return None
@@ -108,26 +108,30 @@ class TierClient:
             replies = pipe.execute()
             seconds = time.perf_counter() - started
         except Exception as error:  # redis errors, OSError, timeouts: a tier failure never fails a request
+            logger.debug("remote tier operation failed: %s: %s", type(error).__name__, error)
+            if record:
+                with self._lock:
+                    self.counters["remote_round_trips"] += 1
+                    self.counters["remote_errors"] += 1
+                    self.breaker.failure()
+            return None
+        if record:
             with self._lock:
                 self.counters["remote_round_trips"] += 1
-                self.counters["remote_errors"] += 1
-                self.breaker.failure()
-            logger.debug("remote tier operation failed: %s: %s", type(error).__name__, error)
-            return None
-        with self._lock:
-            self.counters["remote_round_trips"] += 1
-            self.latencies_s[kind].append(seconds)
-            self.breaker.success()
+                self.latencies_s[kind].append(seconds)
+                self.breaker.success()
         return replies, seconds
 
-    def exists(self, keys: Sequence[str]) -> list[bool] | None:
-        """Whether each key is stored (None: the tier did not answer)."""
+    def exists(self, keys: Sequence[str], record: bool = True) -> list[bool] | None:
+        """Whether each key is stored (None: the tier did not answer). ``record=False``: no trace, as in
+        :meth:`_run`, and the latency is not measured."""
         if not keys:
             return []
-        done = self._run(lambda pipe: [pipe.exists(key) for key in keys])
+        done = self._run(lambda pipe: [pipe.exists(key) for key in keys], record=record)
         if done is None:
             return None
-        self.rate.observe_round_trip(done[1])
+        if record:
+            self.rate.observe_round_trip(done[1])
         return [bool(r) for r in done[0]]
 
     def get(self, keys: Sequence[str]) -> list[bytes | None] | None:

@@ -16,6 +16,7 @@ checkpoint side searched right to left.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from ..flops import FlopModel
 from ..hashing import BlockHash, chain_hashes
@@ -50,6 +51,27 @@ def worth_fetching(
     return transfer_seconds < saved_flops / flops_per_s
 
 
+@dataclass(frozen=True)
+class TierReach:
+    """What the tier holds for a prompt past the local store, in tokens (all 0 when the local hit is the deepest
+    possible or the tier did not answer).
+
+    Attributes:
+        kv_tokens: how far the prompt's KV chain reaches in the local store and the tier together, up to the last
+            block boundary below the prompt's length.
+        checkpoint_tokens: the deepest boundary past the local hit within that chain whose checkpoint the tier holds
+            (0: none).
+        fetch: what the fetch rule (:func:`worth_fetching`) decided for it; False: recomputing is measured faster.
+        divergence_tokens: the boundary where the prompt leaves a KV chain the tier holds past the local store's
+            (a divergence point for admission), or 0.
+    """
+
+    kv_tokens: int = 0
+    checkpoint_tokens: int = 0
+    fetch: bool = False
+    divergence_tokens: int = 0
+
+
 class Fetcher:
     """Extends a store from the tier; see the module docstring.
 
@@ -76,44 +98,66 @@ class Fetcher:
         """The cache's forward of tokens ``[start_tokens, end_tokens)`` of one row took ``seconds``."""
         self.compute.observe(end_tokens - start_tokens, self.flops.span_flops(start_tokens, end_tokens), seconds)
 
-    def extend(self, store: PrefixStore, token_ids: list[int], root: BlockHash) -> int:
-        """Insert into ``store`` what the tier holds beyond the local hit of ``token_ids`` under ``root``.
+    def extend(self, store: PrefixStore, token_ids: list[int], root: BlockHash) -> TierReach:
+        """Insert into ``store`` what the tier holds beyond the local hit of ``token_ids`` under ``root``, when the
+        fetch rule says so (:func:`worth_fetching`). Returns what the tier held (:class:`TierReach`)."""
+        found = self._probe(store, token_ids, root, record=True)
+        if found is None:
+            return TierReach()
+        reach, local_chain, hashes, local_depth = found
+        bs = store.block_size
+        depth = reach.checkpoint_tokens // bs
+        if depth and reach.fetch:
+            self._fetch_and_insert(store, token_ids, root, local_chain, hashes, local_depth, depth)
+        elif depth:
+            self.client.count("remote_recomputed_tokens", (depth - local_depth) * bs)
+            logger.debug(
+                "the tier holds a hit of %d tokens; recomputing %d of them is cheaper (compute %s FLOP/s)",
+                depth * bs, (depth - local_depth) * bs, self.config.compute_flops_per_s or self.compute.flops_per_s,
+            )
+        return reach
 
-        Returns a divergence point for admission, or 0: the boundary where the prompt leaves a KV chain that the
-        tier holds past the local store's (another process stored that path). A process whose own store lacks the
-        path cannot see the divergence itself, yet a checkpoint there is what lets the next request on any process
-        reuse the shared part. When the path merely ended there, its writer kept a checkpoint at its end, which
-        would have been fetched instead."""
+    def probe(self, store: PrefixStore, token_ids: list[int], root: BlockHash) -> TierReach:
+        """What :meth:`extend` would find and decide, with one ``EXISTS`` pipeline that leaves no trace (no counters,
+        no rate measured, the breaker untouched); nothing is fetched or inserted."""
+        found = self._probe(store, token_ids, root, record=False)
+        return TierReach() if found is None else found[0]
+
+    def _probe(self, store: PrefixStore, token_ids: list[int], root: BlockHash, record: bool):
+        """``(reach, local chain, the prompt's block hashes, local hit in blocks)``, or None when the local hit is
+        the deepest possible or the tier did not answer.
+
+        The divergence point: the boundary where the prompt leaves a KV chain that the tier holds past the local
+        store's (another process stored that path). A process whose own store lacks the path cannot see the
+        divergence itself, yet a checkpoint there is what lets the next request on any process reuse the shared
+        part. When the path merely ended there, its writer kept a checkpoint at its end, which would have been
+        fetched instead."""
         bs = store.block_size
         max_depth = (len(token_ids) - 1) // bs
         chain, _ = match_blocks(store.pool, token_ids, root, bs)
         local_depth = hit_blocks(chain, store.checkpoints.__contains__, len(token_ids), bs)
         if local_depth >= max_depth:
-            return 0
+            return None
         hashes = chain_hashes(root, token_ids[: max_depth * bs], bs)
         stored = min(len(chain), max_depth)
-        found = self._deepest(hashes, stored, local_depth)
+        found = self._deepest(hashes, stored, local_depth, record)
         if found is None:
-            return 0
+            return None
         chain_end, depth = found
         divergence = chain_end * bs if stored < chain_end < len(token_ids) // bs else 0
-        if depth is not None:
-            self._fetch_and_insert(store, token_ids, root, chain[:stored], hashes, local_depth, depth)
-        return divergence
+        fetch = depth is not None and self._worth(store, stored, local_depth, depth)
+        reach = TierReach(chain_end * bs, (depth or 0) * bs, fetch, divergence)
+        return reach, chain[:stored], hashes, local_depth
+
+    def _worth(self, store: PrefixStore, stored: int, local_depth: int, depth: int) -> bool:
+        """The fetch rule for the KV blocks ``[stored, depth)`` and the checkpoint at ``depth`` (in blocks)."""
+        num_bytes = max(depth - stored, 0) * store.spec.kv_block_bytes + store.spec.checkpoint_bytes
+        saved = self.flops.span_flops(local_depth * store.block_size, depth * store.block_size)
+        transfer_seconds = self.client.rate.seconds(num_bytes)
+        return worth_fetching(saved, num_bytes, self.config, transfer_seconds, self.compute.flops_per_s)
 
     def _fetch_and_insert(self, store, token_ids, root, local_chain, hashes, local_depth: int, depth: int) -> None:
         bs, stored = store.block_size, len(local_chain)
-        num_bytes = max(depth - stored, 0) * store.spec.kv_block_bytes + store.spec.checkpoint_bytes
-        saved = self.flops.span_flops(local_depth * bs, depth * bs)
-        transfer_seconds = self.client.rate.seconds(num_bytes)
-        if not worth_fetching(saved, num_bytes, self.config, transfer_seconds, self.compute.flops_per_s):
-            self.client.count("remote_recomputed_tokens", (depth - local_depth) * bs)
-            logger.debug(
-                "the tier holds a hit of %d tokens; recomputing %d of them is cheaper (transfer %s s, compute %s FLOP/s)",
-                depth * bs, (depth - local_depth) * bs, transfer_seconds,
-                self.config.compute_flops_per_s or self.compute.flops_per_s,
-            )
-            return
         entries = self._fetch(store, token_ids, hashes, stored, depth)
         if entries is None or not _insert(store, self.publisher, token_ids, root, local_chain, hashes, depth, *entries):
             return
@@ -123,14 +167,16 @@ class Fetcher:
             local_depth * bs, depth * bs, max(depth - stored, 0), dict(self.client.counters),
         )
 
-    def _deepest(self, hashes: list[BlockHash], stored: int, local_depth: int) -> tuple[int, int | None] | None:
+    def _deepest(
+        self, hashes: list[BlockHash], stored: int, local_depth: int, record: bool
+    ) -> tuple[int, int | None] | None:
         """``(chain_end, depth)``: the blocks of the prompt's KV chain stored here or in the tier, and the deepest
         boundary (in blocks) past ``local_depth`` within it whose checkpoint is in the tier (None if there is none).
         None when the tier did not answer."""
         kv_keys = [self.codec.key("kv", h) for h in hashes[stored:]]
         depths = list(range(local_depth + 1, len(hashes) + 1))
         ck_keys = [self.codec.key("checkpoint", hashes[d - 1]) for d in depths]
-        found = self.client.exists(kv_keys + ck_keys)
+        found = self.client.exists(kv_keys + ck_keys, record)
         if found is None:
             return None
         chain_end = stored

@@ -15,7 +15,7 @@ from ..store import PrefixStore
 from .client import CircuitBreaker, TierClient
 from .codec import Codec
 from .config import RemoteConfig, make_client
-from .fetch import Fetcher
+from .fetch import Fetcher, TierReach
 from .namespace import namespace_seed
 from .writer import Publisher
 
@@ -69,10 +69,15 @@ class RemoteTier:
         in time."""
         return self.publisher.close(timeout_s)
 
-    def extend(self, token_ids: list[int], root: BlockHash) -> int:
-        """Before the local lookup of ``token_ids`` under ``root``: insert what the tier holds beyond the local hit.
-        Returns a divergence point the tier revealed, or 0 (see :meth:`~hf_hybridcache.remote.fetch.Fetcher.extend`)."""
+    def extend(self, token_ids: list[int], root: BlockHash) -> TierReach:
+        """Before the local lookup of ``token_ids`` under ``root``: insert what the tier holds beyond the local hit
+        when fetching it is measured faster than recomputing it; returns what the tier held
+        (:meth:`~hf_hybridcache.remote.fetch.Fetcher.extend`)."""
         return self.fetcher.extend(self.store, token_ids, root)
+
+    def probe(self, token_ids: list[int], root: BlockHash) -> TierReach:
+        """What :meth:`extend` would find and decide, leaving no trace and inserting nothing (a dry run)."""
+        return self.fetcher.probe(self.store, token_ids, root)
 
     def observe_forward(self, start_tokens: int, end_tokens: int, seconds: float) -> None:
         """The cache's forward of tokens ``[start_tokens, end_tokens)`` of one row took ``seconds`` (wall time, the

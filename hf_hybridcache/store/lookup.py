@@ -1,6 +1,8 @@
 """The hit search: how far a prompt's full blocks match stored blocks, where it leaves a stored path (the divergence
-point) and the deepest restorable boundary. Read-only over the block pool; :meth:`PrefixStore.lookup
-<hf_hybridcache.store.PrefixStore.lookup>` composes these and touches what it returns.
+point) and the deepest restorable boundary. Read-only: :func:`find_hit` composes these over any pool-like view
+(:meth:`PrefixStore.find <hf_hybridcache.store.PrefixStore.find>` over the store's own pool; a dry run of a batch over
+the store plus what its earlier rows will store), and :meth:`PrefixStore.lookup
+<hf_hybridcache.store.PrefixStore.lookup>` touches what it returns.
 
 After vLLM v1's hybrid coordinator (``vllm/v1/core/kv_cache_coordinator.py``): the attention chain is matched left to
 right, then the Mamba side searches right to left for the deepest checkpoint, and the hit shrinks until both agree.
@@ -9,9 +11,38 @@ right, then the Mamba side searches right to left for the deepest checkpoint, an
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ..hashing import BlockHash, block_hash
 from .block_pool import BlockPool
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A restorable prefix: ``hit_tokens`` tokens, the block ids and hashes of ``[0, hit_tokens)``.
+
+    Attributes:
+        divergence_tokens: the block boundary past the hit where the prompt leaves an already stored token path (a
+            stored block continues that prefix differently from the prompt's next full block), or 0 when there is
+            none.
+        kv_hashes: hashes of every stored block the prompt's full blocks match, from block 0 (``block_hashes`` is
+            their first ``hit_tokens / block_size``): the KV chain reaches ``len(kv_hashes) * block_size`` tokens.
+        leaves_path: the block that ends the matched chain has stored children and none is the prompt's next full
+            block (the prompt leaves a stored path there, whether or not that lies past the hit).
+        tier_kv_tokens: with a remote tier asked, how far the prompt's KV chain reaches in the local store and the
+            tier together (0: no tier asked, or it holds no more than the local store).
+        tier_checkpoint_tokens: the deepest checkpoint within that chain the tier holds and the request left there,
+            recomputing being measured faster than fetching (0: none).
+    """
+
+    hit_tokens: int
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[BlockHash, ...]
+    divergence_tokens: int = 0
+    kv_hashes: tuple[BlockHash, ...] = ()
+    leaves_path: bool = False
+    tier_kv_tokens: int = 0
+    tier_checkpoint_tokens: int = 0
 
 
 def match_blocks(
@@ -50,3 +81,21 @@ def hit_blocks(
         if has_checkpoint(chain[depth - 1]):
             return depth
     return 0
+
+
+def find_hit(
+    pool: BlockPool,
+    has_checkpoint: Callable[[int], bool],
+    token_ids: list[int],
+    root: BlockHash,
+    block_size: int,
+    tail_tokens: int = 1,
+) -> Hit:
+    """The longest hit of ``token_ids`` under ``root`` that leaves ``tail_tokens`` to run, its divergence point reported only past the hit; reads
+    ``pool`` and ``has_checkpoint`` only."""
+    chain, hashes = match_blocks(pool, token_ids, root, block_size)
+    divergence = divergence_tokens(pool, chain, len(token_ids), block_size)
+    depth = hit_blocks(chain, has_checkpoint, len(token_ids), block_size, tail_tokens)
+    hit_tokens = depth * block_size
+    return Hit(hit_tokens, tuple(chain[:depth]), tuple(hashes[:depth]), divergence if divergence > hit_tokens else 0,
+               tuple(hashes), bool(divergence))

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-
 import torch
 
 from ..config import ModelStateSpec, StateKey
@@ -23,23 +21,9 @@ from .checkpoints import CheckpointStore, LayerState
 from .entries import StoredBlock, import_entries, stored_blocks
 from .eviction import EntryKey, EntryValue, EvictionPolicy, LRUEviction
 from .kv_store import KVStore
-from .lookup import divergence_tokens, hit_blocks, match_blocks
+from .lookup import Hit, find_hit
 
 logger = logging.getLogger("hf_hybridcache")
-
-
-@dataclass(frozen=True)
-class Hit:
-    """A restorable prefix: ``hit_tokens`` tokens, the block ids and hashes of ``[0, hit_tokens)``.
-
-    ``divergence_tokens`` is the block boundary past the hit where the prompt leaves an already stored token path (a
-    stored block continues that prefix differently from the prompt's next full block), or 0 when there is none.
-    """
-
-    hit_tokens: int
-    block_ids: tuple[int, ...]
-    block_hashes: tuple[BlockHash, ...]
-    divergence_tokens: int = 0
 
 
 class PrefixStore:
@@ -56,6 +40,9 @@ class PrefixStore:
     Attributes:
         on_stored: called with ``("kv" | "checkpoint", block id)`` after a new KV block or checkpoint is stored (the
             remote tier publishes it); None: nobody listens.
+        on_removed: called with ``("kv" | "checkpoint", block hash, boundary in tokens, evicted)`` before a stored
+            entry goes: ``evicted`` True when the budget evicts it, False when a checkpoint is dropped (a tentative
+            one superseded); :meth:`clear` does not call it. None: nobody listens.
     """
 
     def __init__(
@@ -78,6 +65,7 @@ class PrefixStore:
         self.evicted_kv_blocks = 0
         self.evicted_checkpoints = 0
         self.on_stored: Callable[[str, int], None] | None = None
+        self.on_removed: Callable[[str, BlockHash, int, bool], None] | None = None
 
     # ------------------------------------------------------------------ sizes
 
@@ -108,22 +96,22 @@ class PrefixStore:
 
     # ------------------------------------------------------------------ lookup and restore
 
+    def find(self, token_ids: list[int], root: BlockHash | None = None, tail_tokens: int = 1) -> Hit:
+        """Longest hit P <= L - ``tail_tokens``, a multiple of ``block_size``, with every KV block of ``[0, P)`` stored and a
+        checkpoint at P; backs off past missing checkpoints down to a miss. Only chains grown from ``root`` (None:
+        the unsalted root) are searched. Also finds the divergence point
+        (:func:`~hf_hybridcache.store.lookup.divergence_tokens`), reported only when it lies past the hit. Changes
+        nothing (recency included): what a request would restore, for a dry run."""
+        return find_hit(self.pool, self.checkpoints.__contains__, token_ids, self.root if root is None else root,
+                        self.block_size, tail_tokens)
+
     def lookup(self, token_ids: list[int], root: BlockHash | None = None, tail_tokens: int = 1) -> Hit:
-        """Longest hit P <= L - ``tail_tokens``, a multiple of ``block_size``, with every KV block of ``[0, P)``
-        stored and a checkpoint at P; backs off past missing checkpoints down to a miss. Only chains grown from
-        ``root`` (None: the unsalted root) are searched. Touches what it returns. Also finds the divergence point
-        (:func:`~hf_hybridcache.store.lookup.divergence_tokens`), reported only when it lies past the hit."""
-        bs = self.block_size
-        chain, hashes = match_blocks(self.pool, token_ids, self.root if root is None else root, bs)
-        divergence = divergence_tokens(self.pool, chain, len(token_ids), bs)
-        depth = hit_blocks(chain, self.checkpoints.__contains__, len(token_ids), bs, tail_tokens)
-        if depth == 0:
-            return Hit(0, (), (), divergence)
-        self.eviction.touch_chain(chain[:depth])
-        self.eviction.touch(("checkpoint", chain[depth - 1]))
-        hit_tokens = depth * bs
-        return Hit(hit_tokens, tuple(chain[:depth]), tuple(hashes[:depth]),
-                   divergence if divergence > hit_tokens else 0)
+        """:meth:`find`, then touch what it returns (the request restores it)."""
+        hit = self.find(token_ids, root, tail_tokens)
+        if hit.block_ids:
+            self.eviction.touch_chain(hit.block_ids)
+            self.eviction.touch(("checkpoint", hit.block_ids[-1]))
+        return hit
 
     def gather_kv(
         self, layer_idx: int, block_ids: tuple[int, ...], room_tokens: int = 0
@@ -208,8 +196,9 @@ class PrefixStore:
                 return False
             kind, block_id = key
             logger.debug("evicting the %s at %d tokens", kind, self.end_tokens(block_id))
+            self._removing(kind, block_id, evicted=True)
             if kind == "checkpoint":
-                self.drop_checkpoint(block_id)
+                self._drop_checkpoint(block_id)
                 self.evicted_checkpoints += 1
             else:
                 self.kv.remove(block_id)
@@ -221,12 +210,20 @@ class PrefixStore:
     def drop_checkpoint(self, block_id: int) -> None:
         """Drop the checkpoint at the end of ``block_id`` if there is one; its KV stays (hits back off past it)."""
         if block_id in self.checkpoints:
-            self.checkpoints.remove(block_id)
-            self.eviction.discard(("checkpoint", block_id))
-            for moved in self.links.remove(block_id):
-                self.eviction.update_value(("checkpoint", moved), self._checkpoint_value(moved))
-            if self.pool.is_evictable(block_id):
-                self.eviction.add_candidate(("kv", block_id), self._kv_value(block_id))
+            self._removing("checkpoint", block_id, evicted=False)
+            self._drop_checkpoint(block_id)
+
+    def _removing(self, kind: str, block_id: int, evicted: bool) -> None:
+        if self.on_removed is not None:
+            self.on_removed(kind, self.pool[block_id].block_hash, self.end_tokens(block_id), evicted)
+
+    def _drop_checkpoint(self, block_id: int) -> None:
+        self.checkpoints.remove(block_id)
+        self.eviction.discard(("checkpoint", block_id))
+        for moved in self.links.remove(block_id):
+            self.eviction.update_value(("checkpoint", moved), self._checkpoint_value(moved))
+        if self.pool.is_evictable(block_id):
+            self.eviction.add_candidate(("kv", block_id), self._kv_value(block_id))
 
     def clear(self) -> None:
         """Drop every stored entry (pinned ones too: call between requests)."""
