@@ -111,6 +111,7 @@ class HybridPrefixCache(LiveCache):
         placement = Placement(devices, offload)
         self.model = model
         support.install(model)
+        support.explain_kernels(model, devices.values())
         _compat.install_hooks(model, _HOOKS)
         super().__init__(layers=_compat.new_live_layers(model.config))
 

@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
 
 from transformers import DynamicCache
 
-from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
 from hf_hybridcache.models.refused import REFUSED
 from hf_hybridcache.toy import VOCAB_SIZE, build_model
 
@@ -68,7 +68,7 @@ def random_ids(length: int, seed: int) -> torch.Tensor:
 
 def greedy(model, ids, cache=None, new_tokens=NEW_TOKENS, **kwargs):
     """Greedy generation returning (sequences, first-step logits [B, V])."""
-    kw = {} if cache is None else {"past_key_values": cache}
+    kw = {} if cache is None else {CACHE_KWARG: cache}
     out = model.generate(
         ids,
         max_new_tokens=new_tokens,
@@ -95,7 +95,7 @@ def cold_states(cold_model, ids, upto: int):
     """Conv/SSM states and KV of a cold forward over ids[:, :upto]: {layer_idx: tensors}."""
     cache = DynamicCache(config=cold_model.config)
     with torch.no_grad():
-        cold_model(ids[:, :upto], past_key_values=cache, use_cache=True)
+        cold_model(ids[:, :upto], **{CACHE_KWARG: cache}, use_cache=True)
     return cache
 
 
