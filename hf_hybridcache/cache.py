@@ -281,8 +281,9 @@ class HybridPrefixCache(LiveCache):
             path: a file written by :meth:`save`.
             model: the same model (class, config, dtype and weights) under the same transformers and hf_hybridcache
                 versions; its devices may differ.
-            max_cache_bytes, retention_interval: None keeps the saved ones; a smaller budget keeps the most
-                recently used entries that fit.
+            max_cache_bytes: None keeps the saved budget; a smaller one keeps the most recently used entries that
+                fit.
+            retention_interval: None keeps the saved one.
             offload: as in the constructor.
             remote: as in the constructor; the loaded entries are queued for the tier (``cache.remote.flush()``
                 waits until they are written). The file's hash seed is kept, so they are shared with other caches only when it

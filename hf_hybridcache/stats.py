@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class PrefixCacheStats:
-    """Counters of a :class:`HybridPrefixCache` (a snapshot; token counts are summed over requests and rows).
+    """Counters of a :class:`HybridPrefixCache` (a snapshot; token counts are summed over requests and rows). The
+    ``remote_*`` counters stay 0 without ``remote=``.
 
     Attributes:
         requests: ``generate()`` calls (prefills) served.
@@ -32,7 +33,6 @@ class PrefixCacheStats:
         remote_corrupt_entries: entries read from the tier that did not verify (served as misses).
         remote_recomputed_tokens: tokens the tier held beyond the local hit but left there, recomputing them being
             measured as faster than fetching them (:func:`~hf_hybridcache.remote.fetch.worth_fetching`).
-        The ``remote_*`` counters stay 0 without ``remote=``.
     """
 
     requests: int = 0

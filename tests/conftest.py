@@ -1,3 +1,4 @@
+import collections
 import os
 
 import pytest
@@ -40,6 +41,26 @@ SLIDING_FAMILIES = [f for f in ["lfm3", "inkling_text", "inkling2_text", "zaya"]
 FAMILIES = [f for f in MAMBA1_FAMILIES + MAMBA2_FAMILIES + LINEAR_FAMILIES if f not in REFUSED]
 
 _COLD_MODELS: dict[str, torch.nn.Module] = {}
+
+#: Every skip reason says what it needs and how to provide it; the run's summary line counts skips per reason.
+NEEDS_CUDA = "needs a CUDA device: run the suite on a machine with one"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NEEDS_CUDA)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line at the end of the run that counts the skipped tests by reason (each reason says how to run them)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    reasons = collections.Counter(_skip_reason(report) for report in skipped)
+    counted = "; ".join(f"{count} x {reason}" for reason, count in reasons.most_common())
+    terminalreporter.write_line(f"{len(skipped)} skipped, by reason: {counted}")
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
 
 
 @pytest.fixture(params=FAMILIES)

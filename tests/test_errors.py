@@ -4,7 +4,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import assert_matches_cold, greedy, random_ids
+from conftest import assert_matches_cold, greedy, needs_cuda, random_ids
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation.utils import GenerationMixin
 
@@ -166,7 +166,7 @@ def test_model_moved_to_other_devices_is_refused(model, cold_model, monkeypatch)
     assert cache.last_hit_tokens == [48]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to move the model to")
+@needs_cuda
 def test_model_moved_to_cuda_is_refused(model, cold_model):
     cache = HybridPrefixCache(model)
     ids = random_ids(60, seed=97)

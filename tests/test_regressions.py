@@ -233,7 +233,7 @@ def test_reset_from_a_running_call_fails_fast(model, cold_model):
 
 
 def test_training_forward_with_gradient_checkpointing_stores_nothing_and_matches(model, cold_model):
-    # model.train() + gradient_checkpointing_enable() crashed with an internal TypeError (the layers drop the cache),
+    # model.train() + activation (gradient) checkpointing crashed with an internal TypeError (the layers drop the cache),
     # and a training forward could store states computed with dropout for later eval requests.
     cache = HybridPrefixCache(model, retention_interval="dense")
     ids = random_ids(40, seed=430)
@@ -242,7 +242,7 @@ def test_training_forward_with_gradient_checkpointing_stores_nothing_and_matches
     stored = (cache.stats.kv_blocks, cache.stats.checkpoints)
     for m in (model, cold_model):
         m.train()
-        m.gradient_checkpointing_enable()
+        m.activation_checkpointing_enable()  # gradient_checkpointing_enable's name from transformers 5.23 on
     try:
         train_ids = random_ids(40, seed=432)  # not stored yet: storing it would need the dropped live KV
         loss = model(train_ids, **{CACHE_KWARG: cache}, labels=train_ids).loss
@@ -250,7 +250,7 @@ def test_training_forward_with_gradient_checkpointing_stores_nothing_and_matches
         loss.backward()
     finally:
         for m in (model, cold_model):
-            m.gradient_checkpointing_disable()
+            m.activation_checkpointing_disable()
             m.eval()
             m.zero_grad(set_to_none=True)
     torch.testing.assert_close(loss, ref, rtol=0, atol=1e-5)
