@@ -44,7 +44,7 @@ class HybridPrefixCache(LiveCache):
 
         cache = HybridPrefixCache(model)
         for prompt_ids in requests:
-            out = model.generate(prompt_ids, past_key_values=cache, max_new_tokens=64)
+            out = model.generate(prompt_ids, cache=cache, max_new_tokens=64)  # 5.23: past_key_values=cache
             print(cache.last_hit_tokens, cache.stats.token_hit_rate)
 
     Args:
@@ -78,7 +78,8 @@ class HybridPrefixCache(LiveCache):
             ``offload``, ``admit_divergence``, ``eviction`` or ``remote``; a budget smaller than one KV block plus one
             checkpoint; a ``block_size`` longer than a sliding attention window of the model.
         TypeError: ``remote`` is not a URL, a redis-py client or a ``RemoteConfig``.
-        ImportError: ``remote`` is a URL and redis-py is not installed (``pip install 'hf_hybridcache[redis]'``).
+        ImportError: ``remote`` is a URL and redis-py is not installed (``pip install redis``; from a checkout
+            ``pip install -e '.[redis]'``).
     """
 
     def __init__(
@@ -234,7 +235,7 @@ class HybridPrefixCache(LiveCache):
         The view shares the store, the budget, the counters and the lock with this cache, and has its own live
         state; it is cheap to make one per call::
 
-            model.generate(ids, past_key_values=cache.with_salt(user_id), max_new_tokens=64)
+            model.generate(ids, cache=cache.with_salt(user_id), max_new_tokens=64)  # 5.23: past_key_values=
 
         Args:
             salt: a non-empty string naming the tenant; None gives an unsalted view (shares with ``cache`` itself).
