@@ -34,7 +34,7 @@ for phase in phases:
 STAND_INS = ("selective_scan_fn", "mamba_chunk_scan_combined", "causal_conv1d_fn")
 needs_fallbacks = pytest.mark.skipif(
     importlib.util.find_spec("mamba_ssm") is not None or importlib.util.find_spec("causal_conv1d") is not None,
-    reason="needs transformers' fallback notices, which mamba-ssm / causal-conv1d (installed) silence: run without them",
+    reason="needs transformers' fallback notices, which the installed mamba-ssm / causal-conv1d silence: run without",
 )
 
 

@@ -58,8 +58,8 @@ class ModelSupport:
         named = " / ".join(f"`{k}`" for k in self.scan_kernels)
         logger.log(
             logging.WARNING if missing else logging.INFO,
-            f"hf_hybridcache: {type(model).__name__} on {device.type}: {self.scan} ({fast}) in place of transformers' {named}; decode "
-            f"steps and the other prefills run transformers' own kernels ({stock}). On CUDA, `pip install "
+            f"hf_hybridcache: {type(model).__name__} on {device.type}: {self.scan} ({fast}) in place of transformers' "
+            f"{named}; decode steps and the other prefills run transformers' own kernels ({stock}). On CUDA, `pip install "
             f"{' '.join(self.kernel_packages)}` speeds up those; hf_hybridcache's scan does not use them.",
         )
 
