@@ -30,14 +30,14 @@ from transformers import DynamicCache
 
 from benchmarks.model_shapes import SHAPES, build_shape_model
 from benchmarks.ttft import first_token, random_ids, timed
-from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
 
 
 def stock_prefix_cache(model, prefix: torch.Tensor) -> DynamicCache:
     """transformers' own cache after a forward of ``prefix``."""
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(prefix, **{CACHE_KWARG: cache}, use_cache=True, logits_to_keep=1)
     return cache
 
 

@@ -23,9 +23,13 @@ import torch
 from tqdm.auto import tqdm
 from transformers.generation.streamers import BaseStreamer
 
-from hf_hybridcache import CACHE_KWARG, DEFAULT_MAX_CACHE_BYTES, HybridPrefixCache
+from hf_hybridcache import CACHE_KWARG, DEFAULT_MAX_CACHE_BYTES, HybridPrefixCache, supported_model_types
 from hf_hybridcache.config import CacheOptions
 from hf_hybridcache.toy import build_model, byte_tokenizer
+from hf_hybridcache.toy_configs import TINY_CONFIGS
+
+#: Families the built-in model can take: those with a tiny config that the installed transformers serves.
+FAMILIES = sorted(set(TINY_CONFIGS) & set(supported_model_types()))
 
 QUESTIONS = [
     "My order arrived with a cracked screen. What are my options?",
@@ -124,7 +128,8 @@ def load(args):
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="path or hub id of a real checkpoint (default: built-in small model)")
-    parser.add_argument("--family", default="jamba", help="family of the built-in model (default: jamba)")
+    parser.add_argument("--family", default="jamba", choices=FAMILIES,
+                        help="family of the built-in model (default: jamba; ignored with --model)")
     parser.add_argument("--system-tokens", type=int, default=4000, help="length of the shared system prompt")
     parser.add_argument("--questions", type=int, default=6, help="number of user questions (requests)")
     parser.add_argument("--new-tokens", type=int, default=16, help="tokens generated per request")

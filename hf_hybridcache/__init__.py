@@ -5,16 +5,19 @@ from .cache import HybridPrefixCache
 from .config import DEFAULT_MAX_CACHE_BYTES
 from .explain import HitReport
 from .models import supported_model_types
+from .sizing import CacheSizes, sizes
 from .stats import PrefixCacheStats
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CACHE_KWARG",
+    "CacheSizes",
     "DEFAULT_MAX_CACHE_BYTES",
     "HitReport",
     "HybridPrefixCache",
     "PrefixCacheStats",
     "__version__",
+    "sizes",
     "supported_model_types",
 ]

@@ -47,7 +47,7 @@ class HybridPrefixCache(LiveCache):
 
         cache = HybridPrefixCache(model)
         for prompt_ids in requests:
-            out = model.generate(prompt_ids, past_key_values=cache, max_new_tokens=64)
+            out = model.generate(prompt_ids, cache=cache, max_new_tokens=64)  # 5.23: past_key_values=cache
             print(cache.last_hit_tokens, cache.stats.token_hit_rate)
 
     Args:
@@ -90,7 +90,8 @@ class HybridPrefixCache(LiveCache):
             ``offload``, ``admit_divergence``, ``eviction``, ``replay_replies`` or ``remote``; a budget smaller than
             one KV block plus one checkpoint; a ``block_size`` longer than a sliding attention window of the model.
         TypeError: ``remote`` is not a URL, a redis-py client or a ``RemoteConfig``.
-        ImportError: ``remote`` is a URL and redis-py is not installed (``pip install 'hf_hybridcache[redis]'``).
+        ImportError: ``remote`` is a URL and redis-py is not installed (``pip install redis``; from a checkout
+            ``pip install -e '.[redis]'``).
     """
 
     def __init__(
@@ -127,6 +128,7 @@ class HybridPrefixCache(LiveCache):
         placement = Placement(devices, offload)
         self.model = model
         support.install(model)
+        support.explain_kernels(model, devices.values())
         _compat.install_hooks(model, _HOOKS)
         super().__init__(layers=_compat.new_live_layers(model.config))
 
@@ -254,7 +256,7 @@ class HybridPrefixCache(LiveCache):
         The view shares the store, the budget, the counters and the lock with this cache, and has its own live
         state; it is cheap to make one per call::
 
-            model.generate(ids, past_key_values=cache.with_salt(user_id), max_new_tokens=64)
+            model.generate(ids, cache=cache.with_salt(user_id), max_new_tokens=64)  # 5.23: past_key_values=
 
         Args:
             salt: a non-empty string naming the tenant; None gives an unsalted view (shares with ``cache`` itself).
@@ -301,8 +303,9 @@ class HybridPrefixCache(LiveCache):
             path: a file written by :meth:`save`.
             model: the same model (class, config, dtype and weights) under the same transformers and hf_hybridcache
                 versions; its devices may differ.
-            max_cache_bytes, retention_interval: None keeps the saved ones; a smaller budget keeps the most
-                recently used entries that fit.
+            max_cache_bytes: None keeps the saved budget; a smaller one keeps the most recently used entries that
+                fit.
+            retention_interval: None keeps the saved one.
             offload: as in the constructor.
             remote: as in the constructor; the loaded entries are queued for the tier (``cache.remote.flush()``
                 waits until they are written). The file's hash seed is kept, so they are shared with other caches only when it

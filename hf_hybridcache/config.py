@@ -156,7 +156,8 @@ class ModelStateSpec:
             raise ValueError(
                 f"`max_cache_bytes={max_cache_bytes}` cannot hold one KV block plus one checkpoint of this model "
                 f"({self.kv_block_bytes} + {self.checkpoint_bytes} bytes); pass at least {minimum}, or None for the "
-                f"default of {DEFAULT_MAX_CACHE_BYTES} bytes."
+                f"default of {DEFAULT_MAX_CACHE_BYTES} bytes (hf_hybridcache.sizes(model).suggest_budget(n, tokens) "
+                "sizes a budget for n prefixes of that many tokens)."
             )
 
 
@@ -193,7 +194,8 @@ class CacheOptions:
         if isinstance(mb, bool) or not isinstance(mb, int) or mb <= 0:
             raise ValueError(
                 f"`max_cache_bytes` must be None (default {DEFAULT_MAX_CACHE_BYTES} bytes) or a positive int of "
-                f"bytes, got {mb!r}."
+                f"bytes, got {mb!r}; hf_hybridcache.sizes(model) gives the bytes of a KV block and a checkpoint and "
+                "suggests a budget."
             )
         if not isinstance(self.admit_divergence, bool):
             raise ValueError(

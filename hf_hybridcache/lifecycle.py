@@ -265,6 +265,11 @@ def check_request(cache, input_ids: torch.Tensor | None) -> None:
             f"input_ids must be a [batch, tokens] tensor of token ids, got shape {tuple(input_ids.shape)}; add a batch "
             "dimension with input_ids[None]."
         )
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise ValueError(
+            f"`input_ids` must hold integer token ids (torch.long, as tokenizers return them), got a {input_ids.dtype} "
+            "tensor; convert it with input_ids.long(), or pass embeddings as inputs_embeds instead."
+        )
     if input_ids.shape[-1] == 0:
         raise ValueError(
             "The prompt is empty: pass at least one token id (e.g. the BOS token); a prefix cache has nothing to "

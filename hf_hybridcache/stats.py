@@ -36,8 +36,8 @@ class PrefixCacheStats:
         remote_removed_entries: such entries this process removed from the tier, so that the next process that
             computes them writes them again (:mod:`~hf_hybridcache.remote.writer`).
         remote_recomputed_tokens: tokens the tier held beyond the local hit but left there, recomputing them being
-            measured as faster than fetching them (:func:`~hf_hybridcache.remote.fetch.worth_fetching`).
-        The ``remote_*`` counters stay 0 without ``remote=``.
+            measured as faster than fetching them (:func:`~hf_hybridcache.remote.fetch.worth_fetching`). The
+            ``remote_*`` counters stay 0 without ``remote=``.
         misses_by_reason: ``{reason: rows}`` over every :data:`~hf_hybridcache.explain.REASONS` (0 when none): why
             each prompt row looked up so far hit what it hit (:class:`~hf_hybridcache.explain.HitReport`). A full hit
             counts as ``"complete"``, so the values add up to the rows served (``requests`` for single-row calls);

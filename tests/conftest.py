@@ -1,3 +1,4 @@
+import collections
 import os
 
 import pytest
@@ -10,7 +11,7 @@ if not torch.cuda.is_available():
 
 from transformers import DynamicCache
 
-from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
 from hf_hybridcache.models.refused import REFUSED
 from hf_hybridcache.toy import VOCAB_SIZE, build_model
 
@@ -41,6 +42,26 @@ FAMILIES = [f for f in MAMBA1_FAMILIES + MAMBA2_FAMILIES + LINEAR_FAMILIES if f 
 
 _COLD_MODELS: dict[str, torch.nn.Module] = {}
 
+#: Every skip reason says what it needs and how to provide it; the run's summary line counts skips per reason.
+NEEDS_CUDA = "needs a CUDA device: run the suite on a machine with one"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NEEDS_CUDA)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line at the end of the run that counts the skipped tests by reason (each reason says how to run them)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    reasons = collections.Counter(_skip_reason(report) for report in skipped)
+    counted = "; ".join(f"{count} x {reason}" for reason, count in reasons.most_common())
+    terminalreporter.write_line(f"{len(skipped)} skipped, by reason: {counted}")
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
 
 @pytest.fixture(params=FAMILIES)
 def family(request):
@@ -68,7 +89,7 @@ def random_ids(length: int, seed: int) -> torch.Tensor:
 
 def greedy(model, ids, cache=None, new_tokens=NEW_TOKENS, **kwargs):
     """Greedy generation returning (sequences, first-step logits [B, V])."""
-    kw = {} if cache is None else {"past_key_values": cache}
+    kw = {} if cache is None else {CACHE_KWARG: cache}
     out = model.generate(
         ids,
         max_new_tokens=new_tokens,
@@ -95,7 +116,7 @@ def cold_states(cold_model, ids, upto: int):
     """Conv/SSM states and KV of a cold forward over ids[:, :upto]: {layer_idx: tensors}."""
     cache = DynamicCache(config=cold_model.config)
     with torch.no_grad():
-        cold_model(ids[:, :upto], past_key_values=cache, use_cache=True)
+        cold_model(ids[:, :upto], **{CACHE_KWARG: cache}, use_cache=True)
     return cache
 
 

@@ -22,7 +22,8 @@ def require_redis() -> None:
                                      ("redis-py", importlib.util.find_spec("redis"))) if not ok]
     if not missing:
         return
-    why = f"{' and '.join(missing)} not installed (apt-get install redis-server; pip install 'hf_hybridcache[redis]')"
+    how = {"redis-server": "apt-get install redis-server", "redis-py": "pip install -e '.[dev]'"}
+    why = f"needs {' and '.join(missing)}: {'; '.join(how[name] for name in missing)}"
     if os.environ.get("CI"):
         pytest.fail(f"{why}: .ci/run installs them in CI")
     pytest.skip(why)

@@ -3,7 +3,7 @@
 import torch
 from conftest import NEW_TOKENS, assert_matches_cold, greedy, random_ids
 
-from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
 
 
 def left_pad(rows: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +88,7 @@ def test_rows_whose_tokens_equal_the_pad_id_keep_storing(model, cold_model):
     ids, mask = left_pad(rows, pad_id=first)
     cache = HybridPrefixCache(model)
     kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=first)
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, **kwargs)
+    out = model.generate(ids, attention_mask=mask, **{CACHE_KWARG: cache}, **kwargs)
     for i, row in enumerate(rows):
         ref = cold_model.generate(row, attention_mask=torch.ones_like(row), **kwargs)  # the pad id is a real token
         assert torch.equal(out[i, ids.shape[1] :], ref[0, row.shape[1] :])

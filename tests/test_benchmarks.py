@@ -8,7 +8,7 @@ import torch
 
 from benchmarks.simulate import TraceRequest, meta_model, replay, tokenize_workload
 from benchmarks.workloads import WORKLOADS, agent_tree, load_jsonl_chats, multi_turn_chats
-from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
 from hf_hybridcache.toy import build_model, byte_tokenizer
 
 
@@ -76,7 +76,7 @@ def test_simulated_hits_equal_real_hits(eviction, replay_replies):
     real_hits, trace = [], []
     for request in requests:
         ids = torch.tensor([request.prompt_ids])
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=5, do_sample=False)
+        out = model.generate(ids, **{CACHE_KWARG: cache}, max_new_tokens=5, do_sample=False)
         real_hits.append(cache.last_hit_tokens[0])
         trace.append(TraceRequest(request.prompt_ids, out[0, ids.shape[1]:].tolist()))
     assert cache.stats.evicted_checkpoints > 0 and max(real_hits) > 0, "the trace must hit and evict"

@@ -6,7 +6,7 @@ import torch
 from conftest import MAMBA1_FAMILIES, MAMBA2_FAMILIES, random_ids
 from transformers import DynamicCache
 
-from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
 
 
 def positions(start, end):
@@ -17,15 +17,15 @@ def positions(start, end):
 def _split_run(model, ids, split):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids[:, :split], past_key_values=cache, use_cache=True)
-        logits = model(ids[:, split:], past_key_values=cache, use_cache=True, position_ids=positions(split, ids.shape[1])).logits
+        model(ids[:, :split], **{CACHE_KWARG: cache}, use_cache=True)
+        logits = model(ids[:, split:], **{CACHE_KWARG: cache}, use_cache=True, position_ids=positions(split, ids.shape[1])).logits
     return logits, cache
 
 
 def _full_run(model, ids):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        logits = model(ids, past_key_values=cache, use_cache=True).logits
+        logits = model(ids, **{CACHE_KWARG: cache}, use_cache=True).logits
     return logits, cache
 
 
@@ -62,7 +62,7 @@ def test_unpatched_mamba2_model_continues_from_the_cached_state(cold_model):
     cache = DynamicCache(config=cold_model.config)
     with torch.no_grad():
         pieces = [
-            cold_model(ids[:, a:b], past_key_values=cache, use_cache=True, position_ids=positions(a, b)).logits
+            cold_model(ids[:, a:b], **{CACHE_KWARG: cache}, use_cache=True, position_ids=positions(a, b)).logits
             for a, b in [(0, 40), (40, 42), (42, 65)]
         ]
     torch.testing.assert_close(torch.cat(pieces, dim=1), full_logits, rtol=0, atol=1e-4)
@@ -83,8 +83,8 @@ def test_installing_twice_and_other_instances_are_untouched(model, cold_model):
     first = HybridPrefixCache(model)
     second = HybridPrefixCache(model)
     ids = random_ids(40, seed=82)
-    model.generate(ids, past_key_values=first, max_new_tokens=4, do_sample=False)
-    model.generate(ids, past_key_values=second, max_new_tokens=4, do_sample=False)
+    model.generate(ids, **{CACHE_KWARG: first}, max_new_tokens=4, do_sample=False)
+    model.generate(ids, **{CACHE_KWARG: second}, max_new_tokens=4, do_sample=False)
     assert first.last_hit_tokens == [0] and second.last_hit_tokens == [0]
     assert not getattr(cold_model, "_hf_hybridcache_prefill_hook", False)
     assert all(not getattr(m, "_hf_hybridcache_patched", False) for m in cold_model.modules())

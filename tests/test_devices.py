@@ -5,7 +5,7 @@ import pytest
 import torch
 from accelerate import dispatch_model, infer_auto_device_map
 from accelerate.utils import compute_module_sizes
-from conftest import FAMILIES, assert_matches_cold, random_ids
+from conftest import FAMILIES, assert_matches_cold, needs_cuda, random_ids
 from transformers import AutoModelForCausalLM
 
 from hf_hybridcache import HybridPrefixCache, _compat
@@ -116,7 +116,7 @@ def test_offload_cpu_keeps_entries_in_host_memory(family, model):
     assert_entries_on_layer_devices(cache, offloaded=True)
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device to split the layers between it and the CPU")
+@needs_cuda
 @pytest.mark.parametrize("family", ["jamba", "zamba2"])
 def test_layers_split_between_cuda_and_cpu(model, cold_model, tmp_path):
     dispatched = _load_dispatched(model, tmp_path, lambda i: 0 if i % 2 else "cpu")

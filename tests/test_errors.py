@@ -4,11 +4,11 @@ import warnings
 
 import pytest
 import torch
-from conftest import assert_matches_cold, greedy, random_ids
+from conftest import assert_matches_cold, greedy, needs_cuda, random_ids
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation.utils import GenerationMixin
 
-from hf_hybridcache import DEFAULT_MAX_CACHE_BYTES, HybridPrefixCache, _compat
+from hf_hybridcache import CACHE_KWARG, DEFAULT_MAX_CACHE_BYTES, HybridPrefixCache, _compat
 from hf_hybridcache.checks import check_store, entry_digests
 from hf_hybridcache.toy import VOCAB_SIZE, build_model
 
@@ -63,10 +63,10 @@ def test_cache_passed_to_another_model_raises_and_keeps_working(model, cold_mode
     assert_matches_cold(model, cold_model, cache, ids)
     other = build_model(family, seed=0)
     with pytest.raises(ValueError, match="one HybridPrefixCache per model"):
-        other.generate(ids, past_key_values=cache, max_new_tokens=4)  # an unpatched model
+        other.generate(ids, **{CACHE_KWARG: cache}, max_new_tokens=4)  # an unpatched model
     HybridPrefixCache(other)
     with pytest.raises(ValueError, match="one HybridPrefixCache per model"):
-        other.generate(ids, past_key_values=cache, max_new_tokens=4)  # a model patched by its own cache
+        other.generate(ids, **{CACHE_KWARG: cache}, max_new_tokens=4)  # a model patched by its own cache
     assert_matches_cold(model, cold_model, cache, ids)
     assert cache.last_hit_tokens == [48]
 
@@ -81,10 +81,10 @@ def test_inputs_embeds_only_runs_without_reuse(model, cold_model):
         ref = cold_model.generate(**kwargs)
     except ValueError as refusal:  # Zamba, Zamba2, Falcon-H1, Bamba, NemotronH: generate() refuses inputs_embeds
         with pytest.raises(ValueError, match="inputs_embeds"):
-            model.generate(past_key_values=cache, **kwargs)
+            model.generate(**{CACHE_KWARG: cache}, **kwargs)
         assert "inputs_embeds" in str(refusal)
     else:
-        assert torch.equal(model.generate(past_key_values=cache, **kwargs), ref)
+        assert torch.equal(model.generate(**{CACHE_KWARG: cache}, **kwargs), ref)
         assert cache.last_hit_tokens == [0]
     assert_matches_cold(model, cold_model, cache, ids)
     assert cache.last_hit_tokens == [48]
@@ -113,6 +113,7 @@ def test_padding_in_the_middle_runs_without_reuse(model, cold_model):
         (torch.tensor([[5, 6, VOCAB_SIZE, 7]]), f"Token id {VOCAB_SIZE} is outside the model's vocabulary"),
         (torch.tensor([[5, -1, 7]]), "Token id -1 is outside the model's vocabulary"),
         (torch.empty(1, 0, dtype=torch.long), "The prompt is empty"),
+        (torch.tensor([[5.0, 6.0, 7.0]]), r"`input_ids` must hold integer token ids .* got a torch.float32 tensor"),
     ],
 )
 def test_bad_prompts_raise_before_anything_runs(model, cold_model, ids, match):
@@ -121,10 +122,22 @@ def test_bad_prompts_raise_before_anything_runs(model, cold_model, ids, match):
     assert_matches_cold(model, cold_model, cache, seen)
     before = entry_digests(cache)
     with pytest.raises(ValueError, match=match):
-        model.generate(ids, past_key_values=cache, max_new_tokens=4)
+        model.generate(ids, **{CACHE_KWARG: cache}, max_new_tokens=4)
     assert entry_digests(cache) == before
     assert_matches_cold(model, cold_model, cache, seen)
     assert cache.last_hit_tokens == [48]
+
+
+def test_float_input_ids_are_refused_by_restore_and_the_cache_keeps_working():
+    model = build_model("jamba")
+    cache = HybridPrefixCache(model, retention_interval="dense")
+    ids = random_ids(40, seed=96)
+    greedy(model, ids, cache, new_tokens=2)
+    with pytest.raises(ValueError, match=r"`input_ids` must hold integer token ids .* input_ids.long\(\)"):
+        cache.restore(ids.float())
+    with pytest.raises(ValueError, match="`input_ids` must hold integer token ids"):
+        cache.restore(ids.bool())
+    assert cache.restore(ids) == [32]
 
 
 def test_model_converted_to_another_dtype_is_refused(model, cold_model):
@@ -133,7 +146,7 @@ def test_model_converted_to_another_dtype_is_refused(model, cold_model):
     assert_matches_cold(model, cold_model, cache, ids)
     model.to(torch.float64)  # and back: float32 -> float64 -> float32 is exact
     with pytest.raises(ValueError, match="The model is torch.float64 but this HybridPrefixCache was built for it in"):
-        model.generate(ids, past_key_values=cache, max_new_tokens=4)
+        model.generate(ids, **{CACHE_KWARG: cache}, max_new_tokens=4)
     model.to(torch.float32)
     assert_matches_cold(model, cold_model, cache, ids)
     assert cache.last_hit_tokens == [48]
@@ -149,20 +162,20 @@ def test_model_moved_to_other_devices_is_refused(model, cold_model, monkeypatch)
     # A CPU-only machine has no second device: report the layer where a `.to("cuda:1")` would have put it.
     monkeypatch.setattr(_compat, "execution_device", lambda m: torch.device("cuda", 1) if m is moved_layer else real(m))
     with pytest.raises(ValueError, match=f"moved to other devices .*{first}: 'cpu -> cuda:1'"):
-        model.generate(ids, past_key_values=cache, max_new_tokens=4)
+        model.generate(ids, **{CACHE_KWARG: cache}, max_new_tokens=4)
     monkeypatch.undo()
     assert_matches_cold(model, cold_model, cache, ids)
     assert cache.last_hit_tokens == [48]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to move the model to")
+@needs_cuda
 def test_model_moved_to_cuda_is_refused(model, cold_model):
     cache = HybridPrefixCache(model)
     ids = random_ids(60, seed=97)
     assert_matches_cold(model, cold_model, cache, ids)
     model.to("cuda")
     with pytest.raises(ValueError, match="moved to other devices"):
-        model.generate(ids.cuda(), past_key_values=cache, max_new_tokens=4)
+        model.generate(ids.cuda(), **{CACHE_KWARG: cache}, max_new_tokens=4)
     model.to("cpu")
     assert_matches_cold(model, cold_model, cache, ids)
 
@@ -182,7 +195,7 @@ def test_forward_that_raises_stores_nothing_and_the_cache_keeps_working(model, c
     handle = _compat.decoder_layers(model)[-1].register_forward_pre_hook(fail_on_third_forward)
     longer = torch.cat([seen, random_ids(40, seed=99)], dim=1)
     with pytest.raises(RuntimeError, match="device lost"):
-        model.generate(longer, past_key_values=cache, max_new_tokens=8, do_sample=False)
+        model.generate(longer, **{CACHE_KWARG: cache}, max_new_tokens=8, do_sample=False)
     handle.remove()
     after = check_store(cache, before)
     assert set(after) >= set(before)  # the prefill was stored (it completed); the failed decode step stored nothing

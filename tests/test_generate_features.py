@@ -25,7 +25,7 @@ def test_sampling_with_a_seed_equals_the_cold_run(model, cold_model, warm):
     cache, ids = warm
     kwargs = dict(do_sample=True, top_k=20, temperature=0.8, max_new_tokens=16)
     torch.manual_seed(7)
-    out = model.generate(ids, past_key_values=cache, **kwargs)
+    out = model.generate(ids, **{CACHE_KWARG: cache}, **kwargs)
     torch.manual_seed(7)
     ref = cold_model.generate(ids, **kwargs)
     assert torch.equal(out, ref)
@@ -36,7 +36,7 @@ def test_num_return_sequences_samples_every_row_from_the_hit(model, cold_model, 
     cache, ids = warm
     kwargs = dict(do_sample=True, num_return_sequences=3, max_new_tokens=12)
     torch.manual_seed(8)
-    out = model.generate(ids, past_key_values=cache, **kwargs)
+    out = model.generate(ids, **{CACHE_KWARG: cache}, **kwargs)
     torch.manual_seed(8)
     ref = cold_model.generate(ids, **kwargs)
     assert torch.equal(out, ref)
@@ -48,7 +48,7 @@ def test_beam_search_twice_on_one_cache(model, cold_model, warm):
     kwargs = dict(num_beams=3, max_new_tokens=12, do_sample=False, num_return_sequences=2)
     ref = cold_model.generate(ids, **kwargs)
     for expected_hit in (96, 96):
-        out = model.generate(ids, past_key_values=cache, **kwargs)
+        out = model.generate(ids, **{CACHE_KWARG: cache}, **kwargs)
         assert torch.equal(out, ref)
         assert cache.last_hit_tokens == [expected_hit] * 3
 
@@ -59,7 +59,7 @@ def test_streamers_see_exactly_the_returned_tokens(model, cold_model, warm):
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
     result = {}
     thread = threading.Thread(
-        target=lambda: result.update(out=model.generate(ids, past_key_values=cache, max_new_tokens=16,
+        target=lambda: result.update(out=model.generate(ids, **{CACHE_KWARG: cache}, max_new_tokens=16,
                                                         do_sample=False, streamer=streamer))
     )
     thread.start()
@@ -68,7 +68,7 @@ def test_streamers_see_exactly_the_returned_tokens(model, cold_model, warm):
     assert streamed == tokenizer.decode(result["out"][0, ids.shape[1] :])
     assert torch.equal(result["out"], cold_model.generate(ids, max_new_tokens=16, do_sample=False))
     assert cache.last_hit_tokens == [96]
-    model.generate(ids, past_key_values=cache, max_new_tokens=4, streamer=TextStreamer(tokenizer))
+    model.generate(ids, **{CACHE_KWARG: cache}, max_new_tokens=4, streamer=TextStreamer(tokenizer))
 
 
 def test_eos_and_stop_strings(model, cold_model, warm):
@@ -78,7 +78,7 @@ def test_eos_and_stop_strings(model, cold_model, warm):
     reference = cold_model.generate(ids, **no_eos)[0, ids.shape[1] :]
     assert len(reference) == 16
     eos = int(reference[5])
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=16, do_sample=False, eos_token_id=eos)
+    out = model.generate(ids, **{CACHE_KWARG: cache}, max_new_tokens=16, do_sample=False, eos_token_id=eos)
     assert out[0, ids.shape[1] :].tolist() == reference[: reference.tolist().index(eos) + 1].tolist()
     tokenizer = byte_tokenizer()
     # A stop string must be text: random models mostly emit bytes that are not valid UTF-8 alone.
@@ -87,7 +87,7 @@ def test_eos_and_stop_strings(model, cold_model, warm):
     assert printable, f"no printable token to stop at in {reference.tolist()}"
     stop = tokenizer.decode(reference[printable[0] : printable[0] + 1])
     kwargs = dict(**no_eos, stop_strings=[stop], tokenizer=tokenizer)
-    out = model.generate(ids, past_key_values=cache, **kwargs)
+    out = model.generate(ids, **{CACHE_KWARG: cache}, **kwargs)
     assert torch.equal(out, cold_model.generate(ids, **kwargs))
     assert out.shape[1] <= ids.shape[1] + printable[0] + 1
 
@@ -121,7 +121,7 @@ def test_pipeline_reuses_one_cache_across_calls(model, cold_model):
     hits = []
     for question in ["Do you fix brakes?", "Open on Sunday?", "Do you fix brakes?"]:
         kwargs = dict(max_new_tokens=12, do_sample=False)
-        out = pipe(system + question, past_key_values=cache, **kwargs)
+        out = pipe(system + question, **{CACHE_KWARG: cache}, **kwargs)
         assert out == cold_pipe(system + question, **kwargs)
         hits.append(cache.last_hit_tokens[0])
     assert hits[0] == 0 and hits[2] >= 160
@@ -177,10 +177,10 @@ def test_torch_compile_of_the_model_keeps_outputs_exact(model, cold_model):
     compiled = torch.compile(model, backend="eager")
     ids = random_ids(40, seed=490)
     with torch.no_grad():
-        logits = compiled(ids, past_key_values=cache, use_cache=True).logits
+        logits = compiled(ids, **{CACHE_KWARG: cache}, use_cache=True).logits
         ref = cold_model(ids).logits
     torch.testing.assert_close(logits, ref, rtol=0, atol=1e-4)
     assert (cache.stats.kv_blocks, cache.stats.checkpoints) == (2, 2)
-    out = compiled.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+    out = compiled.generate(ids, **{CACHE_KWARG: cache}, max_new_tokens=4, do_sample=False)
     assert torch.equal(out, cold_model.generate(ids, max_new_tokens=4, do_sample=False))
     assert cache.last_hit_tokens == [32]

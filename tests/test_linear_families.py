@@ -17,7 +17,7 @@ from conftest import (
     random_ids,
 )
 
-from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
 from hf_hybridcache.models.gated_delta import GDN_KERNEL
 from hf_hybridcache.models.refused import REFUSED
 from hf_hybridcache.toy import VOCAB_SIZE, build_model
@@ -88,7 +88,7 @@ def test_zeroed_restored_kda_state_fails_the_exactness_check(family, part, model
         layer = cache.layers[m.layer_idx]
         (layer.conv_states if part == "conv" else layer.recurrent_states)[0].zero_()
     with torch.no_grad():
-        broken = model(ids[:, 96:], past_key_values=cache, use_cache=True).logits[:, -1]
+        broken = model(ids[:, 96:], **{CACHE_KWARG: cache}, use_cache=True).logits[:, -1]
     cache.reset()
     assert (broken - _logits(cold_model, ids)[:, -1]).abs().max() > 1e-2
 
@@ -100,7 +100,7 @@ def test_other_models_of_the_family_run_the_kernel_unchanged(family, model):
     ids = random_ids(100, seed=91)
     before = _logits(other, ids)
     cache = HybridPrefixCache(model)
-    model.generate(ids, max_new_tokens=1, past_key_values=cache)
+    model.generate(ids, max_new_tokens=1, **{CACHE_KWARG: cache})
     assert torch.equal(_logits(other, ids), before)
 
 
@@ -214,6 +214,6 @@ def test_a_qwen3_5_vision_language_checkpoint_is_served_through_its_text_loader(
     ids = random_ids(70, seed=95)
     reference = wrapper.generate(ids, max_new_tokens=8, do_sample=False)
     for _ in range(2):
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False)
+        out = model.generate(ids, **{CACHE_KWARG: cache}, max_new_tokens=8, do_sample=False)
         assert torch.equal(out, reference)
     assert cache.last_hit_tokens == [64]

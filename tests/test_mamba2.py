@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from conftest import MAMBA2_FAMILIES, assert_matches_cold, assert_restored_states_match, random_ids
 from transformers import DynamicCache
 
-from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
 from hf_hybridcache.kernels import mamba2_chunk_scan_ref, mamba2_recurrent_ref
 from hf_hybridcache.toy import build_model
 
@@ -156,8 +156,8 @@ def test_forward_starting_at_an_unaligned_position(family, model, cold_model):
     cache = HybridPrefixCache(model, retention_interval="dense")
     ids = random_ids(90, seed=75)
     with torch.no_grad():
-        model(ids[:, :37], past_key_values=cache, use_cache=True)
-        model(ids[:, 37:], past_key_values=cache, use_cache=True, position_ids=torch.arange(37, 90)[None])
+        model(ids[:, :37], **{CACHE_KWARG: cache}, use_cache=True)
+        model(ids[:, 37:], **{CACHE_KWARG: cache}, use_cache=True, position_ids=torch.arange(37, 90)[None])
     second = torch.cat([ids, random_ids(6, seed=76)], dim=1)
     assert_restored_states_match(cache, cold_model, second, 80)
     for boundary in (48, 64):

@@ -3,6 +3,8 @@
 import importlib.util
 import pathlib
 
+import pytest
+
 QUICKSTART = pathlib.Path(__file__).parent.parent / "examples" / "quickstart.py"
 
 
@@ -17,3 +19,14 @@ def test_quickstart_small_setting(capsys, family):
     assert all(r["hit"] >= 288 for r in rows[1:])
     out = capsys.readouterr().out
     assert "TTFT no cache" in out and "token hit rate" in out
+
+
+def test_an_unknown_family_is_an_argparse_error_listing_the_families(capsys):
+    spec = importlib.util.spec_from_file_location("quickstart", QUICKSTART)
+    quickstart = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quickstart)
+    with pytest.raises(SystemExit) as exit_info:
+        quickstart.main(["--family", "mamba"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --family: invalid choice: 'mamba'" in err and "jamba" in err and "zamba2" in err

@@ -44,7 +44,7 @@ def _need(module: str):
     except ImportError:
         if os.environ.get("CI"):
             raise
-        pytest.skip(f"{module} is not installed: pip install -e '.[demo]'")
+        pytest.skip(f"needs {module.split('.')[0]}: pip install -e '.[dev]'")
 
 
 def _app_module():
@@ -167,7 +167,7 @@ def test_browser_chat_shows_the_cache_at_work(app_url, tmp_path):
     if not Path(CHROMIUM).exists():
         if os.environ.get("CI"):
             pytest.fail(f"{CHROMIUM} is missing: .ci/run installs it with apt-get")
-        pytest.skip(f"{CHROMIUM} is missing: apt-get install chromium")
+        pytest.skip(f"needs {CHROMIUM}: apt-get install chromium")
 
     with sync_api.sync_playwright() as playwright:
         context = playwright.chromium.launch_persistent_context(

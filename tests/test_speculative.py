@@ -5,7 +5,7 @@ import torch
 from conftest import assert_matches_cold, random_ids
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
 from hf_hybridcache.toy import VOCAB_SIZE
 
 
@@ -35,7 +35,7 @@ def test_prompt_lookup_equals_greedy_on_a_cached_prompt(model, cold_model, crop_
     assert_matches_cold(model, cold_model, cache, ids)
     reference = cold_model.generate(ids, max_new_tokens=24, do_sample=False)
     for expected_hit in (64, 64):
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=24, do_sample=False,
+        out = model.generate(ids, **{CACHE_KWARG: cache}, max_new_tokens=24, do_sample=False,
                              prompt_lookup_num_tokens=draft_tokens)
         assert torch.equal(out, reference)
         assert cache.last_hit_tokens == [expected_hit]
@@ -45,7 +45,7 @@ def test_prompt_lookup_equals_greedy_on_a_cached_prompt(model, cold_model, crop_
 def test_prompt_lookup_on_a_miss(model, cold_model, crop_calls):
     cache = HybridPrefixCache(model)
     ids = repetitive_prompt(seed=310)
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=20, do_sample=False, prompt_lookup_num_tokens=4)
+    out = model.generate(ids, **{CACHE_KWARG: cache}, max_new_tokens=20, do_sample=False, prompt_lookup_num_tokens=4)
     assert torch.equal(out, cold_model.generate(ids, max_new_tokens=20, do_sample=False))
     assert cache.last_hit_tokens == [0]
     assert_matches_cold(model, cold_model, cache, ids)  # what the speculative run stored serves a later request
@@ -60,7 +60,7 @@ def test_assistant_model_equals_greedy(model, cold_model, crop_calls):
     cache = HybridPrefixCache(model)
     ids = random_ids(50, seed=320)
     assert_matches_cold(model, cold_model, cache, ids)
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=16, do_sample=False, assistant_model=assistant)
+    out = model.generate(ids, **{CACHE_KWARG: cache}, max_new_tokens=16, do_sample=False, assistant_model=assistant)
     assert torch.equal(out, cold_model.generate(ids, max_new_tokens=16, do_sample=False))
     assert cache.last_hit_tokens == [48]
     assert crop_calls
@@ -68,7 +68,7 @@ def test_assistant_model_equals_greedy(model, cold_model, crop_calls):
 
 def test_crop_refuses_what_it_cannot_roll_back(model):
     cache = HybridPrefixCache(model)
-    model.generate(random_ids(20, seed=330), past_key_values=cache, max_new_tokens=3)
+    model.generate(random_ids(20, seed=330), **{CACHE_KWARG: cache}, max_new_tokens=3)
     with pytest.raises(ValueError, match="roll back"):
         cache.crop(-2)
 
@@ -78,7 +78,7 @@ def test_crop_refuses_a_positive_count_like_transformers_layers(model, cold_mode
     cache = HybridPrefixCache(model)
     ids = repetitive_prompt(seed=331)
     kwargs = dict(max_new_tokens=12, do_sample=False)
-    model.generate(ids, past_key_values=cache, prompt_lookup_num_tokens=3, **kwargs)
+    model.generate(ids, **{CACHE_KWARG: cache}, prompt_lookup_num_tokens=3, **kwargs)
     stored = cache.stats
     with pytest.raises(ValueError, match="negative count"):
         cache.crop(2)
@@ -92,7 +92,7 @@ def test_prompt_lookup_with_padding_inside_the_prompt(model, cold_model, crop_ca
     ids = repetitive_prompt(seed=340)
     ids[0, 30] = 0  # the pad id: generate() masks it out
     kwargs = dict(max_new_tokens=20, do_sample=False)
-    out = model.generate(ids, past_key_values=cache, prompt_lookup_num_tokens=5, **kwargs)
+    out = model.generate(ids, **{CACHE_KWARG: cache}, prompt_lookup_num_tokens=5, **kwargs)
     assert torch.equal(out, cold_model.generate(ids, **kwargs))
     assert cache.last_hit_tokens == [0] and cache.stats.kv_blocks == 0
     assert any(n < 0 for n in crop_calls)

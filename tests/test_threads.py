@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import assert_matches_cold, greedy, random_ids
 
-from hf_hybridcache import HybridPrefixCache, _compat
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache, _compat
 from hf_hybridcache.checks import check_store
 
 pytestmark = pytest.mark.parametrize("family", ["jamba", "zamba2"])
@@ -95,7 +95,7 @@ def test_store_operations_from_other_threads_wait_for_the_running_call(model, co
 
     def direct_forward():
         with torch.no_grad():
-            model(ids, past_key_values=cache.with_salt("direct"), use_cache=True)
+            model(ids, **{CACHE_KWARG: cache.with_salt("direct")}, use_cache=True)
 
     def recording(operation):
         def run():
@@ -135,8 +135,8 @@ def test_reentrant_use_from_a_running_call_fails_fast(model, cold_model, tmp_pat
     assert_matches_cold(model, cold_model, cache, ids)
     before = check_store(cache)
     actions = {
-        "generate": lambda: model.generate(ids, past_key_values=cache, max_new_tokens=2),
-        "generate on a view": lambda: model.generate(ids, past_key_values=cache.with_salt("x"), max_new_tokens=2),
+        "generate": lambda: model.generate(ids, **{CACHE_KWARG: cache}, max_new_tokens=2),
+        "generate on a view": lambda: model.generate(ids, **{CACHE_KWARG: cache.with_salt("x")}, max_new_tokens=2),
         "clear": cache.clear,
         "save": lambda: cache.save(tmp_path / "c.safetensors"),
         "budget": lambda: setattr(cache, "max_cache_bytes", 10**6),
@@ -200,12 +200,12 @@ def test_an_interrupt_inside_a_forward_releases_the_lock(model, cold_model, call
     def interrupted():
         try:
             if call == "generate":
-                model.generate(ids, past_key_values=cache, max_new_tokens=4)
+                model.generate(ids, **{CACHE_KWARG: cache}, max_new_tokens=4)
             elif call == "direct forward":
-                model(ids, past_key_values=cache, use_cache=True)
+                model(ids, **{CACHE_KWARG: cache}, use_cache=True)
             else:
                 batch = torch.cat([ids, random_ids(40, seed=701)])
-                model.generate(batch, past_key_values=cache, max_new_tokens=4)
+                model.generate(batch, **{CACHE_KWARG: cache}, max_new_tokens=4)
         except interrupt:
             caught.append(call)
 

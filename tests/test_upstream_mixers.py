@@ -14,7 +14,7 @@ import torch
 from conftest import MAMBA1_FAMILIES, MAMBA2_FAMILIES, random_ids
 from transformers import DynamicCache
 
-from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
 from hf_hybridcache.kernels import use_backend
 from hf_hybridcache.toy import build_model
 
@@ -89,7 +89,7 @@ def _run_patched(family, overrides, seq_len, backend="auto", perturb=0.0) -> Pat
     mixer.register_forward_pre_hook(before, with_kwargs=True)
     mixer.register_forward_hook(after, with_kwargs=True)
     with torch.no_grad(), use_backend(backend):
-        model(random_ids(seq_len, seed=90), past_key_values=cache, use_cache=True)
+        model(random_ids(seq_len, seed=90), **{CACHE_KWARG: cache}, use_cache=True)
     live = cache.layers[mixer.layer_idx]
     conv, ssm = live.conv_states[0], live.recurrent_states[0]
     return PatchedRun(mixer, model.config, record["hidden"], record["kwargs"], record["out"], conv, ssm, captured)

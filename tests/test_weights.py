@@ -14,12 +14,12 @@ from transformers.integrations import peft as transformers_peft
 from hf_hybridcache import HybridPrefixCache, _compat
 from hf_hybridcache.toy import build_model
 
-peft = pytest.importorskip("peft")
+peft = pytest.importorskip("peft", reason="needs peft: pip install -e '.[dev]'")
 _NEEDED_PEFT = getattr(transformers_peft, "MIN_PEFT_VERSION", "0")
 needs_peft_integration = pytest.mark.skipif(
     Version(peft.__version__) < Version(_NEEDED_PEFT),
-    reason=f"transformers {transformers.__version__} needs peft >= {_NEEDED_PEFT} for its adapter API; "
-    f"peft {peft.__version__} is the newest on the package index here",
+    reason=f"needs peft >= {_NEEDED_PEFT} (transformers {transformers.__version__}'s adapter API; peft "
+    f"{peft.__version__} is installed): pip install 'peft>={_NEEDED_PEFT}' once published, or transformers 5.23",
 )
 
 
@@ -64,6 +64,9 @@ def _add_lora(models, name, seed):
 
 
 @needs_peft_integration
+# Two adapters on one model are this test's point; peft warns on the second add_adapter that several adapters will be
+# loaded.
+@pytest.mark.filterwarnings("ignore:Already found a `peft_config` attribute in the model:UserWarning")
 def test_adapters_never_share_entries_and_switching_back_hits(model, cold_model):
     cache = HybridPrefixCache(model, retention_interval="dense")
     ids = random_ids(40, seed=471)

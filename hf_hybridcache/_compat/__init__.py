@@ -25,6 +25,9 @@ Private APIs touched, and why each is needed (transformers 5.23 - 5.24):
 - ``transformers.integrations.sdpa_attention.use_gqa_in_sdpa``, rebound to a router that, inside this package's
   forwards on CPU, lets a masked multi-query call use SDPA's ``enable_gqa`` instead of ``repeat_kv`` copies (same
   output bit for bit; see :mod:`.attention`), and answers as before everywhere else.
+- ``transformers.integrations.hub_kernels``' logger: its "falling back ... install ``mamba_ssm``" notices are dropped
+  for the kernels the package's own scans stand in for, inside the patched model's forwards with its cache
+  (:mod:`.kernel_notices`).
 - accelerate's ``_hf_hook`` / ``_old_forward`` / ``weights_map`` / ``execution_device`` and transformers'
   ``force_accelerate_hooks``: instance patches must sit under accelerate's hooks, and offloaded weights and layer
   devices are read from them.
@@ -50,6 +53,7 @@ from .generation import (
     run_forward,
     split_mixer_call,
 )
+from .kernel_notices import quiet_kernel_notices
 from .layers import (
     conv_state_before_update,
     append_kv_in_room,
@@ -87,6 +91,7 @@ __all__ = [
     "install_hooks",
     "new_live_layers",
     "patch_instance_forward",
+    "quiet_kernel_notices",
     "route_module_function",
     "run_forward",
     "set_kv",

@@ -35,7 +35,7 @@ import transformers
 from packaging.version import Version
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
-from . import attention
+from . import attention, kernel_notices
 from .accelerate import _InstanceHook, patch_instance_forward
 
 #: The kwarg a cache travels under: ``past_key_values`` (renamed ``cache`` in transformers 5.24; mixers got
@@ -191,7 +191,7 @@ def _wrapped_forward(model, original_forward, *args, **kwargs):
     scope = hooks.forward_call(
         cache, input_ids=input_ids, inputs_embeds=kwargs.get("inputs_embeds"), use_cache=kwargs.get("use_cache")
     )
-    with scope, attention.package_forward():
+    with scope, attention.package_forward(), kernel_notices.package_forward(model):
         if len(args) <= 1:
             ids_or_embeds = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
             _fill_position_ids(model, cache, ids_or_embeds, kwargs)

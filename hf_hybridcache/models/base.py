@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib.util
+import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
-from .. import _compat
+from .. import _compat, kernels
 from ..config import AttentionLayerSpec, ModelStateSpec
+
+logger = logging.getLogger("hf_hybridcache")
+_explained: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -19,11 +24,44 @@ class ModelSupport:
         model_types: ``config.model_type`` values served by this module.
         install: patches the model's mixers on the instance (idempotent, no effect on other models).
         state_spec: ``(model, block_size) -> ModelStateSpec``, the layers and byte sizes of KV blocks and checkpoints.
+        scan: which prefills the patched mixers run through which scan of this package where it stands in for
+            transformers' ``scan_kernels`` (a clause: "prefills that store checkpoints run hf_hybridcache's ...");
+            empty where upstream's kernels keep running.
+        scan_kernels: transformers' kernels (as its "falling back" notices name them) that the scan stands in for.
+        kernel_packages: the pip packages whose CUDA kernels transformers' own path of this family would use.
     """
 
     model_types: tuple[str, ...]
     install: Callable[[torch.nn.Module], None]
     state_spec: Callable[[torch.nn.Module, int], ModelStateSpec]
+    scan: str = ""
+    scan_kernels: tuple[str, ...] = ()
+    kernel_packages: tuple[str, ...] = ()
+
+    def explain_kernels(self, model: torch.nn.Module, devices: Iterable[torch.device]) -> None:
+        """Drop transformers' "falling back" notices of the kernels ``scan`` stands in for inside this model's
+        forwards with its cache (:mod:`hf_hybridcache._compat.kernel_notices`), and say once per process, model
+        class and device type which path runs what: a warning where a kernel package is missing (where
+        transformers' own notices would have shown), at info level otherwise. ``devices`` are the layers' devices:
+        the line speaks of CUDA when any is a CUDA device."""
+        if not self.scan_kernels:
+            return
+        device = max((torch.device(d) for d in devices), key=lambda d: d.type == "cuda")
+        _compat.quiet_kernel_notices(model, self.scan_kernels)
+        key = f"{type(model).__name__}/{device.type}"
+        if key in _explained:
+            return
+        _explained.add(key)
+        missing = [p for p in self.kernel_packages if importlib.util.find_spec(p.replace("-", "_")) is None]
+        fast = "Triton" if device.type == "cuda" and kernels.backend.triton_available() else "torch"
+        stock = f"its PyTorch reference: {' and '.join(missing)} not installed" if missing else "CUDA kernels"
+        named = " / ".join(f"`{k}`" for k in self.scan_kernels)
+        logger.log(
+            logging.WARNING if missing else logging.INFO,
+            f"hf_hybridcache: {type(model).__name__} on {device.type}: {self.scan} ({fast}) in place of transformers' "
+            f"{named}; decode steps and the other prefills run transformers' own kernels ({stock}). On CUDA, `pip install "
+            f"{' '.join(self.kernel_packages)}` speeds up those; hf_hybridcache's scan does not use them.",
+        )
 
     def spec_for(self, model: torch.nn.Module, block_size: int) -> ModelStateSpec:
         """``state_spec`` with the sliding windows of the attention layers transformers caches as sliding-window

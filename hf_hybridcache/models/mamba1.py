@@ -19,6 +19,14 @@ from transformers.activations import ACT2FN
 
 from .. import _compat
 
+#: What the Mamba-1 families tell :meth:`~hf_hybridcache.models.base.ModelSupport.explain_kernels`: the patched mixer's
+#: own causal conv and scan (:func:`causal_conv`, :func:`~hf_hybridcache.kernels.selective_scan`) replace upstream's.
+KERNELS = dict(
+    scan="prefills that store checkpoints or continue a restored state run hf_hybridcache's Mamba-1 scan",
+    scan_kernels=("selective_scan_fn", "causal_conv1d_fn"),
+    kernel_packages=("mamba-ssm", "causal-conv1d"),
+)
+
 #: ``(mixer, hidden_states [B, T, hidden], cache, attention_mask [B, T] or None, ssm_state or None, positions)
 #: -> mixer output [B, T, hidden]``: the mixer's full-sequence path, starting from ``ssm_state`` (the cached SSM state,
 #: None for zeros) and handing the states after ``positions`` tokens to ``cache.capture_states``.

@@ -194,4 +194,7 @@ def mamba2_support(model_types: tuple[str, ...], variant: Mamba2Variant) -> Mode
         model_types=model_types,
         install=functools.partial(install_mixers, variant=variant),
         state_spec=functools.partial(state_spec, variant=variant),
+        scan="prefills that store checkpoints run hf_hybridcache's Mamba-2 chunked scan",
+        scan_kernels=("mamba_chunk_scan_combined", "causal_conv1d_fn"),
+        kernel_packages=("mamba-ssm", "causal-conv1d"),
     )

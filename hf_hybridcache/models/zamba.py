@@ -24,7 +24,7 @@ from .. import _compat
 from ..config import MambaLayerSpec, ModelStateSpec, TensorSpec
 from ..kernels import selective_scan
 from .base import ModelSupport, attention_layer_spec
-from .mamba1 import apply_padding_mask, causal_conv, conv_states_at, patch_mixers
+from .mamba1 import KERNELS, apply_padding_mask, causal_conv, conv_states_at, patch_mixers
 
 MIXER_CLASS = "ZambaMambaMixer"
 
@@ -115,4 +115,4 @@ def state_spec(model: torch.nn.Module, block_size: int) -> ModelStateSpec:
     return ModelStateSpec(tuple(attention), tuple(mamba), block_size)
 
 
-SUPPORT = ModelSupport(model_types=("zamba",), install=install, state_spec=state_spec)
+SUPPORT = ModelSupport(model_types=("zamba",), install=install, state_spec=state_spec, **KERNELS)
