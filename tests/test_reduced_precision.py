@@ -18,7 +18,7 @@ from conftest import cold_states, greedy, random_ids
 from transformers import DynamicCache
 
 from benchmarks.bf16_multiturn import chat
-from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
 from hf_hybridcache.toy import VOCAB_SIZE, build_model
 
 #: 3-turn chats, 8 seeds: turn 1 a random prompt of 37 + seed tokens, turn k = turn k-1 + its 16-token reply + 7 new.
@@ -127,7 +127,7 @@ def test_a_batch_replays_each_row_from_before_its_batched_step():
     rows = [torch.randint(6, VOCAB_SIZE, (n,), generator=g).tolist() for n in (37, 40)]
     ids = torch.tensor([[0] * 3 + rows[0], rows[1]])
     mask = torch.tensor([[0] * 3 + [1] * 37, [1] * 40])
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=27, min_new_tokens=27,
+    out = model.generate(ids, attention_mask=mask, **{CACHE_KWARG: cache}, max_new_tokens=27, min_new_tokens=27,
                          do_sample=False)
     # Row 0 consumed 37 + 26 tokens (decode end 48), row 1 40 + 26 (64); both replay from 32.
     assert cache.stats.replayed_reply_tokens == 16 + 32

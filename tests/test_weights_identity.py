@@ -3,6 +3,7 @@ element, a LoRA merged into one module) never serve entries of the old weights t
 or the shared tier, on every family; writes through ``param.data``; what the per-request check reads."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from redis_server import RedisServer, require_redis
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hf_hybridcache import HybridPrefixCache, _compat, weights
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache, _compat, weights
 from hf_hybridcache.toy import build_model
 from hf_hybridcache.weights import RUN_ELEMENTS, tensor_digest
 
@@ -69,7 +70,9 @@ def merge_lora_into_one_module(model, ids):
     """A LoRA adapter on one projection, merged into its weight (peft writes it through ``weight.data``)."""
     torch.manual_seed(11)  # the same adapter for every copy of the model
     config = peft.LoraConfig(r=4, target_modules=[_tallest_projection(model)[0]], init_lora_weights=False)
-    assert peft.get_peft_model(model, config).merge_and_unload() is model
+    with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        assert peft.get_peft_model(model, config).merge_and_unload() is model
 
 
 SPARSE_EDITS = [edit_embedding_rows, edit_one_projection_row, edit_one_bias_element, merge_lora_into_one_module]
@@ -167,7 +170,9 @@ def test_rescaled_adapter_is_a_weights_state_of_its_own():
     for _ in range(2):
         torch.manual_seed(12)
         config = peft.LoraConfig(r=4, target_modules=["in_proj"], init_lora_weights=False)
-        lora.append(peft.get_peft_model(build_model("jamba", seed=0), config))
+        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            lora.append(peft.get_peft_model(build_model("jamba", seed=0), config))
     (model, reference), ids = lora, random_ids(40, seed=482)
     cache = HybridPrefixCache(model.base_model.model, retention_interval="dense")
     expected = greedy(reference, ids, None, NEW_TOKENS)
@@ -187,7 +192,7 @@ def test_requests_with_unchanged_weights_do_not_read_them_again(family, model, m
     reads = []
     monkeypatch.setattr(weights, "weights_identity", lambda m: reads.append(m) or "")
     for _ in range(2):
-        model.generate(random_ids(40, seed=483), past_key_values=cache, max_new_tokens=3, do_sample=False)
+        model.generate(random_ids(40, seed=483), **{CACHE_KWARG: cache}, max_new_tokens=3, do_sample=False)
     assert reads == [] and cache.last_hit_tokens == [32]
 
 
@@ -213,7 +218,7 @@ def test_offloaded_weights_are_read_from_accelerate_maps(tmp_path):
 def test_files_named_by_the_sampled_fingerprint_are_refused(old_format, tmp_path):
     model = build_model("jamba", seed=0)
     cache = HybridPrefixCache(model)
-    model.generate(random_ids(40, seed=484), past_key_values=cache, max_new_tokens=3, do_sample=False)
+    model.generate(random_ids(40, seed=484), **{CACHE_KWARG: cache}, max_new_tokens=3, do_sample=False)
     cache.save(tmp_path / "new.safetensors")
     with safe_open(tmp_path / "new.safetensors", framework="pt") as f:
         metadata, tensors = {**f.metadata(), "format": old_format}, {n: f.get_tensor(n) for n in f.keys()}
