@@ -42,6 +42,7 @@ def explain_call(cache, input_ids, salt: str | None, remote: bool, attention_mas
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise ValueError(f"`salt` must be a non-empty string naming the tenant, or None; got {salt!r}.")
     ids = torch.as_tensor(input_ids)
+    ids = ids.long() if ids.numel() == 0 else ids  # torch.as_tensor([]) is float32: an empty prompt, not float ids
     ids = ids[None] if ids.dim() == 1 else ids
     lifecycle.check_request(cache, ids)
     with cache.core.lock:
