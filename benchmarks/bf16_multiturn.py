@@ -84,7 +84,7 @@ def stock_continuation(model, ids: torch.Tensor, path: Path, new_tokens: int):
             for lo in range(start, end) if steps else [start]:
                 hi = lo + 1 if steps else end
                 positions = torch.arange(lo, hi)[None]
-                model(ids[:, lo:hi], past_key_values=past, use_cache=True, position_ids=positions)
+                model(ids[:, lo:hi], **{CACHE_KWARG: past}, use_cache=True, position_ids=positions)
     return greedy(model, ids, new_tokens, past)
 
 

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
 from hf_hybridcache.toy import VOCAB_SIZE, build_model
 
 #: A model size at which a forward on CPU takes long enough to time: the Space demo's built-in model.
@@ -46,7 +46,7 @@ def store_prompt(cache: HybridPrefixCache, ids: torch.Tensor) -> None:
     """Store ``ids`` as a request would, without running the model's decode: one cached forward of the prompt."""
     cache.reset()
     with torch.no_grad():
-        cache.model(ids, past_key_values=cache, use_cache=True)
+        cache.model(ids, **{CACHE_KWARG: cache}, use_cache=True)
     cache.reset()
 
 
@@ -60,7 +60,7 @@ def scenarios(model, ids: torch.Tensor):
     longer = torch.cat([ids, ids[:, :64]], dim=1)
     cache.clear()
     with torch.no_grad():
-        cache.model(longer, past_key_values=cache, use_cache=True)  # checkpoints at its end only
+        cache.model(longer, **{CACHE_KWARG: cache}, use_cache=True)  # checkpoints at its end only
     cache.reset()
     yield "no_checkpoint", cache, tokens[: len(tokens) - 8]
     cache.clear()

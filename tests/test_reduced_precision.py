@@ -147,10 +147,10 @@ def test_a_direct_forward_after_generate_continues_the_decoded_state():
     seq = greedy(model, ids, cache, new_tokens=27)[0]
     past = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(seq[:, :37], past_key_values=past, use_cache=True)
+        model(seq[:, :37], **{CACHE_KWARG: past}, use_cache=True)
         for t in range(37, seq.shape[1] - 1):
-            model(seq[:, t : t + 1], past_key_values=past, use_cache=True)
-        expected = model(seq[:, -1:], past_key_values=past, use_cache=True).logits
-        got = model(seq[:, -1:], past_key_values=cache, use_cache=True).logits
+            model(seq[:, t : t + 1], **{CACHE_KWARG: past}, use_cache=True)
+        expected = model(seq[:, -1:], **{CACHE_KWARG: past}, use_cache=True).logits
+        got = model(seq[:, -1:], **{CACHE_KWARG: cache}, use_cache=True).logits
     assert cache.get_seq_length() == seq.shape[1]
     assert torch.equal(got, expected)
