@@ -25,6 +25,9 @@ Private APIs touched, and why each is needed (transformers 5.23 - 5.24):
 - ``transformers.integrations.sdpa_attention.use_gqa_in_sdpa``, rebound to a router that, inside this package's
   forwards on CPU, lets a masked multi-query call use SDPA's ``enable_gqa`` instead of ``repeat_kv`` copies (same
   output bit for bit; see :mod:`.attention`), and answers as before everywhere else.
+- transformers' continuous batching (:mod:`.continuous_batching`, :mod:`.engine_attention`): an instance-level
+  ``init_continuous_batching`` returning the engine's manager, its data classes and logits processors, and the
+  attention implementation re-registered in ``AttentionInterface`` to apply an engine step's masks.
 - accelerate's ``_hf_hook`` / ``_old_forward`` / ``weights_map`` / ``execution_device`` and transformers'
   ``force_accelerate_hooks``: instance patches must sit under accelerate's hooks, and offloaded weights and layer
   devices are read from them.
@@ -41,6 +44,8 @@ import transformers
 from packaging.version import Version
 
 from .accelerate import execution_device, force_accelerate_hooks, parameter_values, patch_instance_forward
+from .attention import package_forward
+from .continuous_batching import install_manager_hook
 from .generation import (
     CACHE_KWARG,
     Hooks,
@@ -85,7 +90,9 @@ __all__ = [
     "get_kv",
     "get_linear_state",
     "install_hooks",
+    "install_manager_hook",
     "new_live_layers",
+    "package_forward",
     "parameter_values",
     "patch_instance_forward",
     "route_module_function",
