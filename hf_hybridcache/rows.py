@@ -35,6 +35,10 @@ class Row:
             (0: none, or divergence admission is off).
         stop_at: tokens after which generate() feeds this row the pad id (its stopping criteria finished it).
         finished: the row ended in a batch and is now fed padding, which is not recorded.
+        prefill_tokens: when replies are replayed, the row's tokens before its first decode step (a one-token
+            forward over a cached state); blocks and checkpoints past them are not stored while the request runs
+            (:mod:`~hf_hybridcache.reply_replay` stores them from one prefill when ``generate()`` ends). None: no
+            decode step yet, or replies are not replayed.
     """
 
     prompt_tokens: int
@@ -49,6 +53,12 @@ class Row:
     divergence_tokens: int = 0
     stop_at: int | None = None
     finished: bool = False
+    prefill_tokens: int | None = None
+
+    @property
+    def storable_tokens(self) -> int:
+        """Tokens whose blocks and checkpoints may be stored now."""
+        return len(self.token_ids) if self.prefill_tokens is None else self.prefill_tokens
 
 
 def store_row_blocks(
@@ -62,7 +72,7 @@ def store_row_blocks(
     Dv])}``), or the page ``page_of_block(index)`` of the store's page pool that already holds it (stored by
     reference)."""
     bs = store.block_size
-    while row.storing and len(row.block_ids) < len(row.token_ids) // bs:
+    while row.storing and len(row.block_ids) < row.storable_tokens // bs:
         index = len(row.block_ids)
         source = (
             {"page": page_of_block(index)} if page_of_block is not None else {"make_kv": lambda: live_block_kv(index)}

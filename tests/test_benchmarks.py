@@ -61,16 +61,17 @@ def test_jsonl_without_replies_is_refused_with_advice(tmp_path):
         load_jsonl_chats(str(path))
 
 
-@pytest.mark.parametrize("eviction", ["flop_aware", "lru"])
-def test_simulated_hits_equal_real_hits(eviction):
+@pytest.mark.parametrize("eviction,replay_replies", [("flop_aware", False), ("lru", False), ("flop_aware", True)])
+def test_simulated_hits_equal_real_hits(eviction, replay_replies):
     """Real greedy runs of an agent-tree trace under a budget that forces evictions, then the same trace (prompts and
-    the tokens generate() produced) through the simulator on a meta copy of the model: same hits, same stats."""
+    the tokens generate() produced) through the simulator on a meta copy of the model: same hits, same stats (with
+    replies replayed at the end of generate(), as bf16 models do by default, too)."""
     model = build_model("jamba", seed=0)
     tokenizer = byte_tokenizer()
     requests = tokenize_workload(agent_tree(num_tasks=3, max_steps=2, trunk_chars=1700, seed=3), tokenizer)[:6]
     probe = HybridPrefixCache(model)
     budget = 200 * probe.spec.kv_block_bytes + 3 * probe.spec.checkpoint_bytes
-    options = dict(max_cache_bytes=budget, eviction=eviction, seed=b"simulation")
+    options = dict(max_cache_bytes=budget, eviction=eviction, seed=b"simulation", replay_replies=replay_replies)
     cache = HybridPrefixCache(model, **options)
     real_hits, trace = [], []
     for request in requests:
@@ -82,8 +83,9 @@ def test_simulated_hits_equal_real_hits(eviction):
     simulated = replay(HybridPrefixCache(meta_model(model.config, model.dtype), **options), trace)
     assert simulated.hits == real_hits
     real, sim = cache.stats, simulated.stats
+    assert (real.replayed_reply_tokens > 0) == replay_replies
     for name in ("kv_blocks", "checkpoints", "stored_bytes", "evicted_kv_blocks", "evicted_checkpoints",
-                 "divergence_checkpoints", "hit_tokens"):
+                 "divergence_checkpoints", "hit_tokens", "replayed_reply_tokens"):
         assert getattr(sim, name) == getattr(real, name), name
 
 
@@ -108,6 +110,19 @@ def test_ttft_runs_on_a_tiny_real_shape(capsys):
     row = next(line for line in out.splitlines() if line.strip().startswith("64 |") and "-" in line.split("|")[1])
     hit_tokens, max_logit_diff = row.split("|")[-1].split()
     assert int(hit_tokens) == 64 and float(max_logit_diff) < 1e-4
+
+
+def test_weights_identity_runs_on_tiny_real_shapes(capsys):
+    """``weights_identity.py``: one row per shape and dtype, the full identity and the per-request check timed (it
+    asserts that the check with unchanged weights changes nothing)."""
+    from benchmarks import weights_identity
+
+    weights_identity.main(["--shapes", "qwen3_5_text:tiny", "--dtypes", "float32", "bfloat16", "--repeats", "1",
+                           "--check-calls", "2"])
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| qwen")]
+    assert [(row[0].strip(), row[1].strip()) for row in rows] == [("qwen3_5_text:tiny", "float32"),
+                                                                    ("qwen3_5_text:tiny", "bfloat16")]
+    assert all(float(row[7]) > 0 and row[9].strip().endswith("%") for row in rows)
 
 
 def test_model_shapes_build_with_their_layer_pattern():

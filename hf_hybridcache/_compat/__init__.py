@@ -43,7 +43,7 @@ import warnings
 import transformers
 from packaging.version import Version
 
-from .accelerate import execution_device, force_accelerate_hooks, parameter_values, patch_instance_forward
+from .accelerate import execution_device, force_accelerate_hooks, patch_instance_forward, weight_tensors
 from .attention import package_forward
 from .continuous_batching import install_manager_hook
 from .generation import (
@@ -93,7 +93,6 @@ __all__ = [
     "install_manager_hook",
     "new_live_layers",
     "package_forward",
-    "parameter_values",
     "patch_instance_forward",
     "route_module_function",
     "run_forward",
@@ -101,6 +100,7 @@ __all__ = [
     "set_linear_state",
     "sliding_windows",
     "split_mixer_call",
+    "weight_tensors",
 ]
 
 _warned_versions: set[str] = set()
