@@ -21,7 +21,7 @@ def alone(cold_model, prompt: list[int], max_new_tokens: int, eos_token_id=None)
 
 
 def config(max_new_tokens: int = 6, **kwargs) -> GenerationConfig:
-    return GenerationConfig(max_new_tokens=max_new_tokens, **GREEDY, **kwargs)
+    return GenerationConfig(max_new_tokens=max_new_tokens, **{**GREEDY, **kwargs})
 
 
 def finals(manager, request_ids, timeout: float = 300.0) -> dict:

@@ -112,8 +112,8 @@ def test_preemption_under_tight_bounds_recomputes_exactly(model, cold_model):
     """Six requests that cannot all hold their pages at once (a store budget of a few blocks keeps them from handing
     their pages to the store): the newest are preempted and resume from what the store holds."""
     cache = HybridPrefixCache(model)
-    cache.max_cache_bytes = 4 * cache.spec.kv_block_bytes + 2 * cache.spec.checkpoint_bytes
-    limits = EngineLimits(max_running_requests=4, max_batch_tokens=48, max_running_pages=12, max_request_tokens=160)
+    cache.max_cache_bytes = 3 * cache.spec.kv_block_bytes + cache.spec.checkpoint_bytes
+    limits = EngineLimits(max_running_requests=4, max_batch_tokens=48, max_running_pages=6, max_request_tokens=160)
     prompts = {f"r{i}": ids(20 + 7 * i, seed=960 + i) for i in range(6)}
     manager = cache.init_continuous_batching(config(max_new_tokens=40), limits=limits)
     manager.start()

@@ -57,6 +57,11 @@ def install_router(model: torch.nn.Module) -> None:
         ValueError: the model uses an attention implementation the engine cannot mask (flash attention, flex).
     """
     name = model.config._attn_implementation
+    if name == "paged|eager":
+        # transformers' own manager switches an eager model to its paged eager attention before it refuses a hybrid
+        # ("Invalid layer type") and only switches back in stop(), which it never reaches: undo it here.
+        model.set_attn_implementation("eager")
+        name = "eager"
     if name not in SUPPORTED:
         raise ValueError(
             f"Continuous batching with HybridPrefixCache needs attn_implementation 'sdpa' or 'eager', and this model "
