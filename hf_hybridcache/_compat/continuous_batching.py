@@ -38,6 +38,7 @@ __all__ = [
     "cache_parameter",
     "install_manager_hook",
     "logits_processors",
+    "group_argument",
     "processor_args",
     "reads_absolute_positions",
     "wrap_instance_forward",
@@ -129,3 +130,22 @@ def reads_absolute_positions(module: torch.nn.Module) -> bool:
     (``get_query_offset``: Inkling's log-scaled attention), so that a batch of rows at different positions needs one
     call per position."""
     return any("get_query_offset" in inspect.unwrap(type(m).forward).__code__.co_names for m in module.modules())
+
+
+#: Arguments a model computes once per forward from its cache's sizes and hands to its attention modules, which a
+#: group of an engine step must get computed from its own view instead: Inkling 2's ``relative_distance``
+#: ``[query_length, key_length]`` (5.24: ``get_relative_distance`` in ``modeling_inkling2.py``, from the layer's
+#: ``get_mask_sizes`` and ``get_query_offset``).
+GROUP_ARGUMENTS = ("relative_distance",)
+
+
+def group_argument(
+    name: str, module: torch.nn.Module, arguments: dict, view, num_tokens: int, device: torch.device
+) -> torch.Tensor:
+    """The group's own value of ``name`` (one of :data:`GROUP_ARGUMENTS`) for ``module`` called with ``arguments``
+    (by name), from ``view`` (a cache of the group's rows) and its ``num_tokens`` queries per row."""
+    layer_idx = module.layer_idx + (arguments.get("cache_offset") or 0)  # the cache layer holding its keys
+    num_keys, kv_offset = view.get_mask_sizes(num_tokens, layer_idx)
+    queries = torch.arange(num_tokens, device=device) + view.get_query_offset(layer_idx)
+    keys = torch.arange(num_keys, device=device) + kv_offset
+    return queries[:, None] - keys[None, :]

@@ -25,7 +25,14 @@ import inspect
 import torch
 
 from .. import _compat
-from .._compat.continuous_batching import bind_call, cache_parameter, reads_absolute_positions, wrap_instance_forward
+from .._compat.continuous_batching import (
+    GROUP_ARGUMENTS,
+    bind_call,
+    cache_parameter,
+    group_argument,
+    reads_absolute_positions,
+    wrap_instance_forward,
+)
 from .._compat.engine_attention import group_attention
 from .plan import Group
 from .views import StepCache
@@ -64,7 +71,7 @@ def _grouped_forward(module, *args, **kwargs):
         parts = group.split_by_past() if group.is_decode and vars(module)[_POSITIONAL] else [group]
         for part in parts:
             view = step.view(part)
-            call_args, call_kwargs = _for_group(bound, step, view, part)
+            call_args, call_kwargs = _for_group(module, bound, step, view, part)
             with group_attention(view):
                 out = inner(*call_args, **call_kwargs)
             view.write_back()
@@ -72,9 +79,14 @@ def _grouped_forward(module, *args, **kwargs):
     return _pack(outputs)
 
 
-def _for_group(bound: inspect.BoundArguments, step: StepCache, view, group: Group):
-    """The call's arguments for ``group``: the view for the step cache, token tensors cut to ``[G, T, ...]``."""
+def _for_group(module, bound: inspect.BoundArguments, step: StepCache, view, group: Group):
+    """The call's arguments for ``group``: the view for the step cache, token tensors cut to ``[G, T, ...]``, and
+    the arguments a model derives from its cache's sizes computed again from the view."""
     arguments = {name: _cut(value, step, view, group) for name, value in bound.arguments.items()}
+    for name in GROUP_ARGUMENTS:
+        value = arguments.get(name)
+        if isinstance(value, torch.Tensor):
+            arguments[name] = group_argument(name, module, arguments, view, group.num_tokens, value.device)
     cut = inspect.BoundArguments(bound.signature, arguments)
     return cut.args, cut.kwargs
 
