@@ -51,6 +51,22 @@ def test_long_and_short_prompts_eos_and_lengths_match_each_alone(model, cold_mod
     check_store(cache)
 
 
+def test_context_manager_add_requests_and_streaming(model, cold_model):
+    """transformers' own verbs on the model: continuous_batching_context_manager, add_requests, request_id_iter."""
+    cache = HybridPrefixCache(model)
+    prompts = [ids(18, seed=925), ids(37, seed=926)]
+    with model.continuous_batching_context_manager(generation_config=config(max_new_tokens=5)) as manager:
+        first, second = manager.add_requests(prompts, max_new_tokens=5, streaming=True)
+        streamed = [output.generated_tokens for output in manager.request_id_iter(first)]
+        final = finals(manager, [second])[second]
+    assert manager.batch_processor is not None and not manager.is_running()
+    expected = alone(cold_model, prompts[0], 5)
+    assert streamed == [expected[:n] for n in range(1, 6)]  # one output per token, the last one final
+    assert final.generated_tokens == alone(cold_model, prompts[1], 5)
+    assert cache.stats.requests == 2
+    check_store(cache)
+
+
 def test_bad_requests_and_cancellations_disturb_no_one(model, cold_model):
     cache = HybridPrefixCache(model)
     good = {name: ids(30 + i, seed=940 + i) for i, name in enumerate(["g0", "g1", "g2"])}

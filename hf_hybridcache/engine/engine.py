@@ -234,7 +234,7 @@ class Engine:
         if request.asked or request.is_admitted:
             return
         self._hash_chain(request, self.core.root(request.salt))
-        chain = request.chain_hashes[: (len(request.tokens) - 1) // self.block_size]
+        chain = request.chain_hashes[: (len(request.tokens) - self.core.options.min_tail_tokens) // self.block_size]
         first = next((i for i, h in enumerate(chain) if h in self.inflight), None)
         if first is not None:
             request.asked = self._waits_for_inflight(request, first)
@@ -248,7 +248,8 @@ class Engine:
     def _waits_for_inflight(self, request: EngineRequest, hit_blocks: int) -> bool:
         """Whether ``request`` should wait: a running request is computing its next blocks after the hit. That
         request then keeps a checkpoint where the two prompts part (or where it is now, if it is further)."""
-        chain = request.chain_hashes[: (len(request.tokens) - 1) // self.block_size]  # a hit leaves one token to run
+        tail = self.core.options.min_tail_tokens  # tokens a hit leaves to run
+        chain = request.chain_hashes[: (len(request.tokens) - tail) // self.block_size]
         if hit_blocks >= len(chain):
             return False
         owner = self.inflight.get(chain[hit_blocks])

@@ -33,17 +33,21 @@ def emit_positions(segment: Segment, block_size: int, retention_tokens: int) -> 
 
 
 def store_segment(core: CacheCore, segment: Segment, slots: StateSlots, block_size: int, retention_tokens: int) -> None:
-    """Store what ``segment``'s chunk completed (after the step's forward succeeded)."""
+    """Store what ``segment``'s chunk completed (after the step's forward succeeded). With ``replay_replies`` (bf16,
+    fp16) nothing past a request's first decode step is stored: a decode step rounds differently from a prefill
+    there (:mod:`~hf_hybridcache.reply_replay`), and the engine does not replay replies."""
     request = segment.request
     row = request.row
+    if segment.is_decode and core.options.replay_replies and row.prefill_tokens is None:
+        row.prefill_tokens = len(row.token_ids)
     row.token_ids.extend(segment.tokens)
     blocks_before = len(row.block_ids)
     core.store_pages(row, lambda index: request.pages[index])
     for index in range(blocks_before, len(row.block_ids)):
         if core.store.page_of(row.block_ids[index]) == request.pages[index]:
             request.own_pages.discard(request.pages[index])  # the store owns the page now
-    captured = dict(segment.captured)
-    if segment.end % block_size == 0:
+    captured = {b: states for b, states in segment.captured.items() if b <= row.storable_tokens}
+    if segment.end % block_size == 0 and segment.end <= row.storable_tokens:
         captured[segment.end] = slots.read(request.slot)
     if not captured:
         return
