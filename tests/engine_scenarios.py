@@ -20,6 +20,16 @@ def alone(cold_model, prompt: list[int], max_new_tokens: int, eos_token_id=None)
     return out[0, len(prompt):].tolist()
 
 
+def alone_logprobs(cold_model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """The request alone (greedy generate() without any cache): its tokens and each one's log-probability."""
+    with torch.no_grad():
+        out = cold_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, output_logits=True,
+                                  return_dict_in_generate=True, **GREEDY)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
+    return tokens, logprobs
+
+
 def config(max_new_tokens: int = 6, **kwargs) -> GenerationConfig:
     return GenerationConfig(max_new_tokens=max_new_tokens, **{**GREEDY, **kwargs})
 

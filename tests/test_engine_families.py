@@ -5,7 +5,8 @@ engine, engine -> generate()); transformers' own continuous batching refuses the
 import pytest
 import torch
 from conftest import greedy, random_ids
-from engine_scenarios import alone, config, finals, ids
+from engine_scenarios import alone, alone_logprobs, config, finals, ids
+from transformers import ContinuousBatchingConfig
 
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.checks import check_store
@@ -25,7 +26,9 @@ def test_requests_arriving_at_different_times_match_each_alone(model, cold_model
         "e": SHARED + ids(5, seed=905),
     }
     new_tokens = {"a": 7, "b": 5, "c": 6, "d": 6, "e": 4}
-    manager = model.init_continuous_batching(generation_config=config())
+    manager = model.init_continuous_batching(
+        generation_config=config(), continuous_batching_config=ContinuousBatchingConfig(return_logprobs=True)
+    )
     manager.start()
     try:
         for name in "abc":
@@ -39,7 +42,9 @@ def test_requests_arriving_at_different_times_match_each_alone(model, cold_model
         manager.stop()
     for name, prompt in prompts.items():
         assert outputs[name].error is None, outputs[name].error
-        assert outputs[name].generated_tokens == alone(cold_model, prompt, new_tokens[name]), f"request {name}"
+        tokens, logprobs = alone_logprobs(cold_model, prompt, new_tokens[name])
+        assert outputs[name].generated_tokens == tokens, f"request {name}"
+        assert max(abs(a - b) for a, b in zip(outputs[name].logprobs, logprobs)) < 1e-4, f"request {name}"
     assert outputs["e"].hit_tokens == 32 and outputs["b"].hit_tokens == 0
     check_store(cache)
     other = torch.tensor([SHARED + ids(11, seed=906)])
