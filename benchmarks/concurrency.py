@@ -48,7 +48,7 @@ from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
 from hf_hybridcache.toy import build_model
 
 SYSTEM_TOKENS, QUESTION_TOKENS, FIRST_MESSAGE_TOKENS, NEW_TOKENS = 1024, 32, 256, 32
-METHODS = ("engine", "serial", "threads", "static", "stock")
+METHODS = ("serial", "static", "engine", "threads", "stock")  # the ratios' bases first: rows print as they come
 VOCAB = 262
 
 
@@ -156,7 +156,7 @@ def serve_generate(model, users: list[User], cache, new_tokens: int, start: floa
         reply = None
         for turn in range(len(user.turns)):
             _wait_until(start, user.arrival)
-            user.turn_sent_at.append(max(time.perf_counter(), start + user.arrival))
+            user.turn_sent_at.append(start + user.arrival if turn == 0 else time.perf_counter())  # queueing counts
             (reply,), at = _generate(model, [user.prompt(turn, reply)], cache, new_tokens)
             user.first_token_at.append(at)
             user.generated += len(reply)
@@ -198,10 +198,15 @@ def serve_engine(model, users: list[User], cache, new_tokens: int, start: float)
         next_user = 0
         while next_user < len(order) or pending:
             now = time.perf_counter() - start
+            due = []
             while next_user < len(order) and users[order[next_user]].arrival <= now:
-                i = order[next_user]
-                pending[_add(manager, users[i], i, 0, None, start)] = (users[i], 0)
+                due.append(order[next_user])
                 next_user += 1
+            if due:  # users arriving together are sent together (the engine starts them in one step)
+                for i in due:
+                    users[i].turn_sent_at.append(start + users[i].arrival)
+                request_ids = manager.add_requests([users[i].prompt(0, None) for i in due], streaming=True)
+                pending.update({request_id: (users[i], 0) for request_id, i in zip(request_ids, due)})
             output = manager.get_result(timeout=0.002)
             if output is None:
                 continue
@@ -214,15 +219,12 @@ def serve_engine(model, users: list[User], cache, new_tokens: int, start: float)
             assert output.error is None, output.error
             user.generated += len(output.generated_tokens)
             if turn + 1 < len(user.turns):
-                index = users.index(user)
-                pending[_add(manager, user, index, turn + 1, output.generated_tokens, start)] = (user, turn + 1)
+                user.turn_sent_at.append(time.perf_counter())
+                prompt = user.prompt(turn + 1, output.generated_tokens)
+                pending[manager.add_request(prompt, request_id=f"u{users.index(user)}t{turn + 1}",
+                                            streaming=True)] = (user, turn + 1)
     finally:
         manager.stop()
-
-
-def _add(manager, user: User, index: int, turn: int, reply, start: float) -> str:
-    user.turn_sent_at.append(max(time.perf_counter(), start + user.arrival))
-    return manager.add_request(user.prompt(turn, reply), request_id=f"u{index}t{turn}", streaming=True)
 
 
 SERVE = dict(engine=serve_engine, serial=serve_generate, threads=serve_threads, static=serve_static,
@@ -274,14 +276,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"fp32, {args.threads} torch thread(s); {new_tokens} new tokens per request")
         for workload_name in args.workloads:
             for arrivals in args.arrivals:
+                print(f"\nworkload ({workload_name}), arrivals: {arrivals}")
+                print("| requests | method | tokens/s | vs serial | vs static | TTFT p50 (s) | TTFT p95 (s) | hit rate "
+                      "| peak MiB |")
+                print("|---:|---|---:|---:|---:|---:|---:|---:|---:|", flush=True)
                 table = []
                 for level in args.levels:
-                    for method in args.methods:
+                    for method in sorted(args.methods, key=METHODS.index):
                         users, warm = workload(workload_name, level, arrivals, args.rate, sizes)
                         row = dict(model=model_name, workload=workload_name, arrivals=arrivals, level=level,
                                    method=method, **run_one(model, method, users, warm, new_tokens))
                         table.append(row)
-                _print(table, model_name, workload_name, arrivals)
+                        _print_row(row, table)
                 _plot(table, args.out, model_name, workload_name, arrivals)
                 rows += table
     return rows
@@ -296,17 +302,12 @@ def _tiny_shrink(model_name: str) -> dict:
                 linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
 
 
-def _print(table: list[dict], model: str, workload_name: str, arrivals: str) -> None:
-    print(f"\nworkload ({workload_name}), arrivals: {arrivals}")
-    print("| requests | method | tokens/s | vs serial | vs static | TTFT p50 (s) | TTFT p95 (s) | hit rate | peak MiB |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
-    for row in table:
-        same = {r["method"]: r for r in table if r["level"] == row["level"]}
-        serial = same.get("serial", {}).get("tokens_per_s")
-        static = same.get("static", {}).get("tokens_per_s")
-        print(f"| {row['level']} | {row['method']} | {row['tokens_per_s']:.1f} | "
-              f"{_ratio(row['tokens_per_s'], serial)} | {_ratio(row['tokens_per_s'], static)} | "
-              f"{row['ttft_p50']:.3f} | {row['ttft_p95']:.3f} | {row['hit_rate']:.3f} | {row['peak_mib']:.0f} |")
+def _print_row(row: dict, table: list[dict]) -> None:
+    same = {r["method"]: r["tokens_per_s"] for r in table if r["level"] == row["level"]}
+    print(f"| {row['level']} | {row['method']} | {row['tokens_per_s']:.1f} | "
+          f"{_ratio(row['tokens_per_s'], same.get('serial'))} | {_ratio(row['tokens_per_s'], same.get('static'))} | "
+          f"{row['ttft_p50']:.3f} | {row['ttft_p95']:.3f} | {row['hit_rate']:.3f} | {row['peak_mib']:.0f} |",
+          flush=True)
 
 
 def _ratio(value: float, base: float | None) -> str:

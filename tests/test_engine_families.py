@@ -64,3 +64,29 @@ def test_generate_batch_shares_an_uncached_prefix_computed_once(model, cold_mode
     assert sorted(o.hit_tokens for o in results[:3]) == [0, 32, 32] and results[3].hit_tokens == 0
     assert cache.stats.requests == 4 and cache.stats.hit_tokens == 64
     check_store(cache)
+
+
+@pytest.mark.parametrize("family", ["zamba2"])
+def test_tenant_salts_separate_the_engine_requests(model, cold_model):
+    """A request's cache_salt (or its view's salt) chains its blocks apart: it reuses only its tenant's prefixes,
+    those stored by generate() on the tenant's view included."""
+    cache = HybridPrefixCache(model)
+    prompt = SHARED + ids(8, seed=920)
+    greedy(model, torch.tensor([prompt]), cache.with_salt("tenant-a"), new_tokens=2)  # stores under tenant-a
+    with model.continuous_batching_context_manager(generation_config=config(max_new_tokens=4)) as manager:
+        manager.add_request(prompt, request_id="other", cache_salt="tenant-b")
+        manager.add_request(prompt, request_id="unsalted")
+        first = finals(manager, ["other", "unsalted"])
+        manager.add_request(prompt, request_id="same", cache_salt="tenant-a")
+        outputs = {**first, **finals(manager, ["same"])}
+    view_manager = cache.with_salt("tenant-b").init_continuous_batching(config(max_new_tokens=4))
+    view_manager.start()
+    try:
+        view_manager.add_request(prompt, request_id="view")  # the view's salt: tenant-b stored it above
+        outputs.update(finals(view_manager, ["view"]))
+    finally:
+        view_manager.stop()
+    assert [outputs[n].hit_tokens for n in ("other", "unsalted", "same", "view")] == [0, 0, 32, 32]
+    for output in outputs.values():
+        assert output.generated_tokens == alone(cold_model, prompt, 4)
+    check_store(cache)

@@ -13,6 +13,7 @@ requests they get (``cb_logits_processors.py``), which :func:`processor_args` ha
 
 from __future__ import annotations
 
+import functools
 import inspect
 import weakref
 from collections.abc import Callable
@@ -120,9 +121,18 @@ def cache_parameter(forward: Callable) -> str | None:
     return next((name for name in CACHE_KWARG_NAMES if name in parameters), None)
 
 
-def bind_call(forward: Callable, args: tuple, kwargs: dict) -> inspect.BoundArguments:
-    """``forward``'s arguments of one call, by name (to replace the cache and split the tensors of a packed call)."""
-    return inspect.signature(forward).bind(*args, **kwargs)
+def bind_call(module: torch.nn.Module, args: tuple, kwargs: dict) -> inspect.BoundArguments:
+    """``module.forward``'s arguments of one call, by name (to replace the cache and split the tensors of a packed
+    call)."""
+    return _forward_signature(type(module).forward).bind(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_signature(function: Callable) -> inspect.Signature:
+    """The signature of a module class's ``forward`` without ``self`` (once per function: every layer of every
+    engine step binds its call)."""
+    signature = inspect.signature(function)
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
 
 
 def reads_absolute_positions(module: torch.nn.Module) -> bool:

@@ -47,6 +47,8 @@ class Engine:
         slots: the running requests' state slots.
         tables: page tables ``[max_running_requests, max pages per request]`` int64, one row per slot.
         preempted: requests preempted so far (each resumed later from the store).
+        peak_running_pages, peak_batch_tokens: the most private pages running requests held at once and the most
+            tokens one step fed (each stays within its bound in ``limits``).
     """
 
     def __init__(self, cache, limits: EngineLimits, runner: StepRunner) -> None:
@@ -64,6 +66,7 @@ class Engine:
         self.core.pinning.append(self.pinned_block_ids)
         self._refused: list[EngineRequest] = []
         self.preempted = 0
+        self.peak_running_pages = self.peak_batch_tokens = 0
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -114,6 +117,9 @@ class Engine:
         if not chunks:
             return refused
         segments = [self._segment(chunk) for chunk in chunks]
+        own = sum(len(r.own_pages) for r in self.scheduler.running)
+        self.peak_running_pages = max(self.peak_running_pages, own)
+        self.peak_batch_tokens = max(self.peak_batch_tokens, sum(len(s.tokens) for s in segments))
         plan = StepPlan(segments, self.tables, self.block_size)
         cache = StepCache(plan, self.spec, self.slots, self.pages)
         try:

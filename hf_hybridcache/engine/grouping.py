@@ -65,7 +65,7 @@ def _grouped_forward(module, *args, **kwargs):
     step = next((v for v in (*args, *kwargs.values()) if isinstance(v, StepCache)), None)
     if step is None:
         return inner(*args, **kwargs)
-    bound = bind_call(type(module).forward.__get__(module), args, kwargs)
+    bound = bind_call(module, args, kwargs)
     outputs = []
     for group in step.plan.groups:
         parts = group.split_by_past() if group.is_decode and vars(module)[_POSITIONAL] else [group]

@@ -113,6 +113,7 @@ class ContinuousBatchingManager:
         self.warmed_up = False
         self._router = OutputRouter()
         self._inbox: queue.Queue[EngineRequest] = queue.Queue()
+        self._intake = threading.Lock()  # held by add_requests while it queues, so the loop takes them together
         self._cancels: queue.Queue[str] = queue.Queue()
         self._wake = threading.Event()
         self._stop_mode: str | None = None
@@ -255,12 +256,14 @@ class ContinuousBatchingManager:
 
     def add_requests(self, inputs: list, max_new_tokens: int | None = None, streaming: bool = False,
                      record_timestamps: bool = False, **logit_processor_kwargs) -> list[str]:
-        """:meth:`add_request` for each prompt of ``inputs``; returns their ids in order."""
-        return [
-            self.add_request(ids, max_new_tokens=max_new_tokens, streaming=streaming,
-                             record_timestamps=record_timestamps, **logit_processor_kwargs)
-            for ids in inputs
-        ]
+        """:meth:`add_request` for each prompt of ``inputs``; returns their ids in order. The loop takes them in
+        one go, so requests sent together start in the same step (equal chunks form one group)."""
+        with self._intake:
+            return [
+                self.add_request(ids, max_new_tokens=max_new_tokens, streaming=streaming,
+                                 record_timestamps=record_timestamps, **logit_processor_kwargs)
+                for ids in inputs
+            ]
 
     def cancel_request(self, request_id: str) -> None:
         """Cancel a request (and its ``num_return_sequences`` children): its slot and pages are freed before the
@@ -347,11 +350,12 @@ class ContinuousBatchingManager:
             self._router.wake()
 
     def _take_queues(self, engine: Engine) -> None:
-        while True:
-            try:
-                engine.add(self._inbox.get_nowait())
-            except queue.Empty:
-                break
+        with self._intake:
+            while True:
+                try:
+                    engine.add(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
         cancelled = []
         while True:
             try:
