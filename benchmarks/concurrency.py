@@ -21,7 +21,7 @@ second). Each way of serving gets a fresh cache warmed the same way and serves t
 - static: one ``generate()`` call with the cache on the left-padded batch of every user's turn, once all arrived;
 - stock: serial ``generate()`` without a cache (transformers alone).
 
-Printed per row: tokens/s (generated tokens over the time from the first arrival to the last token), TTFT p50 / p95
+Printed per row (the run of median tokens/s among ``--repeats`` interleaved runs): tokens/s (generated tokens over the time from the first arrival to the last token), TTFT p50 / p95
 (arrival to first token, seconds), token hit rate (hit tokens / prompt tokens of the measured requests), peak memory
 (largest rise of the process's resident memory during the run, MiB, sampled every 5 ms), and the ratios the bars
 name. Writes ``results/concurrency_<model>_<workload>_<arrivals>.png`` (tokens/s per level). Timing is noisy on a
@@ -258,6 +258,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--levels", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--arrivals", nargs="+", default=["all", "poisson"], choices=["all", "poisson"])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per row (interleaved; the median is printed)")
     parser.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals: users per second")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--out", default="results")
@@ -282,10 +283,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 print("|---:|---|---:|---:|---:|---:|---:|---:|---:|", flush=True)
                 table = []
                 for level in args.levels:
-                    for method in sorted(args.methods, key=METHODS.index):
-                        users, warm = workload(workload_name, level, arrivals, args.rate, sizes)
+                    runs = {}
+                    for _ in range(args.repeats):  # interleaved, so that a busy moment hits every way alike
+                        for method in sorted(args.methods, key=METHODS.index):
+                            users, warm = workload(workload_name, level, arrivals, args.rate, sizes)
+                            runs.setdefault(method, []).append(run_one(model, method, users, warm, new_tokens))
+                    for method, results in runs.items():
+                        median = sorted(results, key=lambda r: r["tokens_per_s"])[(len(results) - 1) // 2]
                         row = dict(model=model_name, workload=workload_name, arrivals=arrivals, level=level,
-                                   method=method, **run_one(model, method, users, warm, new_tokens))
+                                   method=method, **median)
                         table.append(row)
                         _print_row(row, table)
                 _plot(table, args.out, model_name, workload_name, arrivals)
