@@ -10,6 +10,7 @@ from transformers import ContinuousBatchingConfig
 
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.checks import check_store
+from hf_hybridcache.toy import build_model
 
 SHARED = ids(40, seed=900)
 
@@ -89,4 +90,17 @@ def test_tenant_salts_separate_the_engine_requests(model, cold_model):
     assert [outputs[n].hit_tokens for n in ("other", "unsalted", "same", "view")] == [0, 0, 32, 32]
     for output in outputs.values():
         assert output.generated_tokens == alone(cold_model, prompt, 4)
+    check_store(cache)
+
+
+@pytest.mark.parametrize("family", ["jamba"])
+def test_bf16_requests_store_no_decode_steps(family):
+    """With replay_replies (bf16's default) the engine stores a request's blocks up to its first decode step only: a
+    decode step rounds differently from a prefill in bf16, and the engine does not replay replies."""
+    model = build_model(family, seed=0, dtype=torch.bfloat16)
+    cache = HybridPrefixCache(model)
+    assert cache.options.replay_replies
+    outputs = model.generate_batch([ids(40, seed=930)], generation_config=config(max_new_tokens=20))
+    assert len(outputs["req_0"].generated_tokens) == 20
+    assert cache.stats.kv_blocks == 2  # 40 prompt tokens; the 19 decoded ones would complete a third block
     check_store(cache)
