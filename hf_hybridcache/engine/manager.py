@@ -15,7 +15,6 @@ recomputed); the loop itself never dies of a request.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import queue
@@ -119,8 +118,6 @@ class ContinuousBatchingManager:
         self._stop_mode: str | None = None
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
-        self._pause = threading.Condition()
-        self._pause_requests, self._paused = 0, False
 
     # ------------------------------------------------------------------ control
 
@@ -170,26 +167,6 @@ class ContinuousBatchingManager:
             self.stop(block=True, hard_stop=True)
         if vars(self.model).get(KEPT_ATTR) is self:
             del vars(self.model)[KEPT_ATTR]
-
-    @contextlib.contextmanager
-    def pause(self) -> Iterator[None]:
-        """Hold the loop between two steps while the block runs (to change the model in place, say).
-
-        Raises:
-            RuntimeError: the loop is not running.
-        """
-        if not self.is_running():
-            raise RuntimeError("Cannot pause the continuous batching manager: it is not running; call start() first.")
-        with self._pause:
-            self._pause_requests += 1
-            self._wake.set()
-            self._pause.wait_for(lambda: self._paused or not self.is_running())
-        try:
-            yield
-        finally:
-            with self._pause:
-                self._pause_requests -= 1
-                self._pause.notify_all()
 
     # ------------------------------------------------------------------ requests
 
@@ -298,17 +275,6 @@ class ContinuousBatchingManager:
         delivered before registration included). Call from a coroutine."""
         self._router.register(request_id, callback, asyncio.get_running_loop())
 
-    @property
-    def num_running(self) -> int:
-        """Requests admitted now."""
-        return 0 if self.batch_processor is None else len(self.batch_processor.scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests queued or waiting for admission now."""
-        waiting = 0 if self.batch_processor is None else len(self.batch_processor.scheduler.waiting)
-        return waiting + self._inbox.qsize()
-
     def _eos(self, eos_token_id) -> frozenset[int]:
         for candidate in (eos_token_id, self.generation_config.eos_token_id, self.model.config.eos_token_id):
             if candidate is not None:
@@ -327,7 +293,6 @@ class ContinuousBatchingManager:
                     self._stop_mode is None or engine.has_work or not self._inbox.empty()
                 ):
                     self._take_queues(engine)
-                    self._hold_while_paused()
                     if not engine.has_work:
                         self._wake.wait(IDLE_WAIT_S)
                         self._wake.clear()
@@ -345,8 +310,6 @@ class ContinuousBatchingManager:
                 engine.finish(request, RequestStatus.FAILED, reason)
             self._deliver(left)
             engine.close()
-            with self._pause:
-                self._pause.notify_all()
             self._router.wake()
 
     def _take_queues(self, engine: Engine) -> None:
@@ -367,15 +330,6 @@ class ContinuousBatchingManager:
                 engine.finish(request, RequestStatus.FAILED, "cancelled")
                 cancelled.append(request)
         self._deliver(cancelled)
-
-    def _hold_while_paused(self) -> None:
-        with self._pause:
-            if not self._pause_requests:
-                return
-            self._paused = True
-            self._pause.notify_all()
-            self._pause.wait_for(lambda: not self._pause_requests)
-            self._paused = False
 
     def _deliver(self, requests: list[EngineRequest]) -> None:
         outputs = [r.to_output() for r in requests if r.is_finished or r.streaming]
