@@ -139,6 +139,7 @@ class HybridPrefixCache(LiveCache):
         )
         self.core.remote = attach_remote(self, remote, seed_given)
         self._start_view(None)
+        _compat.install_manager_hook(model, self, _manager_for)
 
     def _start_view(self, salt: str | None) -> None:
         """Give this object its own (empty) live state for requests under ``salt``."""
@@ -167,14 +168,15 @@ class HybridPrefixCache(LiveCache):
         for a running call in another thread.
 
         Raises:
-            ValueError: not None or a positive int, or smaller than one KV block plus one checkpoint.
+            ValueError: not None or a positive int, or smaller than one KV block plus one checkpoint, or smaller than
+                the prefixes a serving engine's running requests keep pinned.
             RuntimeError: called from inside a running ``generate()`` in this thread.
         """
         value = DEFAULT_MAX_CACHE_BYTES if max_cache_bytes is None else max_cache_bytes
         options = replace(self.options, max_cache_bytes=value)
         self.spec.check_budget(value)
         with self.core.idle("Changing max_cache_bytes"):
-            lifecycle.end_active_request(self)  # unpins the last request's chain, so everything above the budget can go
+            lifecycle.end_live_requests(self)  # unpins the last requests' chains, so everything above the budget can go
             self.core.set_options(options)
 
     @property
@@ -224,13 +226,13 @@ class HybridPrefixCache(LiveCache):
 
     def reset(self) -> None:
         """End the live request and empty the live layers; stored blocks and checkpoints stay. Waits for a running
-        call in another thread.
+        call on this view in another thread.
 
         Raises:
             RuntimeError: called from inside a running ``generate()`` in this thread (it would empty that call's live
                 layers).
         """
-        with self.core.idle("reset()"):
+        with self.core.view_idle(self, "reset()"):
             lifecycle.end_request(self)
             self.layers = _compat.new_live_layers(self.model.config)
 
@@ -244,7 +246,7 @@ class HybridPrefixCache(LiveCache):
             RuntimeError: called from inside a running ``generate()`` in this thread.
         """
         with self.core.idle("clear()"):
-            lifecycle.end_active_request(self)
+            lifecycle.end_live_requests(self)
             self.layers = _compat.new_live_layers(self.model.config)
             self.core.clear_store()
             self.core.weights.refresh(full=True)
@@ -270,6 +272,27 @@ class HybridPrefixCache(LiveCache):
         Cache.__init__(view, layers=_compat.new_live_layers(self.model.config))
         view._start_view(salt)
         return view
+
+    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, *, limits=None):
+        """A continuous-batching manager serving many requests at once with this cache's store (prefix reuse shared
+        with ``generate()`` calls): :class:`~hf_hybridcache.engine.ContinuousBatchingManager`, with transformers'
+        API (``start``, ``add_request``, ``get_result``, ``request_id_iter``, ``cancel_request``, ``stop``). Requests
+        that pass no ``cache_salt`` use this view's salt. ``model.init_continuous_batching``, ``model.generate_batch``
+        and ``model.continuous_batching_context_manager`` use it too (on the model this cache was built for).
+
+        Args:
+            generation_config: transformers' ``GenerationConfig`` (the model's when None).
+            continuous_batching_config: transformers' ``ContinuousBatchingConfig`` (see the manager).
+            limits: :class:`~hf_hybridcache.engine.EngineLimits` (from the device's memory when None).
+
+        Raises:
+            ValueError: the model's attention implementation is not ``sdpa`` or ``eager``.
+        """
+        from .engine import ContinuousBatchingManager
+
+        return ContinuousBatchingManager(
+            self, generation_config, continuous_batching_config, limits=limits, salt=self.salt
+        )
 
     def save(self, path: str | os.PathLike) -> None:
         """Write every stored KV block and checkpoint, their block hashes, the hash seed and the model identity to
@@ -352,10 +375,15 @@ class HybridPrefixCache(LiveCache):
                 changed dtype or devices.
             RuntimeError: called from inside a running ``generate()`` in this thread.
         """
-        with self.core.idle("restore()"):
+        with self.core.view_idle(self, "restore()"), self.core.calls.call():
             lifecycle.check_request(self, input_ids)
             lifecycle.start_request(self, input_ids, attention_mask, input_ids.shape[0])
             return list(self.last_hit_tokens)
+
+
+def _manager_for(cache: HybridPrefixCache, generation_config, continuous_batching_config):
+    """``model.init_continuous_batching``'s manager (see :meth:`HybridPrefixCache.init_continuous_batching`)."""
+    return cache.init_continuous_batching(generation_config, continuous_batching_config)
 
 
 _HOOKS = _compat.Hooks(

@@ -64,12 +64,12 @@ def check_store(cache, before: dict | None = None) -> dict:
     - every block's hash chains from its parent's hash and its token ids;
     - an entry that was stored before and still is was never written (same checksum): restores copy, decode writes
       only the live cache;
-    - between requests nothing is pinned except the chain of the store's last request.
+    - nothing is pinned except the chains of live requests (each view's last one, a serving engine's running ones).
 
     Raises:
         AssertionError: naming the invariant that does not hold.
     """
-    with cache.core.lock:  # waits for a request running in another thread
+    with cache.core.store_lock:  # one state of the store, between two store operations of any caller
         store = cache.core.store
         over = f"{store.stored_bytes} bytes stored over the budget of {store.max_cache_bytes}"
         _require(store.stored_bytes <= store.max_cache_bytes, over)
@@ -84,16 +84,15 @@ def check_store(cache, before: dict | None = None) -> dict:
                 _require(block.parent_id in blocks, f"block {block.block_id}'s parent is not stored")
                 parent_hash = blocks[block.parent_id].block_hash
                 _require(block_hash(parent_hash, block.token_ids) == block.block_hash, "a hash does not chain")
-        # An entry is the store's dict of tensors: one that is still the same object must still hold the same values
-        # (a checkpoint dropped and stored again for the same block is a new object, maybe recomputed in a batch).
+        # A KV block keeps its id and its page for life, so one stored before and still must hold the same values; a
+        # checkpoint is the store's dict of tensors, and one that is still the same object must too (a checkpoint
+        # dropped and stored again for the same block is a new object, maybe recomputed in a batch).
         now = {(kind, b): (entry, _entry_digest(entry)) for kind, b, _, entry in _entries(blocks.values())}
         if before is not None:
-            same = [key for key in now.keys() & before.keys() if now[key][0] is before[key][0]]
+            same = [key for key in now.keys() & before.keys() if key[0] == "kv" or now[key][0] is before[key][0]]
             changed = [key for key in same if now[key][1] != before[key][1]]
             _require(not changed, f"stored entries were written: {changed[:3]}")
-        request = None if cache.core.active is None else cache.core.active.live.request
-        rows = [] if request is None else request.rows
-        pinned = {block_id for row in rows for block_id in row.block_ids}
+        pinned = cache.core.pinned_block_ids()
         for block in blocks.values():
             _require(block.ref_count == 0 or block.block_id in pinned, f"block {block.block_id} is pinned by nobody")
         return now

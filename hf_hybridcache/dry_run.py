@@ -45,7 +45,7 @@ def explain_call(cache, input_ids, salt: str | None, remote: bool, attention_mas
     ids = ids.long() if ids.numel() == 0 else ids  # torch.as_tensor([]) is float32: an empty prompt, not float ids
     ids = ids[None] if ids.dim() == 1 else ids
     lifecycle.check_request(cache, ids)
-    with cache.core.lock:
+    with cache.core.store_lock:
         reports = explain(cache, ids, attention_mask, salt, remote)
     return reports[0] if len(reports) == 1 else reports
 

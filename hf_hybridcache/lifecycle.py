@@ -1,14 +1,16 @@
 """The life of one call, in the order it happens; the integration layer (``_compat.generation``) calls these.
 
-1. :func:`generate_call` holds the cache's lock for the whole ``generate()`` call (released in ``finally``).
+1. :func:`generate_call` holds the view's call lock for the whole ``generate()`` call (released in ``finally``;
+   the store's own lock is taken only around each store operation, see :mod:`~hf_hybridcache.sharing`).
 2. :func:`begin_request` runs before ``generate()`` reads ``get_seq_length()``: it checks the request, ends the
    previous one, restores each row's longest stored prefix into fresh live layers (:mod:`~hf_hybridcache.live`;
    batches via :mod:`~hf_hybridcache.batch`) and makes the new :class:`~hf_hybridcache.live.LiveRequest` live.
 3. :func:`forward_call` wraps every forward: ``before_forward`` plans the boundaries the patched mixers hand their
    states over at, ``after_forward`` stores new full blocks and checkpoints; a forward that raises (any
    ``BaseException``) ends the request, since its live state is half-written.
-4. The request stays live after ``generate()`` returns (a direct forward may continue it) and ends when the next one
-   begins, or on ``reset()``/``clear()``.
+4. The request stays live after ``generate()`` returns (a direct forward may continue it) and ends when the view's
+   next one begins, when a request begins on another view while this view is not in a call, or on
+   ``reset()``/``clear()``.
 """
 
 from __future__ import annotations
@@ -49,9 +51,9 @@ def find_cache(model, kwargs) -> LiveCache | None:
 
 @contextlib.contextmanager
 def generate_call(cache):
-    """Around one ``generate()`` call: hold the cache's lock; if the call raises, end its request (the live state is
-    half-written and nothing more of it is stored)."""
-    with cache.core.generate_scope():
+    """Around one ``generate()`` call: hold the view's call lock; if the call raises, end its request (the live state
+    is half-written and nothing more of it is stored)."""
+    with cache.core.generate_scope(cache):
         cache.live.awaiting_request = True
         try:
             yield
@@ -82,13 +84,13 @@ def begin_request(cache, *, input_ids, attention_mask, inputs_embeds, use_cache)
 
 @contextlib.contextmanager
 def forward_call(cache, *, input_ids, inputs_embeds, use_cache):
-    """Around one forward with ``cache``: the lock (re-entrant inside this thread's own ``generate()``), the request's
-    bookkeeping before and after, and the end of the request if the forward raises.
+    """Around one forward with ``cache``: the view's call lock (re-entrant inside this thread's own ``generate()``), the
+    request's bookkeeping before and after, and the end of the request if the forward raises.
 
     A forward with ``use_cache=False`` runs on fresh, empty live layers and stores nothing, so it computes exactly
     what the model computes without a cache (``generate(use_cache=False)`` re-feeds the whole sequence each step)."""
     ids_or_embeds = input_ids if input_ids is not None else inputs_embeds
-    with cache.core.lock:
+    with cache.core.call_scope(cache):
         try:
             started = None
             if ids_or_embeds is not None:
@@ -120,7 +122,7 @@ def _observe_forward(cache, started: float) -> None:
 
 def _begin_uncached_forward(cache) -> None:
     if cache.live.request is None:
-        end_active_request(cache)
+        end_idle_requests(cache)
         _make_live(cache, LiveRequest(cache, [], tracking=False))
     cache.live.request.stop_tracking("a forward with use_cache=False")
     cache.layers = _compat.new_live_layers(cache.model.config)
@@ -128,7 +130,7 @@ def _begin_uncached_forward(cache) -> None:
 
 def _before_forward(cache, input_ids: torch.Tensor | None, num_rows: int, num_tokens: int, storing: bool) -> None:
     if cache.live.request is None:  # a forward outside generate(): one request that starts with this forward
-        end_active_request(cache)
+        end_idle_requests(cache)
         cache.live.root = cache.core.request_root(cache.salt)
         # Live layers that hold tokens nobody tracked (a failed or ended request) must not be stored as if they held
         # this forward's prefix.
@@ -157,11 +159,13 @@ def start_request(
     prompt_tokens: int = 0,
     uncached: str | None = None,
 ) -> None:
-    """End the store's live request, then restore each row's longest hit into fresh live layers and make the new
-    request live. ``input_ids`` ``[B, T]`` (None: nothing is looked up, e.g. ``inputs_embeds``); ``prompt_tokens``
-    counts the prompt when there are no ids; ``uncached`` says why there are none (a key of
-    :data:`~hf_hybridcache.explain.NOT_CACHEABLE`; None: ``inputs_embeds``, or padding inside a prompt)."""
-    end_active_request(cache)
+    """End the view's live request and those of views not in a call, then restore each row's longest hit into fresh
+    live layers and make the new request live. ``input_ids`` ``[B, T]`` (None: nothing is looked up, e.g.
+    ``inputs_embeds``); ``prompt_tokens`` counts the prompt when there are no ids; ``uncached`` says why there are
+    none (a key of :data:`~hf_hybridcache.explain.NOT_CACHEABLE`; None: ``inputs_embeds``, or padding inside a
+    prompt)."""
+    end_request(cache)
+    end_idle_requests(cache)
     cache.live.root = cache.core.request_root(cache.salt)
     cache.layers = _compat.new_live_layers(cache.model.config)
     rows_tokens = unpadded_rows(input_ids, attention_mask)
@@ -220,26 +224,40 @@ def _log_no_reuse(cache, embeds_only: bool) -> None:
 
 
 def _make_live(cache, request: LiveRequest) -> None:
-    """Make ``request`` the live request of ``cache`` and of the store (the previous one has ended)."""
-    cache.live.request = request
-    cache.core.active = cache
+    """Make ``request`` the live request of ``cache`` (its previous one has ended)."""
+    with cache.core.store_lock:
+        cache.live.request = request
+        cache.core.live_views[id(cache)] = cache
 
 
 def end_request(cache) -> None:
     """End ``cache``'s live request (if any) and unpin its chains."""
-    request, cache.live.request = cache.live.request, None
-    if cache.core.active is cache:
-        cache.core.active = None
+    with cache.core.store_lock:
+        request, cache.live.request = cache.live.request, None
+        cache.core.live_views.pop(id(cache), None)
     if request is not None:
         request.end()
 
 
-def end_active_request(cache) -> None:
-    """End the live request of whichever view of the store has one. A request stays live after ``generate()``
-    returns (a direct forward may continue it); only one per store, so views made per call pin nothing for long."""
-    active = cache.core.active
-    if active is not None:
-        end_request(active)
+def end_idle_requests(cache) -> None:
+    """End the live requests of the views of ``cache``'s store that are not in a call (in another thread). A request
+    stays live after ``generate()`` returns (a direct forward may continue it); ending the idle ones whenever a
+    request begins means views made per call pin nothing for long."""
+    with cache.core.store_lock:
+        views = [view for view in cache.core.live_views.values() if view is not cache]
+    for view in views:
+        if view.live.call_lock.acquire(blocking=False):  # not in a call: nothing can continue its request now
+            try:
+                end_request(view)
+            finally:
+                view.live.call_lock.release()
+
+
+def end_live_requests(cache) -> None:
+    """End every live request of ``cache``'s store (the caller holds :meth:`~hf_hybridcache.sharing.CacheCore.idle`,
+    so no view is in a call)."""
+    end_request(cache)
+    end_idle_requests(cache)
 
 
 def _live_is_empty(cache) -> bool:

@@ -30,21 +30,22 @@ def restore_row(cache, token_ids: list[int], tail_tokens: int | None = None) -> 
     length P (0 on a miss)."""
     core, root = cache.core, cache.live.root
     store = core.store
-    hit = core.lookup(token_ids, root, tail_tokens)
-    row = Row(len(token_ids), token_ids=token_ids[: hit.hit_tokens], hit_tokens=hit.hit_tokens, root=root,
-              divergence_tokens=hit.divergence_tokens, report=core.report(token_ids, root, hit))
-    if not hit.hit_tokens:
-        return row
-    room = len(token_ids) - hit.hit_tokens  # full layers: the prompt's tail is written after the prefix, not concatenated
-    for attn in cache.spec.attention:
-        first = attn.restore_from_block(hit.hit_tokens, store.block_size)
-        full = attn.sliding_window is None
-        keys, values = store.gather_kv(attn.layer_idx, hit.block_ids[first:], room if full else 0)
-        _compat.set_kv(cache.layers[attn.layer_idx], keys, values, hit.hit_tokens, owns_room=full)
-    for key, (conv, ssm) in store.checkpoint_copy(hit.block_ids[-1]).items():
-        layer_idx, state_idx = split_state_key(key)
-        _compat.set_linear_state(cache.layers[layer_idx], conv, ssm, state_idx)
-    core.pin(hit.block_ids)
+    with core.store_lock:  # nothing is evicted between the lookup and the pin
+        hit = core.lookup(token_ids, root, tail_tokens)
+        row = Row(len(token_ids), token_ids=token_ids[: hit.hit_tokens], hit_tokens=hit.hit_tokens, root=root,
+                  divergence_tokens=hit.divergence_tokens, report=core.report(token_ids, root, hit))
+        if not hit.hit_tokens:
+            return row
+        room = len(token_ids) - hit.hit_tokens  # full layers: the prompt's tail is written after the prefix
+        for attn in cache.spec.attention:
+            first = attn.restore_from_block(hit.hit_tokens, store.block_size)
+            full = attn.sliding_window is None
+            keys, values = store.gather_kv(attn.layer_idx, hit.block_ids[first:], room if full else 0)
+            _compat.set_kv(cache.layers[attn.layer_idx], keys, values, hit.hit_tokens, owns_room=full)
+        for key, (conv, ssm) in store.checkpoint_copy(hit.block_ids[-1]).items():
+            layer_idx, state_idx = split_state_key(key)
+            _compat.set_linear_state(cache.layers[layer_idx], conv, ssm, state_idx)
+        core.pin(hit.block_ids)
     row.block_ids, row.block_hashes = list(hit.block_ids), list(hit.block_hashes)
     return row
 

@@ -9,7 +9,8 @@ views, persistence) is :class:`~hf_hybridcache.HybridPrefixCache`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache
@@ -31,12 +32,14 @@ class LiveState:
         request: the live request of this view, or None between requests.
         awaiting_request: a ``generate()`` call is running and its request has not begun yet.
         rollback_next_request: assisted decoding asked for per-token states before its request began.
+        call_lock: held for each ``generate()`` call and forward with the view (:mod:`~hf_hybridcache.sharing`).
     """
 
     root: BlockHash
     request: LiveRequest | None = None
     awaiting_request: bool = False
     rollback_next_request: bool = False
+    call_lock: threading.RLock = field(default_factory=threading.RLock)
 
 
 class LiveCache(Cache):

@@ -88,7 +88,9 @@ def _replay(
 ) -> int:
     """Run ``tokens`` (ending on a block boundary) from the deepest checkpoint at or before ``start`` as one forward
     in fresh live layers, storing what it computes; returns the tokens run (0 when all is stored already)."""
-    if cache.core.store.lookup(tokens, cache.live.root, tail_tokens=0).hit_tokens == len(tokens):
+    with cache.core.store_lock:
+        stored = cache.core.store.lookup(tokens, cache.live.root, tail_tokens=0).hit_tokens
+    if stored == len(tokens):
         return 0  # a re-run of the same reply: its blocks and decode-end checkpoint are stored (by a prefill)
     cache.layers = _compat.new_live_layers(cache.model.config)
     # At least two tokens run, or the forward would be a decode step again (block_size 1).

@@ -64,17 +64,27 @@ class Row:
         return len(self.token_ids) if self.prefill_tokens is None else self.prefill_tokens
 
 
-def store_row_blocks(store: PrefixStore, row: Row, live_block_kv: Callable[[int], dict[int, KVBlock]]) -> None:
-    """Store every full block of ``row`` not stored yet; ``live_block_kv(index)`` copies block ``index`` of the row's
-    live KV (``{attention layer idx: (keys [Hkv, block_size, Dk], values [Hkv, block_size, Dv])}``)."""
+def store_row_blocks(
+    store: PrefixStore,
+    row: Row,
+    live_block_kv: Callable[[int], dict[int, KVBlock]] | None = None,
+    page_of_block: Callable[[int], int] | None = None,
+) -> None:
+    """Store every full block of ``row`` not stored yet. The KV of block ``index`` is ``live_block_kv(index)``, a
+    copy of the row's live KV (``{attention layer idx: (keys [Hkv, block_size, Dk], values [Hkv, block_size,
+    Dv])}``), or the page ``page_of_block(index)`` of the store's page pool that already holds it (stored by
+    reference)."""
     bs = store.block_size
     while row.storing and len(row.block_ids) < row.storable_tokens // bs:
         index = len(row.block_ids)
+        source = (
+            {"page": page_of_block(index)} if page_of_block is not None else {"make_kv": lambda: live_block_kv(index)}
+        )
         added = store.add_block(
             row.block_ids[-1] if index else None,
             row.block_hashes[-1] if index else row.root,
             tuple(row.token_ids[index * bs : (index + 1) * bs]),
-            lambda: live_block_kv(index),
+            **source,
         )
         if added is None:
             row.storing = False

@@ -1,17 +1,28 @@
 """What a :class:`~hf_hybridcache.HybridPrefixCache`, its salted views and any other caller of the store share
-(:class:`CacheCore`), and the lock that serializes them.
+(:class:`CacheCore`), and the locks that keep them consistent.
 
-Threading model: a cache and every view made by ``with_salt`` share one core: one store and one re-entrant lock.
+Threading model: a cache, every view made by ``with_salt`` and a serving engine on the cache share one core: one
+store. Three locks, each held only as long as it must be:
 
-- A ``generate()`` call holds the lock from start to end, so calls from several threads (a Gradio or FastAPI app)
-  run one at a time and each sees a consistent store; the live state of a call is its view's live layers.
-- Every forward with the cache holds the lock for that forward (re-entrant inside the thread's own ``generate()``);
-  both are released in ``finally`` blocks, so a ``KeyboardInterrupt`` or ``SystemExit`` inside a call leaves no lock
-  held.
-- ``save()``, ``clear()``, ``reset()``, ``stats`` and budget changes take the lock too, so they wait for a running
-  call. From inside a running ``generate()`` (a streamer or stopping criterion, same thread) the operations that would
-  change the store under it, and a second ``generate()`` with the same cache, raise ``RuntimeError`` at once instead
-  of deadlocking or corrupting the call.
+- The **store lock** (``core.store_lock``, re-entrant) is held for each operation on the store and the counters
+  (lookup + restore copy + pin of a hit, storing a forward's blocks and checkpoints, eviction, releasing a chain):
+  short, so ``generate()`` calls on different views and a serving engine's steps interleave instead of waiting for
+  each other's whole call.
+- A view's **call lock** (``view.live.call_lock``, re-entrant) is held for a whole ``generate()`` call and for every
+  forward with the view: one view serves one call at a time, since its live layers are the call's state. Calls from
+  several threads on *one* view run one at a time; on different views (``cache.with_salt(...)`` per call or per
+  thread) they run at the same time, each with its own live state, and see a consistent store.
+- The **call gate** (``core.calls``) lets ``clear()``, ``save()`` and budget changes wait until no ``generate()`` call
+  or forward runs on any view (and holds new ones back meanwhile); calls only pass through it.
+
+All three are released in ``finally`` blocks, so a ``KeyboardInterrupt`` or ``SystemExit`` inside a call leaves
+nothing held. From inside a running ``generate()`` (a streamer or stopping criterion, same thread) the operations
+that would change the store under it, and a second ``generate()`` with the cache or any of its views, raise
+``RuntimeError`` at once instead of deadlocking or corrupting the call.
+
+A request stays live on its view after ``generate()`` returns (a direct forward may continue it, its chain stays
+pinned); when a request begins on any view, the live requests of views that are not in a call end (their chains are
+unpinned), so views made per call pin nothing for long.
 """
 
 from __future__ import annotations
@@ -58,18 +69,24 @@ def hash_seed(seed: bytes | None) -> bytes:
 class CacheCore:
     """What a cache, its :meth:`~hf_hybridcache.HybridPrefixCache.with_salt` views and any other caller of the store
     (a serving engine) share: one store under one budget, the roots of the block hash chains (seed, model identity,
-    weights state, salt), the remote tier, the counters and the lock. Nothing else reaches these.
+    weights state, salt), the remote tier, the counters and the locks. Nothing else reaches these.
 
-    A request, whoever runs it, goes through it in this order, holding ``lock``:
+    A request, whoever runs it, goes through it in this order:
 
     1. ``root = core.request_root(salt)``: re-read the weights state; the root of the request's chains.
-    2. ``hit = core.lookup(token_ids, root)``: the longest restorable prefix (extended from the tier first), and
-       ``core.report(token_ids, root, hit)``: why it is that long (:class:`~hf_hybridcache.explain.HitReport`).
-    3. Copy the hit into the request's own state (``core.store.gather_kv``, ``core.store.checkpoint_copy``; a stored
-       entry is never written), then ``core.pin(hit.block_ids)`` so that nothing evicts the chain under the request.
-    4. ``core.count_request(prompt_tokens, hit_tokens, reasons)`` (the reports' reasons, one per row).
-    5. As the request computes: ``core.store_blocks(row, ...)`` and ``core.store_checkpoint(row, ...)``.
-    6. At its end ``core.release(row.block_ids)``: the restored chain and the blocks ``store_blocks`` stored (pinned).
+    2. Holding ``store_lock``: ``hit = core.lookup(token_ids, root)`` (the longest restorable prefix, extended from
+       the tier first) and ``core.report(token_ids, root, hit)`` (why it is that long,
+       :class:`~hf_hybridcache.explain.HitReport`); copy or share the hit into the request's own state
+       (``core.store.gather_kv`` or the pages of ``core.store.page_table(hit.block_ids)``,
+       ``core.store.checkpoint_copy``; a stored entry is never written), then ``core.pin(hit.block_ids)`` so that
+       nothing evicts the chain under the request.
+    3. ``core.count_request(prompt_tokens, hit_tokens, reasons)`` (the reports' reasons, one per row).
+    4. As the request computes: ``core.store_blocks(row, ...)`` or ``core.store_pages(row, ...)`` and
+       ``core.store_checkpoint(row, ...)``.
+    5. At its end ``core.release(row.block_ids)``: the restored chain and the blocks it stored (pinned).
+
+    Every method that reads or changes the store takes ``store_lock`` itself; hold it around a sequence that must
+    see one state of the store (step 2).
 
     Args:
         spec: the model's layers and per-entry byte sizes.
@@ -89,9 +106,13 @@ class CacheCore:
         reasons: ``{reason: rows}``, the :data:`~hf_hybridcache.explain.REASONS` of past requests' rows.
         evictions: the entries the budget evicted lately (:class:`~hf_hybridcache.history.EvictionLog`).
         weights_history: the weights states before the current one and the salts of roots in use.
-        lock: held by every call that reads or changes the store (see the module docstring).
-        active: the view whose request is live (its chain is pinned); a new request on any view ends it first.
-        generating_thread: the thread inside a ``generate()`` call with this core (:meth:`generate_scope`), or None.
+        store_lock: held by every operation on the store and the counters (see the module docstring).
+        calls: the :class:`CallGate` of ``generate()`` calls and store-wide operations.
+        live_views: ``{id(view): view}`` of the views whose request is live (its chains are pinned).
+        generating_threads: the threads inside a ``generate()`` call with this core (:meth:`generate_scope`).
+        epoch: how many times the store was emptied (:meth:`clear_store`); a caller that keeps rows across calls
+            (a serving engine) drops their chains when it changes.
+        pinning: callables returning the block ids other callers (serving engines) keep pinned, for the checks.
         warned_masked_prompt: the warning that a prompt's mask ruled out reuse was given (it is given once).
     """
 
@@ -120,9 +141,12 @@ class CacheCore:
         self.weights_history = WeightsHistory()
         self._budget_lowered = False
         self.store.on_removed = self._on_removed
-        self.lock = threading.RLock()
-        self.active = None
-        self.generating_thread: int | None = None
+        self.store_lock = threading.RLock()
+        self.calls = CallGate()
+        self.live_views: dict[int, object] = {}
+        self.generating_threads: set[int] = set()
+        self.epoch = 0
+        self.pinning: list[Callable[[], set[int]]] = []
         self.warned_masked_prompt = False
 
     # ------------------------------------------------------------------ roots and the model
@@ -134,9 +158,12 @@ class CacheCore:
     def request_root(self, salt: str | None) -> BlockHash:
         """Re-read the model's weights state (:mod:`~hf_hybridcache.weights`) and return the root a new request
         under ``salt`` chains its blocks from."""
-        before = self.weights.fingerprint
-        if self.weights.refresh():
-            self.weights_history.weights_changed(before)
+        with self.store_lock:
+            before = self.weights.fingerprint
+            changed = self.weights.refresh()
+            if changed:
+                self.weights_history.weights_changed(before)
+        if changed:
             logger.warning(
                 "The model's weights or adapters changed since the last request: prefixes stored under other weights "
                 "are not served (they are again if those weights come back; cache.clear() drops them)."
@@ -182,9 +209,11 @@ class CacheCore:
         to run (None: the options' ``min_tail_tokens``; :meth:`PrefixStore.lookup
         <hf_hybridcache.store.PrefixStore.lookup>`). With a remote tier, what it holds beyond the local hit is
         inserted into the store first (:mod:`~hf_hybridcache.remote.fetch`), and a path it holds that the prompt
-        leaves counts as a divergence point. ``divergence_tokens`` is 0 unless ``admit_divergence`` is on."""
-        reach = None if self.remote is None else self.remote.extend(token_ids, root)
-        return self._with_tier(self.store.lookup(token_ids, root, self._tail(tail_tokens)), reach)
+        leaves counts as a divergence point. ``divergence_tokens`` is 0 unless ``admit_divergence`` is on. Hold
+        ``store_lock`` until the hit is pinned."""
+        with self.store_lock:
+            reach = None if self.remote is None else self.remote.extend(token_ids, root)
+            return self._with_tier(self.store.lookup(token_ids, root, self._tail(tail_tokens)), reach)
 
     def peek(
         self, token_ids: list[int], root: BlockHash, remote: bool = False, find: Callable[..., Hit] | None = None
@@ -194,7 +223,8 @@ class CacheCore:
         (:meth:`~hf_hybridcache.remote.RemoteTier.probe`); a hit the tier would supply has no block ids. ``find``:
         the local search, ``(token_ids, root) -> Hit`` (:meth:`PrefixStore.find
         <hf_hybridcache.store.PrefixStore.find>` when None; a dry run of a batch adds what earlier rows store)."""
-        hit = (self.store.find if find is None else find)(token_ids, root, self._tail(None))
+        with self.store_lock:
+            hit = (self.store.find if find is None else find)(token_ids, root, self._tail(None))
         if not remote or self.remote is None:
             return self._with_tier(hit, None)
         reach = self.remote.probe(token_ids, root)
@@ -224,38 +254,71 @@ class CacheCore:
 
     def pin(self, block_ids) -> None:
         """Keep a request's chain ``block_ids`` from eviction until :meth:`release` (pins count per request)."""
-        self.store.pin(block_ids)
+        with self.store_lock:
+            self.store.pin(block_ids)
 
     def release(self, block_ids: list[int]) -> None:
         """Unpin a chain :meth:`pin` pinned or :meth:`store_blocks` grew."""
-        self.store.release(block_ids)
+        with self.store_lock:
+            self.store.release(block_ids)
 
     def store_blocks(self, row: Row, live_block_kv: Callable[[int], dict[int, KVBlock]]) -> None:
         """Store every full block of ``row`` not stored yet, pinned for the request
-        (:func:`~hf_hybridcache.rows.store_row_blocks`)."""
-        store_row_blocks(self.store, row, live_block_kv)
+        (:func:`~hf_hybridcache.rows.store_row_blocks`); ``live_block_kv(index)`` copies block ``index``."""
+        with self.store_lock:
+            store_row_blocks(self.store, row, live_block_kv)
+
+    def store_pages(self, row: Row, page_of_block: Callable[[int], int]) -> None:
+        """Store every full block of ``row`` not stored yet by reference to the page that holds it
+        (``page_of_block(index)``, a page of ``store.pages`` the caller filled and holds), pinned for the request."""
+        with self.store_lock:
+            store_row_blocks(self.store, row, page_of_block=page_of_block)
 
     def store_checkpoint(self, row: Row, boundary: int, states: dict[StateKey, LayerState], tentative: bool) -> bool:
         """Store ``row``'s state after ``boundary`` tokens (:func:`~hf_hybridcache.rows.store_row_checkpoint`); True
         if a new checkpoint was stored."""
-        return store_row_checkpoint(self.store, row, boundary, states, tentative)
+        with self.store_lock:
+            return store_row_checkpoint(self.store, row, boundary, states, tentative)
 
     def set_options(self, options: CacheOptions) -> None:
         """Apply ``options`` whose ``max_cache_bytes`` (the only option that changes after construction) may differ:
-        what no longer fits the budget is evicted. The caller holds ``lock`` and no chain is pinned."""
-        self.store.max_cache_bytes = options.max_cache_bytes
-        self._budget_lowered = True
-        try:
-            fits = self.store.make_room(0)
-        finally:
-            self._budget_lowered = False
-        assert fits, "nothing is pinned between requests, so any budget of at least one entry fits"
-        self.options = options
+        what no longer fits the budget is evicted. The caller holds :meth:`idle`.
+
+        Raises:
+            ValueError: the chains running requests of a serving engine pin do not fit the new budget (the budget
+                is left as it was).
+        """
+        with self.store_lock:
+            previous = self.store.max_cache_bytes
+            self.store.max_cache_bytes = options.max_cache_bytes
+            self._budget_lowered = True  # evictions now are the budget's change, not a request's
+            try:
+                fits = self.store.make_room(0)
+            finally:
+                self._budget_lowered = False
+            if not fits:
+                self.store.max_cache_bytes = previous
+                raise ValueError(
+                    f"`max_cache_bytes={options.max_cache_bytes}` is smaller than the prefixes running requests keep "
+                    f"pinned ({self.store.stored_bytes} bytes stored); lower it once they finish."
+                )
+            self.options = options
 
     def clear_store(self) -> None:
-        """Drop every stored entry and the record of evictions (they explain no miss any more)."""
-        self.store.clear()
-        self.evictions.clear()
+        """Drop every stored entry and the record of evictions (they explain no miss any more; the caller holds
+        :meth:`idle`); callers keeping rows across calls see ``epoch`` change."""
+        with self.store_lock:
+            self.store.clear()
+            self.evictions.clear()
+            self.epoch += 1
+
+    def pinned_block_ids(self) -> set[int]:
+        """Blocks the live requests of the views and of other callers keep pinned."""
+        with self.store_lock:
+            pinned = {b for view in self.live_views.values() for row in view.live.request.rows for b in row.block_ids}
+            for source in self.pinning:
+                pinned |= source()
+            return pinned
 
     def _on_removed(self, kind: str, block_hash: BlockHash, boundary_tokens: int, evicted: bool) -> None:
         if evicted:
@@ -272,60 +335,129 @@ class CacheCore:
 
     def count_request(self, prompt_tokens: int, hit_tokens: int, reasons=()) -> int:
         """Count a request (summed over its rows) and the reasons of its rows' reports; returns its number."""
-        self.counters["requests"] += 1
-        self.counters["prompt_tokens"] += prompt_tokens
-        self.counters["hit_tokens"] += hit_tokens
-        for reason in reasons:
-            self.reasons[reason] += 1
-        return self.counters["requests"]
+        with self.store_lock:
+            self.counters["requests"] += 1
+            self.counters["prompt_tokens"] += prompt_tokens
+            self.counters["hit_tokens"] += hit_tokens
+            for reason in reasons:
+                self.reasons[reason] += 1
+            return self.counters["requests"]
 
     def count_divergence_checkpoint(self) -> None:
-        self.counters["divergence_checkpoints"] += 1
+        with self.store_lock:
+            self.counters["divergence_checkpoints"] += 1
 
     def count_replayed_reply_tokens(self, num_tokens: int) -> None:
         """Count reply tokens run again as one prefill (:mod:`~hf_hybridcache.reply_replay`)."""
-        self.counters["replayed_reply_tokens"] += num_tokens
+        with self.store_lock:
+            self.counters["replayed_reply_tokens"] += num_tokens
 
     def stats(self) -> PrefixCacheStats:
-        """A snapshot of the counters, the store and the tier's counters (waits for a running call)."""
-        with self.lock:
+        """A snapshot of the counters, the store and the tier's counters."""
+        with self.store_lock:
             remote = None if self.remote is None else self.remote.counters
             return PrefixCacheStats.snapshot(self.counters, self.store, remote, self.reasons)
 
-    # ------------------------------------------------------------------ the lock
+    # ------------------------------------------------------------------ calls
 
     @contextlib.contextmanager
-    def generate_scope(self):
-        """Hold the lock for one ``generate()`` call.
+    def generate_scope(self, view):
+        """Hold ``view``'s call lock and pass the call gate for one ``generate()`` call.
 
         Raises:
             RuntimeError: this thread is already inside a ``generate()`` call with this cache or one of its views.
         """
         me = threading.get_ident()
-        if self.generating_thread == me:
+        if me in self.generating_threads:
             raise RuntimeError(
                 "This HybridPrefixCache is already running a generate() call in this thread (a streamer, logits "
-                "processor or stopping criterion calling generate() again?); one cache serves one call at a time, "
-                "so call generate() again after the running call returns, or use another HybridPrefixCache."
+                "processor or stopping criterion calling generate() again?); call generate() again after the running "
+                "call returns, or use another HybridPrefixCache."
             )
-        with self.lock:
-            self.generating_thread = me
+        with self.call_scope(view):
+            self.generating_threads.add(me)
             try:
                 yield
             finally:
-                self.generating_thread = None
+                self.generating_threads.discard(me)
 
     @contextlib.contextmanager
-    def idle(self, operation: str):
-        """Hold the lock for an operation that changes the store (waits for a call running in another thread).
+    def call_scope(self, view):
+        """Hold ``view``'s call lock and pass the call gate for one forward (re-entrant inside this thread's own
+        ``generate()``)."""
+        with view.live.call_lock, self.calls.call():
+            yield
+
+    @contextlib.contextmanager
+    def view_idle(self, view, operation: str):
+        """Hold ``view``'s call lock for an operation on its live state (waits for its call in another thread).
 
         Raises:
             RuntimeError: called from inside a running ``generate()`` call in this thread.
         """
-        if self.generating_thread == threading.get_ident():
+        self._refuse_inside_generate(operation)
+        with view.live.call_lock:
+            yield
+
+    @contextlib.contextmanager
+    def idle(self, operation: str):
+        """Wait until no call runs on any view (and hold new ones back), then hold ``store_lock``: for an operation
+        on the whole store.
+
+        Raises:
+            RuntimeError: called from inside a running ``generate()`` call in this thread.
+        """
+        self._refuse_inside_generate(operation)
+        with self.calls.exclusive(), self.store_lock:
+            yield
+
+    def _refuse_inside_generate(self, operation: str) -> None:
+        if threading.get_ident() in self.generating_threads:
             raise RuntimeError(
                 f"{operation} cannot run while generate() is running with this HybridPrefixCache in the same thread "
                 "(from a streamer or a stopping criterion?); call it after generate() returns."
             )
-        with self.lock:
+
+
+class CallGate:
+    """Calls pass through the gate together; an exclusive holder waits until none is inside and keeps new ones out
+    until it is done (new calls wait while it waits, so it is not starved). A thread already inside passes again
+    without waiting (a forward inside its own ``generate()``)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._inside: dict[int, int] = {}
+        self._exclusive = False
+        self._waiting = 0
+
+    @contextlib.contextmanager
+    def call(self):
+        me = threading.get_ident()
+        with self._cond:
+            if me not in self._inside:
+                self._cond.wait_for(lambda: not self._exclusive and not self._waiting)
+            self._inside[me] = self._inside.get(me, 0) + 1
+        try:
             yield
+        finally:
+            with self._cond:
+                self._inside[me] -= 1
+                if not self._inside[me]:
+                    del self._inside[me]
+                    self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        with self._cond:
+            self._waiting += 1
+            try:
+                self._cond.wait_for(lambda: not self._exclusive and not self._inside)
+            finally:
+                self._waiting -= 1
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()

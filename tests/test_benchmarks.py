@@ -153,3 +153,17 @@ def test_shared_tier_runs_two_workers_on_a_real_server(capsys):
     assert [row[1] for row in rows] == ["1 worker", "2 workers, local", "2 workers + tier"]
     hit_rate = {row[1]: float(row[3]) for row in rows}
     assert hit_rate["2 workers + tier"] == hit_rate["1 worker"] > hit_rate["2 workers, local"]
+
+
+def test_concurrency_runs_every_way_of_serving_on_a_tiny_model(tmp_path, capsys):
+    """``concurrency.py --tiny``: one row per way of serving, the same token hit rate for every way that uses the
+    cache, a plot."""
+    from benchmarks import concurrency
+
+    rows = concurrency.main(["--tiny", "--models", "jamba", "--workloads", "b", "--levels", "2", "--arrivals",
+                             "poisson", "--rate", "50", "--out", str(tmp_path)])
+    assert [row["method"] for row in rows] == list(concurrency.METHODS)
+    cached = {round(row["hit_rate"], 6) for row in rows if row["method"] != "stock"}
+    assert len(cached) == 1 and cached.pop() > 0
+    assert "| 2 | engine |" in capsys.readouterr().out
+    assert (tmp_path / "concurrency_jamba_b_poisson.png").exists()

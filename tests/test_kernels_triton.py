@@ -19,6 +19,7 @@ from hf_hybridcache.kernels.paged_copy_triton import (
     gather_kv_blocks_triton,
     scatter_kv_blocks_triton,
 )
+from hf_hybridcache.config import AttentionLayerSpec
 from hf_hybridcache.store.checkpoints import CheckpointStore
 from hf_hybridcache.store.kv_store import KVStore
 
@@ -114,8 +115,10 @@ def test_copy_states_triton_equals_reference():
 
 
 def test_stores_copy_through_triton_when_forced():
-    """KVStore.gather and CheckpointStore.get_copy dispatch to the kernels."""
-    kv = KVStore((1,))
+    """CheckpointStore.get_copy dispatches to the kernel; KVStore.gather (one index op per layer) equals the blocks
+    concatenated under either backend."""
+    spec = AttentionLayerSpec(1, num_kv_heads=2, head_dim=4, dtype=torch.float32, value_head_dim=5)
+    kv = KVStore((spec,), block_size=3)
     blocks = {b: (torch.randn(2, 3, 4, device=DEVICE), torch.randn(2, 3, 5, device=DEVICE)) for b in (7, 8, 9)}
     for block_id, block in blocks.items():
         kv.put(block_id, {1: block})

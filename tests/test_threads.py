@@ -1,5 +1,6 @@
-"""generate() from several threads on one cache: calls run one at a time under the cache's lock and every output
-equals its cold run; re-entrant use from inside a running call fails fast."""
+"""generate() from several threads on one cache: calls on one view run one at a time, calls on different views run at
+the same time (only store operations are serialized), every output equals its cold run; store-wide operations wait
+for running calls; re-entrant use from inside a running call fails fast."""
 
 import threading
 
@@ -70,10 +71,13 @@ def test_concurrent_generate_calls_match_cold_runs(model, cold_model, salted):
     check_store(cache)
 
 
-def test_store_operations_from_other_threads_wait_for_the_running_call(model, cold_model, tmp_path):
-    """clear(), save() and a direct forward from other threads wait until the running generate() returns."""
+def test_store_operations_wait_for_the_running_call_and_other_views_do_not(model, cold_model, tmp_path):
+    """clear() and save() from other threads wait until the running generate() returns; a direct forward and a
+    generate() on other views run meanwhile (the running call holds only its own view, and the store only for each
+    store operation) and match their cold runs."""
     cache = HybridPrefixCache(model)
     ids = random_ids(50, seed=520)
+    other = random_ids(37, seed=521)
     started, release = threading.Event(), threading.Event()
 
     class BlockingStreamer:
@@ -93,10 +97,6 @@ def test_store_operations_from_other_threads_wait_for_the_running_call(model, co
     assert started.wait(timeout=60)
     errors = []
 
-    def direct_forward():
-        with torch.no_grad():
-            model(ids, **{CACHE_KWARG: cache.with_salt("direct")}, use_cache=True)
-
     def recording(operation):
         def run():
             try:
@@ -109,7 +109,20 @@ def test_store_operations_from_other_threads_wait_for_the_running_call(model, co
     def save():
         cache.save(tmp_path / "c.safetensors")
 
-    waiting = [recording(cache.clear), recording(save), recording(direct_forward)]
+    def direct_forward():
+        with torch.no_grad():
+            result["direct"] = model(other, **{CACHE_KWARG: cache.with_salt("direct")}, use_cache=True).logits[:, -1]
+
+    def generate_on_a_view():
+        result["view"] = greedy(model, other, cache.with_salt("view"), new_tokens=4)
+
+    running = [recording(direct_forward), recording(generate_on_a_view)]
+    for thread in running:
+        thread.start()
+    for thread in running:
+        thread.join(timeout=120)
+        assert not thread.is_alive(), "a call on another view waited for the running generate()"
+    waiting = [recording(cache.clear), recording(save)]
     for thread in waiting:
         thread.start()
     for thread in waiting:
@@ -125,6 +138,9 @@ def test_store_operations_from_other_threads_wait_for_the_running_call(model, co
     ref_seq, ref_logits = greedy(cold_model, ids)
     assert torch.equal(seq, ref_seq)
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-4)
+    with torch.no_grad():
+        torch.testing.assert_close(result["direct"], cold_model(other).logits[:, -1], rtol=0, atol=1e-4)
+    assert torch.equal(result["view"][0], greedy(cold_model, other, new_tokens=4)[0])
     check_store(cache)
 
 

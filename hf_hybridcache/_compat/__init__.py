@@ -28,6 +28,9 @@ Private APIs touched, and why each is needed (transformers 5.23 - 5.24):
 - ``transformers.integrations.hub_kernels``' logger: its "falling back ... install ``mamba_ssm``" notices are dropped
   for the kernels the package's own scans stand in for, inside the patched model's forwards with its cache
   (:mod:`.kernel_notices`).
+- transformers' continuous batching (:mod:`.continuous_batching`, :mod:`.engine_attention`): an instance-level
+  ``init_continuous_batching`` returning the engine's manager, its data classes and logits processors, and the
+  attention implementation re-registered in ``AttentionInterface`` to apply an engine step's masks.
 - accelerate's ``_hf_hook`` / ``_old_forward`` / ``weights_map`` / ``execution_device`` and transformers'
   ``force_accelerate_hooks``: instance patches must sit under accelerate's hooks, and offloaded weights and layer
   devices are read from them.
@@ -44,6 +47,8 @@ import transformers
 from packaging.version import Version
 
 from .accelerate import execution_device, force_accelerate_hooks, patch_instance_forward, weight_tensors
+from .attention import package_forward
+from .continuous_batching import install_manager_hook
 from .generation import (
     CACHE_KWARG,
     Hooks,
@@ -89,7 +94,9 @@ __all__ = [
     "get_kv",
     "get_linear_state",
     "install_hooks",
+    "install_manager_hook",
     "new_live_layers",
+    "package_forward",
     "patch_instance_forward",
     "quiet_kernel_notices",
     "route_module_function",

@@ -96,7 +96,11 @@ class RemoteTier:
         """The store kept a new KV block (``kind == "kv"``) or checkpoint at the end of ``block_id``: publish it
         (``wait``: for room in a full queue instead of dropping it)."""
         block = self.store.pool[block_id]
-        entry = self.store.kv.get(block_id) if kind == "kv" else self.store.checkpoints.get(block_id)
+        if kind == "kv":
+            # Pages are reused after an eviction, and the writer encodes later: publish a copy of the block's page.
+            entry = {idx: (keys.clone(), values.clone()) for idx, (keys, values) in self.store.kv.get(block_id).items()}
+        else:
+            entry = self.store.checkpoints.get(block_id)
         self.publisher.publish(kind, block.block_hash, block.token_ids, entry, wait)
 
 

@@ -58,7 +58,7 @@ class PrefixStore:
         self.root = root
         self.max_cache_bytes = max_cache_bytes
         self.pool = BlockPool(self._on_evictable)
-        self.kv = KVStore(tuple(a.layer_idx for a in spec.attention), placement)
+        self.kv = KVStore(spec.attention, spec.block_size, placement)
         self.checkpoints = CheckpointStore(tuple(m.key for m in spec.mamba), placement)
         self.eviction = LRUEviction() if eviction is None else eviction
         self.links = CheckpointLinks()
@@ -120,6 +120,20 @@ class PrefixStore:
         layer, with room for ``room_tokens`` more after them (:meth:`~hf_hybridcache.store.kv_store.KVStore.gather`)."""
         return self.kv.gather(layer_idx, list(block_ids), room_tokens)
 
+    @property
+    def pages(self):
+        """The :class:`~hf_hybridcache.store.pages.PagePool` holding the stored KV blocks (a serving engine's running
+        requests keep their pages in it too)."""
+        return self.kv.pages
+
+    def page_of(self, block_id: int) -> int:
+        """The page of :attr:`pages` holding a stored block."""
+        return self.kv.page_of(block_id)
+
+    def page_table(self, block_ids) -> torch.Tensor:
+        """The pages of stored ``block_ids`` in order, int64 ``[len(block_ids)]``."""
+        return self.kv.page_table(block_ids)
+
     def checkpoint_copy(self, block_id: int) -> dict[int, LayerState]:
         """A copy of the checkpoint at the end of ``block_id``: ``{mamba layer idx: (conv, ssm)}``."""
         return self.checkpoints.get_copy(block_id)
@@ -131,12 +145,14 @@ class PrefixStore:
         parent_id: int | None,
         parent_hash: BlockHash | None,
         token_ids: tuple[int, ...],
-        make_kv: Callable[[], dict[int, torch.Tensor]],
+        make_kv: Callable[[], dict[int, torch.Tensor]] | None = None,
+        page: int | None = None,
     ) -> tuple[int, BlockHash] | None:
         """Find or store the block of ``token_ids`` after ``parent_id`` and pin it (unpin with :meth:`release`).
-        ``parent_hash`` is the parent's hash, or for block 0 the chain's root (None: the unsalted root). ``make_kv``
-        is called only when the block is new and fits. Returns (block id, hash), or None if it cannot fit or another
-        block already has its hash.
+        ``parent_hash`` is the parent's hash, or for block 0 the chain's root (None: the unsalted root). Its KV is
+        ``make_kv()`` (called only when the block is new and fits; copied into a new page) or, for a serving engine,
+        the ``page`` of :attr:`pages` that already holds it (stored by reference, no copy). Returns (block id,
+        hash), or None if it cannot fit or another block already has its hash.
 
         A new block is refused when its chain's KV plus one checkpoint exceeds the budget: no checkpoint could ever be
         stored at or past it next to its chain, so it would serve no hit, and storing it (its chain is pinned while
@@ -155,7 +171,10 @@ class PrefixStore:
             if not self.make_room(self.spec.kv_block_bytes):
                 return None
             block_id = self.pool.add(h, parent_id, token_ids)
-            self.kv.put(block_id, make_kv())
+            if page is None:
+                self.kv.put(block_id, make_kv())
+            else:
+                self.kv.adopt(block_id, page)
             if self.on_stored is not None:
                 self.on_stored("kv", block_id)
         self.pool.ref([block_id])

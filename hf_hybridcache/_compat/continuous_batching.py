@@ -1,0 +1,164 @@
+"""transformers' continuous batching, as the engine (:mod:`hf_hybridcache.engine`) uses it: its data classes, its
+logits processors, and the instance hook that makes ``model.init_continuous_batching`` return the engine's manager.
+
+transformers' ``generate_batch``, ``continuous_batching_context_manager`` and ``transformers serve
+--continuous-batching`` all get their manager from ``self.init_continuous_batching(...)``
+(``generation/continuous_batching/continuous_api.py``, 5.23.0 and 5.24.0), so an instance attribute of that name
+routes all of them to the engine, and their own code (request ids, result ordering, progress bars) runs unchanged.
+Reused as data or stateless helpers: ``GenerationOutput``, ``RequestStatus``, ``ContinuousBatchingConfig``,
+``ContinuousBatchingLogitsProcessorList`` (per-request temperature / top-k / top-p) and
+``model._get_logits_processor``. Its per-request processors read ``request.state.logit_processor_kwargs`` of the
+requests they get (``cb_logits_processors.py``), which :func:`processor_args` hands them.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessorList
+from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+
+from .accelerate import _InstanceHook
+from .generation import CACHE_KWARG_NAMES
+
+__all__ = [
+    "ContinuousBatchingConfig",
+    "EngineOutput",
+    "GenerationOutput",
+    "RequestStatus",
+    "bind_call",
+    "cache_parameter",
+    "install_manager_hook",
+    "logits_processors",
+    "group_argument",
+    "processor_args",
+    "reads_absolute_positions",
+    "wrap_instance_forward",
+]
+
+#: The attributes of a model instance holding the engine's manager factory and (a weak reference to) its owner.
+_FACTORY_ATTR, _OWNER_ATTR = "_hf_hybridcache_manager_factory", "_hf_hybridcache_manager_owner"
+#: A manager kept by ``stop(keep_for_next_session=True)``, returned by the next ``init_continuous_batching``.
+KEPT_ATTR = "_hf_hybridcache_kept_manager"
+
+
+@dataclass
+class EngineOutput(GenerationOutput):
+    """transformers' ``GenerationOutput`` with what the prefix cache did for the request.
+
+    Attributes:
+        hit_tokens: prompt tokens restored from the cache (shared by reference) instead of computed; 0 for a miss.
+        hit_report: why the hit is that long (:class:`~hf_hybridcache.explain.HitReport`), made at the request's
+            first admission; None before it.
+    """
+
+    hit_tokens: int = field(default=0)
+    hit_report: Any = field(default=None)
+
+
+def install_manager_hook(model: torch.nn.Module, owner: Any, factory: Callable[..., Any]) -> None:
+    """Make ``model.init_continuous_batching(generation_config=None, continuous_batching_config=None,
+    workload_hints=None)`` (and through it ``model.generate_batch`` and ``model.continuous_batching_context_manager``)
+    return ``factory(owner, generation_config, continuous_batching_config)``, on this instance only. ``factory`` is
+    a module-level function and ``owner`` is held weakly, so copies of the model copy neither. The last owner
+    installed on a model serves it."""
+    vars(model)[_FACTORY_ATTR] = factory
+    vars(model)[_OWNER_ATTR] = weakref.ref(owner)
+    if not isinstance(vars(model).get("init_continuous_batching"), _InstanceHook):
+        model.init_continuous_batching = _InstanceHook(model, "init_continuous_batching", _init_continuous_batching)
+
+
+def _init_continuous_batching(model, generation_config=None, continuous_batching_config=None, workload_hints=None):
+    kept = vars(model).get(KEPT_ATTR)
+    if kept is not None:
+        return kept
+    owner = vars(model)[_OWNER_ATTR]()
+    if owner is None:
+        raise ValueError(
+            "The HybridPrefixCache that served this model's continuous batching no longer exists; build a new "
+            "HybridPrefixCache(model) and keep a reference to it for as long as you serve requests."
+        )
+    return vars(model)[_FACTORY_ATTR](owner, generation_config, continuous_batching_config)
+
+
+def wrap_instance_forward(module: torch.nn.Module, attribute: str, impl: Callable) -> bool:
+    """Route this instance's forward through ``impl(module, *args, **kwargs)`` on top of whatever runs now (the
+    package's mixer patches, accelerate's hook), which ``impl`` finds as ``vars(module)[attribute]`` and calls. False
+    when already wrapped (idempotent)."""
+    if attribute in vars(module):
+        return False
+    vars(module)[attribute] = module.forward
+    module.forward = _InstanceHook(module, "forward", impl)
+    return True
+
+
+def logits_processors(model, generation_config: GenerationConfig, config: ContinuousBatchingConfig):
+    """transformers' continuous-batching processors for ``generation_config`` (as its manager builds them)."""
+    return ContinuousBatchingLogitsProcessorList(
+        logits_processor=model._get_logits_processor(generation_config),
+        per_request_processors=config.per_request_processors,
+        drop_unsupported_processors=config.drop_unsupported_processors,
+    )
+
+
+def processor_args(processors: ContinuousBatchingLogitsProcessorList, kwargs: list[dict]) -> torch.Tensor:
+    """The per-request argument tensor ``[num tensors, len(kwargs)]`` int32 of ``processors`` for rows whose
+    logits-processor kwargs are ``kwargs`` (one dict per row, in row order)."""
+    rows = [SimpleNamespace(has_new_token=True, state=SimpleNamespace(logit_processor_kwargs=k)) for k in kwargs]
+    storage = torch.empty((max(processors.tensors_required, 1), max(len(kwargs), 1)), dtype=torch.int32)
+    return processors.prepare_tensor_args(rows, storage)
+
+
+def cache_parameter(forward: Callable) -> str | None:
+    """The name under which ``forward`` takes a cache (``past_key_values``, ``cache`` or ``cache_params``), or None."""
+    parameters = inspect.signature(forward).parameters
+    return next((name for name in CACHE_KWARG_NAMES if name in parameters), None)
+
+
+def bind_call(module: torch.nn.Module, args: tuple, kwargs: dict) -> inspect.BoundArguments:
+    """``module.forward``'s arguments of one call, by name (to replace the cache and split the tensors of a packed
+    call)."""
+    return _forward_signature(type(module).forward).bind(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_signature(function: Callable) -> inspect.Signature:
+    """The signature of a module class's ``forward`` without ``self`` (once per function: every layer of every
+    engine step binds its call)."""
+    signature = inspect.signature(function)
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
+def reads_absolute_positions(module: torch.nn.Module) -> bool:
+    """Whether ``module`` or a module inside it asks the cache for its queries' absolute position
+    (``get_query_offset``: Inkling's log-scaled attention), so that a batch of rows at different positions needs one
+    call per position."""
+    return any("get_query_offset" in inspect.unwrap(type(m).forward).__code__.co_names for m in module.modules())
+
+
+#: Arguments a model computes once per forward from its cache's sizes and hands to its attention modules, which a
+#: group of an engine step must get computed from its own view instead: Inkling 2's ``relative_distance``
+#: ``[query_length, key_length]`` (5.24: ``get_relative_distance`` in ``modeling_inkling2.py``, from the layer's
+#: ``get_mask_sizes`` and ``get_query_offset``).
+GROUP_ARGUMENTS = ("relative_distance",)
+
+
+def group_argument(
+    name: str, module: torch.nn.Module, arguments: dict, view, num_tokens: int, device: torch.device
+) -> torch.Tensor:
+    """The group's own value of ``name`` (one of :data:`GROUP_ARGUMENTS`) for ``module`` called with ``arguments``
+    (by name), from ``view`` (a cache of the group's rows) and its ``num_tokens`` queries per row."""
+    layer_idx = module.layer_idx + (arguments.get("cache_offset") or 0)  # the cache layer holding its keys
+    num_keys, kv_offset = view.get_mask_sizes(num_tokens, layer_idx)
+    queries = torch.arange(num_tokens, device=device) + view.get_query_offset(layer_idx)
+    keys = torch.arange(num_keys, device=device) + kv_offset
+    return queries[:, None] - keys[None, :]

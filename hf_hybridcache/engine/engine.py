@@ -1,0 +1,295 @@
+"""The engine: admits requests through the cache's store, runs steps, and settles each step's results. It runs in
+one thread (the manager's loop, :mod:`~hf_hybridcache.engine.manager`); the store it shares with ``generate()``
+calls in other threads is reached only through :class:`~hf_hybridcache.sharing.CacheCore`, whose short store lock
+it takes around each store operation, never around a forward.
+
+Admission (:meth:`Engine.admit`) looks the request's tokens up in the store (the remote tier, salts and the weights
+identity included): on a hit the stored blocks' pages join the request's page table by reference (no KV copy), the
+checkpoint at the hit is copied into its state slot, and its chain is pinned. A request whose next uncached blocks
+another running request is computing right now waits for them instead of computing them too (bounded: only while
+that request's prefill moves toward them), and that request keeps a checkpoint where their prompts part, so the
+shared prefix is computed once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .._compat.continuous_batching import RequestStatus
+from ..hashing import BlockHash, chain_hashes
+from ..rows import Row
+from .limits import EngineLimits
+from .plan import Segment, StepPlan
+from .requests import EngineRequest
+from .runner import StepRunner
+from .scheduler import Chunk, Scheduler
+from .slots import StateSlots
+from .storing import emit_positions, store_segment
+from .views import StepCache
+
+logger = logging.getLogger("hf_hybridcache")
+
+
+class Engine:
+    """Requests of one cache (and so one model) served in packed steps.
+
+    Args:
+        cache: the :class:`~hf_hybridcache.HybridPrefixCache` whose store (and budget, retention, salts, tier) the
+            engine shares.
+        limits: the engine's bounds.
+        runner: runs a step's forward and samples.
+
+    Attributes:
+        scheduler: the running and waiting requests.
+        slots: the running requests' state slots.
+        tables: page tables ``[max_running_requests, max pages per request]`` int64, one row per slot.
+        preempted: requests preempted so far (each resumed later from the store).
+        peak_running_pages, peak_batch_tokens: the most private pages running requests held at once and the most
+            tokens one step fed (each stays within its bound in ``limits``).
+    """
+
+    def __init__(self, cache, limits: EngineLimits, runner: StepRunner) -> None:
+        self.cache, self.core, self.spec = cache, cache.core, cache.spec
+        self.limits, self.runner = limits, runner
+        self.block_size = self.spec.block_size
+        self.pages = self.core.store.pages
+        self.pages.ensure_devices()
+        self.slots = StateSlots(self.spec, limits.max_running_requests, self.core.devices)
+        max_pages = -(-limits.max_request_tokens // self.block_size) + 1
+        self.tables = torch.zeros(limits.max_running_requests, max_pages, dtype=torch.int64)
+        self.scheduler = Scheduler(limits.max_batch_tokens, self.block_size)
+        self.inflight: dict[BlockHash, EngineRequest] = {}
+        self.epoch = self.core.epoch
+        self.core.pinning.append(self.pinned_block_ids)
+        self._refused: list[EngineRequest] = []
+        self.preempted = 0
+        self.peak_running_pages = self.peak_batch_tokens = 0
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add(self, request: EngineRequest) -> None:
+        self.scheduler.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    def find(self, request_id: str) -> EngineRequest | None:
+        return next((r for r in (*self.scheduler.running, *self.scheduler.waiting) if r.request_id == request_id), None)
+
+    def finish(self, request: EngineRequest, status: RequestStatus, error: str | None = None) -> None:
+        """End ``request`` (finished, failed or cancelled): give back its slot and pages, unpin its chain."""
+        if request.is_admitted:
+            self._release(request)
+        self.scheduler.remove(request)
+        request.status, request.error = status, error
+        request.lifespan = (request.lifespan[0], time.perf_counter())
+
+    def close(self) -> None:
+        """Give back everything (the requests left are the caller's to fail)."""
+        for request in list(self.scheduler.running):
+            self._release(request)
+        self.scheduler.running.clear()
+        self.scheduler.waiting.clear()
+        if self.pinned_block_ids in self.core.pinning:
+            self.core.pinning.remove(self.pinned_block_ids)
+
+    def pinned_block_ids(self) -> set[int]:
+        """Blocks the running requests keep pinned (for the store's checks)."""
+        return {b for r in self.scheduler.running if r.row is not None for b in r.row.block_ids}
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> list[EngineRequest]:
+        """Run one step; returns the requests whose output changed (a new token, finished, failed)."""
+        self._follow_store()
+        if self.inflight:
+            for request in self.scheduler.waiting:
+                self._ask_for_checkpoint(request)
+        own = sum(len(r.own_pages) for r in self.scheduler.running)
+        chunks = self.scheduler.choose(
+            self.limits.max_running_pages - own, lambda: self.slots.num_free > 0, self.admit, self.preempt
+        )
+        refused, self._refused = self._refused, []
+        if not chunks:
+            return refused
+        segments = [self._segment(chunk) for chunk in chunks]
+        own = sum(len(r.own_pages) for r in self.scheduler.running)
+        self.peak_running_pages = max(self.peak_running_pages, own)
+        self.peak_batch_tokens = max(self.peak_batch_tokens, sum(len(s.tokens) for s in segments))
+        plan = StepPlan(segments, self.tables, self.block_size)
+        cache = StepCache(plan, self.spec, self.slots, self.pages)
+        try:
+            tokens, logprobs = self.runner.run(plan, cache)
+        except Exception as error:  # noqa: BLE001 - a failed forward fails its requests, never the engine
+            return refused + self._step_failed(segments, error)
+        return refused + self._settle(plan, tokens, logprobs)
+
+    def _follow_store(self) -> None:
+        """The store was emptied (``cache.clear()``): the running requests' chains are gone, so they store no more
+        (their pages, held by the requests themselves, stay valid)."""
+        if self.core.epoch == self.epoch:
+            return
+        self.epoch = self.core.epoch
+        for request in self.scheduler.running:
+            request.row.block_ids.clear()
+            request.row.block_hashes.clear()
+            request.row.storing = False
+
+    def _segment(self, chunk: Chunk) -> Segment:
+        """The chunk's segment, with the pages it writes allocated."""
+        request = chunk.request
+        needed = self.scheduler.pages_needed(request, chunk.num_tokens)
+        if needed:
+            with self.core.store_lock:
+                new = self.pages.allocate(needed)
+            self.tables[request.slot, len(request.pages) : len(request.pages) + needed] = torch.tensor(new)
+            request.pages.extend(new)
+            request.own_pages.update(new)
+        tokens = request.remaining_tokens[: chunk.num_tokens]
+        segment = Segment(request, tokens, request.past, request.fresh,
+                          samples=request.past + len(tokens) == len(request.tokens))
+        segment.emit_positions = emit_positions(segment, self.block_size, self.core.options.retention_tokens)
+        return segment
+
+    def _settle(self, plan: StepPlan, tokens: list[int], logprobs: list[float] | None) -> list[EngineRequest]:
+        changed = []
+        options = self.core.options
+        for segment in plan.segments:
+            request = segment.request
+            request.past, request.fresh, request.suspect = segment.end, False, False
+            store_segment(self.core, segment, self.slots, self.block_size, options.retention_tokens)
+            if request.past >= len(request.prompt):
+                self._leave_inflight(request)
+        now = time.perf_counter()
+        for i, (segment, token) in enumerate(zip(plan.sampled, tokens)):
+            request = segment.request
+            request.generated.append(token)
+            if logprobs is not None:
+                request.logprobs.append(logprobs[i])
+            if request.timestamps is not None:
+                request.timestamps.append(now)
+            request.status = RequestStatus.DECODING
+            if token in request.eos_token_ids or len(request.generated) >= request.max_new_tokens:
+                self.finish(request, RequestStatus.FINISHED)
+            changed.append(request)
+        return changed
+
+    def _step_failed(self, segments: list[Segment], error: Exception) -> list[EngineRequest]:
+        """A forward raised: a request that ran alone (or already was a suspect) fails; when several ran together,
+        each is recomputed alone through the store, so only the request that makes the forward raise fails."""
+        requests = list(dict.fromkeys(s.request for s in segments))
+        logger.warning("an engine step of %d requests raised %s: %s", len(requests), type(error).__name__, error)
+        if len(requests) == 1:
+            self.finish(requests[0], RequestStatus.FAILED, f"{type(error).__name__}: {error}")
+            return requests
+        for request in requests:
+            self.scheduler.running.remove(request)
+            self.preempt(request)
+            request.suspect = True
+            self.scheduler.waiting.appendleft(request)
+        return []
+
+    # ------------------------------------------------------------------ admission and preemption
+
+    def admit(self, request: EngineRequest) -> bool:
+        """Admit a waiting request (a free slot was checked): its longest stored prefix is shared by reference and
+        its checkpoint copied into the slot. False: it waits for a prefix another request is computing, or it failed
+        (the model changed dtype or devices since the cache was built; returned by the next :meth:`step`)."""
+        core, tokens, bs = self.core, request.tokens, self.block_size
+        try:
+            core.check_model(self.cache.model)
+        except ValueError as error:
+            self.finish(request, RequestStatus.FAILED, str(error))
+            self._refused.append(request)
+            return False
+        root = core.request_root(request.salt)
+        self._hash_chain(request, root)
+        with core.store_lock:
+            hit = core.lookup(tokens, root)
+            if self._waits_for_inflight(request, hit.hit_tokens // bs):
+                return False
+            report = None if request.counted else core.report(tokens, root, hit)
+            pages = core.store.page_table(hit.block_ids).tolist()
+            self.pages.ref(pages)
+            core.pin(hit.block_ids)
+            checkpoint = core.store.checkpoint_copy(hit.block_ids[-1]) if hit.hit_tokens else None
+        request.slot = self.slots.take()
+        if checkpoint is not None:
+            self.slots.write(request.slot, checkpoint)
+        self.tables[request.slot, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
+        request.pages, request.own_pages = pages, set()
+        request.past, request.fresh = hit.hit_tokens, hit.hit_tokens == 0
+        request.row = Row(len(request.prompt), token_ids=tokens[: hit.hit_tokens], hit_tokens=hit.hit_tokens, root=root,
+                          block_ids=list(hit.block_ids), block_hashes=list(hit.block_hashes),
+                          divergence_tokens=hit.divergence_tokens)
+        if not request.counted:
+            core.count_request(len(request.prompt), hit.hit_tokens, [report.reason])
+            request.counted, request.hit_tokens, request.hit_report = True, hit.hit_tokens, report
+            request.lifespan = (time.perf_counter(), -1)
+        request.status = RequestStatus.PREFILLING
+        for block_hash in request.chain_hashes[hit.hit_tokens // bs : len(request.prompt) // bs]:
+            self.inflight.setdefault(block_hash, request)
+        return True
+
+    def _ask_for_checkpoint(self, request: EngineRequest) -> None:
+        """A waiting request that no slot or token budget admits yet still tells the running request computing its
+        prefix where their prompts part, so that a checkpoint is kept there for it (once per request)."""
+        if request.asked or request.is_admitted:
+            return
+        self._hash_chain(request, self.core.root(request.salt))
+        chain = request.chain_hashes[: (len(request.tokens) - self.core.options.min_tail_tokens) // self.block_size]
+        first = next((i for i, h in enumerate(chain) if h in self.inflight), None)
+        if first is not None:
+            request.asked = self._waits_for_inflight(request, first)
+
+    def _hash_chain(self, request: EngineRequest, root: BlockHash) -> None:
+        """Hash the full blocks of ``request``'s tokens under ``root`` (once per root and length)."""
+        tokens, bs = request.tokens, self.block_size
+        if (request.root, len(request.chain_hashes or ())) != (root, len(tokens) // bs):
+            request.root, request.chain_hashes = root, chain_hashes(root, tokens, bs)
+
+    def _waits_for_inflight(self, request: EngineRequest, hit_blocks: int) -> bool:
+        """Whether ``request`` should wait: a running request is computing its next blocks after the hit. That
+        request then keeps a checkpoint where the two prompts part (or where it is now, if it is further)."""
+        tail = self.core.options.min_tail_tokens  # tokens a hit leaves to run
+        chain = request.chain_hashes[: (len(request.tokens) - tail) // self.block_size]
+        if hit_blocks >= len(chain):
+            return False
+        owner = self.inflight.get(chain[hit_blocks])
+        if owner is None or owner is request or not owner.is_admitted:
+            return False
+        shared = hit_blocks
+        while shared < len(chain) and self.inflight.get(chain[shared]) is owner:
+            shared += 1
+        boundary = shared * self.block_size
+        if owner.past >= boundary:
+            return False  # it went past the boundary without a checkpoint there: compute
+        owner.extra_boundaries.add(boundary)
+        return True
+
+    def _leave_inflight(self, request: EngineRequest) -> None:
+        if request.chain_hashes is None:
+            return
+        for block_hash in request.chain_hashes:
+            if self.inflight.get(block_hash) is request:
+                del self.inflight[block_hash]
+
+    def preempt(self, request: EngineRequest) -> None:
+        """Give ``request``'s slot and pages back; it resumes from the store when admitted again."""
+        self._release(request)
+        request.status = RequestStatus.PENDING
+        request.past, request.fresh = 0, True
+        self.preempted += 1
+
+    def _release(self, request: EngineRequest) -> None:
+        self._leave_inflight(request)
+        with self.core.store_lock:
+            self.core.release(request.row.block_ids)
+            self.pages.unref(request.pages)
+        self.slots.give_back(request.slot)
+        request.slot, request.row = None, None
+        request.pages, request.own_pages = [], set()

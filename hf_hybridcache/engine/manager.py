@@ -1,0 +1,337 @@
+"""The manager: transformers' continuous-batching API (``ContinuousBatchingManager`` in
+``generation/continuous_batching/continuous_api.py``, 5.23 - 5.24) over the engine, so ``model.generate_batch``,
+``model.continuous_batching_context_manager`` and ``transformers serve --continuous-batching`` run on it.
+
+Requests enter from any thread (:meth:`ContinuousBatchingManager.add_request`), run in one background thread (the
+loop: take new requests and cancellations, run a step, deliver outputs), and leave as transformers'
+``GenerationOutput`` (an :class:`~hf_hybridcache._compat.continuous_batching.EngineOutput`, which adds the
+request's ``hit_tokens``) through :meth:`~ContinuousBatchingManager.get_result`,
+:meth:`~ContinuousBatchingManager.request_id_iter` (streaming) or a handler
+(:meth:`~ContinuousBatchingManager.register_result_handler`). A request is refused at once, with its error in its
+output, when it is invalid; a step whose forward raises fails only the request that makes it raise (the others are
+recomputed); the loop itself never dies of a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig
+
+from .._compat.continuous_batching import (
+    KEPT_ATTR,
+    ContinuousBatchingConfig,
+    GenerationOutput,
+    RequestStatus,
+    logits_processors,
+)
+from .._compat.engine_attention import install_router
+from .engine import Engine
+from .grouping import wrap_stateful_modules
+from .limits import EngineLimits
+from .outputs import OutputRouter
+from .requests import EngineRequest, validation_error
+from .runner import StepRunner
+
+logger = logging.getLogger("hf_hybridcache")
+
+#: How long the idle loop sleeps between looks at its queues, in seconds.
+IDLE_WAIT_S = 0.05
+
+
+@dataclass
+class ThreadStatus:
+    """What ``transformers serve`` reads of the loop (``background_thread_status.fatal_error``)."""
+
+    fatal_error: BaseException | None = None
+
+
+class ContinuousBatchingManager:
+    """Serves requests for one :class:`~hf_hybridcache.HybridPrefixCache` with continuous batching.
+
+    Made by ``cache.init_continuous_batching(...)`` or ``model.init_continuous_batching(...)`` (the cache installs
+    the latter on its model), and used as transformers' manager::
+
+        manager = model.init_continuous_batching(generation_config=GenerationConfig(max_new_tokens=64))
+        manager.start()
+        request_id = manager.add_request(prompt_ids, cache_salt="tenant-7")
+        for output in manager.request_id_iter(request_id):   # streaming: add_request(..., streaming=True)
+            print(output.generated_tokens, output.hit_tokens)
+        manager.stop()
+
+    Args:
+        cache: the cache whose store, budget and options the requests share with ``generate()`` calls.
+        generation_config: sampling and stopping (``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+            ``max_new_tokens``, ``eos_token_id``, ``num_return_sequences``); the model's when None.
+        continuous_batching_config: transformers' ``ContinuousBatchingConfig``: ``max_batch_tokens``,
+            ``max_requests_per_batch``, ``max_memory_percent``, ``per_request_processors``, ``return_logprobs`` and
+            ``seed`` are used (``page_size`` is the cache's ``block_size``; the CUDA-graph options do not apply).
+        limits: explicit :class:`~hf_hybridcache.engine.EngineLimits` (else from the device and the config).
+        salt: the tenant salt of requests that pass no ``cache_salt`` (a salted view's own salt by default).
+
+    Attributes:
+        background_thread_status: ``fatal_error`` is set if the loop ever dies (it does not for a request's fault).
+        batch_processor: the running :class:`~hf_hybridcache.engine.engine.Engine` (``.scheduler.running`` and
+            ``.scheduler.waiting`` are the requests), or None when stopped.
+
+    Raises:
+        ValueError: the model's attention implementation cannot be masked per group (flash attention).
+    """
+
+    def __init__(
+        self,
+        cache,
+        generation_config: GenerationConfig | None = None,
+        continuous_batching_config: ContinuousBatchingConfig | None = None,
+        *,
+        limits: EngineLimits | None = None,
+        salt: str | None = None,
+    ) -> None:
+        model = cache.model
+        install_router(model)
+        wrap_stateful_modules(model)
+        self.model, self.cache, self.salt = model, cache, salt
+        self.generation_config = generation_config if generation_config is not None else model.generation_config
+        config = continuous_batching_config if continuous_batching_config is not None else ContinuousBatchingConfig()
+        self.continuous_batching_config = config
+        self.num_return_sequences = self.generation_config.num_return_sequences or 1
+        self.limits = limits or EngineLimits.from_device(
+            model, cache.spec, cache.max_cache_bytes, config.max_requests_per_batch, config.max_batch_tokens,
+            memory_fraction=config.max_memory_percent,
+        )
+        self.processors = logits_processors(model, self.generation_config, config)
+        self.background_thread_status = ThreadStatus()
+        self.batch_processor: Engine | None = None
+        self.warmed_up = False
+        self._router = OutputRouter()
+        self._inbox: queue.Queue[EngineRequest] = queue.Queue()
+        self._intake = threading.Lock()  # held by add_requests while it queues, so the loop takes them together
+        self._cancels: queue.Queue[str] = queue.Queue()
+        self._wake = threading.Event()
+        self._stop_mode: str | None = None
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ control
+
+    def warmup(self) -> None:
+        """Nothing to capture ahead (no CUDA graphs); kept for transformers' context manager."""
+        self.warmed_up = True
+
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        """Start the loop thread (a no-op with a warning if it runs)."""
+        if self.is_running():
+            logger.warning("The continuous batching manager is already running.")
+            return
+        config = self.continuous_batching_config
+        runner = StepRunner(self.model, self.processors, bool(self.generation_config.do_sample),
+                            config.return_logprobs, config.seed)
+        self.batch_processor = Engine(self.cache, self.limits, runner)
+        self.background_thread_status = ThreadStatus()
+        self._stop_mode = None
+        self._thread = threading.Thread(target=self._run, name="hf_hybridcache-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, block: bool = True, timeout: float | None = None, keep_for_next_session: bool = False,
+             hard_stop: bool = False) -> None:
+        """Stop the loop: accept no more requests, finish the running ones (``hard_stop``: fail them at once), and
+        with ``block`` wait for the thread. After ``timeout`` seconds a flush becomes a hard stop, so a blocking
+        call returns within one step of it. ``keep_for_next_session``: the model's ``init_continuous_batching``
+        returns this manager next time."""
+        if self._thread is None:
+            return
+        if self._stop_mode != "hard":
+            self._stop_mode = "hard" if hard_stop else "flush"
+        self._wake.set()
+        if block:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                self._stop_mode = "hard"
+                self._thread.join()
+        if keep_for_next_session:
+            vars(self.model)[KEPT_ATTR] = self
+
+    def destroy(self) -> None:
+        """Stop (failing what runs) and forget this manager if it was kept."""
+        if self.is_running():
+            self.stop(block=True, hard_stop=True)
+        if vars(self.model).get(KEPT_ATTR) is self:
+            del vars(self.model)[KEPT_ATTR]
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        input_ids,
+        request_id: str | None = None,
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        record_timestamps: bool = False,
+        eos_token_id: int | list[int] | None = None,
+        cache_salt: str | None = None,
+        **logit_processor_kwargs,
+    ) -> str | None:
+        """Queue a request; returns its id (None when the manager is stopping or dead, as transformers').
+
+        Args:
+            input_ids: the prompt's token ids (a list of ints, or a ``[T]`` / ``[1, T]`` tensor).
+            request_id: its id (``req_<n>`` when None).
+            max_new_tokens: tokens to generate at most (the generation config's, else 20).
+            streaming: deliver an output after every token.
+            record_timestamps: record when each token was generated.
+            eos_token_id: token id(s) that end it (the generation config's, else the model's).
+            cache_salt: the tenant salt of its prefix chains: it reuses only prefixes stored under the same salt
+                (by ``generate()`` with ``cache.with_salt(salt)`` or by engine requests with that salt).
+            logit_processor_kwargs: per-request ``temperature``, ``top_k``, ``top_p`` (with
+                ``ContinuousBatchingConfig(per_request_processors=True)`` and the processor enabled in the
+                generation config).
+
+        An invalid request (empty prompt, ids outside the vocabulary, over the limits, bad sampling kwargs) is not
+        queued: its output, with ``status=FAILED`` and ``error`` saying what to fix, is delivered at once.
+        """
+        if self.background_thread_status.fatal_error is not None or self._stop_mode is not None:
+            logger.warning("The continuous batching manager is stopping or stopped; the request is dropped.")
+            return None
+        request_id = f"req_{next(self._ids)}" if request_id is None else request_id
+        prompt = input_ids.reshape(-1).tolist() if isinstance(input_ids, torch.Tensor) else input_ids
+        config = self.generation_config
+        max_new_tokens = max_new_tokens if max_new_tokens is not None else (config.max_new_tokens or 20)
+        salt = cache_salt if cache_salt is not None else self.salt
+        vocab_size = self.model.get_input_embeddings().num_embeddings
+        error = validation_error(prompt, max_new_tokens, vocab_size, self.limits.max_request_tokens, salt)
+        if error is None:
+            try:
+                self.processors.check_kwargs(logit_processor_kwargs)
+            except (TypeError, ValueError) as problem:
+                error = f"Invalid sampling arguments: {problem}"
+        ids = [f"{request_id}__child#{k}" for k in range(self.num_return_sequences - 1)] + [request_id]
+        requests = [
+            EngineRequest(rid, list(prompt) if error is None else [], max_new_tokens, self._eos(eos_token_id),
+                          dict(logit_processor_kwargs), salt, streaming, record_timestamps,
+                          timestamps=[] if record_timestamps else None)
+            for rid in ids
+        ]
+        if error is not None:
+            for request in requests:
+                request.status, request.error = RequestStatus.FAILED, error
+            self._router.deliver([r.to_output() for r in requests])
+            return request_id
+        for request in requests:
+            self._inbox.put(request)
+        self._wake.set()
+        return request_id
+
+    def add_requests(self, inputs: list, max_new_tokens: int | None = None, streaming: bool = False,
+                     record_timestamps: bool = False, **logit_processor_kwargs) -> list[str]:
+        """:meth:`add_request` for each prompt of ``inputs``; returns their ids in order. The loop takes them in
+        one go, so requests sent together start in the same step (equal chunks form one group)."""
+        with self._intake:
+            return [
+                self.add_request(ids, max_new_tokens=max_new_tokens, streaming=streaming,
+                                 record_timestamps=record_timestamps, **logit_processor_kwargs)
+                for ids in inputs
+            ]
+
+    def cancel_request(self, request_id: str) -> None:
+        """Cancel a request (and its ``num_return_sequences`` children): its slot and pages are freed before the
+        next step, and its output is delivered with ``status=FAILED`` and ``error="cancelled"``."""
+        self._cancels.put(request_id)
+        self._wake.set()
+
+    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
+        """The next output (of ``request_id`` if given), waiting up to ``timeout`` seconds; None when there is none
+        (at once when the loop is not running and nothing is queued)."""
+        return self._router.get(request_id, timeout, self.is_running)
+
+    def __iter__(self) -> Iterator[GenerationOutput]:
+        while self.is_running():
+            result = self.get_result(timeout=0.1)
+            if result is not None:
+                yield result
+
+    def request_id_iter(self, request_id: str) -> Iterator[GenerationOutput]:
+        """The outputs of ``request_id`` as they come (one per token when streaming), until its final one."""
+        while True:
+            result = self.get_result(request_id=request_id, timeout=0.1)
+            if result is not None:
+                yield result
+                if result.is_finished():
+                    return
+            elif not self.is_running():
+                return
+
+    def register_result_handler(self, request_id: str, callback: Callable[[GenerationOutput], None]) -> None:
+        """Call ``callback(output)`` on the running asyncio event loop for each output of ``request_id`` (outputs
+        delivered before registration included). Call from a coroutine."""
+        self._router.register(request_id, callback, asyncio.get_running_loop())
+
+    def _eos(self, eos_token_id) -> frozenset[int]:
+        for candidate in (eos_token_id, self.generation_config.eos_token_id, self.model.config.eos_token_id):
+            if candidate is not None:
+                ids = candidate if isinstance(candidate, (list, tuple, set)) else [candidate]
+                return frozenset(int(i) for i in ids if int(i) >= 0)
+        return frozenset()
+
+    # ------------------------------------------------------------------ the loop
+
+    def _run(self) -> None:
+        engine = self.batch_processor
+        error: BaseException | None = None
+        try:
+            with torch.no_grad():
+                while self._stop_mode != "hard" and (
+                    self._stop_mode is None or engine.has_work or not self._inbox.empty()
+                ):
+                    self._take_queues(engine)
+                    if not engine.has_work:
+                        self._wake.wait(IDLE_WAIT_S)
+                        self._wake.clear()
+                        continue
+                    self._deliver(engine.step())
+        except BaseException as problem:  # noqa: BLE001 - recorded for serve, every request is failed below
+            error = problem
+            self.background_thread_status.fatal_error = problem
+            logger.exception("the continuous batching loop died")
+        finally:
+            self._take_queues(engine)
+            reason = "stopped" if error is None else f"the engine loop died: {error!r}"
+            left = [*engine.scheduler.running, *engine.scheduler.waiting]
+            for request in left:
+                engine.finish(request, RequestStatus.FAILED, reason)
+            self._deliver(left)
+            engine.close()
+            self._router.wake()
+
+    def _take_queues(self, engine: Engine) -> None:
+        with self._intake:
+            while True:
+                try:
+                    engine.add(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+        cancelled = []
+        while True:
+            try:
+                request_id = self._cancels.get_nowait()
+            except queue.Empty:
+                break
+            for request in [r for r in (*engine.scheduler.running, *engine.scheduler.waiting)
+                            if r.request_id == request_id or r.request_id.startswith(f"{request_id}__child#")]:
+                engine.finish(request, RequestStatus.FAILED, "cancelled")
+                cancelled.append(request)
+        self._deliver(cancelled)
+
+    def _deliver(self, requests: list[EngineRequest]) -> None:
+        outputs = [r.to_output() for r in requests if r.is_finished or r.streaming]
+        if outputs:
+            self._router.deliver(outputs)

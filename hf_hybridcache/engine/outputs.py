@@ -1,0 +1,80 @@
+"""Where a request's outputs go: a handler registered for it (called on its asyncio event loop, as transformers'
+``OutputRouter`` does for ``transformers serve``), or else a queue read by ``get_result`` / ``request_id_iter``.
+
+Unlike transformers' router, outputs that arrived before a handler was registered are handed to the handler when it
+is (a request refused at ``add_request`` delivers its error at once), and a reader waiting for one request's outputs
+takes them without disturbing other readers (no re-queueing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import Callable
+
+from .._compat.continuous_batching import GenerationOutput
+
+
+class OutputRouter:
+    """Routes :class:`~hf_hybridcache._compat.continuous_batching.EngineOutput` objects (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: deque[GenerationOutput] = deque()
+        self._handlers: dict[str, tuple[Callable, asyncio.AbstractEventLoop]] = {}
+
+    def deliver(self, outputs: list[GenerationOutput]) -> None:
+        """Hand ``outputs`` to their handlers or the queue, in order."""
+        calls: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._cond:
+            for output in outputs:
+                entry = self._handlers.get(output.request_id)
+                if entry is None:
+                    self._queue.append(output)
+                    continue
+                callback, loop = entry
+                calls.setdefault(loop, []).append((callback, output))
+                if output.is_finished():
+                    del self._handlers[output.request_id]
+            self._cond.notify_all()
+        for loop, batch in calls.items():
+            loop.call_soon_threadsafe(_run_all, batch)
+
+    def register(self, request_id: str, callback: Callable[[GenerationOutput], None],
+                 loop: asyncio.AbstractEventLoop) -> None:
+        """Call ``callback(output)`` on ``loop`` for each output of ``request_id`` (queued ones first); forgotten
+        after its final output."""
+        with self._cond:
+            queued = [o for o in self._queue if o.request_id == request_id]
+            for output in queued:
+                self._queue.remove(output)
+            if not any(o.is_finished() for o in queued):
+                self._handlers[request_id] = (callback, loop)
+        if queued:
+            loop.call_soon_threadsafe(_run_all, [(callback, o) for o in queued])
+
+    def get(self, request_id: str | None, timeout: float | None, alive: Callable[[], bool]) -> GenerationOutput | None:
+        """The next queued output (of ``request_id`` if given), waiting up to ``timeout`` seconds while ``alive()``;
+        None if there is none."""
+
+        def ready():
+            return any(request_id is None or o.request_id == request_id for o in self._queue) or not alive()
+
+        with self._cond:
+            self._cond.wait_for(ready, timeout=timeout)
+            for output in self._queue:
+                if request_id is None or output.request_id == request_id:
+                    self._queue.remove(output)
+                    return output
+        return None
+
+    def wake(self) -> None:
+        """Wake the readers (the loop stopped)."""
+        with self._cond:
+            self._cond.notify_all()
+
+
+def _run_all(batch: list) -> None:
+    for callback, output in batch:
+        callback(output)

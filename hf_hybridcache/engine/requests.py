@@ -1,0 +1,152 @@
+"""One request of the engine: what the user asked for, where it stands, and what it holds while it runs.
+
+Lifecycle (``status``, transformers' ``RequestStatus``)::
+
+    PENDING ──admit──> PREFILLING ──prompt done──> DECODING ──EOS / max_new_tokens──> FINISHED
+       ^                   │                          │
+       └──── preempted ────┴──────────────────────────┘       (any state) ──error / cancel / stop──> FAILED
+
+While admitted a request holds a state slot (its conv + recurrent states), a page table (the KV pages of its tokens:
+pages shared from a prefix hit, then pages of its own) and a :class:`~hf_hybridcache.rows.Row` (its chain in the
+store, pinned). A preempted request gives all three back and re-enters the queue with its prompt and the tokens it
+generated so far, which it recomputes from the store's longest hit when admitted again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .._compat.continuous_batching import EngineOutput, RequestStatus
+from ..explain import HitReport
+from ..hashing import BlockHash
+from ..rows import Row
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    """A request and its running state.
+
+    Attributes:
+        request_id: the user's id (children of a request with ``num_return_sequences`` are ``{id}__child#{k}``).
+        prompt: the prompt's token ids.
+        max_new_tokens: tokens to generate at most.
+        eos_token_ids: token ids that finish the request (included in its output).
+        sampling: logits-processor kwargs of this request (``temperature``, ``top_k``, ``top_p``).
+        salt: the tenant salt of its prefix chains (None: unsalted).
+        streaming: deliver an output after every token (else only at the end).
+        record_timestamps: record when each token was generated.
+        generated: the tokens generated so far.
+        hit_tokens: prompt tokens its first admission restored from the store.
+        hit_report: why that hit is that long (:class:`~hf_hybridcache.explain.HitReport`), or None before it.
+        status, error, created_time, lifespan, timestamps: as transformers' ``GenerationOutput``.
+        slot: its state slot while admitted, else None.
+        pages: its page table while admitted: page ``i`` holds tokens ``[i * block_size, (i + 1) * block_size)``.
+        own_pages: the pages of ``pages`` it allocated and the store does not own (the engine's running pages).
+        past: tokens whose KV is in its pages and whose state is in its slot.
+        fresh: its slot holds no state yet (admitted without a hit, before its first chunk).
+        row: its chain in the store while admitted.
+        root: the root hash of its chains (salt and weights state at its first admission).
+        chain_hashes: hashes of the full blocks of ``tokens`` (for the in-flight prefix index), or None.
+        extra_boundaries: boundaries other requests asked it to keep a checkpoint at (they share its prefix).
+        asked: while waiting, it asked the running request computing its prefix to keep a checkpoint for it.
+        suspect: it was in a step whose forward raised; it runs alone until a step of it succeeds.
+        counted: its prompt and hit were counted in the cache's counters.
+    """
+
+    request_id: str
+    prompt: list[int]
+    max_new_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    sampling: dict = field(default_factory=dict)
+    salt: str | None = None
+    streaming: bool = False
+    record_timestamps: bool = False
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    hit_tokens: int = 0
+    hit_report: HitReport | None = None
+    status: RequestStatus = RequestStatus.PENDING
+    error: str | None = None
+    created_time: float = field(default_factory=time.perf_counter)
+    lifespan: tuple[float, float] = (-1, -1)
+    timestamps: list[float] | None = None
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)
+    own_pages: set[int] = field(default_factory=set)
+    past: int = 0
+    fresh: bool = True
+    row: Row | None = None
+    root: BlockHash | None = None
+    chain_hashes: list[BlockHash] | None = None
+    extra_boundaries: set[int] = field(default_factory=set)
+    asked: bool = False
+    suspect: bool = False
+    counted: bool = False
+
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens the model must have seen (or been fed) to continue: the prompt, then every generated token."""
+        return self.prompt + self.generated
+
+    @property
+    def is_admitted(self) -> bool:
+        return self.slot is not None
+
+    @property
+    def is_decoding(self) -> bool:
+        """Its next step feeds one generated token (its prompt and all but the last generated token are in)."""
+        return self.is_admitted and self.past == len(self.tokens) - 1 and bool(self.generated)
+
+    @property
+    def remaining_tokens(self) -> list[int]:
+        """The tokens still to feed before it samples its next token."""
+        return self.tokens[self.past :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED
+
+    def to_output(self) -> EngineOutput:
+        """Its transformers ``GenerationOutput`` (copies of the lists)."""
+        return EngineOutput(
+            request_id=self.request_id,
+            prompt_ids=list(self.prompt),
+            generated_tokens=list(self.generated),
+            logprobs=list(self.logprobs),
+            error=self.error,
+            status=self.status,
+            created_time=self.created_time,
+            lifespan=self.lifespan,
+            timestamps=None if self.timestamps is None else list(self.timestamps),
+            hit_tokens=self.hit_tokens,
+            hit_report=self.hit_report,
+        )
+
+
+def validation_error(
+    prompt, max_new_tokens, vocab_size: int, max_request_tokens: int, salt
+) -> str | None:
+    """Why a request cannot run, as a sentence that says what to do, or None when it can."""
+    if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
+        return f"input_ids must be a list of token ids, got {type(prompt).__name__}; tokenize the prompt first."
+    if len(prompt) == 0:
+        return "The prompt is empty: pass at least one token id (e.g. the BOS token)."
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return "input_ids must be a flat list of ints (token ids); pass one prompt per request."
+    low, high = min(prompt), max(prompt)
+    if low < 0 or high >= vocab_size:
+        return (
+            f"Token id {low if low < 0 else high} is outside the model's vocabulary [0, {vocab_size}); check that the "
+            "tokenizer belongs to this model."
+        )
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        return f"max_new_tokens must be a positive int, got {max_new_tokens!r}."
+    if len(prompt) + max_new_tokens > max_request_tokens:
+        return (
+            f"The prompt ({len(prompt)} tokens) plus max_new_tokens ({max_new_tokens}) is over this engine's limit "
+            f"of {max_request_tokens} tokens per request; shorten the prompt or lower max_new_tokens."
+        )
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        return f"cache_salt must be a non-empty string naming the tenant, or None; got {salt!r}."
+    return None

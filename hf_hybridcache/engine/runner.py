@@ -1,0 +1,87 @@
+"""One engine step: the packed forward of a :class:`~hf_hybridcache.engine.plan.StepPlan`, then sampling.
+
+The model's own forward runs on ``input_ids`` / ``position_ids`` ``[1, N]`` with the
+:class:`~hf_hybridcache.engine.views.StepCache` as its cache, a mask mapping that builds no masks (the groups carry
+their own), and ``logits_to_keep`` = the sampled positions, so only ``[M, V]`` logits are computed. Sampling is
+transformers' continuous batching's: its logits processors (per-request temperature, top-k, top-p), then argmax or
+``multinomial`` from one generator (seeded by ``ContinuousBatchingConfig.seed``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _compat
+from .._compat.continuous_batching import processor_args
+from .plan import StepPlan
+from .views import StepCache
+
+
+class _NoMasks(dict):
+    """A mask mapping that answers None for every layer type: the model builds no attention masks (the engine's
+    groups carry them)."""
+
+    def __missing__(self, key):
+        return None
+
+
+class StepRunner:
+    """Runs steps of one model.
+
+    Args:
+        model: the ``*ForCausalLM``.
+        processors: transformers' ``ContinuousBatchingLogitsProcessorList``.
+        do_sample: sample (else greedy argmax).
+        return_logprobs: also return the log-probability of each sampled token.
+        seed: seed of the sampling generator (None: random).
+    """
+
+    def __init__(self, model, processors, do_sample: bool, return_logprobs: bool, seed: int | None) -> None:
+        self.model = model
+        self.processors = processors
+        self.do_sample = do_sample
+        self.return_logprobs = return_logprobs
+        self.device = model.get_input_embeddings().weight.device
+        self.generator = torch.Generator(device=self.device)
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        else:
+            self.generator.seed()
+
+    @torch.no_grad()
+    def run(self, plan: StepPlan, cache: StepCache) -> tuple[list[int], list[float] | None]:
+        """The tokens sampled for ``plan.sampled`` (and their log-probabilities when asked). Raises whatever the
+        forward raises; the caller fails or retries the step's requests."""
+        kwargs = {_compat.CACHE_KWARG: cache}
+        if plan.logits_index.numel() == 0:
+            kwargs["logits_to_keep"] = 1  # a step of mid-prompt chunks only: nothing is sampled
+        else:
+            kwargs["logits_to_keep"] = plan.logits_index.to(self.device)
+        with cache.pages.in_use(), _compat.package_forward():
+            out = self.model(
+                input_ids=plan.input_ids.to(self.device),
+                position_ids=plan.position_ids.to(self.device),
+                attention_mask=_NoMasks(),
+                use_cache=True,
+                **kwargs,
+            )
+        if not plan.sampled:
+            return [], None
+        return self._sample(out.logits[0].float(), plan)
+
+    def _sample(self, logits: torch.Tensor, plan: StepPlan) -> tuple[list[int], list[float] | None]:
+        """Tokens for logits ``[M, V]`` float32 of the sampled segments."""
+        if self.processors.do_processing:
+            last = torch.tensor([s.tokens[-1] for s in plan.sampled], device=logits.device)
+            args = processor_args(self.processors, [s.request.sampling for s in plan.sampled]).to(logits.device)
+            logits = self.processors(last, logits, args)
+        if self.do_sample or self.return_logprobs:
+            probs = torch.softmax(logits, dim=-1)
+        if self.do_sample:
+            tokens = torch.multinomial(probs, num_samples=1, generator=self.generator)[:, 0]
+        else:
+            tokens = logits.argmax(dim=-1)
+        logprobs = None
+        if self.return_logprobs:
+            logprobs = probs.gather(1, tokens[:, None])[:, 0].log().tolist()
+        return tokens.tolist(), logprobs

@@ -1,0 +1,140 @@
+"""Which requests feed which tokens in the next step, under the engine's bounds. No tensors, no store: admission
+and preemption are the engine's, called back from here.
+
+Each step, in this order (vLLM's and transformers' continuous-batching policy: decodes first, then chunked prefill):
+
+1. Every decoding request feeds its one token (oldest first, within the token budget). When the pages they need are
+   not free, the newest running requests are preempted (they give their slot and private pages back and wait to be
+   recomputed through the store) until the rest fit.
+2. Requests in prefill continue with the next chunk of their remaining tokens, oldest first, as far as the token
+   budget and the free pages go; a chunk that stops short of the end is cut at a block boundary, so the next one
+   starts on a page boundary and equal chunks of several requests form one group.
+3. Waiting requests are admitted in arrival order while a slot, tokens and pages remain (admission may defer a
+   request whose prefix another running request is computing; it keeps its place).
+
+A request that took part in a step whose forward raised (a *suspect*) runs alone until one of its steps succeeds:
+no request is admitted while suspects wait, and once the running ones have drained the suspects run one at a time,
+so only a request whose own step raises fails, and it fails once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .requests import EngineRequest
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """``request`` feeds ``num_tokens`` of its remaining tokens in the step."""
+
+    request: EngineRequest
+    num_tokens: int
+
+
+class Scheduler:
+    """The running and waiting requests and the choice of each step.
+
+    Args:
+        max_batch_tokens: tokens per step.
+        block_size: tokens per page.
+
+    Attributes:
+        running: admitted requests, oldest first.
+        waiting: requests not admitted (new ones, deferred ones, preempted ones first), in order.
+    """
+
+    def __init__(self, max_batch_tokens: int, block_size: int) -> None:
+        self.max_batch_tokens = max_batch_tokens
+        self.block_size = block_size
+        self.running: list[EngineRequest] = []
+        self.waiting: deque[EngineRequest] = deque()
+
+    def pages_needed(self, request: EngineRequest, num_tokens: int) -> int:
+        """New pages ``request`` needs to feed ``num_tokens`` more tokens."""
+        return max(-(-(request.past + num_tokens) // self.block_size) - len(request.pages), 0)
+
+    def choose(
+        self,
+        free_pages: int,
+        has_free_slot: Callable[[], bool],
+        admit: Callable[[EngineRequest], bool],
+        preempt: Callable[[EngineRequest], None],
+    ) -> list[Chunk]:
+        """The chunks of the next step. ``free_pages``: pages the running requests may still take;
+        ``admit(request)`` admits a waiting request (slot, prefix hit, pages of the hit) or defers it (False);
+        ``preempt(request)`` gives a running request's slot and pages back (it is put first in ``waiting`` here)."""
+        suspects = [r for r in self.running if r.suspect]
+        if suspects:
+            chunk = self._chunk(suspects[0], self.max_batch_tokens, free_pages)
+            return [chunk] if chunk else []
+        waiting_suspects = [r for r in self.waiting if r.suspect]
+        if waiting_suspects and not self.running:  # the others drained: one suspect runs alone
+            request = waiting_suspects[0]
+            if not has_free_slot() or not admit(request):
+                return []
+            self.waiting.remove(request)
+            self.running.append(request)
+            chunk = self._chunk(request, self.max_batch_tokens, free_pages)
+            return [chunk] if chunk else []
+        chunks: list[Chunk] = []
+        budget = self.max_batch_tokens
+        decoding = [r for r in self.running if r.is_decoding][:budget]
+        while sum(self.pages_needed(r, 1) for r in decoding) > free_pages and len(self.running) > 1:
+            victim = self.running[-1]
+            free_pages += self._preempt(victim, preempt)
+            decoding = [r for r in decoding if r is not victim]
+        for request in decoding:
+            chunks.append(Chunk(request, 1))
+            free_pages -= self.pages_needed(request, 1)
+            budget -= 1
+        for request in [r for r in self.running if not r.is_decoding]:
+            chunk = self._chunk(request, budget, free_pages)
+            if chunk is None:
+                continue
+            chunks.append(chunk)
+            budget -= chunk.num_tokens
+            free_pages -= self.pages_needed(request, chunk.num_tokens)
+        for request in [] if waiting_suspects else list(self.waiting):  # suspects first: let the running ones drain
+            if budget < 1 or free_pages < 1 or not has_free_slot():
+                break
+            if not admit(request):
+                continue
+            self.waiting.remove(request)
+            self.running.append(request)
+            chunk = self._chunk(request, budget, free_pages)
+            if chunk is not None:
+                chunks.append(chunk)
+                budget -= chunk.num_tokens
+                free_pages -= self.pages_needed(request, chunk.num_tokens)
+        if not chunks and len(self.running) > 1:  # every running request waits for pages: make room for the oldest
+            freed = self._preempt(self.running[-1], preempt)
+            return self.choose(free_pages + freed, has_free_slot, admit, preempt)
+        return chunks
+
+    def _chunk(self, request: EngineRequest, budget: int, free_pages: int) -> Chunk | None:
+        """The next chunk of ``request`` within ``budget`` tokens and ``free_pages`` pages, or None."""
+        remaining = len(request.remaining_tokens)
+        room = (len(request.pages) + free_pages) * self.block_size - request.past
+        num_tokens = min(remaining, budget, room)
+        if num_tokens < remaining:
+            cut = num_tokens - (request.past + num_tokens) % self.block_size
+            num_tokens = cut if cut > 0 else num_tokens
+        return Chunk(request, num_tokens) if num_tokens > 0 else None
+
+    def _preempt(self, request: EngineRequest, preempt: Callable[[EngineRequest], None]) -> int:
+        """Preempt ``request``; returns the pages it gave back."""
+        freed = len(request.own_pages)
+        self.running.remove(request)
+        preempt(request)
+        self.waiting.appendleft(request)
+        return freed
+
+    def remove(self, request: EngineRequest) -> None:
+        """Forget ``request`` (finished, failed or cancelled)."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)

@@ -1,0 +1,60 @@
+"""What an engine step leaves in the store, by the same rules as ``generate()``'s
+(:meth:`~hf_hybridcache.live.LiveRequest.after_forward`), so that later requests and ``generate()`` calls reuse it:
+
+- every block a request completed is stored by reference to the page its KV was written to (no copy);
+- checkpoints at the boundaries it keeps: the retention interval's, the mandatory prompt-end ones, its divergence
+  point, the boundaries other requests sharing its prefix asked for (all kept for good), and the last boundary it
+  reached (kept until a later one replaces it: the decode-end checkpoint). Boundaries inside a chunk are handed over
+  by the mixers during the forward; a chunk or decode step that ends on a boundary copies the request's slot.
+"""
+
+from __future__ import annotations
+
+from ..sharing import CacheCore
+from ..store import last_boundary, retained_boundaries
+from .plan import Segment
+from .slots import StateSlots
+
+
+def kept_boundaries(segment: Segment, block_size: int, retention_tokens: int) -> set[int]:
+    """Boundaries in ``(past, end]`` of ``segment`` whose checkpoints its request keeps for good."""
+    request, start, end = segment.request, segment.past, segment.end
+    kept = set(retained_boundaries(start, end, len(request.prompt), block_size, retention_tokens,
+                                   request.row.divergence_tokens))
+    return kept | {b for b in request.extra_boundaries if start < b <= end}
+
+
+def emit_positions(segment: Segment, block_size: int, retention_tokens: int) -> tuple[int, ...]:
+    """Token counts inside ``segment``'s chunk after which the mixers must hand over its request's states: the kept
+    boundaries and the last boundary reached, strictly inside the chunk."""
+    start, end = segment.past, segment.end
+    wanted = kept_boundaries(segment, block_size, retention_tokens) | {last_boundary(end, block_size)}
+    return tuple(sorted(b - start for b in wanted if start < b < end))
+
+
+def store_segment(core: CacheCore, segment: Segment, slots: StateSlots, block_size: int, retention_tokens: int) -> None:
+    """Store what ``segment``'s chunk completed (after the step's forward succeeded). With ``replay_replies`` (bf16,
+    fp16) nothing past a request's first decode step is stored: a decode step rounds differently from a prefill
+    there (:mod:`~hf_hybridcache.reply_replay`), and the engine does not replay replies."""
+    request = segment.request
+    row = request.row
+    if segment.is_decode and core.options.replay_replies and row.prefill_tokens is None:
+        row.prefill_tokens = len(row.token_ids)
+    row.token_ids.extend(segment.tokens)
+    blocks_before = len(row.block_ids)
+    core.store_pages(row, lambda index: request.pages[index])
+    for index in range(blocks_before, len(row.block_ids)):
+        if core.store.page_of(row.block_ids[index]) == request.pages[index]:
+            request.own_pages.discard(request.pages[index])  # the store owns the page now
+    captured = {b: states for b, states in segment.captured.items() if b <= row.storable_tokens}
+    if segment.end % block_size == 0 and segment.end <= row.storable_tokens:
+        captured[segment.end] = slots.read(request.slot)
+    if not captured:
+        return
+    kept = kept_boundaries(segment, block_size, retention_tokens)
+    divergence = row.divergence_tokens
+    plain = set(retained_boundaries(segment.past, segment.end, len(request.prompt), block_size, retention_tokens))
+    for boundary in sorted(captured):
+        stored = core.store_checkpoint(row, boundary, captured[boundary], boundary not in kept)
+        if stored and divergence and boundary == divergence and divergence not in plain:
+            core.count_divergence_checkpoint()

@@ -1,0 +1,106 @@
+"""Continuous batching on every supported family: each request's greedy tokens equal that request run alone with
+generate() and no cache, whatever else runs beside it; prefixes are shared through the store both ways (engine ->
+engine, engine -> generate()); transformers' own continuous batching refuses these models."""
+
+import pytest
+import torch
+from conftest import greedy, random_ids
+from engine_scenarios import alone, alone_logprobs, config, finals, ids
+from transformers import ContinuousBatchingConfig
+
+from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache.checks import check_store
+from hf_hybridcache.toy import build_model
+
+SHARED = ids(40, seed=900)
+
+
+def test_requests_arriving_at_different_times_match_each_alone(model, cold_model):
+    with pytest.raises(ValueError, match="Invalid layer type"):  # stock transformers, before the cache is built
+        model.generate_batch([[5, 6, 7]], generation_config=config(max_new_tokens=2))
+    cache = HybridPrefixCache(model)
+    prompts = {
+        "a": SHARED + ids(9, seed=901),  # shares 40 tokens with d and e
+        "b": ids(33, seed=902),
+        "c": ids(1, seed=903),
+        "d": SHARED + ids(20, seed=904),
+        "e": SHARED + ids(5, seed=905),
+    }
+    new_tokens = {"a": 7, "b": 5, "c": 6, "d": 6, "e": 4}
+    manager = model.init_continuous_batching(
+        generation_config=config(), continuous_batching_config=ContinuousBatchingConfig(return_logprobs=True)
+    )
+    manager.start()
+    try:
+        for name in "abc":
+            manager.add_request(prompts[name], request_id=name, max_new_tokens=new_tokens[name], streaming=name == "a")
+        assert manager.get_result(request_id="a", timeout=120) is not None  # a is decoding when d arrives
+        manager.add_request(prompts["d"], request_id="d", max_new_tokens=new_tokens["d"])
+        outputs = finals(manager, ["d"])
+        manager.add_request(prompts["e"], request_id="e", max_new_tokens=new_tokens["e"])  # hits d's divergence point
+        outputs.update(finals(manager, "abce"))
+    finally:
+        manager.stop()
+    for name, prompt in prompts.items():
+        assert outputs[name].error is None, outputs[name].error
+        tokens, logprobs = alone_logprobs(cold_model, prompt, new_tokens[name])
+        assert outputs[name].generated_tokens == tokens, f"request {name}"
+        assert max(abs(a - b) for a, b in zip(outputs[name].logprobs, logprobs)) < 1e-4, f"request {name}"
+    assert outputs["e"].hit_tokens == 32 and outputs["b"].hit_tokens == 0
+    check_store(cache)
+    other = torch.tensor([SHARED + ids(11, seed=906)])
+    sequences, _ = greedy(model, other, cache, new_tokens=4)  # generate() reuses what the engine stored
+    assert cache.last_hit_tokens == [32]
+    assert torch.equal(sequences, greedy(cold_model, other, new_tokens=4)[0])
+
+
+def test_generate_batch_shares_an_uncached_prefix_computed_once(model, cold_model):
+    """Requests arriving together that share an uncached prefix: the first computes it, the others wait and hit."""
+    cache = HybridPrefixCache(model)
+    prompts = [SHARED + ids(n, seed=910 + n) for n in (3, 12, 30)] + [random_ids(21, seed=919)[0].tolist()]
+    outputs = model.generate_batch(prompts, generation_config=config(max_new_tokens=5))
+    results = [outputs[f"req_{i}"] for i in range(len(prompts))]
+    for prompt, output in zip(prompts, results):
+        assert output.generated_tokens == alone(cold_model, prompt, 5)
+    assert sorted(o.hit_tokens for o in results[:3]) == [0, 32, 32] and results[3].hit_tokens == 0
+    assert cache.stats.requests == 4 and cache.stats.hit_tokens == 64
+    check_store(cache)
+
+
+@pytest.mark.parametrize("family", ["zamba2"])
+def test_tenant_salts_separate_the_engine_requests(model, cold_model):
+    """A request's cache_salt (or its view's salt) chains its blocks apart: it reuses only its tenant's prefixes,
+    those stored by generate() on the tenant's view included."""
+    cache = HybridPrefixCache(model)
+    prompt = SHARED + ids(8, seed=920)
+    greedy(model, torch.tensor([prompt]), cache.with_salt("tenant-a"), new_tokens=2)  # stores under tenant-a
+    with model.continuous_batching_context_manager(generation_config=config(max_new_tokens=4)) as manager:
+        manager.add_request(prompt, request_id="other", cache_salt="tenant-b")
+        manager.add_request(prompt, request_id="unsalted")
+        first = finals(manager, ["other", "unsalted"])
+        manager.add_request(prompt, request_id="same", cache_salt="tenant-a")
+        outputs = {**first, **finals(manager, ["same"])}
+    view_manager = cache.with_salt("tenant-b").init_continuous_batching(config(max_new_tokens=4))
+    view_manager.start()
+    try:
+        view_manager.add_request(prompt, request_id="view")  # the view's salt: tenant-b stored it above
+        outputs.update(finals(view_manager, ["view"]))
+    finally:
+        view_manager.stop()
+    assert [outputs[n].hit_tokens for n in ("other", "unsalted", "same", "view")] == [0, 0, 32, 32]
+    for output in outputs.values():
+        assert output.generated_tokens == alone(cold_model, prompt, 4)
+    check_store(cache)
+
+
+@pytest.mark.parametrize("family", ["jamba"])
+def test_bf16_requests_store_no_decode_steps(family):
+    """With replay_replies (bf16's default) the engine stores a request's blocks up to its first decode step only: a
+    decode step rounds differently from a prefill in bf16, and the engine does not replay replies."""
+    model = build_model(family, seed=0, dtype=torch.bfloat16)
+    cache = HybridPrefixCache(model)
+    assert cache.options.replay_replies
+    outputs = model.generate_batch([ids(40, seed=930)], generation_config=config(max_new_tokens=20))
+    assert len(outputs["req_0"].generated_tokens) == 20
+    assert cache.stats.kv_blocks == 2  # 40 prompt tokens; the 19 decoded ones would complete a third block
+    check_store(cache)
