@@ -213,8 +213,10 @@ class HybridPrefixCache(LiveCache):
             self.layers = _compat.new_live_layers(self.model.config)
 
     def clear(self) -> None:
-        """Drop every stored KV block and checkpoint (for all :meth:`with_salt` views) and the live request. Counters
-        of past requests stay. Waits for a running call in another thread.
+        """Drop every stored KV block and checkpoint (for all :meth:`with_salt` views) and the live request, and read
+        every weight again (:mod:`~hf_hybridcache.weights`: after a write through ``param.data``, which requests do not
+        always see, requests root in the new weights). Counters of past requests stay. Waits for a running call in
+        another thread.
 
         Raises:
             RuntimeError: called from inside a running ``generate()`` in this thread.
@@ -223,6 +225,7 @@ class HybridPrefixCache(LiveCache):
             lifecycle.end_active_request(self)
             self.layers = _compat.new_live_layers(self.model.config)
             self.core.store.clear()
+            self.core.weights.refresh(full=True)
 
     def with_salt(self, salt: str | None) -> HybridPrefixCache:
         """A view of this cache for one tenant: requests made with it only reuse prefixes stored by requests with the

@@ -4,11 +4,11 @@ A file holds every stored KV block and checkpoint as the named tensors of their 
 (:mod:`~hf_hybridcache.layout`, shared with the remote tier), the entries of each name stacked along a new first
 dim: ``keys.{layer} [num_blocks, Hkv, block_size, Dk]``, ``values.{layer} [num_blocks, Hkv, block_size, Dv]``,
 ``conv.{state} [num_checkpoints, C, W]`` and ``ssm.{state} [num_checkpoints, ...]``, in the stored dtypes. The
-safetensors header's metadata carries a JSON document — versions, the model identity and a fingerprint of its
-weights, the options, the hash seed, the block tree (parent, token ids and hash per block), which blocks have a
-checkpoint and the recency order — plus SHA-256 checksums of that JSON and of every tensor. Loading checks
-everything before it builds anything, so a file that is truncated, corrupted or made for another model is refused
-with a ``ValueError`` and nothing in memory changes.
+safetensors header's metadata carries a JSON document — versions, the model identity and the identity of its
+weights (every element; :mod:`~hf_hybridcache.weights`), the options, the hash seed, the block tree (parent, token
+ids and hash per block), which blocks have a checkpoint and the recency order — plus SHA-256 checksums of that JSON
+and of every tensor. Loading checks everything before it fills the new cache, so a file that is truncated, corrupted
+or made for another model or other weights is refused with a ``ValueError`` and nothing in memory changes.
 
 Loading cannot run code (safetensors and JSON only), but a cache file decides what the model "remembers" for a
 prefix: load only files you trust, as you would a checkpoint of weights.
@@ -31,14 +31,14 @@ from .hashing import BlockHash, block_hash, identity_config, model_identity
 from .layout import EntryLayout, entry_layout
 from .models import support_for
 from .store import StoredBlock
-from .weights import weights_fingerprint
 
 #: Version 2: the weights state (weights fingerprint and adapters) is part of every hash root. Version 3: keys and
 #: values of a layer are two tensors (``keys.{layer}``, ``values.{layer}``) instead of one ``kv.{layer}
-#: [num_blocks, 2, Hkv, block_size, D]``.
-FORMAT = "hf_hybridcache/3"
-#: Older formats that load: version 2 files' ``kv.{layer}`` tensors are split into keys and values on reading.
-READABLE_FORMATS = ("hf_hybridcache/2", FORMAT)
+#: [num_blocks, 2, Hkv, block_size, D]``. Version 4: the weights identity reads every element (``weights_identity``)
+#: where older versions sampled 64 per parameter, in the file and in every hash root.
+FORMAT = "hf_hybridcache/4"
+#: Formats whose weights check and hash roots came from the sampled fingerprint: refused with their own reason.
+SAMPLED_FINGERPRINT_FORMATS = ("hf_hybridcache/2", "hf_hybridcache/3")
 
 
 def save_cache(cache, path: str | os.PathLike) -> None:
@@ -54,6 +54,7 @@ def save_cache(cache, path: str | os.PathLike) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ValueError(f"The folder {folder!r} does not exist; create it first (os.makedirs) or save elsewhere.")
+    cache.core.weights.refresh(full=True)  # the weights now, with a write through param.data since the last request
     stored, recency = cache.store.export_entries()  # parents before children
     index = {block.block_id: i for i, block in enumerate(stored)}
     with_checkpoint = [block for block in stored if block.checkpoint is not None]
@@ -64,7 +65,7 @@ def save_cache(cache, path: str | os.PathLike) -> None:
     ]
     meta = {
         "versions": _versions(),
-        "model": _model_facts(cache.model),
+        "model": {**_model_facts(cache.model), "weights_identity": cache.core.weights.identity},
         "options": {
             "block_size": cache.block_size,
             "retention_interval": cache.options.retention_interval,
@@ -90,6 +91,7 @@ def load_cache(cls, path, model, max_cache_bytes, retention_interval, offload, r
     meta, tensors = _read(path)
     try:
         _check_model(meta, model, path)
+        saved_weights = meta["model"]["weights_identity"]
     except (KeyError, TypeError, AttributeError, RecursionError) as error:
         raise _invalid(path, f"its metadata lacks {error}") from error
     try:
@@ -108,6 +110,14 @@ def load_cache(cls, path, model, max_cache_bytes, retention_interval, offload, r
         remote=remote,
         **{name: options[name] for name in ("admit_divergence", "eviction") if name in options},
     )
+    # Checked on the new cache, which computed the identity of every weight once; dropping it leaves the store of any
+    # other cache and the model's weights as they were.
+    if saved_weights != cache.core.weights.identity:
+        raise ValueError(
+            f"{path!r} was saved for a model with the same config but other weights (another checkpoint, a fine-tune "
+            "or an edit of some weights): the identity of its weights, read over every element, differs, so its "
+            "stored states would be wrong for this one. Load it with the model it was saved for."
+        )
     _fill(cache, meta, tensors, plan)
     if cache.remote is not None:
         cache.remote.publish_all()
@@ -157,7 +167,6 @@ def _model_facts(model) -> dict:
         "dtype": str(model.dtype),
         "identity": model_identity(model),
         "config": identity_config(model),
-        "weights_sha256": weights_fingerprint(model),
     }
 
 
@@ -178,7 +187,14 @@ def _read(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except (SafetensorError, OSError, RuntimeError) as error:
         raise _invalid(path, f"it cannot be read as safetensors, so it is truncated or corrupted ({error})") from error
-    if metadata.get("format") not in READABLE_FORMATS:
+    if metadata.get("format") in SAMPLED_FINGERPRINT_FORMATS:
+        raise _invalid(
+            path,
+            f"its format {metadata['format']!r} (an older hf_hybridcache) named the weights by 64 sampled values per "
+            "parameter, which misses sparse edits, so its entries cannot be shown to belong to these weights; warm a "
+            "new cache and save it with this version",
+        )
+    if metadata.get("format") != FORMAT:
         raise _invalid(path, f"its format is {metadata.get('format')!r}, expected {FORMAT!r} (written by cache.save)")
     text = metadata.get("meta", "")
     if hashlib.sha256(text.encode()).hexdigest() != metadata.get("meta_sha256"):
@@ -193,20 +209,7 @@ def _read(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     for name, tensor in tensors.items():
         if _tensor_digest(tensor) != digests[name]:
             raise _invalid(path, f"the checksum of tensor {name!r} does not match, so it is corrupted")
-    return meta, _split_stacked_kv(tensors)
-
-
-def _split_stacked_kv(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Version 2's ``kv.{layer} [n, 2, Hkv, bs, D]`` as version 3's ``keys.{layer}`` and ``values.{layer}``; a
-    tensor of another shape is left to the shape check."""
-    split = {}
-    for name, tensor in tensors.items():
-        if name.startswith("kv.") and tensor.dim() == 5 and tensor.shape[1] == 2:
-            layer = name[len("kv."):]
-            split[f"keys.{layer}"], split[f"values.{layer}"] = tensor[:, 0], tensor[:, 1]
-        else:
-            split[name] = tensor
-    return split
+    return meta, tensors
 
 
 def _check_model(meta: dict, model, path: str) -> None:
@@ -231,11 +234,8 @@ def _check_model(meta: dict, model, path: str) -> None:
                       if facts["config"].get(k) != current["config"].get(k))
         diff = ", ".join(f"{k}: saved {facts['config'].get(k)!r}, now {current['config'].get(k)!r}" for k in keys[:5])
         raise ValueError(f"{path!r} was saved for a model with another config ({diff}); load it with that model.")
-    if facts["weights_sha256"] != current["weights_sha256"] or facts["identity"] != current["identity"]:
-        raise ValueError(
-            f"{path!r} was saved for a model with the same config but other weights (another checkpoint or a "
-            "fine-tune); its stored states would be wrong for this one. Load it with the model it was saved for."
-        )
+    if facts["identity"] != current["identity"]:
+        raise ValueError(f"{path!r} was saved for another model (its identity differs); load it with that model.")
 
 
 def _check_entries(meta: dict, tensors: dict, spec: ModelStateSpec, model) -> dict:

@@ -1,27 +1,111 @@
-"""Which weights stored entries were computed under: a cheap per-request key and a fingerprint per weights state.
+"""Which weights stored entries were computed under: an identity over every element of the weights, and a cheap
+per-request signal that says when to compute it again.
 
-A KV block or checkpoint is only valid for the weights that computed it. Loading, switching or disabling a PEFT/LoRA
-adapter, ``load_state_dict`` or an in-place edit under ``torch.no_grad()`` changes them without changing the model's
-identity (class, config, dtype). So every request first reads a :func:`weights_key` — each parameter's identity,
-storage and autograd version counter, plus the active adapters and whether they are disabled — and when it differs
-from the last one, the weights get a new :func:`weights_fingerprint`, which is mixed into the root of every block hash
-chain (vLLM mixes the LoRA id into its block hashes for the same reason). Entries stored under other weights are then
-never served, and switching back (the same adapter again, the original weights restored) finds them again.
+A KV block or checkpoint is only valid for the weights that computed it. Loading, switching, merging or rescaling a
+PEFT/LoRA adapter, ``load_state_dict`` or an in-place edit under ``torch.no_grad()`` changes them without changing
+the model's identity (class, config, dtype), and so does retraining a few rows of a 150k-row embedding. So the
+weights get a :func:`weights_identity` over every element of every parameter and buffer, and the weights state (that
+identity and the adapters' state) is mixed into the root of every block hash chain (vLLM mixes the LoRA id into its
+block hashes for the same reason). Entries stored under other weights are then never served, and switching back (the
+same adapter again, the original weights restored) finds them again.
 
-Not seen: edits through ``param.data`` (they bypass the version counter by design); call ``cache.clear()`` after
-such an edit.
+Which tensors: every parameter and every buffer, persistent or not, read from accelerate's offload maps where a
+model is offloaded. Buffers change outputs in the supported families: rotary ``inv_freq`` (and ``original_inv_freq``,
+which dynamic RoPE restores), Falcon-H1's ``mup_vector`` and the MoE routing biases (``e_score_correction_bias``,
+``expert_bias``, ZAYA's ``balancing_biases``); none is only bookkeeping, and a small buffer costs little to read.
+
+How: :func:`tensor_digest` sums the raw bits of each tensor times fixed odd multipliers with torch ops on the
+tensor's own device (no copy to the host), and its value is the same on every device, so a file saved from a model on
+a GPU loads into the same weights on the CPU and processes with differently placed weights share through the tier.
+Measured on a shared 2-core CPU (``benchmarks/weights_identity.py``): 0.2-0.6 GB/s, as fast as hashlib's SHA-256 of
+the same bytes for fp32 and up to 1.6x slower for bf16 (Qwen3.5-0.8B: 13 s in fp32; a cut Jamba-v0.1 of 13.7 GB: 22 s).
+
+Every request reads :func:`weights_key` (each tensor's identity, storage and autograd version counter, 64 evenly
+spaced elements of each, and the adapters' state), and the identity is computed again when it differs; it is also
+computed at construction, ``save()``, ``load()`` and ``clear()``. The samples catch dense writes that bypass the
+version counter (writes through ``param.data``, as peft's ``merge_and_unload`` does); the key costs 5-66 ms on that
+CPU (131-322 tensors), under 0.3% of a 64-token forward. Not seen between those points: a sparse write through
+``param.data`` (a few rows; call ``cache.clear()`` after one) and a write into accelerate's offload maps of an
+offloaded model (construction, ``save()``, ``load()`` and ``clear()`` read them).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 
 import torch
 
 from . import _compat
 
-#: Elements sampled from each parameter for the weights fingerprint.
-FINGERPRINT_SAMPLES = 64
+#: Elements summed with one run of multipliers in :func:`tensor_digest`; part of the digest's definition (the same
+#: on every device), so changing it changes every identity.
+RUN_ELEMENTS = 1 << 16
+#: Runs reduced per torch call: on CPU the int64 temporaries stay in cache (measured fastest), elsewhere fewer
+#: kernel launches.
+_RUNS_PER_STEP = {"cpu": 4}
+_DEFAULT_RUNS_PER_STEP = 64
+#: Integer dtype of each element width: a tensor's raw bits are read through it.
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: Elements of each tensor read at every request (:func:`weights_key`).
+KEY_SAMPLES = 64
+
+
+@functools.cache
+def _multipliers(device: torch.device) -> torch.Tensor:
+    """``[RUN_ELEMENTS]`` int64 odd multipliers on ``device``, the same everywhere (SHAKE-128 of a fixed label)."""
+    raw = hashlib.shake_128(b"hf_hybridcache weights identity multipliers").digest(8 * RUN_ELEMENTS)
+    return (torch.frombuffer(bytearray(raw), dtype=torch.int64) | 1).to(device)
+
+
+def _raw_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The elements of ``tensor`` as signed integers of the same width (1-D; a copy only when not contiguous)."""
+    flat = tensor.detach().reshape(-1)
+    return flat.view(_INTS.get(flat.element_size(), torch.uint8))
+
+
+def tensor_digest(tensor: torch.Tensor) -> bytes:
+    """A digest of every element of ``tensor`` (any shape, dtype and device), computed on its device.
+
+    Each run of :data:`RUN_ELEMENTS` elements gives ``sum(m_j * x_j) mod 2**64``, where ``x_j`` are the elements' raw
+    bits read as signed integers of their width and ``m_j`` fixed odd 64-bit multipliers; the digest is those sums,
+    ``ceil(numel / RUN_ELEMENTS)`` little-endian int64 (8 bytes per 65,536 elements). Any change of a single element
+    changes it (an odd multiplier is invertible mod ``2**64``); a change of several elements of one run goes unseen
+    with odds of about ``2**-(63 - k)``, where ``2**k`` divides every element's change (``k = 0`` for the low bits a
+    fine-tune moves; flipping the signs of an even number of fp32 elements, ``k = 31``, is the worst case). Integer
+    sums mod ``2**64`` do not depend on the reduction order, so the digest is the same on every device and thread
+    count. Memory: one int64 temporary of 4 runs (CPU) or 64 runs (other devices). A meta tensor gives ``b""``.
+    """
+    if tensor.device.type == "meta" or not tensor.numel():
+        return b""
+    bits, table = _raw_bits(tensor), _multipliers(tensor.device)
+    step = RUN_ELEMENTS * _RUNS_PER_STEP.get(tensor.device.type, _DEFAULT_RUNS_PER_STEP)
+    work = torch.empty(min(bits.numel(), step), dtype=torch.int64, device=tensor.device)
+    sums = []
+    for start in range(0, bits.numel(), step):
+        chunk = work[: min(step, bits.numel() - start)].copy_(bits[start : start + step])
+        whole = chunk.numel() // RUN_ELEMENTS * RUN_ELEMENTS
+        if whole:
+            sums.append(chunk[:whole].view(-1, RUN_ELEMENTS).mul_(table).sum(dim=1))
+        if whole < chunk.numel():
+            sums.append(chunk[whole:].mul_(table[: chunk.numel() - whole]).sum().reshape(1))
+    return torch.cat(sums).cpu().numpy().tobytes()
+
+
+def weights_identity(model: torch.nn.Module) -> str:
+    """SHA-256 over the name, shape, dtype and :func:`tensor_digest` of every parameter and buffer of ``model``, in
+    module order (offloaded ones read from accelerate's offload maps). Reads every weight once: see
+    ``benchmarks/weights_identity.py`` for its cost."""
+    h = hashlib.sha256(b"hf_hybridcache-weights-identity\0")
+    digests: dict[int, bytes] = {}  # a tensor tied into several modules is read once
+    for name, tensor, value in _compat.weight_tensors(model):
+        if id(tensor) not in digests:
+            digests[id(tensor)] = tensor_digest(value)
+        digest = digests[id(tensor)]
+        h.update(f"{name}|{tuple(value.shape)}|{value.dtype}|{len(digest)}|".encode())
+        h.update(digest)
+    return h.hexdigest()
 
 
 def adapter_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -34,55 +118,59 @@ def adapter_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def adapter_state(layers: list[torch.nn.Module]) -> tuple:
-    """The adapters active in ``layers`` and whether they are disabled, as a hashable tuple (empty without PEFT)."""
-    return tuple(sorted({(tuple(layer.active_adapters), bool(layer.disable_adapters)) for layer in layers}))
+    """Per tuner layer: the active adapters, whether they are disabled, which are merged into the base weights and
+    their scaling (``rescale_adapter_scale`` changes outputs through it alone), as a hashable tuple."""
+    return tuple(
+        (
+            tuple(layer.active_adapters),
+            bool(layer.disable_adapters),
+            tuple(layer.merged_adapters),
+            tuple(sorted((str(k), repr(v)) for k, v in getattr(layer, "scaling", {}).items())),
+        )
+        for layer in layers
+    )
 
 
-def parameter_key(model: torch.nn.Module) -> int:
-    """Changes when a parameter is added, removed, replaced, re-pointed or written in place (autograd version)."""
-    return hash(tuple((id(p), p.data_ptr(), p._version) for p in model.parameters()))
-
-
-def weights_fingerprint(model: torch.nn.Module) -> str:
-    """SHA-256 over every parameter's name, shape, dtype and up to :data:`FINGERPRINT_SAMPLES` evenly spaced values
-    (read from accelerate's offload maps for offloaded weights): two weight sets with one config get different
-    fingerprints, at the cost of a few small reads per parameter rather than hashing every weight."""
-    h = hashlib.sha256()
-    for name, value in sorted(_compat.parameter_values(model), key=lambda item: item[0]):
-        h.update(f"{name}|{tuple(value.shape)}|{value.dtype}|".encode())
-        if value.device.type != "meta" and value.numel():
-            flat = value.detach().reshape(-1)
-            sample = flat[:: max(1, flat.numel() // FINGERPRINT_SAMPLES)][:FINGERPRINT_SAMPLES]
-            h.update(sample.to("cpu", torch.float64).numpy().tobytes())
-    return h.hexdigest()
+def weights_key(model: torch.nn.Module) -> int:
+    """Changes when a parameter or buffer is added, removed, replaced, re-pointed, written in place (autograd version
+    counter) or written through ``.data`` where one of its :data:`KEY_SAMPLES` evenly spaced elements changed. Costs
+    one strided view per tensor and one copy per device and dtype (see ``benchmarks/weights_identity.py``)."""
+    tensors = list(itertools.chain(model.parameters(), model.buffers()))
+    samples: dict[tuple, list[torch.Tensor]] = {}  # (device, dtype) -> samples, concatenated per group
+    with torch.no_grad():  # views of parameters without autograd's bookkeeping
+        for t in tensors:
+            if t.numel() and t.device.type != "meta":
+                # Elements of the storage span the tensor covers (its own elements when contiguous): no copy.
+                span = t.numel() if t.is_contiguous() else 1 + sum((s - 1) * d for s, d in zip(t.shape, t.stride()))
+                picked = t.as_strided((min(span, KEY_SAMPLES),), (max(1, span // KEY_SAMPLES),))
+                samples.setdefault((t.device, t.dtype), []).append(picked)
+    read = [torch.cat(group).cpu() for _, group in sorted(samples.items(), key=lambda item: str(item[0]))]
+    raw = b"".join(r.view(_INTS.get(r.element_size(), torch.uint8)).numpy().tobytes() for r in read)
+    return hash((tuple((id(t), t.data_ptr(), t._version) for t in tensors), raw))
 
 
 class WeightsTracker:
     """The weights state of one model, re-read at every request.
 
     Attributes:
-        fingerprint: names the current weights state (weights fingerprint + adapter state); mixed into root hashes.
+        identity: :func:`weights_identity` of the weights as last computed (hex SHA-256).
+        fingerprint: names the current weights state (identity + adapter state); mixed into root hashes.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._model = model
-        self._param_key = parameter_key(model)
-        self._adapters = adapter_layers(model)
-        self._adapter_state = adapter_state(self._adapters)
-        self._weights = weights_fingerprint(model)
-        self.fingerprint = self._combined()
+        self.fingerprint = ""
+        self.refresh(full=True)
 
-    def _combined(self) -> str:
-        return hashlib.sha256(f"{self._weights}|{self._adapter_state}".encode()).hexdigest()
-
-    def refresh(self) -> bool:
-        """Re-read the weights state; True when it changed since the last call."""
-        param_key = parameter_key(self._model)
-        if param_key != self._param_key:
-            self._param_key = param_key
+    def refresh(self, full: bool = False) -> bool:
+        """Re-read the weights state: the identity is computed again when :func:`weights_key` changed, or always with
+        ``full``. True when the fingerprint changed since the last call."""
+        key = weights_key(self._model)
+        if full or key != self._key:
+            self._key = key
             self._adapters = adapter_layers(self._model)
-            self._weights = weights_fingerprint(self._model)
-        self._adapter_state = adapter_state(self._adapters)
-        fingerprint = self._combined()
+            self.identity = weights_identity(self._model)
+        state = f"{self.identity}|{adapter_state(self._adapters)}"
+        fingerprint = hashlib.sha256(state.encode()).hexdigest()
         changed, self.fingerprint = fingerprint != self.fingerprint, fingerprint
         return changed

@@ -110,6 +110,19 @@ def test_ttft_runs_on_a_tiny_real_shape(capsys):
     assert int(hit_tokens) == 64 and float(max_logit_diff) < 1e-4
 
 
+def test_weights_identity_runs_on_tiny_real_shapes(capsys):
+    """``weights_identity.py``: one row per shape and dtype, the full identity and the per-request check timed (it
+    asserts that the check with unchanged weights changes nothing)."""
+    from benchmarks import weights_identity
+
+    weights_identity.main(["--shapes", "qwen3_5_text:tiny", "--dtypes", "float32", "bfloat16", "--repeats", "1",
+                           "--check-calls", "2"])
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| qwen")]
+    assert [(row[0].strip(), row[1].strip()) for row in rows] == [("qwen3_5_text:tiny", "float32"),
+                                                                    ("qwen3_5_text:tiny", "bfloat16")]
+    assert all(float(row[7]) > 0 and row[9].strip().endswith("%") for row in rows)
+
+
 def test_model_shapes_build_with_their_layer_pattern():
     from benchmarks.model_shapes import SHAPES, shape_config
 

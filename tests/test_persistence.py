@@ -53,7 +53,7 @@ def test_file_is_safetensors_with_json_metadata(warm):
         header_len = struct.unpack("<Q", f.read(8))[0]
         header = json.loads(f.read(header_len))
     meta = json.loads(header["__metadata__"]["meta"])
-    assert header["__metadata__"]["format"] == "hf_hybridcache/3"
+    assert header["__metadata__"]["format"] == "hf_hybridcache/4"
     versions = {"hf_hybridcache": hf_hybridcache.__version__, "transformers": _compat.TRANSFORMERS_VERSION}
     assert meta["versions"] == versions
     assert meta["seed"] == cache.seed.hex()

@@ -1,15 +1,10 @@
 """KV blocks whose keys and values differ in width (MLA layers: a latent as keys, a rope key as values), through the
-public API: exact restores, byte accounting under a budget, and cache files (format 3, and format 2 files of
-same-width models still load)."""
-
-import hashlib
-import json
+public API: exact restores, byte accounting under a budget, and cache files (keys and values as two tensors)."""
 
 import pytest
 import torch
 from conftest import KDA_FAMILIES, assert_matches_cold, assert_restored_states_match, random_ids
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.checks import check_store, entry_digests
@@ -112,35 +107,4 @@ def test_cache_file_round_trip(family, model, cold_model, tmp_path):
     ids = torch.cat([random_ids(70, seed=501), random_ids(9, seed=505)], dim=1)
     assert_restored_states_match(loaded, cold_model, ids, expected_hit=64)
     assert_matches_cold(fresh, cold_model, loaded, ids)
-    assert loaded.last_hit_tokens == [64]
-
-
-def _as_format_2(path, old_path):
-    """Rewrite a format-3 file the way format 2 stored it: keys and values stacked into ``kv.{layer}``."""
-    with safe_open(path, framework="pt") as f:
-        metadata = f.metadata()
-        tensors = {name: f.get_tensor(name) for name in f.keys()}
-    for name in [n for n in tensors if n.startswith("keys.")]:
-        layer = name[len("keys."):]
-        tensors[f"kv.{layer}"] = torch.stack([tensors.pop(name), tensors.pop(f"values.{layer}")], dim=1)
-    meta = json.loads(metadata["meta"])
-    meta["tensor_sha256"] = {n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest()
-                             for n, t in tensors.items()}
-    text = json.dumps(meta, sort_keys=True)
-    metadata = {"format": "hf_hybridcache/2", "meta": text, "meta_sha256": hashlib.sha256(text.encode()).hexdigest()}
-    save_file(tensors, old_path, metadata=metadata)
-
-
-@pytest.mark.parametrize("family", ["jamba"])
-def test_format_2_files_of_same_width_models_still_load(family, model, cold_model, tmp_path):
-    cache = _warm(model, cold_model)
-    cache.save(tmp_path / "new.safetensors")
-    _as_format_2(tmp_path / "new.safetensors", tmp_path / "old.safetensors")
-    with safe_open(tmp_path / "old.safetensors", framework="pt") as f:
-        assert f.metadata()["format"] == "hf_hybridcache/2" and any(n.startswith("kv.") for n in f.keys())
-    fresh = build_model(family, seed=0)
-    loaded = HybridPrefixCache.load(tmp_path / "old.safetensors", fresh)
-    assert entry_digests(loaded) == entry_digests(cache)
-    check_store(loaded)
-    assert_matches_cold(fresh, cold_model, loaded, random_ids(70, seed=500), new_tokens=4)
     assert loaded.last_hit_tokens == [64]

@@ -40,7 +40,7 @@ import warnings
 import transformers
 from packaging.version import Version
 
-from .accelerate import execution_device, force_accelerate_hooks, parameter_values, patch_instance_forward
+from .accelerate import execution_device, force_accelerate_hooks, patch_instance_forward, weight_tensors
 from .generation import (
     CACHE_KWARG,
     Hooks,
@@ -86,7 +86,6 @@ __all__ = [
     "get_linear_state",
     "install_hooks",
     "new_live_layers",
-    "parameter_values",
     "patch_instance_forward",
     "route_module_function",
     "run_forward",
@@ -94,6 +93,7 @@ __all__ = [
     "set_linear_state",
     "sliding_windows",
     "split_mixer_call",
+    "weight_tensors",
 ]
 
 _warned_versions: set[str] = set()

@@ -81,15 +81,18 @@ def execution_device(module: torch.nn.Module) -> torch.device | None:
     return None
 
 
-def parameter_values(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(qualified name, value)`` of every parameter, in module order. A parameter that accelerate offloaded (on the
-    meta device between forwards) is read from its hook's weights map; one that cannot be found stays on meta."""
+def weight_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """``(qualified name, tensor, value)`` of every parameter and buffer, in module order (a tensor tied into several
+    modules comes once per module). ``value`` is the tensor itself, or for one that accelerate offloaded (on the meta
+    device between forwards) the copy in its hook's weights map (host memory or read from disk); one that cannot be
+    found stays on meta."""
     for module_name, module in model.named_modules():
-        for name, param in module.named_parameters(recurse=False):
-            if param.device.type == "meta":
+        for name, tensor in itertools.chain(module.named_parameters(recurse=False), module.named_buffers(recurse=False)):
+            value = tensor
+            if tensor.device.type == "meta":
                 for hook in _accelerate_hooks(module):
                     weights_map = getattr(hook, "weights_map", None)
                     if weights_map is not None and name in weights_map:
-                        param = weights_map[name]
+                        value = weights_map[name]
                         break
-            yield f"{module_name}.{name}" if module_name else name, param
+            yield f"{module_name}.{name}" if module_name else name, tensor, value

@@ -3,9 +3,9 @@
 A cache draws a random hash seed (:func:`~hf_hybridcache.sharing.hash_seed`), so two processes would never compute
 the same block hash. With a tier and no ``seed=``, the seed is instead derived from the key prefix, the model identity
 (class, config, dtype; :func:`~hf_hybridcache.hashing.model_identity`) and the hf_hybridcache and transformers
-versions (stored states are only reused under the versions that computed them). The weights state (weights
-fingerprint and adapters) and the cache salt are mixed into every root hash after the seed, so caches of other
-weights or other tenants never share an entry.
+versions (stored states are only reused under the versions that computed them). The weights state (the weights
+identity over every element, computed when the cache is built, and the adapters) and the cache salt are mixed into
+every root hash after the seed, so caches of other weights or other tenants never share an entry.
 
 Derived rather than drawn once and kept in the tier (``SET NX``): a seed kept there would be lost when the server
 restarts or its ``allkeys-lru`` policy evicts that key, and processes started afterwards would draw a new one and stop
