@@ -1,0 +1,236 @@
+"""What a hit costs over stock transformers continuing from its own cache, per family kind, shape and prefix length.
+
+The floor of a hit is not the suffix alone: stock transformers continuing from a ``DynamicCache`` that already holds
+the prefix still attends over every prefix key. For each model and prefix length, a prompt is the prefix plus a new
+64-token suffix, and each repeat runs, in turn (the order alternates between repeats):
+
+- ``stock``: stock transformers' ``generate`` on prefix + suffix with a ``DynamicCache`` that holds the prefix
+  (prefilled once, deep-copied before each run; the copy is not timed);
+- ``hit``: the same ``generate`` with a HybridPrefixCache that stored the prefix: it restores it and replays the
+  suffix.
+
+Each is timed to its first new token (``TTFT``) and then per decode step for ``--decode-tokens`` more tokens (a
+streamer stamps every token; ``decode`` is the median step). The hit's restore alone (``cache.restore``: the whole
+start of a request, lookup + KV copy + checkpoint copy) is timed after each pair, and ``restore / MB`` divides it by
+the bytes it copies; ``bookkeeping`` is the time the hit spends after its forwards storing blocks and checkpoints
+(prefill forward, then the mean per decode step). Every number is the median over ``--repeats``; the hit's tokens and
+first-token logits are checked against stock's (``max|dlogit|``).
+
+Family kinds: Mamba-1 (``jamba``), Mamba-2 (``zamba2`` small, ``falcon_h1`` real), gated delta net
+(``qwen3_5_text``), short conv (``lfm2``). Shapes: ``small`` (hidden 512, 8 layers, 2 with attention) and ``real``
+(``benchmarks/model_shapes.py``, cut to ``--real-layers`` layers on a CPU; the table names the cut).
+
+    OMP_WAIT_POLICY=PASSIVE PYTHONPATH=. python benchmarks/hit_overhead.py
+    PYTHONPATH=. python benchmarks/hit_overhead.py --kinds gdn --shapes small --prefixes 4096 --repeats 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as every benchmark here (see ttft.py)
+
+import torch
+from transformers import DynamicCache
+from transformers.generation.streamers import BaseStreamer
+
+from benchmarks.model_shapes import build_shape_model
+from benchmarks.ttft import random_ids
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
+from hf_hybridcache.live import LiveRequest
+
+#: family kind -> (family of the small shape, (family, shape) of the real one).
+KINDS = {
+    "mamba1": ("jamba", ("jamba", "tiny-random")),
+    "mamba2": ("zamba2", ("falcon_h1", "0.5b")),
+    "gdn": ("qwen3_5_text", ("qwen3_5_text", "0.8b")),
+    "short_conv": ("lfm2", ("lfm2", "350m")),
+}
+
+
+class StepClock(BaseStreamer):
+    """Stamps every token ``generate()`` emits (its first ``put`` is the prompt, before the prefill)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.stamps: list[float] = []
+
+    def put(self, value) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    @property
+    def ttft(self) -> float:
+        return self.stamps[1] - self.start
+
+    @property
+    def decode_step(self) -> float:
+        steps = [b - a for a, b in zip(self.stamps[1:], self.stamps[2:])]
+        return statistics.median(steps)
+
+
+class BookkeepingClock:
+    """Benchmark only: times :meth:`LiveRequest.after_forward` (storing blocks and checkpoints after a forward)."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._original = LiveRequest.after_forward
+
+    def __enter__(self):
+        original, seconds = self._original, self.seconds
+
+        def timed(request):
+            start = time.perf_counter()
+            try:
+                return original(request)
+            finally:
+                seconds.append(time.perf_counter() - start)
+
+        LiveRequest.after_forward = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        LiveRequest.after_forward = self._original
+
+
+def run(model, prompt: torch.Tensor, cache, new_tokens: int):
+    """(clock, sequences, first-step logits) of a greedy ``generate`` of ``new_tokens`` tokens."""
+    clock = StepClock()
+    out = model.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0, streamer=clock,
+        **{CACHE_KWARG: cache},
+    )
+    return clock, out.sequences, out.logits[0]
+
+
+def stock_prefix_cache(model, prefix: torch.Tensor) -> DynamicCache:
+    """transformers' own cache after a forward of ``prefix``."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(prefix, use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache})
+    return cache
+
+
+def restored_bytes(cache, prompt: torch.Tensor) -> int:
+    """Bytes a restore of ``prompt`` copies: the hit's KV blocks (sliding layers: their window) and one checkpoint."""
+    hit = cache.store.lookup(prompt[0].tolist(), cache.root_hash)
+    kv = sum(
+        (len(hit.block_ids) - a.restore_from_block(hit.hit_tokens, cache.block_size)) * a.block_bytes(cache.block_size)
+        for a in cache.spec.attention
+    )
+    return kv + cache.spec.checkpoint_bytes
+
+
+def measure(args, model, prefix_tokens: int) -> dict[str, float]:
+    """Medians over the repeats (seconds, bytes, ratios) for one prefix length."""
+    device = model.device
+    cache = HybridPrefixCache(model)
+    prefix = random_ids(prefix_tokens, seed=prefix_tokens, device=device)
+    new_tokens = 1 + args.decode_tokens
+    with torch.no_grad():  # the prefix is stored with its prompt-end checkpoint; hits below restore it
+        run(model, prefix, cache, 1)
+    stock = stock_prefix_cache(model, prefix)
+    times: dict[str, list[float]] = {}
+    max_logit_diff, same_tokens = 0.0, True
+
+    def record(name, value):
+        times.setdefault(name, []).append(value)
+
+    for repeat in range(args.repeats + 1):  # repeat 0 warms both paths up and is not recorded
+        prompt = torch.cat([prefix, random_ids(args.suffix_tokens, seed=1000 + repeat, device=device)], 1)
+        results = {}
+        for name in (("stock", "hit") if repeat % 2 else ("hit", "stock")):
+            if name == "stock":
+                own = copy.deepcopy(stock)
+                results[name] = run(model, prompt, own, new_tokens)
+                del own
+            else:
+                with BookkeepingClock() as bookkeeping:
+                    results[name] = run(model, prompt, cache, new_tokens)
+                assert cache.last_hit_tokens == [prefix_tokens], cache.last_hit_tokens
+        restore_prompt = torch.cat([prefix, random_ids(args.suffix_tokens, seed=-1 - repeat, device=device)], 1)
+        cache.reset()
+        start = time.perf_counter()
+        cache.restore(restore_prompt)
+        restore = time.perf_counter() - start
+        cache.reset()
+        if not repeat:
+            continue
+        (stock_clock, stock_seq, stock_logits), (hit_clock, hit_seq, hit_logits) = results["stock"], results["hit"]
+        max_logit_diff = max(max_logit_diff, (hit_logits - stock_logits).abs().max().item())
+        same_tokens &= torch.equal(hit_seq, stock_seq)
+        record("stock", stock_clock.ttft)
+        record("hit", hit_clock.ttft)
+        record("hit / stock", hit_clock.ttft / stock_clock.ttft)
+        record("restore", restore)
+        record("prefill bookkeeping", bookkeeping.seconds[0])
+        record("decode bookkeeping", statistics.mean(bookkeeping.seconds[1:]) if args.decode_tokens else 0.0)
+        record("stock decode", stock_clock.decode_step if args.decode_tokens else 0.0)
+        record("hit decode", hit_clock.decode_step if args.decode_tokens else 0.0)
+        record("decode hit / stock", hit_clock.decode_step / stock_clock.decode_step if args.decode_tokens else 0.0)
+    row = {name: statistics.median(values) for name, values in times.items()}
+    row["restored bytes"] = restored_bytes(cache, prompt)
+    row["restore per MB"] = row["restore"] / (row["restored bytes"] / 2**20)
+    row["max|dlogit|"], row["same tokens"] = max_logit_diff, same_tokens
+    return row
+
+
+def print_table(rows: list[tuple[str, int, dict]], args) -> None:
+    print(
+        f"\nmedians of {args.repeats} interleaved repeats; suffix {args.suffix_tokens} tokens, {args.decode_tokens} "
+        f"decode steps; {torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}\n"
+    )
+    header = ("| model | prefix | stock TTFT ms | hit TTFT ms | hit / stock | restore ms | restored MB | restore ms/MB "
+              "| bookkeeping ms (prefill / step) | stock decode ms/tok | hit decode ms/tok | decode hit / stock "
+              "| max\\|dlogit\\| | tokens equal |")
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for label, prefix_tokens, r in rows:
+        print(
+            f"| {label} | {prefix_tokens} | {1e3 * r['stock']:.1f} | {1e3 * r['hit']:.1f} | {r['hit / stock']:.2f}x "
+            f"| {1e3 * r['restore']:.2f} | {r['restored bytes'] / 2**20:.1f} | {1e3 * r['restore per MB']:.3f} "
+            f"| {1e3 * r['prefill bookkeeping']:.2f} / {1e3 * r['decode bookkeeping']:.3f} "
+            f"| {1e3 * r['stock decode']:.2f} | {1e3 * r['hit decode']:.2f} | {r['decode hit / stock']:.2f}x "
+            f"| {r['max|dlogit|']:.1e} | {'yes' if r['same tokens'] else 'NO'} |"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kinds", nargs="+", choices=sorted(KINDS), default=list(KINDS))
+    parser.add_argument("--shapes", nargs="+", choices=["small", "real"], default=["small", "real"])
+    parser.add_argument("--prefixes", type=int, nargs="+", default=[1024, 4096, 8192, 16384, 32768],
+                        help="prefix tokens on the small shapes")
+    parser.add_argument("--real-prefixes", type=int, nargs="+", default=[1024, 4096],
+                        help="prefix tokens on the real shapes (their prefill is minutes at 4k on a CPU)")
+    parser.add_argument("--real-layers", type=int, default=8, help="keep the real shapes' first N layers")
+    parser.add_argument("--suffix-tokens", type=int, default=64)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=9)
+    args = parser.parse_args(argv)
+    rows = []
+    for shape in args.shapes:
+        for kind in args.kinds:
+            small_family, (real_family, real_shape) = KINDS[kind]
+            if shape == "small":
+                model, _ = build_shape_model(small_family, "small")
+                label, prefixes = f"{kind} {small_family} small", args.prefixes
+            else:
+                model, description = build_shape_model(real_family, real_shape, args.real_layers)
+                label, prefixes = f"{kind} {description}", args.real_prefixes
+            for prefix_tokens in prefixes:
+                rows.append((label, prefix_tokens, measure(args, model, prefix_tokens)))
+                print_table(rows[-1:], args)
+            del model
+    print_table(rows, args)
+
+
+if __name__ == "__main__":
+    main()
