@@ -8,7 +8,9 @@ simulator does what ``generate()`` and the model would do to the cache:
 2. one forward over the uncached prompt tail, then one forward per generated token except the last (the last
    sampled token never goes through the model); around each forward, ``_before_forward`` / ``_after_forward`` (the
    forward hooks), and in between what the model writes: the KV of the new tokens through ``cache.update`` and the
-   Mamba states the cache asked for through ``capture_states`` — meta tensors of the real shapes and dtypes.
+   Mamba states the cache asked for through ``capture_states`` — meta tensors of the real shapes and dtypes;
+3. the end of ``generate()``: the replay of the reply (:mod:`hf_hybridcache.reply_replay`, on by default for the
+   bfloat16 models), whose forward is played the same way.
 
 So the lookup, admission, retention, eviction and budget code that runs is the cache's own; only the numbers inside
 the tensors are missing, and hit rates do not depend on them. Two tensor copies of the cache are swapped for
@@ -27,6 +29,7 @@ from transformers import AutoModelForCausalLM, JambaConfig
 from hf_hybridcache import HybridPrefixCache, _compat, lifecycle
 from hf_hybridcache.config import split_state_key
 from hf_hybridcache.flops import FlopModel
+from hf_hybridcache.reply_replay import replay_replies
 
 
 def jamba_mini_config() -> JambaConfig:
@@ -127,22 +130,23 @@ class CacheDriver:
         """Serve one request; returns its hit (restored tokens)."""
         cache = self.cache
         lifecycle.start_request(cache, torch.tensor([prompt_ids]), None, 1)
-        cache.live.request._live_block_kv = lambda row, pad, block: {
-            idx: (keys.clone(), values.clone()) for idx, (keys, values) in self._block.items()
-        }
         hit = cache.last_hit_tokens[0]
-        for key, (conv, ssm) in self._states.items():
-            layer_idx, state_idx = split_state_key(key)
-            if _compat.get_linear_state(cache.layers[layer_idx], state_idx) is None:
-                _compat.set_linear_state(cache.layers[layer_idx], conv, ssm, state_idx)
         self.forward(prompt_ids[hit:])
         for token in generated_ids[:-1]:
             self.forward([token])
+        replay_replies(cache, lambda model, input_ids, cache: self.forward(input_ids[0].tolist()))
         return hit
 
     def forward(self, token_ids: list[int]) -> None:
         cache, num_tokens = self.cache, len(token_ids)
         request = cache.live.request
+        request._live_block_kv = lambda row, pad, block: {
+            idx: (keys.clone(), values.clone()) for idx, (keys, values) in self._block.items()
+        }
+        for key, (conv, ssm) in self._states.items():  # a miss starts without states
+            layer_idx, state_idx = split_state_key(key)
+            if _compat.get_linear_state(cache.layers[layer_idx], state_idx) is None:
+                _compat.set_linear_state(cache.layers[layer_idx], conv, ssm, state_idx)
         request.before_forward(torch.tensor([token_ids]), 1, num_tokens)
         positions = cache.checkpoint_positions(num_tokens)
         # The model appends the new tokens' KV; a fresh meta tensor of the new length stands for that (torch.cat

@@ -30,6 +30,7 @@ from .models import support_for
 from .placement import Placement, layer_devices
 from .remote import RemoteTier, remote_config
 from .remote import attach as attach_remote
+from .reply_replay import replays_by_default
 from .sharing import CacheCore, hash_seed
 from .stats import PrefixCacheStats
 from .store import PrefixStore, make_eviction
@@ -70,6 +71,8 @@ class HybridPrefixCache(LiveCache):
         eviction: ``"flop_aware"`` (evict the lowest recency + alpha x prefill FLOPs saved per byte, after Marconi)
             or ``"lru"`` (least recently used first). Either way a KV block goes only after the blocks that extend it
             and after its own checkpoint, and the running request's blocks never go.
+        replay_replies: store replies from one prefill of their tokens when ``generate()`` has its output, and leave
+            two tokens to a hit's tail (:mod:`hf_hybridcache.reply_replay`); None: on in bf16/fp16, see there.
 
     Threads: ``generate()`` calls with one cache (or its :meth:`with_salt` views) from several threads run one at a
     time under the cache's lock; see :mod:`hf_hybridcache.sharing`.
@@ -82,8 +85,8 @@ class HybridPrefixCache(LiveCache):
 
     Raises:
         ValueError: unsupported model; invalid ``block_size``, ``retention_interval``, ``max_cache_bytes``, ``seed``,
-            ``offload``, ``admit_divergence``, ``eviction`` or ``remote``; a budget smaller than one KV block plus one
-            checkpoint; a ``block_size`` longer than a sliding attention window of the model.
+            ``offload``, ``admit_divergence``, ``eviction``, ``replay_replies`` or ``remote``; a budget smaller than
+            one KV block plus one checkpoint; a ``block_size`` longer than a sliding attention window of the model.
         TypeError: ``remote`` is not a URL, a redis-py client or a ``RemoteConfig``.
         ImportError: ``remote`` is a URL and redis-py is not installed (``pip install 'hf_hybridcache[redis]'``).
     """
@@ -100,6 +103,7 @@ class HybridPrefixCache(LiveCache):
         admit_divergence: bool = True,
         eviction: str = "flop_aware",
         remote=None,
+        replay_replies: bool | None = None,
     ) -> None:
         _compat.check_version()
         support = support_for(model)
@@ -111,9 +115,12 @@ class HybridPrefixCache(LiveCache):
             DEFAULT_MAX_CACHE_BYTES if max_cache_bytes is None else max_cache_bytes,
             admit_divergence,
             eviction,
+            False if replay_replies is None else replay_replies,  # None: decided from the model below
         )
         self.spec = support.spec_for(model, block_size)
         self.spec.check_budget(options.max_cache_bytes)
+        if replay_replies is None:
+            options = replace(options, replay_replies=replays_by_default(model.dtype, self.spec))
         devices = layer_devices(model, [layer.layer_idx for layer in (*self.spec.attention, *self.spec.mamba)])
         placement = Placement(devices, offload)
         self.model = model

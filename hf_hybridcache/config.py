@@ -167,7 +167,7 @@ class CacheOptions:
     Raises:
         ValueError: ``block_size`` is not an int >= 1; ``retention_interval`` is not ``"dense"``, ``0`` or a positive
             multiple of ``block_size``; ``max_cache_bytes`` is not ``None`` or a positive int; ``admit_divergence``
-            is not a bool; ``eviction`` is not ``"lru"`` or ``"flop_aware"``.
+            is not a bool; ``eviction`` is not ``"lru"`` or ``"flop_aware"``; ``replay_replies`` is not a bool.
     """
 
     block_size: int = 16
@@ -175,6 +175,7 @@ class CacheOptions:
     max_cache_bytes: int = field(default=DEFAULT_MAX_CACHE_BYTES)
     admit_divergence: bool = True
     eviction: str = "flop_aware"
+    replay_replies: bool = False
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -204,8 +205,21 @@ class CacheOptions:
                 f"`eviction` must be 'flop_aware' (recency plus prefill FLOPs saved per byte) or 'lru' (least "
                 f"recently used first), got {self.eviction!r}."
             )
+        if not isinstance(self.replay_replies, bool):
+            raise ValueError(
+                f"`replay_replies` must be True (store a reply's KV and checkpoints from one prefill of its tokens), "
+                f"False (store what the decode steps computed) or None (the default for the model's dtype), got "
+                f"{self.replay_replies!r}."
+            )
 
     @property
     def retention_tokens(self) -> int:
         """Tokens between retained checkpoints: ``block_size`` for "dense", 0 for none."""
         return self.block_size if self.retention_interval == "dense" else int(self.retention_interval)
+
+    @property
+    def min_tail_tokens(self) -> int:
+        """Prompt tokens a hit leaves to run: 1, or 2 when replies are replayed, so that the tail goes through the
+        mixers' prefill kernels (a one-token forward over a cached state takes their decode step, which rounds
+        differently in bfloat16 and float16)."""
+        return 2 if self.replay_replies else 1

@@ -23,6 +23,7 @@ from . import _compat, placement
 from .batch import mask_lengths, replay_rows, unpadded_rows
 from .live import LiveRequest, restore_row
 from .live_cache import LiveCache
+from .reply_replay import replay_replies
 from .rows import Row
 
 logger = logging.getLogger("hf_hybridcache")
@@ -54,6 +55,7 @@ def generate_call(cache):
         cache.live.awaiting_request = True
         try:
             yield
+            replay_replies(cache)
         except BaseException:
             end_request(cache)
             raise

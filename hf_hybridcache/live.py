@@ -23,13 +23,14 @@ from .store import LayerState, last_boundary, retained_boundaries
 logger = logging.getLogger("hf_hybridcache")
 
 
-def restore_row(cache, token_ids: list[int]) -> Row:
+def restore_row(cache, token_ids: list[int], tail_tokens: int | None = None) -> Row:
     """Copy the longest stored prefix of ``token_ids`` (:meth:`~hf_hybridcache.sharing.CacheCore.lookup`, the remote
-    tier included) into ``cache``'s (fresh, single-row) live layers and pin its chain. Returns the row, whose
-    ``hit_tokens`` is the restored length P (0 on a miss)."""
+    tier included) into ``cache``'s (fresh, single-row) live layers and pin its chain; at least ``tail_tokens`` tokens
+    are left to run (None: the options' ``min_tail_tokens``). Returns the row, whose ``hit_tokens`` is the restored
+    length P (0 on a miss)."""
     core, root = cache.core, cache.live.root
     store = core.store
-    hit = core.lookup(token_ids, root)
+    hit = core.lookup(token_ids, root, tail_tokens)
     row = Row(len(token_ids), token_ids=token_ids[: hit.hit_tokens], hit_tokens=hit.hit_tokens, root=root,
               divergence_tokens=hit.divergence_tokens)
     if not hit.hit_tokens:
@@ -67,6 +68,7 @@ class LiveRequest:
             running forward, which ends at ``forward_end``: the layer itself keeps only its window, so the blocks
             completed in the forward, and a rollback (kept after the forward only then), are read from here.
         in_forward: a forward of this request is running.
+        input_device: the device of the token ids its forwards were given (None before the first).
     """
 
     def __init__(self, cache, rows: list[Row], tracking: bool, forward_end: int = 0) -> None:
@@ -80,6 +82,7 @@ class LiveRequest:
         self.captured: dict[int, dict[StateKey, LayerState]] = {}
         self.forward_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.in_forward = False
+        self.input_device: torch.device | None = None
         self.number = cache.core.num_requests  # generate() requests so far (a direct forward's takes the last one)
         store = cache.core.store
         self.evicted_at_start = (store.evicted_kv_blocks, store.evicted_checkpoints)
@@ -96,15 +99,22 @@ class LiveRequest:
         self.emit_positions = ()
         if not self.tracking:
             return
+        if input_ids is not None:
+            self.input_device = input_ids.device
         if input_ids is None or num_rows != len(self.rows):
             self.stop_tracking("a forward without input_ids or with another batch size")
             return
+        # A one-token forward over a cached state runs the mixers' decode step; what it computes is not stored when
+        # replies are replayed (reply_replay.py stores it from one prefill when generate() ends).
+        decode_step = num_tokens == 1 and self.forward_start > 0 and self.cache.options.replay_replies
         for row, ids in zip(self.rows, input_ids.tolist()):
             if row.stop_at is not None and len(row.token_ids) >= row.stop_at:
                 # generate() feeds the pad id to rows that already ended: stop the row where it really ended, so its
                 # decode-end checkpoint and blocks are not replaced by padding.
                 row.finished = True
             if not row.finished:
+                if decode_step and row.prefill_tokens is None:
+                    row.prefill_tokens = len(row.token_ids)
                 row.token_ids.extend(ids)
         if num_rows == 1:  # the mixers emit interior states for single-row forwards
             self._plan_emits(self.rows[0])
@@ -112,7 +122,8 @@ class LiveRequest:
     def _plan_emits(self, row: Row) -> None:
         start, end, options = self.forward_start, self.forward_end, self.cache.options
         retained = retained_boundaries(
-            start, end, row.prompt_tokens, options.block_size, options.retention_tokens, row.divergence_tokens
+            start, end, row.prompt_tokens, options.block_size, options.retention_tokens, row.divergence_tokens,
+            options.min_tail_tokens,
         )
         # Besides the retained boundaries the last boundary reached is wanted: it becomes the decode-end checkpoint
         # if the request stops before the next one.
@@ -157,15 +168,15 @@ class LiveRequest:
             end = len(row.token_ids)
             single = len(self.rows) == 1
             captured = {b: self.captured[b] for b in self.wanted if b in self.captured} if single else {}
-            if end % options.block_size == 0:
+            if end % options.block_size == 0 and end <= row.storable_tokens:
                 captured[end] = self._live_row_states(index)
             if not captured:  # most decode steps
                 continue
-            start, divergence = end - num_tokens, row.divergence_tokens
+            start, divergence, tail = end - num_tokens, row.divergence_tokens, options.min_tail_tokens
             plan = (start, end, row.prompt_tokens, options.block_size, options.retention_tokens)
-            retained = retained_boundaries(*plan, divergence)
+            retained = retained_boundaries(*plan, divergence, tail)
             # A divergence checkpoint counts only where nothing else (retention, prompt end) would have kept one.
-            admitted = divergence in captured and divergence not in retained_boundaries(*plan)
+            admitted = divergence in captured and divergence not in retained_boundaries(*plan, 0, tail)
             for boundary in sorted(captured):
                 stored = core.store_checkpoint(row, boundary, captured[boundary], boundary not in retained)
                 if stored and admitted and boundary == divergence:

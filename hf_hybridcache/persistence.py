@@ -72,6 +72,7 @@ def save_cache(cache, path: str | os.PathLike) -> None:
             "max_cache_bytes": cache.max_cache_bytes,
             "admit_divergence": cache.options.admit_divergence,
             "eviction": cache.options.eviction,
+            "replay_replies": cache.options.replay_replies,
         },
         "seed": cache.seed.hex(),
         "blocks": blocks,
@@ -108,7 +109,7 @@ def load_cache(cls, path, model, max_cache_bytes, retention_interval, offload, r
         seed=seed,
         offload=offload,
         remote=remote,
-        **{name: options[name] for name in ("admit_divergence", "eviction") if name in options},
+        **{name: options[name] for name in ("admit_divergence", "eviction", "replay_replies") if name in options},
     )
     # Checked on the new cache, which computed the identity of every weight once; dropping it leaves the store of any
     # other cache and the model's weights as they were.

@@ -35,6 +35,10 @@ class Row:
             (0: none, or divergence admission is off).
         stop_at: tokens after which generate() feeds this row the pad id (its stopping criteria finished it).
         finished: the row ended in a batch and is now fed padding, which is not recorded.
+        prefill_tokens: when replies are replayed, the row's tokens before its first decode step (a one-token
+            forward over a cached state); blocks and checkpoints past them are not stored while the request runs
+            (:mod:`~hf_hybridcache.reply_replay` stores them from one prefill when ``generate()`` ends). None: no
+            decode step yet, or replies are not replayed.
     """
 
     prompt_tokens: int
@@ -49,13 +53,19 @@ class Row:
     divergence_tokens: int = 0
     stop_at: int | None = None
     finished: bool = False
+    prefill_tokens: int | None = None
+
+    @property
+    def storable_tokens(self) -> int:
+        """Tokens whose blocks and checkpoints may be stored now."""
+        return len(self.token_ids) if self.prefill_tokens is None else self.prefill_tokens
 
 
 def store_row_blocks(store: PrefixStore, row: Row, live_block_kv: Callable[[int], dict[int, KVBlock]]) -> None:
     """Store every full block of ``row`` not stored yet; ``live_block_kv(index)`` copies block ``index`` of the row's
     live KV (``{attention layer idx: (keys [Hkv, block_size, Dk], values [Hkv, block_size, Dv])}``)."""
     bs = store.block_size
-    while row.storing and len(row.block_ids) < len(row.token_ids) // bs:
+    while row.storing and len(row.block_ids) < row.storable_tokens // bs:
         index = len(row.block_ids)
         added = store.add_block(
             row.block_ids[-1] if index else None,

@@ -80,7 +80,8 @@ class CacheCore:
     Attributes:
         store: the :class:`~hf_hybridcache.store.PrefixStore`.
         remote: the :class:`~hf_hybridcache.remote.RemoteTier`, or None without ``remote=``.
-        counters: ``{"requests", "prompt_tokens", "hit_tokens", "divergence_checkpoints": int}`` of past requests.
+        counters: ``{"requests", "prompt_tokens", "hit_tokens", "divergence_checkpoints", "replayed_reply_tokens":
+            int}`` of past requests.
         lock: held by every call that reads or changes the store (see the module docstring).
         active: the view whose request is live (its chain is pinned); a new request on any view ends it first.
         generating_thread: the thread inside a ``generate()`` call with this core (:meth:`generate_scope`), or None.
@@ -104,7 +105,9 @@ class CacheCore:
         self.dtype, self.devices = dtype, devices
         self.store = PrefixStore(spec, self.root(None), options.max_cache_bytes, placement, eviction)
         self.remote: RemoteTier | None = None
-        self.counters = dict(requests=0, prompt_tokens=0, hit_tokens=0, divergence_checkpoints=0)
+        self.counters = dict(
+            requests=0, prompt_tokens=0, hit_tokens=0, divergence_checkpoints=0, replayed_reply_tokens=0
+        )
         self.lock = threading.RLock()
         self.active = None
         self.generating_thread: int | None = None
@@ -148,13 +151,14 @@ class CacheCore:
 
     # ------------------------------------------------------------------ the store
 
-    def lookup(self, token_ids: list[int], root: BlockHash) -> Hit:
-        """The longest restorable prefix of ``token_ids`` under ``root`` (:meth:`PrefixStore.lookup
+    def lookup(self, token_ids: list[int], root: BlockHash, tail_tokens: int | None = None) -> Hit:
+        """The longest restorable prefix of ``token_ids`` under ``root`` that leaves at least ``tail_tokens`` tokens
+        to run (None: the options' ``min_tail_tokens``; :meth:`PrefixStore.lookup
         <hf_hybridcache.store.PrefixStore.lookup>`). With a remote tier, what it holds beyond the local hit is
         inserted into the store first (:mod:`~hf_hybridcache.remote.fetch`), and a path it holds that the prompt
         leaves counts as a divergence point. ``divergence_tokens`` is 0 unless ``admit_divergence`` is on."""
         remote_divergence = 0 if self.remote is None else self.remote.extend(token_ids, root)
-        hit = self.store.lookup(token_ids, root)
+        hit = self.store.lookup(token_ids, root, self.options.min_tail_tokens if tail_tokens is None else tail_tokens)
         if not self.options.admit_divergence:
             return replace(hit, divergence_tokens=0)
         remote_divergence = remote_divergence if remote_divergence > hit.hit_tokens else 0
@@ -202,6 +206,10 @@ class CacheCore:
 
     def count_divergence_checkpoint(self) -> None:
         self.counters["divergence_checkpoints"] += 1
+
+    def count_replayed_reply_tokens(self, num_tokens: int) -> None:
+        """Count reply tokens run again as one prefill (:mod:`~hf_hybridcache.reply_replay`)."""
+        self.counters["replayed_reply_tokens"] += num_tokens
 
     def stats(self) -> PrefixCacheStats:
         """A snapshot of the counters, the store and the tier's counters (waits for a running call)."""

@@ -23,6 +23,8 @@ class PrefixCacheStats:
         evicted_kv_blocks: KV blocks evicted so far.
         evicted_checkpoints: checkpoints evicted so far.
         divergence_checkpoints: checkpoints admitted at divergence points so far.
+        replayed_reply_tokens: reply tokens run again as one prefill after ``generate()`` produced them, to store
+            them as a prefill computes them (``replay_replies``).
         remote_hit_tokens: hit tokens restored from entries fetched from the remote tier (part of ``hit_tokens``).
         remote_bytes_read, remote_bytes_written: bytes of entries read from / written to the tier.
         remote_round_trips: pipelines sent to the tier (each is one round trip on a standalone server).
@@ -51,6 +53,7 @@ class PrefixCacheStats:
     evicted_kv_blocks: int = 0
     evicted_checkpoints: int = 0
     divergence_checkpoints: int = 0
+    replayed_reply_tokens: int = 0
     remote_hit_tokens: int = 0
     remote_bytes_read: int = 0
     remote_bytes_written: int = 0
@@ -79,6 +82,7 @@ class PrefixCacheStats:
             evicted_kv_blocks=store.evicted_kv_blocks,
             evicted_checkpoints=store.evicted_checkpoints,
             divergence_checkpoints=counters["divergence_checkpoints"],
+            replayed_reply_tokens=counters["replayed_reply_tokens"],
             **(remote or {}),
         )
 

@@ -61,16 +61,17 @@ def test_jsonl_without_replies_is_refused_with_advice(tmp_path):
         load_jsonl_chats(str(path))
 
 
-@pytest.mark.parametrize("eviction", ["flop_aware", "lru"])
-def test_simulated_hits_equal_real_hits(eviction):
+@pytest.mark.parametrize("eviction,replay_replies", [("flop_aware", False), ("lru", False), ("flop_aware", True)])
+def test_simulated_hits_equal_real_hits(eviction, replay_replies):
     """Real greedy runs of an agent-tree trace under a budget that forces evictions, then the same trace (prompts and
-    the tokens generate() produced) through the simulator on a meta copy of the model: same hits, same stats."""
+    the tokens generate() produced) through the simulator on a meta copy of the model: same hits, same stats (with
+    replies replayed at the end of generate(), as bf16 models do by default, too)."""
     model = build_model("jamba", seed=0)
     tokenizer = byte_tokenizer()
     requests = tokenize_workload(agent_tree(num_tasks=3, max_steps=2, trunk_chars=1700, seed=3), tokenizer)[:6]
     probe = HybridPrefixCache(model)
     budget = 200 * probe.spec.kv_block_bytes + 3 * probe.spec.checkpoint_bytes
-    options = dict(max_cache_bytes=budget, eviction=eviction, seed=b"simulation")
+    options = dict(max_cache_bytes=budget, eviction=eviction, seed=b"simulation", replay_replies=replay_replies)
     cache = HybridPrefixCache(model, **options)
     real_hits, trace = [], []
     for request in requests:
@@ -82,8 +83,9 @@ def test_simulated_hits_equal_real_hits(eviction):
     simulated = replay(HybridPrefixCache(meta_model(model.config, model.dtype), **options), trace)
     assert simulated.hits == real_hits
     real, sim = cache.stats, simulated.stats
+    assert (real.replayed_reply_tokens > 0) == replay_replies
     for name in ("kv_blocks", "checkpoints", "stored_bytes", "evicted_kv_blocks", "evicted_checkpoints",
-                 "divergence_checkpoints", "hit_tokens"):
+                 "divergence_checkpoints", "hit_tokens", "replayed_reply_tokens"):
         assert getattr(sim, name) == getattr(real, name), name
 
 

@@ -41,6 +41,7 @@ def test_unsupported_model_names_the_supported_families():
         (dict(admit_divergence=None), "admit_divergence"),
         (dict(eviction="lfu"), "'flop_aware' .* or 'lru'"),
         (dict(eviction=None), "eviction"),
+        (dict(replay_replies="yes"), "replay_replies"),
     ],
 )
 def test_invalid_options(model, kwargs, match):
@@ -52,6 +53,7 @@ def test_defaults(model):
     cache = HybridPrefixCache(model)
     assert (cache.block_size, cache.options.retention_interval, cache.max_cache_bytes) == (16, 0, DEFAULT_MAX_CACHE_BYTES)
     assert (cache.options.admit_divergence, cache.options.eviction) == (True, "flop_aware")
+    assert cache.options.replay_replies is False  # float32: decode steps agree with a prefill to round-off
     assert HybridPrefixCache(model, block_size=4, retention_interval=8).options.retention_tokens == 8
 
 

@@ -41,10 +41,12 @@ def divergence_tokens(pool: BlockPool, chain: list[int], num_tokens: int, block_
     return len(chain) * block_size if diverges else 0
 
 
-def hit_blocks(chain: list[int], has_checkpoint: Callable[[int], bool], num_tokens: int, block_size: int) -> int:
+def hit_blocks(
+    chain: list[int], has_checkpoint: Callable[[int], bool], num_tokens: int, block_size: int, tail_tokens: int = 1
+) -> int:
     """Blocks in the longest hit: the deepest matched block with a checkpoint at its end whose boundary is at most
-    ``num_tokens - 1`` (at least one token must run to produce logits); 0 for a miss."""
-    for depth in range(min(len(chain), (num_tokens - 1) // block_size), 0, -1):
+    ``num_tokens - tail_tokens`` (at least one token must run to produce logits); 0 for a miss."""
+    for depth in range(min(len(chain), (num_tokens - tail_tokens) // block_size), 0, -1):
         if has_checkpoint(chain[depth - 1]):
             return depth
     return 0

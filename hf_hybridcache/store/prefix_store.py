@@ -108,15 +108,15 @@ class PrefixStore:
 
     # ------------------------------------------------------------------ lookup and restore
 
-    def lookup(self, token_ids: list[int], root: BlockHash | None = None) -> Hit:
-        """Longest hit P <= L-1, a multiple of ``block_size``, with every KV block of ``[0, P)`` stored and a
-        checkpoint at P; backs off past missing checkpoints down to a miss. Only chains grown from ``root`` (None:
-        the unsalted root) are searched. Touches what it returns. Also finds the divergence point
+    def lookup(self, token_ids: list[int], root: BlockHash | None = None, tail_tokens: int = 1) -> Hit:
+        """Longest hit P <= L - ``tail_tokens``, a multiple of ``block_size``, with every KV block of ``[0, P)``
+        stored and a checkpoint at P; backs off past missing checkpoints down to a miss. Only chains grown from
+        ``root`` (None: the unsalted root) are searched. Touches what it returns. Also finds the divergence point
         (:func:`~hf_hybridcache.store.lookup.divergence_tokens`), reported only when it lies past the hit."""
         bs = self.block_size
         chain, hashes = match_blocks(self.pool, token_ids, self.root if root is None else root, bs)
         divergence = divergence_tokens(self.pool, chain, len(token_ids), bs)
-        depth = hit_blocks(chain, self.checkpoints.__contains__, len(token_ids), bs)
+        depth = hit_blocks(chain, self.checkpoints.__contains__, len(token_ids), bs, tail_tokens)
         if depth == 0:
             return Hit(0, (), (), divergence)
         self.eviction.touch_chain(chain[:depth])

@@ -4,16 +4,23 @@ from __future__ import annotations
 
 
 def retained_boundaries(
-    start: int, end: int, prompt_tokens: int, block_size: int, retention_tokens: int, divergence_tokens: int = 0
+    start: int,
+    end: int,
+    prompt_tokens: int,
+    block_size: int,
+    retention_tokens: int,
+    divergence_tokens: int = 0,
+    tail_tokens: int = 1,
 ) -> list[int]:
     """Block boundaries in ``(start, end]`` whose checkpoint is kept for good.
 
     These are the multiples of the retention interval (none when ``retention_tokens == 0``), the mandatory
-    prompt-end boundaries — the last boundary ``<= prompt_tokens`` and the last boundary ``< prompt_tokens``, so that
-    an identical prompt re-run replays at most one block (vLLM keeps the prompt-end checkpoint under sparse retention
+    prompt-end boundaries — the last boundary ``<= prompt_tokens`` and the last boundary ``<= prompt_tokens -
+    tail_tokens`` (the deepest hit a lookup of the same prompt may return), so that an identical prompt re-run
+    replays at most one block plus ``tail_tokens - 1`` (vLLM keeps the prompt-end checkpoint under sparse retention
     for the same reason) — and the divergence point, where the prompt leaves an already stored token path (0: none).
     """
-    kept = {(prompt_tokens // block_size) * block_size, ((prompt_tokens - 1) // block_size) * block_size}
+    kept = {(prompt_tokens // block_size) * block_size, ((prompt_tokens - tail_tokens) // block_size) * block_size}
     if divergence_tokens:
         kept.add(divergence_tokens)
     if retention_tokens:
