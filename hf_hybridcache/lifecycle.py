@@ -63,8 +63,9 @@ def generate_call(cache):
             cache.live.awaiting_request = cache.live.rollback_next_request = False
 
 
-def begin_request(cache, *, input_ids, attention_mask, inputs_embeds, use_cache) -> int:
-    """Start the request of a ``generate()`` call; returns the restored tokens of its first row."""
+def begin_request(cache, *, input_ids, attention_mask, inputs_embeds, use_cache, decode_tokens: int = 0) -> int:
+    """Start the request of a ``generate()`` call that will feed at most ``decode_tokens`` tokens after its prompt;
+    returns the restored tokens of its first row."""
     if use_cache is False or cache.model.training:
         # use_cache=False: each step re-feeds the whole sequence, nothing is cached between steps. Training mode:
         # states may be computed with dropout. Either way nothing is looked up or stored.
@@ -75,7 +76,7 @@ def begin_request(cache, *, input_ids, attention_mask, inputs_embeds, use_cache)
         start_request(cache, None, None, inputs_embeds.shape[0], prompt_tokens=inputs_embeds.shape[1])
     else:
         check_request(cache, input_ids)
-        start_request(cache, input_ids, attention_mask, input_ids.shape[0])
+        start_request(cache, input_ids, attention_mask, input_ids.shape[0], decode_tokens=decode_tokens)
     return cache.last_hit_tokens[0]
 
 
@@ -154,10 +155,12 @@ def start_request(
     attention_mask: torch.Tensor | None,
     num_rows: int,
     prompt_tokens: int = 0,
+    decode_tokens: int = 0,
 ) -> None:
     """End the store's live request, then restore each row's longest hit into fresh live layers and make the new
     request live. ``input_ids`` ``[B, T]`` (None: nothing is looked up, e.g. ``inputs_embeds``); ``prompt_tokens``
-    counts the prompt when there are no ids."""
+    counts the prompt when there are no ids; a single row's restored KV gets room for ``decode_tokens`` tokens fed
+    after the prompt (:func:`~hf_hybridcache.live.restore_row`)."""
     end_active_request(cache)
     cache.live.root = cache.core.request_root(cache.salt)
     cache.layers = _compat.new_live_layers(cache.model.config)
@@ -170,7 +173,7 @@ def start_request(
         request = LiveRequest(cache, rows, tracking=single)
         _log_no_reuse(cache, input_ids is None)
     elif num_rows == 1 and len(rows_tokens[0]) == input_ids.shape[1]:
-        row = restore_row(cache, rows_tokens[0])
+        row = restore_row(cache, rows_tokens[0], decode_tokens=decode_tokens)
         request = LiveRequest(cache, [row], tracking=True, forward_end=row.hit_tokens)
         lengths = [len(rows_tokens[0])]
     else:

@@ -23,11 +23,13 @@ from .store import LayerState, last_boundary, retained_boundaries
 logger = logging.getLogger("hf_hybridcache")
 
 
-def restore_row(cache, token_ids: list[int], tail_tokens: int | None = None) -> Row:
+def restore_row(cache, token_ids: list[int], tail_tokens: int | None = None, decode_tokens: int = 0) -> Row:
     """Copy the longest stored prefix of ``token_ids`` (:meth:`~hf_hybridcache.sharing.CacheCore.lookup`, the remote
     tier included) into ``cache``'s (fresh, single-row) live layers and pin its chain; at least ``tail_tokens`` tokens
-    are left to run (None: the options' ``min_tail_tokens``). Returns the row, whose ``hit_tokens`` is the restored
-    length P (0 on a miss)."""
+    are left to run (None: the options' ``min_tail_tokens``). Full attention layers get buffers with room for the
+    prompt's tail and ``decode_tokens`` more tokens (the decode steps ``generate()`` will feed), which their updates
+    write in place (:func:`~hf_hybridcache._compat.append_kv_in_room`) instead of concatenating. Returns the row,
+    whose ``hit_tokens`` is the restored length P (0 on a miss)."""
     core, root = cache.core, cache.live.root
     store = core.store
     hit = core.lookup(token_ids, root, tail_tokens)
@@ -35,7 +37,7 @@ def restore_row(cache, token_ids: list[int], tail_tokens: int | None = None) -> 
               divergence_tokens=hit.divergence_tokens)
     if not hit.hit_tokens:
         return row
-    room = len(token_ids) - hit.hit_tokens  # full layers: the prompt's tail is written after the prefix, not concatenated
+    room = len(token_ids) - hit.hit_tokens + max(decode_tokens, 0)
     for attn in cache.spec.attention:
         first = attn.restore_from_block(hit.hit_tokens, store.block_size)
         full = attn.sliding_window is None
