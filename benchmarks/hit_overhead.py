@@ -30,6 +30,7 @@ import argparse
 import copy
 import os
 import statistics
+import threading
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as every benchmark here (see ttft.py)
@@ -40,7 +41,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from benchmarks.model_shapes import build_shape_model
 from benchmarks.ttft import random_ids
-from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache, lifecycle
 from hf_hybridcache.live import LiveRequest
 
 #: family kind -> (family of the small shape, (family, shape) of the real one).
@@ -52,62 +53,128 @@ KINDS = {
 }
 
 
-class StepClock(BaseStreamer):
-    """Stamps every token ``generate()`` emits (its first ``put`` is the prompt, before the prefill)."""
+class Lockstep:
+    """Two ``generate()`` calls in two threads that take turns at every token, so a load change on a shared machine
+    falls on both alike: a call runs until its streamer receives a token, then waits while the other runs."""
 
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-        self.stamps: list[float] = []
+    def __init__(self, names: list[str]) -> None:
+        self._turn = threading.Condition()
+        self._running = list(names)
+        self._current = names[0]
+
+    def wait(self, name: str) -> None:
+        with self._turn:
+            self._turn.wait_for(lambda: self._current == name)
+
+    def hand_over(self, name: str, leaving: bool = False) -> None:
+        with self._turn:
+            if leaving:
+                self._running.remove(name)
+            others = [n for n in self._running if n != name]
+            if others:
+                self._current = others[0]
+                self._turn.notify_all()
+
+
+class StepClock(BaseStreamer):
+    """Times a ``generate()`` call in lockstep with another one: the stretch before its first ``put`` (the prompt,
+    before the prefill), then one stretch per emitted token; the time spent waiting for its turn is not counted."""
+
+    def __init__(self, name: str, lockstep: Lockstep) -> None:
+        self.name, self.lockstep = name, lockstep
+        self.stretches: list[float] = []
+        self._resumed = 0.0
+
+    def begin(self) -> None:
+        self.lockstep.wait(self.name)
+        self._resumed = time.perf_counter()
 
     def put(self, value) -> None:
-        self.stamps.append(time.perf_counter())
+        self.stretches.append(time.perf_counter() - self._resumed)
+        self.lockstep.hand_over(self.name)
+        self.begin()
 
     def end(self) -> None:
         pass
 
     @property
     def ttft(self) -> float:
-        return self.stamps[1] - self.start
+        return self.stretches[0] + self.stretches[1]
 
     @property
     def decode_step(self) -> float:
-        steps = [b - a for a, b in zip(self.stamps[1:], self.stamps[2:])]
-        return statistics.median(steps)
+        return statistics.median(self.stretches[2:])
 
 
-class BookkeepingClock:
-    """Benchmark only: times :meth:`LiveRequest.after_forward` (storing blocks and checkpoints after a forward)."""
+class Clocks:
+    """Benchmark only: times the package's own steps of a request while it runs inside ``generate()``: the start of a
+    request (``start_request``: weights check, lookup, restore), the restore itself (``restore_row``: lookup, KV
+    gather, checkpoint copy) and the bookkeeping after each forward (``LiveRequest.after_forward``: storing blocks and
+    checkpoints). Seconds, one entry per call."""
 
     def __init__(self) -> None:
-        self.seconds: list[float] = []
-        self._original = LiveRequest.after_forward
+        self.seconds: dict[str, list[float]] = {"start": [], "restore": [], "bookkeeping": []}
+        self._originals = [
+            (lifecycle, "start_request", "start"),
+            (lifecycle, "restore_row", "restore"),
+            (LiveRequest, "after_forward", "bookkeeping"),
+        ]
 
     def __enter__(self):
-        original, seconds = self._original, self.seconds
+        for owner, name, clock in self._originals:
+            setattr(owner, name, self._timed(getattr(owner, name), self.seconds[clock]))
+        return self
 
-        def timed(request):
+    @staticmethod
+    def _timed(function, seconds: list[float]):
+        def timed(*args, **kwargs):
             start = time.perf_counter()
             try:
-                return original(request)
+                return function(*args, **kwargs)
             finally:
                 seconds.append(time.perf_counter() - start)
 
-        LiveRequest.after_forward = timed
-        return self
+        timed.original = function
+        return timed
 
     def __exit__(self, *exc) -> None:
-        LiveRequest.after_forward = self._original
+        for owner, name, _ in self._originals:
+            setattr(owner, name, getattr(owner, name).original)
 
 
-def run(model, prompt: torch.Tensor, cache, new_tokens: int):
-    """(clock, sequences, first-step logits) of a greedy ``generate`` of ``new_tokens`` tokens."""
-    clock = StepClock()
+def run(model, prompt: torch.Tensor, cache, new_tokens: int, streamer: BaseStreamer | None = None):
+    """(sequences, first-step logits) of a greedy ``generate`` of ``new_tokens`` tokens."""
     out = model.generate(
         prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-        do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0, streamer=clock,
+        do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0, streamer=streamer,
         **{CACHE_KWARG: cache},
     )
-    return clock, out.sequences, out.logits[0]
+    return out.sequences, out.logits[0]
+
+
+def run_lockstep(model, jobs: dict[str, tuple[torch.Tensor, object]], new_tokens: int) -> dict[str, tuple]:
+    """``{name: (clock, sequences, first-step logits)}`` of one ``generate`` per job ``{name: (prompt, cache)}``, run
+    in lockstep (:class:`Lockstep`; the first job starts)."""
+    lockstep, results, errors = Lockstep(list(jobs)), {}, []
+
+    def work(name, prompt, cache):
+        clock = StepClock(name, lockstep)
+        try:
+            clock.begin()
+            results[name] = (clock, *run(model, prompt, cache, new_tokens, clock))
+        except BaseException as error:
+            errors.append(error)
+        finally:
+            lockstep.hand_over(name, leaving=True)
+
+    threads = [threading.Thread(target=work, args=(name, *job)) for name, job in jobs.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
 
 
 def stock_prefix_cache(model, prefix: torch.Tensor) -> DynamicCache:
@@ -145,22 +212,13 @@ def measure(args, model, prefix_tokens: int) -> dict[str, float]:
 
     for repeat in range(args.repeats + 1):  # repeat 0 warms both paths up and is not recorded
         prompt = torch.cat([prefix, random_ids(args.suffix_tokens, seed=1000 + repeat, device=device)], 1)
-        results = {}
-        for name in (("stock", "hit") if repeat % 2 else ("hit", "stock")):
-            if name == "stock":
-                own = copy.deepcopy(stock)
-                results[name] = run(model, prompt, own, new_tokens)
-                del own
-            else:
-                with BookkeepingClock() as bookkeeping:
-                    results[name] = run(model, prompt, cache, new_tokens)
-                assert cache.last_hit_tokens == [prefix_tokens], cache.last_hit_tokens
-        restore_prompt = torch.cat([prefix, random_ids(args.suffix_tokens, seed=-1 - repeat, device=device)], 1)
-        cache.reset()
-        start = time.perf_counter()
-        cache.restore(restore_prompt)
-        restore = time.perf_counter() - start
-        cache.reset()
+        own = copy.deepcopy(stock)
+        jobs = {"stock": (prompt, own), "hit": (prompt, cache)}
+        order = ("stock", "hit") if repeat % 2 else ("hit", "stock")
+        with Clocks() as clocks:
+            results = run_lockstep(model, {name: jobs[name] for name in order}, new_tokens)
+        del own
+        assert cache.last_hit_tokens == [prefix_tokens], cache.last_hit_tokens
         if not repeat:
             continue
         (stock_clock, stock_seq, stock_logits), (hit_clock, hit_seq, hit_logits) = results["stock"], results["hit"]
@@ -169,16 +227,38 @@ def measure(args, model, prefix_tokens: int) -> dict[str, float]:
         record("stock", stock_clock.ttft)
         record("hit", hit_clock.ttft)
         record("hit / stock", hit_clock.ttft / stock_clock.ttft)
-        record("restore", restore)
-        record("prefill bookkeeping", bookkeeping.seconds[0])
-        record("decode bookkeeping", statistics.mean(bookkeeping.seconds[1:]) if args.decode_tokens else 0.0)
-        record("stock decode", stock_clock.decode_step if args.decode_tokens else 0.0)
-        record("hit decode", hit_clock.decode_step if args.decode_tokens else 0.0)
-        record("decode hit / stock", hit_clock.decode_step / stock_clock.decode_step if args.decode_tokens else 0.0)
+        record("start", clocks.seconds["start"][0])
+        record("restore", clocks.seconds["restore"][0])
+        bookkeeping = clocks.seconds["bookkeeping"]
+        record("prefill bookkeeping", bookkeeping[0])
+        record("decode bookkeeping", statistics.mean(bookkeeping[1:]) if args.decode_tokens else 0.0)
+        if args.decode_tokens:
+            record("stock decode", stock_clock.decode_step)
+            record("hit decode", hit_clock.decode_step)
+            record("decode hit / stock", hit_clock.decode_step / stock_clock.decode_step)
     row = {name: statistics.median(values) for name, values in times.items()}
     row["restored bytes"] = restored_bytes(cache, prompt)
     row["restore per MB"] = row["restore"] / (row["restored bytes"] / 2**20)
     row["max|dlogit|"], row["same tokens"] = max_logit_diff, same_tokens
+    return row
+
+
+def measure_restore(args, model, prefix_tokens: int) -> dict[str, float]:
+    """Median restore time (``restore_row``) and request start over ``args.repeats`` restores of a stored prefix of
+    ``prefix_tokens`` tokens, outside ``generate()`` (``cache.restore``), and the bytes each copies."""
+    cache = HybridPrefixCache(model)
+    prefix = random_ids(prefix_tokens, seed=prefix_tokens, device=model.device)
+    with torch.no_grad():
+        run(model, prefix, cache, 1)
+    prompt = torch.cat([prefix, random_ids(args.suffix_tokens, seed=7, device=model.device)], 1)
+    with Clocks() as clocks:
+        for _ in range(args.repeats + 1):
+            cache.reset()
+            assert cache.restore(prompt) == [prefix_tokens]
+    cache.reset()
+    row = {name: statistics.median(clocks.seconds[name][1:]) for name in ("start", "restore")}
+    row["restored bytes"] = restored_bytes(cache, prompt)
+    row["restore per MB"] = row["restore"] / (row["restored bytes"] / 2**20)
     return row
 
 
@@ -187,18 +267,33 @@ def print_table(rows: list[tuple[str, int, dict]], args) -> None:
         f"\nmedians of {args.repeats} interleaved repeats; suffix {args.suffix_tokens} tokens, {args.decode_tokens} "
         f"decode steps; {torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}\n"
     )
-    header = ("| model | prefix | stock TTFT ms | hit TTFT ms | hit / stock | restore ms | restored MB | restore ms/MB "
-              "| bookkeeping ms (prefill / step) | stock decode ms/tok | hit decode ms/tok | decode hit / stock "
-              "| max\\|dlogit\\| | tokens equal |")
-    print(header)
-    print("|" + "---|" * (header.count("|") - 1))
+    columns = ["model", "prefix", "stock TTFT ms", "hit TTFT ms", "hit / stock", "start ms", "restore ms",
+               "restored MB", "restore ms/MB", "bookkeeping ms (prefill / step)", "stock decode ms/tok",
+               "hit decode ms/tok", "decode hit / stock", "max\\|dlogit\\|", "tokens equal"]
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
     for label, prefix_tokens, r in rows:
+        decode = (f"{1e3 * r['stock decode']:.2f} | {1e3 * r['hit decode']:.2f} | {r['decode hit / stock']:.2f}x"
+                  if "stock decode" in r else "- | - | -")
         print(
             f"| {label} | {prefix_tokens} | {1e3 * r['stock']:.1f} | {1e3 * r['hit']:.1f} | {r['hit / stock']:.2f}x "
-            f"| {1e3 * r['restore']:.2f} | {r['restored bytes'] / 2**20:.1f} | {1e3 * r['restore per MB']:.3f} "
-            f"| {1e3 * r['prefill bookkeeping']:.2f} / {1e3 * r['decode bookkeeping']:.3f} "
-            f"| {1e3 * r['stock decode']:.2f} | {1e3 * r['hit decode']:.2f} | {r['decode hit / stock']:.2f}x "
-            f"| {r['max|dlogit|']:.1e} | {'yes' if r['same tokens'] else 'NO'} |"
+            f"| {1e3 * r['start']:.2f} | {1e3 * r['restore']:.2f} | {r['restored bytes'] / 2**20:.1f} "
+            f"| {1e3 * r['restore per MB']:.3f} | {1e3 * r['prefill bookkeeping']:.2f} / "
+            f"{1e3 * r['decode bookkeeping']:.3f} | {decode} | {r['max|dlogit|']:.1e} "
+            f"| {'yes' if r['same tokens'] else 'NO'} |"
+        )
+
+
+def print_restore_table(rows: list[tuple[str, int, dict]], args) -> None:
+    print(f"\nrestore alone (cache.restore, no forward): medians of {args.repeats} restores\n")
+    print("| model | prefix | request start ms | restore ms | restored MB | restore ms/MB | ms/MB vs the first row |")
+    print("|---|---|---|---|---|---|---|")
+    for label, prefix_tokens, r in rows:
+        first = next(f for lab, _, f in rows if lab == label)
+        print(
+            f"| {label} | {prefix_tokens} | {1e3 * r['start']:.2f} | {1e3 * r['restore']:.2f} "
+            f"| {r['restored bytes'] / 2**20:.1f} | {1e3 * r['restore per MB']:.3f} "
+            f"| {r['restore per MB'] / first['restore per MB']:.2f}x |"
         )
 
 
@@ -206,16 +301,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kinds", nargs="+", choices=sorted(KINDS), default=list(KINDS))
     parser.add_argument("--shapes", nargs="+", choices=["small", "real"], default=["small", "real"])
-    parser.add_argument("--prefixes", type=int, nargs="+", default=[1024, 4096, 8192, 16384, 32768],
-                        help="prefix tokens on the small shapes")
-    parser.add_argument("--real-prefixes", type=int, nargs="+", default=[1024, 4096],
-                        help="prefix tokens on the real shapes (their prefill is minutes at 4k on a CPU)")
+    parser.add_argument("--prefixes", type=int, nargs="*", default=[1024, 4096, 8192, 16384, 32768],
+                        help="prefix tokens of the stock-vs-hit comparison on the small shapes")
+    parser.add_argument("--real-prefixes", type=int, nargs="*", default=[1024, 4096],
+                        help="prefix tokens of the comparison on the real shapes (their prefill is minutes at 4k on a "
+                        "CPU)")
+    parser.add_argument("--restore-prefixes", type=int, nargs="*", default=[1024, 4096, 16384, 32768],
+                        help="prefix tokens of the restore-alone sweep (every shape)")
     parser.add_argument("--real-layers", type=int, default=8, help="keep the real shapes' first N layers")
     parser.add_argument("--suffix-tokens", type=int, default=64)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args(argv)
-    rows = []
+    rows, restore_rows = [], []
     for shape in args.shapes:
         for kind in args.kinds:
             small_family, (real_family, real_shape) = KINDS[kind]
@@ -228,8 +326,13 @@ def main(argv: list[str] | None = None) -> None:
             for prefix_tokens in prefixes:
                 rows.append((label, prefix_tokens, measure(args, model, prefix_tokens)))
                 print_table(rows[-1:], args)
+            for prefix_tokens in args.restore_prefixes:
+                restore_rows.append((label, prefix_tokens, measure_restore(args, model, prefix_tokens)))
             del model
-    print_table(rows, args)
+    if rows:
+        print_table(rows, args)
+    if restore_rows:
+        print_restore_table(restore_rows, args)
 
 
 if __name__ == "__main__":
