@@ -300,7 +300,8 @@ def print_restore_table(rows: list[tuple[str, int, dict]], args) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kinds", nargs="+", choices=sorted(KINDS), default=list(KINDS))
-    parser.add_argument("--shapes", nargs="+", choices=["small", "real"], default=["small", "real"])
+    parser.add_argument("--shapes", nargs="+", choices=["small", "real", "tiny"], default=["small", "real"],
+                        help="tiny: the few-MB test shape of the small family (gdn only), for the smoke test")
     parser.add_argument("--prefixes", type=int, nargs="*", default=[1024, 4096, 8192, 16384, 32768],
                         help="prefix tokens of the stock-vs-hit comparison on the small shapes")
     parser.add_argument("--real-prefixes", type=int, nargs="*", default=[1024, 4096],
@@ -317,9 +318,9 @@ def main(argv: list[str] | None = None) -> None:
     for shape in args.shapes:
         for kind in args.kinds:
             small_family, (real_family, real_shape) = KINDS[kind]
-            if shape == "small":
-                model, _ = build_shape_model(small_family, "small")
-                label, prefixes = f"{kind} {small_family} small", args.prefixes
+            if shape != "real":
+                model, _ = build_shape_model(small_family, shape)
+                label, prefixes = f"{kind} {small_family} {shape}", args.prefixes
             else:
                 model, description = build_shape_model(real_family, real_shape, args.real_layers)
                 label, prefixes = f"{kind} {description}", args.real_prefixes

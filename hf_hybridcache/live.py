@@ -16,7 +16,7 @@ import torch
 
 from . import _compat
 from .config import StateKey, split_state_key
-from .kernels.paged_copy import KVBlock, scatter_kv_blocks
+from .kernels.paged_copy import KVBlock
 from .rows import Row
 from .store import LayerState, last_boundary, retained_boundaries
 
@@ -188,8 +188,8 @@ class LiveRequest:
             self.forward_kv.clear()
 
     def _live_block_kv(self, row: int, pad: int, block: int) -> dict[int, KVBlock]:
-        """Copies of a row's block ``block`` of live KV: ``{attention layer idx: (keys [Hkv, block_size, Dk],
-        values [Hkv, block_size, Dv])}``."""
+        """Views of a row's block ``block`` of live KV: ``{attention layer idx: (keys [Hkv, block_size, Dk],
+        values [Hkv, block_size, Dv])}``. The store copies them into a page at once, so the block is copied once."""
         cache, block_size = self.cache, self.cache.options.block_size
         start = pad + block * block_size
         kv = {}
@@ -199,7 +199,10 @@ class LiveRequest:
             # A block is stored once the forward that fills it ends; it started at most block_size - 1 tokens before
             # that forward, which a sliding layer still holds when block_size <= sliding_window (checked at build).
             assert start >= first, f"block at live position {start} left sliding layer {attn.layer_idx}'s window"
-            kv[attn.layer_idx] = scatter_kv_blocks(keys.detach(), values.detach(), [start - first], block_size, row)[0]
+            offset = start - first
+            assert offset + block_size <= keys.shape[-2], f"block at live position {start} is not full"
+            kv[attn.layer_idx] = (keys.detach()[row, :, offset : offset + block_size],
+                                  values.detach()[row, :, offset : offset + block_size])
         return kv
 
     def record_sliding_kv(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:

@@ -153,3 +153,15 @@ def test_shared_tier_runs_two_workers_on_a_real_server(capsys):
     assert [row[1] for row in rows] == ["1 worker", "2 workers, local", "2 workers + tier"]
     hit_rate = {row[1]: float(row[3]) for row in rows}
     assert hit_rate["2 workers + tier"] == hit_rate["1 worker"] > hit_rate["2 workers, local"]
+
+
+def test_hit_overhead_runs_on_a_tiny_shape(capsys):
+    """``hit_overhead.py``: stock and hit in lockstep give the same tokens; the restore sweep has one row per prefix."""
+    from benchmarks import hit_overhead
+
+    hit_overhead.main(["--kinds", "gdn", "--shapes", "tiny", "--prefixes", "64", "--restore-prefixes", "64", "128",
+                       "--suffix-tokens", "16", "--decode-tokens", "2", "--repeats", "1"])
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| gdn")]
+    compared, restored = [r for r in rows if len(r) == 15], [r for r in rows if len(r) == 7]
+    assert compared and all(r[-1].strip() == "yes" and float(r[-2]) < 1e-4 for r in compared)
+    assert [int(r[1]) for r in restored] == [64, 128] and all(float(r[4]) > 0 for r in restored)
