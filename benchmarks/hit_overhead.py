@@ -2,19 +2,21 @@
 
 The floor of a hit is not the suffix alone: stock transformers continuing from a ``DynamicCache`` that already holds
 the prefix still attends over every prefix key. For each model and prefix length, a prompt is the prefix plus a new
-64-token suffix, and each repeat runs, in turn (the order alternates between repeats):
+64-token suffix, and each repeat runs:
 
 - ``stock``: stock transformers' ``generate`` on prefix + suffix with a ``DynamicCache`` that holds the prefix
   (prefilled once, deep-copied before each run; the copy is not timed);
-- ``hit``: the same ``generate`` with a HybridPrefixCache that stored the prefix: it restores it and replays the
-  suffix.
+- ``hit``: the same ``generate`` with a HybridPrefixCache that stored the prefix: it restores it and runs the suffix.
 
-Each is timed to its first new token (``TTFT``) and then per decode step for ``--decode-tokens`` more tokens (a
-streamer stamps every token; ``decode`` is the median step). The hit's restore alone (``cache.restore``: the whole
-start of a request, lookup + KV copy + checkpoint copy) is timed after each pair, and ``restore / MB`` divides it by
-the bytes it copies; ``bookkeeping`` is the time the hit spends after its forwards storing blocks and checkpoints
-(prefill forward, then the mean per decode step). Every number is the median over ``--repeats``; the hit's tokens and
-first-token logits are checked against stock's (``max|dlogit|``).
+The two run in lockstep (two threads taking turns at every token, the first turn alternating between repeats), so
+load from other processes on a shared machine falls on both alike. Each is timed to its first new token (``TTFT``)
+and per decode step for ``--decode-tokens`` more tokens (``decode`` is the median step). Inside the hit's
+``generate()`` the start of its request (``start``: weights check, lookup, restore), the restore alone (``restore``:
+lookup, KV gather, checkpoint copy; ``restore ms/MB`` divides it by the bytes it copies) and the bookkeeping after
+its forwards (storing blocks and checkpoints: the prefill forward, then the mean per decode step) are timed. Every
+number is the median over ``--repeats``; the hit's tokens and first-token logits are checked against stock's
+(``max|dlogit|``). A second table restores stored prefixes of ``--restore-prefixes`` tokens with ``cache.restore``
+alone (no forward), for the restore time per byte from short to long prefixes.
 
 Family kinds: Mamba-1 (``jamba``), Mamba-2 (``zamba2`` small, ``falcon_h1`` real), gated delta net
 (``qwen3_5_text``), short conv (``lfm2``). Shapes: ``small`` (hidden 512, 8 layers, 2 with attention) and ``real``
@@ -243,23 +245,35 @@ def measure(args, model, prefix_tokens: int) -> dict[str, float]:
     return row
 
 
-def measure_restore(args, model, prefix_tokens: int) -> dict[str, float]:
-    """Median restore time (``restore_row``) and request start over ``args.repeats`` restores of a stored prefix of
-    ``prefix_tokens`` tokens, outside ``generate()`` (``cache.restore``), and the bytes each copies."""
+def measure_restores(args, model, prefixes: list[int]) -> dict[int, dict[str, float]]:
+    """``{prefix tokens: medians}`` of the request start and the restore (``restore_row``) of stored prefixes of each
+    length, outside ``generate()`` (``cache.restore``), with the bytes each copies. One cache stores every prefix, and
+    the restores go round the lengths ``args.repeats`` times, so load on a shared machine falls on all alike."""
     cache = HybridPrefixCache(model)
-    prefix = random_ids(prefix_tokens, seed=prefix_tokens, device=model.device)
-    with torch.no_grad():
-        run(model, prefix, cache, 1)
-    prompt = torch.cat([prefix, random_ids(args.suffix_tokens, seed=7, device=model.device)], 1)
-    with Clocks() as clocks:
-        for _ in range(args.repeats + 1):
+    prompts = {}
+    for prefix_tokens in prefixes:
+        prefix = random_ids(prefix_tokens, seed=prefix_tokens, device=model.device)
+        with torch.no_grad():
+            run(model, prefix, cache, 1)
+        prompts[prefix_tokens] = torch.cat([prefix, random_ids(args.suffix_tokens, seed=7, device=model.device)], 1)
+    seconds: dict[int, dict[str, list[float]]] = {p: {"start": [], "restore": []} for p in prefixes}
+    for repeat in range(args.repeats + 1):  # round 0 warms up and is not recorded
+        for prefix_tokens, prompt in prompts.items():
             cache.reset()
-            assert cache.restore(prompt) == [prefix_tokens]
+            with Clocks() as clocks:
+                assert cache.restore(prompt) == [prefix_tokens]
+            if repeat:
+                for name in ("start", "restore"):
+                    seconds[prefix_tokens][name].append(clocks.seconds[name][0])
+    rows = {}
+    for prefix_tokens, prompt in prompts.items():
+        cache.reset()
+        row = {name: statistics.median(values) for name, values in seconds[prefix_tokens].items()}
+        row["restored bytes"] = restored_bytes(cache, prompt)
+        row["restore per MB"] = row["restore"] / (row["restored bytes"] / 2**20)
+        rows[prefix_tokens] = row
     cache.reset()
-    row = {name: statistics.median(clocks.seconds[name][1:]) for name in ("start", "restore")}
-    row["restored bytes"] = restored_bytes(cache, prompt)
-    row["restore per MB"] = row["restore"] / (row["restored bytes"] / 2**20)
-    return row
+    return rows
 
 
 def print_table(rows: list[tuple[str, int, dict]], args) -> None:
@@ -285,7 +299,7 @@ def print_table(rows: list[tuple[str, int, dict]], args) -> None:
 
 
 def print_restore_table(rows: list[tuple[str, int, dict]], args) -> None:
-    print(f"\nrestore alone (cache.restore, no forward): medians of {args.repeats} restores\n")
+    print(f"\nrestore alone (cache.restore, no forward): medians of {args.repeats} rounds over the prefix lengths\n")
     print("| model | prefix | request start ms | restore ms | restored MB | restore ms/MB | ms/MB vs the first row |")
     print("|---|---|---|---|---|---|---|")
     for label, prefix_tokens, r in rows:
@@ -327,13 +341,13 @@ def main(argv: list[str] | None = None) -> None:
             for prefix_tokens in prefixes:
                 rows.append((label, prefix_tokens, measure(args, model, prefix_tokens)))
                 print_table(rows[-1:], args)
-            for prefix_tokens in args.restore_prefixes:
-                restore_rows.append((label, prefix_tokens, measure_restore(args, model, prefix_tokens)))
+            if args.restore_prefixes:
+                restores = measure_restores(args, model, args.restore_prefixes)
+                restore_rows.extend((label, prefix_tokens, row) for prefix_tokens, row in restores.items())
+                print_restore_table(restore_rows, args)
             del model
     if rows:
         print_table(rows, args)
-    if restore_rows:
-        print_restore_table(restore_rows, args)
 
 
 if __name__ == "__main__":

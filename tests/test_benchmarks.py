@@ -164,4 +164,4 @@ def test_hit_overhead_runs_on_a_tiny_shape(capsys):
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| gdn")]
     compared, restored = [r for r in rows if len(r) == 15], [r for r in rows if len(r) == 7]
     assert compared and all(r[-1].strip() == "yes" and float(r[-2]) < 1e-4 for r in compared)
-    assert [int(r[1]) for r in restored] == [64, 128] and all(float(r[4]) > 0 for r in restored)
+    assert [int(r[1]) for r in restored] == [64, 128] and all(float(r[3]) > 0 for r in restored)
