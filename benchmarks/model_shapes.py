@@ -39,7 +39,14 @@ CONFIG_CLASSES = {
     "falcon_h1": "FalconH1Config",
     "granitemoehybrid": "GraniteMoeHybridConfig",
     "jamba": "JambaConfig",
+    "zamba2": "Zamba2Config",
 }
+
+#: What every ``small`` benchmark shape shares: hidden 512, 8 layers of which 2 hold attention (8 q / 2 kv heads of
+#: 64), MLP 1024, a 32k vocabulary; a model of tens of MB whose costs a CPU measures in milliseconds.
+_SMALL = dict(vocab_size=32768, hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
+              num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=65536)
+_SMALL_NAME = "(benchmark shape: hidden 512, 8 layers, 2 with attention)"
 
 SHAPES: dict[str, dict[str, Shape]] = {
     "qwen3_5_text": {
@@ -53,6 +60,12 @@ SHAPES: dict[str, dict[str, Shape]] = {
                 linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
                 linear_conv_kernel_dim=4, tie_word_embeddings=True, max_position_embeddings=262144,
             ),
+        ),
+        # 2 x (3 GDN + 1 gated attention); GDN 4 q/k and 8 v heads of 64.
+        "small": Shape(
+            _SMALL_NAME,
+            dict(_SMALL, layer_types=_GDN_PATTERN * 2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
+                 linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4),
         ),
         # Not a checkpoint: a few-MB model of the same layer pattern, for the benchmark's smoke test.
         "tiny": Shape(
@@ -95,6 +108,12 @@ SHAPES: dict[str, dict[str, Shape]] = {
                 block_ffn_dim_multiplier=1.0, block_multiple_of=256, tie_word_embeddings=True,
                 max_position_embeddings=128000,
             ),
+        ),
+        # Short convs (window 3) on 6 layers, attention at 2 and 6.
+        "small": Shape(
+            _SMALL_NAME,
+            dict(_SMALL, layer_types=["conv", "conv", "full_attention", "conv"] * 2, conv_L_cache=3,
+                 block_auto_adjust_ff_dim=False),
         ),
     },
     "falcon_h1": {
@@ -151,6 +170,22 @@ SHAPES: dict[str, dict[str, Shape]] = {
             ),
             layers=8,
             notes=("2 of 16 experts (top 2 kept)",),
+        ),
+        # Mamba-1 (expand 2, state 16) on 6 layers, attention at 2 and 6, dense MLPs.
+        "small": Shape(
+            _SMALL_NAME,
+            dict(_SMALL, attn_layer_period=4, attn_layer_offset=2, num_experts=1, mamba_d_state=16, mamba_d_conv=4,
+                 mamba_expand=2, mamba_dt_rank=32),
+        ),
+    },
+    "zamba2": {
+        # Mamba-2 (16 heads of 64, state 64, chunks of 256) on every layer, the shared attention block (8 heads of 128
+        # over the doubled width) on 2 and 6.
+        "small": Shape(
+            _SMALL_NAME,
+            dict(_SMALL, layers_block_type=["linear_attention"] * 2 + ["hybrid"] + ["linear_attention"] * 3
+                 + ["hybrid", "linear_attention"], num_mem_blocks=1, use_shared_attention_adapter=False,
+                 n_mamba_heads=16, mamba_d_state=64, mamba_d_conv=4, mamba_expand=2, chunk_size=256),
         ),
     },
 }

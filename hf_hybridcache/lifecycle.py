@@ -65,8 +65,9 @@ def generate_call(cache):
             cache.live.awaiting_request = cache.live.rollback_next_request = False
 
 
-def begin_request(cache, *, input_ids, attention_mask, inputs_embeds, use_cache) -> int:
-    """Start the request of a ``generate()`` call; returns the restored tokens of its first row."""
+def begin_request(cache, *, input_ids, attention_mask, inputs_embeds, use_cache, decode_tokens: int = 0) -> int:
+    """Start the request of a ``generate()`` call that will feed at most ``decode_tokens`` tokens after its prompt;
+    returns the restored tokens of its first row."""
     if use_cache is False or cache.model.training:
         # use_cache=False: each step re-feeds the whole sequence, nothing is cached between steps. Training mode:
         # states may be computed with dropout. Either way nothing is looked up or stored.
@@ -78,7 +79,7 @@ def begin_request(cache, *, input_ids, attention_mask, inputs_embeds, use_cache)
         start_request(cache, None, None, inputs_embeds.shape[0], prompt_tokens=inputs_embeds.shape[1])
     else:
         check_request(cache, input_ids)
-        start_request(cache, input_ids, attention_mask, input_ids.shape[0])
+        start_request(cache, input_ids, attention_mask, input_ids.shape[0], decode_tokens=decode_tokens)
     return cache.last_hit_tokens[0]
 
 
@@ -158,12 +159,14 @@ def start_request(
     num_rows: int,
     prompt_tokens: int = 0,
     uncached: str | None = None,
+    decode_tokens: int = 0,
 ) -> None:
     """End the view's live request and those of views not in a call, then restore each row's longest hit into fresh
     live layers and make the new request live. ``input_ids`` ``[B, T]`` (None: nothing is looked up, e.g.
     ``inputs_embeds``); ``prompt_tokens`` counts the prompt when there are no ids; ``uncached`` says why there are
     none (a key of :data:`~hf_hybridcache.explain.NOT_CACHEABLE`; None: ``inputs_embeds``, or padding inside a
-    prompt)."""
+    prompt); a single row's restored KV gets room for ``decode_tokens`` tokens fed after the prompt
+    (:func:`~hf_hybridcache.live.restore_row`)."""
     end_request(cache)
     end_idle_requests(cache)
     cache.live.root = cache.core.request_root(cache.salt)
@@ -179,7 +182,7 @@ def start_request(
         cause = uncached or ("inputs_embeds" if input_ids is None else "padding")
         reports = [explain.not_cacheable(n, cause) for n in lengths]
     elif num_rows == 1 and len(rows_tokens[0]) == input_ids.shape[1]:
-        row = restore_row(cache, rows_tokens[0])
+        row = restore_row(cache, rows_tokens[0], decode_tokens=decode_tokens)
         request = LiveRequest(cache, [row], tracking=True, forward_end=row.hit_tokens)
         lengths, reports = [len(rows_tokens[0])], [row.report]
     else:

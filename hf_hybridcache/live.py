@@ -16,18 +16,20 @@ import torch
 
 from . import _compat
 from .config import StateKey, split_state_key
-from .kernels.paged_copy import KVBlock, scatter_kv_blocks
+from .kernels.paged_copy import KVBlock
 from .rows import Row
 from .store import LayerState, last_boundary, retained_boundaries
 
 logger = logging.getLogger("hf_hybridcache")
 
 
-def restore_row(cache, token_ids: list[int], tail_tokens: int | None = None) -> Row:
+def restore_row(cache, token_ids: list[int], tail_tokens: int | None = None, decode_tokens: int = 0) -> Row:
     """Copy the longest stored prefix of ``token_ids`` (:meth:`~hf_hybridcache.sharing.CacheCore.lookup`, the remote
     tier included) into ``cache``'s (fresh, single-row) live layers and pin its chain; at least ``tail_tokens`` tokens
-    are left to run (None: the options' ``min_tail_tokens``). Returns the row, whose ``hit_tokens`` is the restored
-    length P (0 on a miss)."""
+    are left to run (None: the options' ``min_tail_tokens``). Full attention layers get buffers with room for the
+    prompt's tail and ``decode_tokens`` more tokens (the decode steps ``generate()`` will feed), which their updates
+    write in place (:func:`~hf_hybridcache._compat.append_kv_in_room`) instead of concatenating. Returns the row,
+    whose ``hit_tokens`` is the restored length P (0 on a miss)."""
     core, root = cache.core, cache.live.root
     store = core.store
     with core.store_lock:  # nothing is evicted between the lookup and the pin
@@ -36,7 +38,7 @@ def restore_row(cache, token_ids: list[int], tail_tokens: int | None = None) -> 
                   divergence_tokens=hit.divergence_tokens, report=core.report(token_ids, root, hit))
         if not hit.hit_tokens:
             return row
-        room = len(token_ids) - hit.hit_tokens  # full layers: the prompt's tail is written after the prefix
+        room = len(token_ids) - hit.hit_tokens + max(decode_tokens, 0)  # written after the prefix, not concatenated
         for attn in cache.spec.attention:
             first = attn.restore_from_block(hit.hit_tokens, store.block_size)
             full = attn.sliding_window is None
@@ -187,8 +189,8 @@ class LiveRequest:
             self.forward_kv.clear()
 
     def _live_block_kv(self, row: int, pad: int, block: int) -> dict[int, KVBlock]:
-        """Copies of a row's block ``block`` of live KV: ``{attention layer idx: (keys [Hkv, block_size, Dk],
-        values [Hkv, block_size, Dv])}``."""
+        """Views of a row's block ``block`` of live KV: ``{attention layer idx: (keys [Hkv, block_size, Dk],
+        values [Hkv, block_size, Dv])}``. The store copies them into a page at once, so the block is copied once."""
         cache, block_size = self.cache, self.cache.options.block_size
         start = pad + block * block_size
         kv = {}
@@ -198,7 +200,10 @@ class LiveRequest:
             # A block is stored once the forward that fills it ends; it started at most block_size - 1 tokens before
             # that forward, which a sliding layer still holds when block_size <= sliding_window (checked at build).
             assert start >= first, f"block at live position {start} left sliding layer {attn.layer_idx}'s window"
-            kv[attn.layer_idx] = scatter_kv_blocks(keys.detach(), values.detach(), [start - first], block_size, row)[0]
+            offset = start - first
+            assert offset + block_size <= keys.shape[-2], f"block at live position {start} is not full"
+            kv[attn.layer_idx] = (keys.detach()[row, :, offset : offset + block_size],
+                                  values.detach()[row, :, offset : offset + block_size])
         return kv
 
     def record_sliding_kv(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:

@@ -167,3 +167,15 @@ def test_concurrency_runs_every_way_of_serving_on_a_tiny_model(tmp_path, capsys)
     assert len(cached) == 1 and cached.pop() > 0
     assert "| 2 | engine |" in capsys.readouterr().out
     assert (tmp_path / "concurrency_jamba_b_poisson.png").exists()
+
+
+def test_hit_overhead_runs_on_a_tiny_shape(capsys):
+    """``hit_overhead.py``: stock and hit in lockstep give the same tokens; the restore sweep has one row per prefix."""
+    from benchmarks import hit_overhead
+
+    hit_overhead.main(["--kinds", "gdn", "--shapes", "tiny", "--prefixes", "64", "--restore-prefixes", "64", "128",
+                       "--suffix-tokens", "16", "--decode-tokens", "2", "--repeats", "1"])
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| gdn")]
+    compared, restored = [r for r in rows if len(r) == 15], [r for r in rows if len(r) == 7]
+    assert compared and all(r[-1].strip() == "yes" and float(r[-2]) < 1e-4 for r in compared)
+    assert [int(r[1]) for r in restored] == [64, 128] and all(float(r[3]) > 0 for r in restored)

@@ -69,8 +69,9 @@ class Hooks:
         find: ``(model, kwargs) -> cache or None``: the package's cache in a call's kwargs (raises ``ValueError`` for
             a cache built for another model).
         generate_call: ``cache -> context manager`` held for one ``generate()`` call.
-        begin_request: ``(cache, *, input_ids, attention_mask, inputs_embeds, use_cache) -> int``: start a request,
-            return the restored prompt tokens.
+        begin_request: ``(cache, *, input_ids, attention_mask, inputs_embeds, use_cache, decode_tokens) -> int``:
+            start a request that feeds at most ``decode_tokens`` tokens after its prompt, return the restored prompt
+            tokens.
         forward_call: ``(cache, *, input_ids, inputs_embeds, use_cache) -> context manager`` held for one forward.
         rows_done: ``(cache, is_done)`` after each decoding step of a batch whose finished rows are fed the pad id
             from the next step on: ``is_done`` ``[B]`` bool is what ``generate()``'s stopping criteria said.
@@ -154,7 +155,17 @@ def _begin_request(model, input_ids, model_kwargs: dict, generation_config) -> i
         attention_mask=model_kwargs.get("attention_mask"),
         inputs_embeds=model_kwargs.get("inputs_embeds"),
         use_cache=model_kwargs.get("use_cache"),
+        decode_tokens=_decode_tokens(input_ids, generation_config),
     )
+
+
+def _decode_tokens(input_ids: torch.Tensor, generation_config) -> int:
+    """Tokens ``generate()`` feeds the model after the prompt: ``max_length`` (which ``generate()`` has set from
+    ``max_new_tokens`` by the time it prefills) minus the prompt, less the last sampled token, which no forward sees."""
+    max_length = getattr(generation_config, "max_length", None)
+    if not isinstance(max_length, int):
+        return 0
+    return max(max_length - input_ids.shape[1] - 1, 0)
 
 
 def _hooked_prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):

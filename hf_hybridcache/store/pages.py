@@ -148,17 +148,19 @@ class PagePool:
         self, layer_idx: int, pages: torch.Tensor, room_tokens: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys ``[1, Hkv, n * page_size, Dk]`` and values ``[1, Hkv, n * page_size, Dv]`` of ``pages`` (int64
-        ``[n]``) in order, as new tensors on the pool's device: one ``index_select`` per tensor and one copy into
-        the ``[B, H, T, D]`` layout. With ``room_tokens``, each is the leading view of a buffer with room for that
-        many more tokens (:func:`~hf_hybridcache.kernels.paged_copy.kv_room`)."""
+        ``[n]``) in order, as new tensors on the pool's device: one ``index_select`` per tensor, written straight into
+        the ``[B, H, T, D]`` layout (its output is that buffer seen as ``[n, page_size, Hkv, D]``), so each byte is
+        moved once. With ``room_tokens``, each is the leading view of a buffer with room for that many more tokens
+        (:func:`~hf_hybridcache.kernels.paged_copy.kv_room`)."""
         out = []
         for pool in (self._keys[layer_idx], self._values[layer_idx]):
-            picked = pool.index_select(0, pages.to(pool.device))  # [n, page_size, Hkv, D]
-            num_tokens = picked.shape[0] * self.page_size
-            heads, width = pool.shape[2], pool.shape[3]
+            num_pages, heads, width = pages.shape[0], pool.shape[2], pool.shape[3]
+            num_tokens = num_pages * self.page_size
             buffer = torch.empty((1, heads, num_tokens + room_tokens, width), dtype=pool.dtype, device=pool.device)
-            buffer[0, :, :num_tokens].copy_(picked.view(num_tokens, heads, width).transpose(0, 1))
-            out.append(buffer[:, :, :num_tokens])
+            leading = buffer[:, :, :num_tokens]
+            token_major = leading[0].unflatten(1, (num_pages, self.page_size)).permute(1, 2, 0, 3)
+            torch.index_select(pool, 0, pages.to(pool.device), out=token_major)
+            out.append(leading)
         return out[0], out[1]
 
     # ------------------------------------------------------------------ token rows (many pages at once)
