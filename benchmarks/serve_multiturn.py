@@ -114,7 +114,7 @@ def summary(wall: float, records: list, turns: int) -> dict:
 
 
 def save_model(shape: str, path: str) -> None:
-    from concurrency import bench_model
+    from benchmarks.concurrency import bench_model
 
     from hf_hybridcache.toy import build_model, byte_tokenizer
 
@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> None:
                 for name, url in (("stock", stock_url), ("hf_hybridcache", ours_url)):
                     wall, records = asyncio.run(run_level(url, clients, args.turns, args.max_tokens, system))
                     results[clients, name] = summary(wall, records, args.turns)
+                    print(f"{clients} clients, {name}: {wall:.1f} s, "
+                          f"{results[clients, name]['tokens_per_s']:.1f} tokens/s", file=sys.stderr, flush=True)
     print_tables(results, args)
 
 

@@ -153,3 +153,14 @@ def test_shared_tier_runs_two_workers_on_a_real_server(capsys):
     assert [row[1] for row in rows] == ["1 worker", "2 workers, local", "2 workers + tier"]
     hit_rate = {row[1]: float(row[3]) for row in rows}
     assert hit_rate["2 workers + tier"] == hit_rate["1 worker"] > hit_rate["2 workers, local"]
+
+
+def test_serve_multiturn_runs_two_servers_on_a_tiny_model(capsys):
+    """``serve_multiturn.py``: both servers start from the saved model, the table has a row per level and server, and
+    the replies of the two servers are equal."""
+    from benchmarks import serve_multiturn
+
+    serve_multiturn.main(["--clients", "2", "--turns", "2", "--max-tokens", "4", "--system-repeats", "1",
+                          "--shape", "tiny"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |")]
+    assert [row.split(" | ")[1] for row in rows] == ["stock", "hf_hybridcache"] and rows[1].endswith("| yes |")
