@@ -83,8 +83,9 @@ async def conversation(client, index: int, level: int, turns: int, max_tokens: i
                 if first is None and (choice.delta.content or choice.finish_reason):
                     first = time.perf_counter()
                 text += choice.delta.content or ""
-        record.append({"ttft": first - sent, "prompt": usage.prompt_tokens, "hit": usage.prompt_tokens_details.cached_tokens,
-                       "completion": usage.completion_tokens, "text": text})
+        record.append({"ttft": first - sent, "prompt": usage.prompt_tokens,
+                       "hit": usage.prompt_tokens_details.cached_tokens, "completion": usage.completion_tokens,
+                       "text": text})
         messages.append({"role": "assistant", "content": text})
     return record
 
@@ -145,6 +146,17 @@ def main(argv: list[str] | None = None) -> None:
     print_tables(results, args)
 
 
+def differing(stock: list[list[str]], ours: list[list[str]]) -> str:
+    """"yes" when every reply is equal, else which conversations first differ at which turn and character."""
+    firsts = []
+    for client, (a, b) in enumerate(zip(stock, ours)):
+        turn = next((t for t, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if turn is not None:
+            char = next((i for i, (x, y) in enumerate(zip(a[turn], b[turn])) if x != y), None)
+            firsts.append(f"client {client} turn {turn + 1} char {char}")
+    return "yes" if not firsts else f"NO ({len(firsts)} of {len(stock)}: {'; '.join(firsts)})"
+
+
 def print_tables(results: dict, args) -> None:
     print(f"\nserve_multiturn: {args.shape} model, {args.turns} turns, max_tokens {args.max_tokens}, "
           f"greedy, streamed\n")
@@ -154,7 +166,7 @@ def print_tables(results: dict, args) -> None:
         stock = results[clients, "stock"]
         for name in ("stock", "hf_hybridcache"):
             r = results[clients, name]
-            equal = "" if name == "stock" else ("yes" if r["texts"] == stock["texts"] else "NO")
+            equal = "" if name == "stock" else differing(stock["texts"], r["texts"])
             print(f"| {clients} | {name} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / stock['tokens_per_s']:.2f}x "
                   f"| {r['ttft_p50_later']:.3f} | {r['ttft_p50_later'] / stock['ttft_p50_later']:.2f}x | {equal} |")
     for clients in args.clients:
