@@ -162,12 +162,30 @@ def test_sixteen_clients_six_turns_equal_each_alone_and_reuse_the_previous_turn(
             prompt = chat_prompt_ids(tokenizer, messages, memory)
             reply_ids = alone(cold_model, prompt, max_tokens)
             ended = reply_ids[-1:] == [tokenizer.eos_token_id]
-            memory.remember(None, text_of(reply_ids), reply_ids[:-1] if ended else reply_ids)
+            memory.remember(None, prompt, text_of(reply_ids), reply_ids[:-1] if ended else reply_ids)
             assert (content, prompt_tokens) == (text_of(reply_ids), len(prompt)), (index, turn)
             if turn:  # at least the previous prompt (block-aligned), here also the reply
                 assert cached >= previous_prompt // 16 * 16, (index, turn, cached, previous_prompt)
             previous_prompt = prompt_tokens
             messages.append({"role": "assistant", "content": content})
+
+
+def test_replies_with_the_same_text_keep_their_own_ids():
+    """Different invalid bytes decode to the same U+FFFD text: each conversation must get back its own reply ids (a
+    memory keyed by the text alone gave the later reply's ids to both conversations)."""
+    tokenizer, memory = byte_tokenizer(), ReplyMemory()
+    byte_ff, byte_fe = tokenizer.convert_tokens_to_ids(["ÿ", "þ"])  # byte-level symbols of 0xff and 0xfe
+    assert tokenizer.decode([byte_ff]) == tokenizer.decode([byte_fe]) == "\ufffd"
+    turns = {}
+    for name, reply in (("a", [byte_ff]), ("b", [byte_fe])):
+        messages = [{"role": "user", "content": f"conversation {name}"}]
+        prompt = chat_prompt_ids(tokenizer, messages, memory)
+        memory.remember(None, prompt, "\ufffd", reply)
+        turns[name] = (prompt, reply, messages)
+    for prompt, reply, messages in turns.values():
+        follow_up = [*messages, {"role": "assistant", "content": "\ufffd"}, {"role": "user", "content": "and?"}]
+        assert chat_prompt_ids(tokenizer, follow_up, memory)[: len(prompt) + 1] == prompt + reply
+        assert chat_prompt_ids(tokenizer, follow_up, memory, salt="other")[: len(prompt) + 1] != prompt + reply
 
 
 def test_disconnect_mid_stream_cancels(server):

@@ -102,7 +102,7 @@ class ChoiceRunner:
                     ids = progress.token_ids
                     ended = bool(ids) and ids[-1] in self.eos_token_ids
                     if job.remember:
-                        self.memory.remember(job.salt, text.sent, ids[:-1] if ended else ids)
+                        self.memory.remember(job.salt, job.prompt_ids, text.sent, ids[:-1] if ended else ids)
                     yield Piece(index, delta, "stop" if ended else "length", seen, progress.hit_tokens)
                     return
                 if delta:
