@@ -72,10 +72,12 @@ def server(served):
 
 
 def alone(cold_model, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    """Greedy generate() without a cache, stopped at the byte tokenizer's EOS (as the server stops)."""
+    """Greedy generate() without a cache, stopped at the byte tokenizer's EOS (as the server stops); the mask keeps a
+    generated pad token that a later turn sends back from being masked."""
+    ids = torch.tensor([prompt_ids])
     with torch.no_grad():
-        out = cold_model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False,
-                                  eos_token_id=2, pad_token_id=0)
+        out = cold_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                  do_sample=False, eos_token_id=2, pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
 
 

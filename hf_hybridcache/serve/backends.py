@@ -171,8 +171,11 @@ class SequentialBackend:
                 sample = {} if sampling.greedy else dict(temperature=sampling.temperature, top_p=sampling.top_p,
                                                          top_k=0)
                 device = self.model.get_input_embeddings().weight.device
+                ids = torch.tensor([prompt_ids], device=device)
+                # Without a mask generate() masks every pad token id in the prompt, and a model can generate one
+                # that the next turn sends back.
                 self.model.generate(
-                    torch.tensor([prompt_ids], device=device), max_new_tokens=sampling.max_tokens,
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=sampling.max_tokens,
                     do_sample=not sampling.greedy, eos_token_id=self.eos_token_ids, pad_token_id=0,
                     streamer=streamer, stopping_criteria=[_Cancelled(cancelled)], **sample,
                 )
