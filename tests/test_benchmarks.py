@@ -179,3 +179,14 @@ def test_hit_overhead_runs_on_a_tiny_shape(capsys):
     compared, restored = [r for r in rows if len(r) == 15], [r for r in rows if len(r) == 7]
     assert compared and all(r[-1].strip() == "yes" and float(r[-2]) < 1e-4 for r in compared)
     assert [int(r[1]) for r in restored] == [64, 128] and all(float(r[3]) > 0 for r in restored)
+
+
+def test_serve_multiturn_runs_two_servers_on_a_tiny_model(capsys):
+    """``serve_multiturn.py``: both servers start from the saved model, the table has a row per level and server, and
+    the replies of the two servers are equal."""
+    from benchmarks import serve_multiturn
+
+    serve_multiturn.main(["--clients", "2", "--turns", "2", "--max-tokens", "4", "--system-repeats", "1",
+                          "--shape", "tiny"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 2 | stock", "| 2 | hf_"))]
+    assert [row.split(" | ")[1] for row in rows] == ["stock", "hf_hybridcache"] and rows[1].endswith("| yes |")

@@ -1,0 +1,15 @@
+"""An OpenAI-compatible server for hybrid models on the continuous-batching engine with prefix reuse::
+
+    python -m hf_hybridcache.serve --model toy:jamba --port 8000
+
+Parts: ``loading`` (model and tokenizer), ``prompts`` (chat prompts whose next turn hits on the reply), ``text``
+(detokenizing and stop strings), ``backends`` (the engine, or plain sequential ``generate()``), ``choices`` (one
+request's choices), ``metrics`` (Prometheus), ``schema`` (requests and errors), ``app`` (the routes) and
+``__main__`` (the command).
+"""
+
+from .app import build_app
+from .backends import EngineBackend, SequentialBackend
+from .prompts import ReplyMemory, chat_prompt_ids
+
+__all__ = ["EngineBackend", "ReplyMemory", "SequentialBackend", "build_app", "chat_prompt_ids"]

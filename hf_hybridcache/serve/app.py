@@ -1,0 +1,239 @@
+"""The FastAPI app: OpenAI's ``/v1/chat/completions`` and ``/v1/completions`` (JSON or SSE streams), ``/v1/models``,
+``/health`` and ``/metrics``. Request and response bodies follow OpenAI's API as ``transformers serve`` does (its
+responses are the ``openai`` package's types); errors are OpenAI's JSON errors, 4xx for the client's mistakes and 500
+for the one request that failed inside."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from openai.types import Completion, CompletionChoice, CompletionUsage, Model
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.completion_usage import PromptTokensDetails
+from starlette.exceptions import HTTPException
+
+from .backends import Sampling
+from .choices import ChoiceRunner, Job, Piece
+from .metrics import ServerMetrics
+from .prompts import ReplyMemory, chat_prompt_ids
+from .schema import APIError, ChatRequest, CompletionRequest
+
+#: The header that names the tenant (its prefixes are reused only by its own requests); OpenAI's ``user`` otherwise.
+SALT_HEADER = "x-tenant-id"
+
+
+def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens: int = 256) -> FastAPI:
+    """The app serving ``backend`` (an :class:`~hf_hybridcache.serve.backends.EngineBackend` or
+    :class:`~hf_hybridcache.serve.backends.SequentialBackend`, started and stopped with the app).
+
+    Args:
+        tokenizer: the model's tokenizer, with a chat template for ``/v1/chat/completions``.
+        model_id: the one model name requests must ask for.
+        cache: the :class:`~hf_hybridcache.HybridPrefixCache` behind ``backend`` (its stats go to ``/metrics``).
+        default_max_tokens: a chat request's ``max_tokens`` when it sends none (capped by the room left).
+    """
+    eos = tokenizer.eos_token_id
+    metrics = ServerMetrics(backend, cache)
+    runner = ChoiceRunner(backend, tokenizer, metrics, ReplyMemory(), [] if eos is None else [eos])
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        backend.start()
+        try:
+            yield
+        finally:
+            backend.stop()
+
+    app = FastAPI(title="hf_hybridcache", lifespan=lifespan)
+    app.state.metrics, app.state.backend = metrics, backend
+
+    @app.middleware("http")
+    async def count(request: Request, call_next):
+        response = await call_next(request)
+        metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(APIError)
+    async def api_error(request, problem: APIError):
+        return JSONResponse(problem.body(), status_code=problem.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, problem: RequestValidationError):
+        first = problem.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        not_json = first.get("type") == "json_invalid" or tuple(first.get("loc", ())) == ("body",)
+        message = "The body must be a JSON object (OpenAI's request body)." if not_json else (
+            f"Invalid request: {where or 'body'}: {first.get('msg')}.")
+        return JSONResponse(APIError(400, message, param=where).body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, problem: HTTPException):
+        return JSONResponse(APIError(problem.status_code, str(problem.detail)).body(), status_code=problem.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal(request, problem: Exception):
+        return JSONResponse(APIError(500, f"Internal error: {type(problem).__name__}: {problem}").body(),
+                            status_code=500)
+
+    def job_for(body, prompt_ids: list[int], request: Request, max_tokens: int | None, remember: bool) -> Job:
+        if body.model != model_id:
+            raise APIError(404, f"The model {body.model!r} does not exist; this server serves {model_id!r}.",
+                           param="model", code="model_not_found")
+        room = backend.max_request_tokens - len(prompt_ids)
+        if max_tokens is None:
+            max_tokens = min(default_max_tokens, room)
+        if max_tokens > room:
+            raise APIError(400, f"The prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) is over the "
+                           f"limit of {backend.max_request_tokens} tokens; shorten the prompt or lower max_tokens.",
+                           param="messages" if remember else "prompt", code="context_length_exceeded")
+        salt = request.headers.get(SALT_HEADER) or body.user
+        sampling = Sampling(max_tokens, body.temperature, body.top_p, body.seed)
+        metrics.prompt_tokens.inc(len(prompt_ids))
+        return Job(prompt_ids, sampling, body.stop_strings(), salt, body.n, remember)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        salt = request.headers.get(SALT_HEADER) or body.user
+        try:
+            prompt_ids = chat_prompt_ids(tokenizer, messages, runner.memory, salt)
+        except Exception as problem:  # a template that refuses the conversation (roles out of order, say)
+            raise APIError(400, f"The chat template cannot render these messages: {problem}", param="messages")
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        job = job_for(body, prompt_ids, request, max_tokens, remember=True)
+        return await respond(job, body, chat_payloads(body.model))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        if isinstance(body.prompt, str):
+            prompt_ids = tokenizer(body.prompt, add_special_tokens=False)["input_ids"]
+        else:
+            prompt_ids = body.prompt
+            vocab = backend.vocab_size
+            if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+                raise APIError(400, f"Token ids must lie in the vocabulary [0, {vocab}).", param="prompt")
+        if not prompt_ids:
+            raise APIError(400, "The prompt is empty; send at least one token.", param="prompt")
+        job = job_for(body, prompt_ids, request, body.max_tokens, remember=False)
+        return await respond(job, body, completion_payloads(body.model))
+
+    async def respond(job: Job, body, payloads):
+        arrived, request_id = time.perf_counter(), f"cmpl-{uuid.uuid4().hex}"
+        pieces = runner.pieces(job, arrived)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(sse(pieces, job, payloads, request_id, include_usage),
+                                     media_type="text/event-stream")
+        texts, finals = [""] * job.n, [None] * job.n
+        async for piece in pieces:
+            texts[piece.index] += piece.text
+            if piece.finish_reason is not None:
+                finals[piece.index] = piece
+        metrics.hit_tokens.inc(finals[0].hit_tokens)
+        return JSONResponse(payloads.whole(request_id, texts, finals, usage(job, finals)).model_dump(
+            exclude_none=True))
+
+    async def sse(pieces: AsyncIterator[Piece], job: Job, payloads, request_id: str, include_usage: bool):
+        finals = [None] * job.n
+        try:
+            for index in range(job.n):
+                first = payloads.opening(request_id, index)
+                if first is not None:
+                    yield _event(first)
+            async for piece in pieces:
+                if piece.finish_reason is not None:
+                    finals[piece.index] = piece
+                    if piece.index == 0:
+                        metrics.hit_tokens.inc(piece.hit_tokens)
+                yield _event(payloads.chunk(request_id, piece))
+            if include_usage:
+                yield _event(payloads.usage_chunk(request_id, usage(job, finals)))
+        except APIError as problem:
+            yield f"data: {json.dumps(problem.body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [Model(id=model_id, created=0, object="model",
+                                                 owned_by="hf_hybridcache").model_dump()]}
+
+    @app.get("/health")
+    async def health():
+        if not backend.healthy:
+            return JSONResponse({"status": "unhealthy"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def scrape():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+def usage(job: Job, finals: list[Piece | None]) -> CompletionUsage:
+    completion = sum(p.completion_tokens for p in finals if p is not None)
+    hit = finals[0].hit_tokens if finals and finals[0] is not None else 0
+    return CompletionUsage(prompt_tokens=len(job.prompt_ids), completion_tokens=completion,
+                           total_tokens=len(job.prompt_ids) + completion,
+                           prompt_tokens_details=PromptTokensDetails(cached_tokens=hit))
+
+
+def _event(payload) -> str:
+    return f"data: {payload.model_dump_json(exclude_none=True)}\n\n"
+
+
+class chat_payloads:  # noqa: N801 - a namespace of the chat endpoint's payload builders
+    def __init__(self, model: str) -> None:
+        self.model, self.created = model, int(time.time())
+
+    def whole(self, request_id, texts, finals, usage) -> ChatCompletion:
+        choices = [{"index": i, "message": {"role": "assistant", "content": text},
+                    "finish_reason": finals[i].finish_reason} for i, text in enumerate(texts)]
+        return ChatCompletion(id=request_id, object="chat.completion", created=self.created, model=self.model,
+                              choices=choices, usage=usage)
+
+    def opening(self, request_id, index) -> ChatCompletionChunk:
+        return self._chunk(request_id, [{"index": index, "delta": {"role": "assistant", "content": ""}}])
+
+    def chunk(self, request_id, piece: Piece) -> ChatCompletionChunk:
+        delta = {"content": piece.text} if piece.text else {}
+        return self._chunk(request_id, [{"index": piece.index, "delta": delta,
+                                         "finish_reason": piece.finish_reason}])
+
+    def usage_chunk(self, request_id, usage) -> ChatCompletionChunk:
+        return self._chunk(request_id, [], usage=usage)
+
+    def _chunk(self, request_id, choices, usage=None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=request_id, object="chat.completion.chunk", created=self.created,
+                                   model=self.model, choices=choices, usage=usage)
+
+
+class completion_payloads:  # noqa: N801 - a namespace of the completions endpoint's payload builders
+    def __init__(self, model: str) -> None:
+        self.model, self.created = model, int(time.time())
+
+    def whole(self, request_id, texts, finals, usage) -> Completion:
+        choices = [CompletionChoice(index=i, text=text, finish_reason=finals[i].finish_reason)
+                   for i, text in enumerate(texts)]
+        return Completion(id=request_id, object="text_completion", created=self.created, model=self.model,
+                          choices=choices, usage=usage)
+
+    def opening(self, request_id, index) -> None:
+        return None
+
+    def chunk(self, request_id, piece: Piece) -> Completion:
+        choice = CompletionChoice.model_construct(index=piece.index, text=piece.text,
+                                                  finish_reason=piece.finish_reason)
+        return Completion.model_construct(id=request_id, object="text_completion", created=self.created,
+                                          model=self.model, choices=[choice])
+
+    def usage_chunk(self, request_id, usage) -> Completion:
+        return Completion.model_construct(id=request_id, object="text_completion", created=self.created,
+                                          model=self.model, choices=[], usage=usage)

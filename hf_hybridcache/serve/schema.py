@@ -1,0 +1,79 @@
+"""The requests the server accepts (OpenAI's chat and text completion bodies, the fields it honours) and its errors in
+OpenAI's JSON shape. Responses are the ``openai`` package's own types, as ``transformers serve`` returns them."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class APIError(Exception):
+    """An error a client gets as ``{"error": {"message", "type", "param", "code"}}`` with HTTP ``status``."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 kind: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields both endpoints honour; others OpenAI defines are accepted and ignored (as most servers do)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=16)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, min_length=1)
+
+    @field_validator("stop")
+    @classmethod
+    def _at_most_four(cls, stop):
+        if isinstance(stop, list) and len(stop) > 4:
+            raise ValueError("`stop` takes at most 4 strings")
+        return stop
+
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] = Field(min_length=1)
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for text completions
