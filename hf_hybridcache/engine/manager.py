@@ -275,6 +275,17 @@ class ContinuousBatchingManager:
         delivered before registration included). Call from a coroutine."""
         self._router.register(request_id, callback, asyncio.get_running_loop())
 
+    @property
+    def num_running(self) -> int:
+        """Requests admitted now (the server's gauge of running requests)."""
+        return 0 if self.batch_processor is None else len(self.batch_processor.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued or waiting for admission now (the server's gauge of waiting requests)."""
+        waiting = 0 if self.batch_processor is None else len(self.batch_processor.scheduler.waiting)
+        return waiting + self._inbox.qsize()
+
     def _eos(self, eos_token_id) -> frozenset[int]:
         for candidate in (eos_token_id, self.generation_config.eos_token_id, self.model.config.eos_token_id):
             if candidate is not None:
