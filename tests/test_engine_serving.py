@@ -221,3 +221,17 @@ def test_engine_requests_report_why_they_hit(model):
     assert out1.hit_report.reason == "new_tokens" and out1.hit_tokens == 0
     assert out2.hit_report == predicted and (predicted.reason, predicted.hit_tokens) == ("complete", 32)
     assert cache.stats.misses_by_reason["new_tokens"] == 1 and cache.stats.misses_by_reason["complete"] == 1
+
+
+def test_a_copy_of_the_model_is_not_served_by_the_original_cache(model):
+    """A deep copy (or an unpickled copy) of a model carries the continuous-batching hook but not the cache it was
+    built for: it gets a ValueError that says to build a cache for it, not a manager that runs the original model."""
+    import copy
+
+    cache = HybridPrefixCache(model)
+    twin = copy.deepcopy(model)
+    with pytest.raises(ValueError, match="this model is a copy"):
+        twin.init_continuous_batching()
+    twin_cache = HybridPrefixCache(twin)
+    assert twin.init_continuous_batching().cache is twin_cache
+    assert model.init_continuous_batching().cache is cache

@@ -72,9 +72,26 @@ def install_manager_hook(model: torch.nn.Module, owner: Any, factory: Callable[.
     a module-level function and ``owner`` is held weakly, so copies of the model copy neither. The last owner
     installed on a model serves it."""
     vars(model)[_FACTORY_ATTR] = factory
-    vars(model)[_OWNER_ATTR] = weakref.ref(owner)
+    vars(model)[_OWNER_ATTR] = _OwnerRef(owner)
     if not isinstance(vars(model).get("init_continuous_batching"), _InstanceHook):
         model.init_continuous_batching = _InstanceHook(model, "init_continuous_batching", _init_continuous_batching)
+
+
+class _OwnerRef:
+    """A weak reference to the cache serving a model's continuous batching that copies and pickles as a dead one: a
+    copy of the model (``copy.deepcopy``, ``torch.save``) is not the model that cache was built for."""
+
+    def __init__(self, owner: Any = None) -> None:
+        self._ref = None if owner is None else weakref.ref(owner)
+
+    def __call__(self) -> Any:
+        return None if self._ref is None else self._ref()
+
+    def __reduce__(self):
+        return _OwnerRef, ()
+
+    def __deepcopy__(self, memo) -> _OwnerRef:
+        return _OwnerRef()
 
 
 def _init_continuous_batching(model, generation_config=None, continuous_batching_config=None, workload_hints=None):
@@ -84,7 +101,8 @@ def _init_continuous_batching(model, generation_config=None, continuous_batching
     owner = vars(model)[_OWNER_ATTR]()
     if owner is None:
         raise ValueError(
-            "The HybridPrefixCache that served this model's continuous batching no longer exists; build a new "
+            "No HybridPrefixCache serves this model's continuous batching: the one built for it no longer exists, or "
+            "this model is a copy (deepcopy, pickle) of the model it was built for; build a new "
             "HybridPrefixCache(model) and keep a reference to it for as long as you serve requests."
         )
     return vars(model)[_FACTORY_ATTR](owner, generation_config, continuous_batching_config)
