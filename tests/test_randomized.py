@@ -35,8 +35,8 @@ def _guard_budget(cache: HybridPrefixCache) -> None:
     for name in ("add_block", "add_checkpoint"):
         add = getattr(store, name)
 
-        def checked_add(*args, add=add):
-            added = add(*args)
+        def checked_add(*args, add=add, **kwargs):
+            added = add(*args, **kwargs)
             assert store.stored_bytes <= store.max_cache_bytes, "the budget was exceeded"
             return added
 
