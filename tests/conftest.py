@@ -20,6 +20,21 @@ NEW_TOKENS = 16
 # Tiny models gain nothing from intra-op threads, and on a shared CPU the OpenMP workers' spin-waits make the suite
 # several times slower (measured: 14 s single-threaded against 59-380 s with two threads for one family's suite).
 torch.set_num_threads(1)
+_SUITE_THREADS = torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def _process_globals_do_not_leak():
+    """Restore the torch process globals a test may change (a benchmark's ``main()`` sets its ``--threads``).
+
+    Bit-equality between a long prefill and a short one holds at one intra-op thread; a thread count leaked by one
+    test made a later test in the same worker fail (the conv-window test of five families, depending on xdist's order).
+    """
+    dtype, grad = torch.get_default_dtype(), torch.is_grad_enabled()
+    yield
+    torch.set_num_threads(_SUITE_THREADS)
+    torch.set_default_dtype(dtype)
+    torch.set_grad_enabled(grad)
 
 #: Families with a Mamba-1 mixer, whose multi-token continuation restarts from a zero state in transformers 5.23.
 MAMBA1_FAMILIES = ["jamba", "zamba"]
