@@ -136,8 +136,7 @@ def _is_loopback(url: str) -> bool:
 def _turn_rows(page) -> list[dict[str, str]]:
     headers = page.locator("#turns table thead th").all_inner_texts()
     return [
-        dict(zip(headers, row.locator("td").all_inner_texts()))
-        for row in page.locator("#turns table tbody tr").all()
+        dict(zip(headers, row.locator("td").all_inner_texts())) for row in page.locator("#turns table tbody tr").all()
     ]
 
 
@@ -210,9 +209,9 @@ def test_browser_chat_shows_the_cache_at_work(app_url, tmp_path):
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(screenshot, target)
 
-            # A second visitor (its own Gradio session) and the first one send at the same time: the queue runs
-            # them one after the other, each history stays its own, both match cold, and the second visitor's first
-            # turn hits the shared system prompt.
+            # A second visitor (its own Gradio session) and the first one send at the same time: the engine runs
+            # both, each history stays its own, both match cold, and the second visitor's first turn hits the shared
+            # system prompt.
             other = _open(context, app_url)
             _send(other, "A second visitor says hello.")
             _send(page, "A third turn while someone else is waiting.")
@@ -225,6 +224,54 @@ def test_browser_chat_shows_the_cache_at_work(app_url, tmp_path):
             assert "second visitor" in other_chat and "hybrid model hybrid" not in other_chat
         finally:
             context.close()
+
+
+def test_three_browser_sessions_chat_at_once(app_url, tmp_path):
+    """Three pages send at the same moment: the engine runs their turns in the same steps, and each page's reply is
+    the one its prompt gets alone, from greedy ``generate()`` without a cache in this process."""
+    sync_api = _need("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{CHROMIUM} is missing: .ci/run installs it with apt-get")
+        pytest.skip(f"needs {CHROMIUM}: apt-get install chromium")
+    app = _app_module()
+    reference = app.ChatEngine.builtin()
+    messages = [
+        f"Visitor {name} asks about {topic}."
+        for name, topic in [("one", "checkpoints"), ("two", "paged blocks"), ("three", "replaying the tail")]
+    ]
+
+    def alone(message: str) -> str:
+        chat = [{"role": "system", "content": app.DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": message}]
+        ids = reference.prompt_ids(chat)
+        reply = reference.model.generate(ids, **reference.generation_kwargs)[0, ids.shape[1] :]
+        return " ".join(reference.tokenizer.decode(reply, skip_special_tokens=True).split())
+
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
+        try:
+            pages = []
+            for _ in messages:  # one context each: three visitors with their own sessions
+                context = browser.new_context(viewport={"width": 1200, "height": 900})
+                context.route(
+                    "**/*", lambda route: route.continue_() if _is_loopback(route.request.url) else route.abort()
+                )
+                pages.append(_open(context, app_url))
+            for page, message in zip(pages, messages):
+                _send(page, message)
+            rows = [_wait_turns(page, 1)[0] for page in pages]
+            chats = [" ".join(page.locator("#chatbot").inner_text().split()) for page in pages]
+        finally:
+            browser.close()
+
+    assert [row["identical to cold"] for row in rows] == ["yes"] * 3, rows
+    assert max(int(row["requests at once"]) for row in rows) >= 2, rows  # they ran together, not one by one
+    for message, chat, row in zip(messages, chats, rows):
+        expected = alone(message)
+        assert expected and expected in chat, (message, expected, chat)
+        assert sum(other in chat for other in messages) == 1, chat  # each page shows its own visitor only
+    # The shared system prompt: stored by earlier turns, or by the first of the three (the others wait for its blocks).
+    assert sum(int(row["hit tokens"]) > 0 for row in rows) >= 2, rows
 
 
 # ---------------------------------------------------------------------- loading a checkpoint (MODEL_ID)
@@ -282,8 +329,10 @@ def test_engine_keeps_the_chat_as_token_ids(tmp_path):
     done = list(engine.chat(messages, settings, compare=False))[-1]
     first_prompt = engine.prompt_ids(messages)[0].tolist()
     assert done.token_ids[: len(first_prompt)] == first_prompt and len(done.token_ids) > len(first_prompt)
-    messages += [{"role": "assistant", "content": done.text, "token_ids": done.token_ids},
-                 {"role": "user", "content": "second"}]
+    messages += [
+        {"role": "assistant", "content": done.text, "token_ids": done.token_ids},
+        {"role": "user", "content": "second"},
+    ]
     second_prompt = engine.prompt_ids(messages)[0].tolist()
     assert second_prompt[: len(done.token_ids)] == done.token_ids
     plain = [{"role": m["role"], "content": m["content"]} for m in messages]

@@ -1,7 +1,7 @@
 """Gradio chat on a hybrid attention + Mamba model that shows hf_hybridcache at work.
 
-Every chat turn is one ``generate()`` call with one shared :class:`~hf_hybridcache.HybridPrefixCache`: the second turn
-of a chat finds the first turn's prompt and reply in the cache (KV blocks for the attention layers, a checkpoint of the
+Every chat turn is one request to the continuous-batching engine of one shared
+:class:`~hf_hybridcache.HybridPrefixCache` (``cache.init_continuous_batching``): the second turn of a chat finds the first turn's prompt and reply in the cache (KV blocks for the attention layers, a checkpoint of the
 Mamba states at the reply's end) and runs only the new text. Beside each reply the app shows the prompt tokens, the
 hit (tokens restored), why the hit is that long (``cache.last_report``: its reason and a sentence on what to do), the
 replayed tokens (run through the model) and the time to first token (TTFT); with "compare" on it also runs the same
@@ -14,15 +14,16 @@ Run it with one command (it prints the URL, http://127.0.0.1:7860 by default)::
     python examples/space/app.py --model-id ai21labs/Jamba-tiny-dev   # a real checkpoint (needs a hub)
 
 Several browser sessions share the one cache (a second user with the same system prompt gets a hit on their first
-turn); each session keeps its own chat history. ``generate()`` calls that share a cache run one at a time under the
-cache's lock (safe, not parallel), so all model work is queued rather than left waiting on the lock: the events that
-touch the model share one Gradio queue slot (``concurrency_id="model"``, limit 1) and the engine holds a lock around
-each ``generate()`` for calls that do not come through the queue.
+turn); each session keeps its own chat history. Their turns run at the same time: the engine packs the requests of
+every session into the same forward steps (up to ``--max-running-requests`` at once, 8 by default; Gradio's queue
+holds the rest), and each turn shows its own hit and how many requests ran with it. The "compare" run is a plain
+``generate()`` without the cache, beside the engine.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import threading
@@ -36,14 +37,20 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 import gradio as gr
 import pandas as pd
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    ContinuousBatchingConfig,
+    GenerationConfig,
+    TextIteratorStreamer,
+)
 
 try:
     import hf_hybridcache
 except ImportError:  # run from a source checkout without `pip install -e .`: the package sits two folders up
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hf_hybridcache import CACHE_KWARG, HybridPrefixCache, supported_model_types
+from hf_hybridcache import HybridPrefixCache, supported_model_types
 from hf_hybridcache.toy import build_model, byte_tokenizer
 
 #: The built-in model: a random-init Jamba-shaped model (6.2M parameters, 2 attention + 6 Mamba layers) with the
@@ -81,6 +88,8 @@ BUDGET_CHOICES_MIB = [1, 4, 16, 64, 256]
 #: Defaults: a checkpoint every 64 tokens lets a second visitor with the same system prompt hit on their first turn
 #: (with 0 only prompt ends and reply ends are kept); 64 MiB holds a few dozen chat turns of the built-in model.
 DEFAULT_RETENTION, DEFAULT_BUDGET_MIB = "64", 64
+#: Requests the engine runs at once (its state slots); Gradio's queue holds the sessions beyond them.
+DEFAULT_MAX_RUNNING_REQUESTS = 8
 MIB = 1024**2
 
 
@@ -99,8 +108,9 @@ class CacheSettings:
 
 @dataclass(frozen=True)
 class TurnStats:
-    """Numbers of one chat turn. TTFT is measured from the ``generate()`` call to the first new token, in ms;
-    ``reason`` and ``detail`` say why the hit is that long (:class:`~hf_hybridcache.explain.HitReport`)."""
+    """Numbers of one chat turn. TTFT is measured from queueing the request to its first new token, in ms;
+    ``reason`` and ``detail`` say why the hit is that long (:class:`~hf_hybridcache.explain.HitReport`);
+    ``requests_at_once`` is the most requests the engine ran in one step while this turn ran (this one included)."""
 
     prompt_tokens: int
     hit_tokens: int
@@ -111,6 +121,7 @@ class TurnStats:
     identical_to_cold: bool | None = None
     reason: str = ""
     detail: str = ""
+    requests_at_once: int = 1
 
 
 @dataclass(frozen=True)
@@ -137,32 +148,48 @@ class TimedStreamer(TextIteratorStreamer):
 
 
 class ChatEngine:
-    """One model, its tokenizer and the one :class:`HybridPrefixCache` that every browser session shares.
+    """One model, its tokenizer, the one :class:`HybridPrefixCache` that every browser session shares, and the cache's
+    continuous-batching manager that runs the turns of all sessions at once.
 
-    The cache is built lazily on the first message (so its settings can be chosen first) and dropped by
-    :meth:`clear_cache`. ``self.lock`` is held around every ``generate()``: one request in the model at a time.
+    The cache and its manager are built lazily on the first message (so the cache's settings can be chosen first)
+    and dropped by :meth:`clear_cache`. :meth:`chat` is safe to call from many threads at once (Gradio runs each
+    session's event in its own); ``self.lock`` guards building and dropping the cache.
     """
 
-    def __init__(self, model, tokenizer, name: str, max_new_tokens: int = 48, suppress_tokens=None) -> None:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        name: str,
+        max_new_tokens: int = 48,
+        suppress_tokens=None,
+        max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS,
+    ) -> None:
         if tokenizer.chat_template is None:
             raise ValueError(
                 f"The tokenizer of {name!r} has no chat template; pick a chat or instruct checkpoint, or set "
                 "`tokenizer.chat_template` before building the engine."
             )
+        if max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be at least 1, got {max_running_requests}.")
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.generation_kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False)
         if suppress_tokens:
             self.generation_kwargs["suppress_tokens"] = list(suppress_tokens)
+        self.max_running_requests = max_running_requests
         self.lock = threading.Lock()
         self.cache: HybridPrefixCache | None = None
+        self.manager = None
         self.settings: CacheSettings | None = None
         self.hit_history: list[dict] = []
         self._totals = [0, 0]  # prompt tokens, hit tokens over the app's life (clears included)
+        self._history_lock = threading.Lock()
+        self._request_ids = itertools.count()
 
     # ------------------------------------------------------------------ building
 
     @classmethod
-    def builtin(cls, max_new_tokens: int = 48) -> ChatEngine:
+    def builtin(cls, max_new_tokens: int = 48, max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS) -> ChatEngine:
         """The built-in random Jamba-shaped model and the byte-level tokenizer: no downloads, starts in ~1 s."""
         tokenizer = byte_tokenizer()
         allowed = {tokenizer.convert_tokens_to_ids(tokenizer.tokenize(ch))[0] for ch in BUILTIN_ALPHABET}
@@ -170,24 +197,30 @@ class ChatEngine:
         suppress = [i for i in range(len(tokenizer)) if i not in allowed]
         model = build_model("jamba", seed=0, **BUILTIN_MODEL)
         name = f"built-in random Jamba-shaped model ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params)"
-        return cls(model, tokenizer, name, max_new_tokens, suppress)
+        return cls(model, tokenizer, name, max_new_tokens, suppress, max_running_requests)
 
     @classmethod
-    def from_pretrained(cls, model_id: str, max_new_tokens: int = 48) -> ChatEngine:
-        """A hub checkpoint or a local ``save_pretrained`` folder (bf16 on a GPU, fp32 on CPU).
+    def from_pretrained(
+        cls, model_id: str, max_new_tokens: int = 48, max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
+    ) -> ChatEngine:
+        """A hub checkpoint or a local ``save_pretrained`` folder (bf16 on a GPU, fp32 on CPU; SDPA attention, which
+        the engine needs).
 
         Raises:
             ValueError: the model type is not supported by hf_hybridcache, or the tokenizer has no chat template.
         """
         tokenizer = AutoTokenizer.from_pretrained(model_id)
         on_gpu = torch.cuda.is_available()
-        model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.bfloat16 if on_gpu else torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_id, dtype=torch.bfloat16 if on_gpu else torch.float32, attn_implementation="sdpa"
+        )
         if model.config.model_type not in supported_model_types():
             raise ValueError(
                 f"{model_id!r} is a {model.config.model_type!r} model; hf_hybridcache supports "
                 f"{', '.join(supported_model_types())}. Pick a checkpoint of one of those."
             )
-        return cls(model.to("cuda" if on_gpu else "cpu").eval(), tokenizer, model_id, max_new_tokens)
+        model = model.to("cuda" if on_gpu else "cpu").eval()
+        return cls(model, tokenizer, model_id, max_new_tokens, max_running_requests=max_running_requests)
 
     @staticmethod
     def eviction_choices() -> list[str]:
@@ -198,27 +231,37 @@ class ChatEngine:
         """One short ``generate()`` without the cache, so that one-time costs (lazy inits, first calls of each op)
         do not land in the first visitor's TTFT."""
         ids = self.prompt_ids([{"role": "user", "content": "warm up"}])
+        self.model.generate(ids, **{**self.generation_kwargs, "max_new_tokens": 2})
+
+    # ------------------------------------------------------------------ the shared cache and its engine
+
+    def _serving(self, settings: CacheSettings):
+        """The shared cache and its running manager; both built with ``settings`` if there is none yet."""
         with self.lock:
-            self.model.generate(ids, **{**self.generation_kwargs, "max_new_tokens": 2})
-
-    # ------------------------------------------------------------------ the shared cache
-
-    def _cache_for(self, settings: CacheSettings) -> HybridPrefixCache:
-        """The shared cache; built with ``settings`` if there is none yet. Call with ``self.lock`` held."""
-        if self.cache is None:
-            self.cache = HybridPrefixCache(
-                self.model,
-                retention_interval=settings.retention_interval,
-                max_cache_bytes=settings.max_cache_mib * MIB,
-                eviction=settings.eviction,
-            )
-            self.settings = settings
-        return self.cache
+            if self.cache is None:
+                cache = HybridPrefixCache(
+                    self.model,
+                    retention_interval=settings.retention_interval,
+                    max_cache_bytes=settings.max_cache_mib * MIB,
+                    eviction=settings.eviction,
+                )
+                eos = self.tokenizer.eos_token_id
+                generation_config = GenerationConfig(
+                    **self.generation_kwargs, eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id or eos
+                )
+                batching = ContinuousBatchingConfig(max_requests_per_batch=self.max_running_requests)
+                manager = cache.init_continuous_batching(generation_config, batching)
+                manager.start()
+                self.cache, self.manager, self.settings = cache, manager, settings
+            return self.cache, self.manager
 
     def clear_cache(self) -> None:
-        """Drop the shared cache (every stored block and checkpoint); the next message builds a new one."""
+        """Stop the engine and drop the shared cache (every stored block and checkpoint); the next message builds new
+        ones. A turn still running ends with an error that asks to send it again."""
         with self.lock:
-            self.cache, self.settings = None, None
+            manager, self.cache, self.manager, self.settings = self.manager, None, None, None
+        if manager is not None:
+            manager.stop(block=True, timeout=30.0)
 
     # ------------------------------------------------------------------ chat turns
 
@@ -243,76 +286,94 @@ class ChatEngine:
         )
         return encoded["input_ids"].to(self.model.device)
 
-    def _generate(self, ids: torch.Tensor, cache: HybridPrefixCache | None, streamer: TimedStreamer):
+    def _generate_cold(self, ids: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """The same prompt through a plain ``generate()`` without the cache: its new ids and TTFT in ms."""
+        streamer = TimedStreamer(self.tokenizer)
         start = time.perf_counter()
         try:
-            sequences = self.model.generate(
-                ids, **{CACHE_KWARG: cache}, streamer=streamer, **self.generation_kwargs
-            )
+            sequences = self.model.generate(ids, streamer=streamer, **self.generation_kwargs)
         finally:
-            streamer.end()  # a second end() after generate's own is harmless: the reader stops at the first
+            streamer.end()  # a second end() after generate's own is harmless
         return sequences[0, ids.shape[1] :], 1000 * ((streamer.first_token_time or time.perf_counter()) - start)
 
     def chat(self, messages: list[dict], settings: CacheSettings, compare: bool) -> Iterator[ChatUpdate]:
-        """Run one turn: stream the cached reply, then (``compare``) the same prompt without the cache.
+        """Run one turn on the engine and stream its reply, then (``compare``) the same prompt without the cache.
 
-        Yields the reply so far while it streams, and a last update with :class:`TurnStats`.
+        Yields the reply so far while it streams, and a last update with :class:`TurnStats`. Closing the iterator
+        early (a visitor who left) cancels the request.
+
+        Raises:
+            ValueError: the engine refused the request (it says what to do), or the cache was cleared meanwhile.
         """
         ids = self.prompt_ids(messages)
-        streamer = TimedStreamer(self.tokenizer)
-        result: dict = {}
-
-        def work() -> None:
-            try:
-                with self.lock:
-                    cache = self._cache_for(settings)
-                    result["new_ids"], result["ttft_ms"] = self._generate(ids, cache, streamer)
-                    result["hit_tokens"], result["report"] = cache.last_hit_tokens[0], cache.last_report
-                    self._record(ids.shape[1], result["hit_tokens"])
-            except BaseException as error:  # handed to the reader below, which raises it in the request's thread
-                result["error"] = error
-                streamer.end()
-
-        worker = threading.Thread(target=work, daemon=True)
-        worker.start()
-        shown = ""
-        for piece in streamer:
-            shown += piece
-            yield ChatUpdate(shown, "generating")
-        worker.join()
-        if "error" in result:
-            raise result["error"]
-        new_ids = result["new_ids"]
+        _, manager = self._serving(settings)
+        request_id = f"chat-{next(self._request_ids)}"
+        start, first_token_time, at_once, output = time.perf_counter(), None, 1, None
+        manager.add_request(
+            ids[0].tolist(),
+            request_id=request_id,
+            streaming=True,
+            max_new_tokens=self.generation_kwargs["max_new_tokens"],
+        )
+        try:
+            for output in manager.request_id_iter(request_id):
+                at_once = max(at_once, manager.num_running)
+                if output.generated_tokens and first_token_time is None:
+                    first_token_time = time.perf_counter()
+                if output.generated_tokens and not output.error:
+                    yield ChatUpdate(
+                        self.tokenizer.decode(output.generated_tokens, skip_special_tokens=True), "generating"
+                    )
+        finally:
+            if output is None or not output.is_finished():
+                manager.cancel_request(request_id)  # the visitor left, or the engine stopped
+        if output is None or not output.is_finished():
+            raise ValueError("The cache was cleared while this turn ran; send the message again.")
+        if output.error:
+            raise ValueError(output.error)
+        new_ids = torch.tensor(output.generated_tokens, dtype=torch.long)
+        ttft_ms = 1000 * ((first_token_time or time.perf_counter()) - start)
+        self._record(ids.shape[1], output.hit_tokens)
         text = self.tokenizer.decode(new_ids, skip_special_tokens=True)
         reply_ids = new_ids.tolist()
         if reply_ids and reply_ids[-1] == self.tokenizer.eos_token_id:
             reply_ids.pop()  # the template writes the end of the reply itself
         token_ids = ids[0].tolist() + reply_ids
-        prompt_tokens, hit_tokens, report = ids.shape[1], result["hit_tokens"], result["report"]
-        turn = TurnStats(prompt_tokens, hit_tokens, prompt_tokens - hit_tokens, len(new_ids), result["ttft_ms"],
-                         reason=report.reason, detail=report.detail)
+        prompt_tokens, hit_tokens, report = ids.shape[1], output.hit_tokens, output.hit_report
+        turn = TurnStats(
+            prompt_tokens,
+            hit_tokens,
+            prompt_tokens - hit_tokens,
+            len(new_ids),
+            ttft_ms,
+            reason=report.reason,
+            detail=report.detail,
+            requests_at_once=at_once,
+        )
         if compare:
             yield ChatUpdate(text, "running the same prompt without the cache")
-            with self.lock:
-                cold_ids, cold_ttft_ms = self._generate(ids, None, TimedStreamer(self.tokenizer))
-            same = torch.equal(cold_ids, new_ids)
+            cold_ids, cold_ttft_ms = self._generate_cold(ids)
+            same = torch.equal(cold_ids.cpu(), new_ids)
             turn = TurnStats(**{**asdict(turn), "cold_ttft_ms": cold_ttft_ms, "identical_to_cold": same})
         yield ChatUpdate(text, "", turn, token_ids)
 
     def _record(self, prompt_tokens: int, hit_tokens: int) -> None:
-        self._totals[0] += prompt_tokens
-        self._totals[1] += hit_tokens
-        request = len(self.hit_history) // 2 + 1
-        self.hit_history.append({"request": request, "hit_rate": hit_tokens / prompt_tokens, "series": "this request"})
-        self.hit_history.append(
-            {"request": request, "hit_rate": self._totals[1] / self._totals[0], "series": "all requests so far"}
-        )
+        with self._history_lock:
+            self._totals[0] += prompt_tokens
+            self._totals[1] += hit_tokens
+            request = len(self.hit_history) // 2 + 1
+            self.hit_history.append(
+                {"request": request, "hit_rate": hit_tokens / prompt_tokens, "series": "this request"}
+            )
+            self.hit_history.append(
+                {"request": request, "hit_rate": self._totals[1] / self._totals[0], "series": "all requests so far"}
+            )
 
     # ------------------------------------------------------------------ what the cache panel shows
 
     def panel_html(self) -> str:
-        cache, settings = self.cache, self.settings
-        if cache is None:
+        cache, settings, manager = self.cache, self.settings, self.manager
+        if cache is None or manager is None:
             return (
                 "<div id='cache-empty'><b>No cache yet.</b> Pick the settings below; the first message builds the "
                 "shared cache with them.</div>"
@@ -327,6 +388,11 @@ class ChatEngine:
             ("requests", str(s.requests)),
             ("why", ", ".join(f"{reason} {n}" for reason, n in s.misses_by_reason.items() if n) or "–"),
             ("token hit rate", f"{100 * s.token_hit_rate:.1f} % ({s.hit_tokens} of {s.prompt_tokens} tokens)"),
+            (
+                "engine",
+                f"{manager.num_running} requests running, {manager.num_waiting} waiting now "
+                f"(at most {self.max_running_requests} at once)",
+            ),
             ("settings", f"retention {settings.retention_interval}, eviction {settings.eviction}"),
         ]
         table = "".join(f"<tr><th>{k}</th><td data-stat='{k}'>{v}</td></tr>" for k, v in rows)
@@ -343,7 +409,8 @@ class ChatEngine:
         zero-padded labels, so the axis shows one tick per request (a numeric axis put ticks at 0.5, 1.5, ...)."""
         if not self.hit_history:
             return None
-        frame = pd.DataFrame(self.hit_history)
+        with self._history_lock:
+            frame = pd.DataFrame(list(self.hit_history))
         frame["request"] = frame["request"].map(lambda n: f"{n:03d}")
         return frame
 
@@ -354,7 +421,7 @@ class ChatEngine:
 def _badge(turn: TurnStats) -> str:
     text = (
         f"⚡ hit {turn.hit_tokens} of {turn.prompt_tokens} prompt tokens ({turn.reason}) · replayed "
-        f"{turn.replayed_tokens} · TTFT {turn.ttft_ms:.0f} ms"
+        f"{turn.replayed_tokens} · TTFT {turn.ttft_ms:.0f} ms · {turn.requests_at_once} request(s) at once"
     )
     if turn.cold_ttft_ms is not None:
         same = "identical to cold ✓" if turn.identical_to_cold else "DIFFERS from cold ✗"
@@ -389,14 +456,24 @@ def turns_markdown(turns: list[TurnStats]) -> str:
     if not turns:
         return "_No turns yet in this session._"
     lines = [
-        "| # | prompt tokens | hit tokens | why | replayed tokens | TTFT (ms) | TTFT without cache (ms) "
-        "| identical to cold |",
-        "|---:|---:|---:|:---|---:|---:|---:|:---:|",
+        "| # | prompt tokens | hit tokens | why | replayed tokens | TTFT (ms) | requests at once "
+        "| TTFT without cache (ms) | identical to cold |",
+        "|---:|---:|---:|:---|---:|---:|---:|---:|:---:|",
     ]
     for i, t in enumerate(turns, 1):
         cold = "–" if t.cold_ttft_ms is None else f"{t.cold_ttft_ms:.0f}"
         same = "–" if t.identical_to_cold is None else ("yes" if t.identical_to_cold else "NO")
-        cells = [i, t.prompt_tokens, t.hit_tokens, t.reason, t.replayed_tokens, f"{t.ttft_ms:.0f}", cold, same]
+        cells = [
+            i,
+            t.prompt_tokens,
+            t.hit_tokens,
+            t.reason,
+            t.replayed_tokens,
+            f"{t.ttft_ms:.0f}",
+            t.requests_at_once,
+            cold,
+            same,
+        ]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
@@ -406,14 +483,14 @@ def turns_markdown(turns: list[TurnStats]) -> str:
 
 INTRO = """\
 # hf_hybridcache: prefix caching for hybrid attention + Mamba models
-Chat with **{name}**. Every turn is one `generate()` call with one `HybridPrefixCache` that all visitors share: the
-second turn restores the first turn's attention KV blocks and Mamba state checkpoint and runs only the new text, so it
+Chat with **{name}**. Every turn is one request to the continuous-batching engine of one `HybridPrefixCache` that all
+visitors share: the second turn restores the first turn's attention KV blocks and Mamba state checkpoint and runs only the new text, so it
 starts sooner. Beside each reply: prompt tokens, hit (restored) tokens, replayed tokens and the time to first token;
 tick **compare** to also run the prompt without the cache and check that the reply is the same token for token.
 {model_note}
-One request runs in the model at a time: `generate()` calls that share a cache are serialized by its lock (safe, not
-parallel), so the app queues them; others wait in the queue. Your chat history is yours; the cache is shared, so
-another visitor with the same system prompt gets a hit on their first turn (with a retention interval other than 0).
+Visitors chat at the same time: the engine runs up to {max_running} requests in the same forward steps (the column
+"requests at once" says how many ran with yours). Your chat history is yours; the cache is shared, so another visitor
+with the same system prompt gets a hit on their first turn (with a retention interval other than 0).
 """
 BUILTIN_NOTE = (
     "The built-in model has **random weights: its replies are gibberish, by design** (no downloads; letters only). "
@@ -422,7 +499,8 @@ BUILTIN_NOTE = (
 
 
 def build_demo(engine: ChatEngine) -> gr.Blocks:
-    """The Gradio app around ``engine``. Model events share one queue slot (``concurrency_id="model"``)."""
+    """The Gradio app around ``engine``. Chat turns run ``engine.max_running_requests`` at once (Gradio's queue holds
+    the others); clearing the cache waits for its own slot."""
     is_builtin = "suppress_tokens" in engine.generation_kwargs
 
     def settings_updates():
@@ -479,82 +557,85 @@ def build_demo(engine: ChatEngine) -> gr.Blocks:
     with gr.Blocks(title="hf_hybridcache demo") as demo:
         state_conversation = gr.State([])
         state_turns = gr.State([])
-        gr.Markdown(INTRO.format(name=engine.name, model_note=BUILTIN_NOTE if is_builtin else ""))
-        with gr.Tab("Chat"):
-            with gr.Row():
-                with gr.Column(scale=3):
-                    with gr.Accordion("System prompt (fixed after your first message)", open=False):
-                        system = gr.Textbox(
-                            DEFAULT_SYSTEM_PROMPT, show_label=False, lines=3, max_lines=8, elem_id="system-prompt"
-                        )
-                    chatbot = gr.Chatbot(
-                        label="Chat",
-                        height=500,
-                        elem_id="chatbot",
-                        group_consecutive_messages=False,
-                        buttons=["copy_all"],
+        gr.Markdown(
+            INTRO.format(
+                name=engine.name, model_note=BUILTIN_NOTE if is_builtin else "", max_running=engine.max_running_requests
+            )
+        )
+        with gr.Tab("Chat"), gr.Row():
+            with gr.Column(scale=3):
+                with gr.Accordion("System prompt (fixed after your first message)", open=False):
+                    system = gr.Textbox(
+                        DEFAULT_SYSTEM_PROMPT, show_label=False, lines=3, max_lines=8, elem_id="system-prompt"
                     )
-                    with gr.Row():
-                        msg = gr.Textbox(
-                            placeholder="Type a message and press Enter", show_label=False, scale=5, elem_id="msg"
-                        )
-                        send_btn = gr.Button("Send", variant="primary", scale=1, elem_id="send")
-                    with gr.Row():
-                        compare = gr.Checkbox(
-                            False, label="compare: also run without the cache (TTFT, same output)", elem_id="compare"
-                        )
-                        new_btn = gr.Button("New chat", size="sm", elem_id="new-chat")
-                    turns_md = gr.Markdown(turns_markdown([]), elem_id="turns")
-                    with gr.Accordion("Last turn (raw numbers)", open=False):
-                        last_turn = gr.JSON(label="last turn", elem_id="last-turn")
-                with gr.Column(scale=2):
-                    gr.Markdown("### Cache (shared by all sessions)")
-                    panel_box = gr.HTML(engine.panel_html(), elem_id="cache-panel")
-                    plot = gr.LinePlot(
-                        engine.hit_plot(),
-                        x="request",
-                        y="hit_rate",
-                        sort="x",
-                        color="series",
-                        y_lim=[0, 1],
-                        y_title="token hit rate",
-                        title="Token hit rate per request (all sessions)",
-                        height=220,
-                        elem_id="hit-plot",
+                chatbot = gr.Chatbot(
+                    label="Chat",
+                    height=500,
+                    elem_id="chatbot",
+                    group_consecutive_messages=False,
+                    buttons=["copy_all"],
+                )
+                with gr.Row():
+                    msg = gr.Textbox(
+                        placeholder="Type a message and press Enter", show_label=False, scale=5, elem_id="msg"
                     )
-                    retention = gr.Dropdown(
-                        RETENTION_CHOICES,
-                        value=DEFAULT_RETENTION,
-                        label="Retention interval (checkpoints kept during prefill)",
-                        elem_id="retention",
+                    send_btn = gr.Button("Send", variant="primary", scale=1, elem_id="send")
+                with gr.Row():
+                    compare = gr.Checkbox(
+                        False, label="compare: also run without the cache (TTFT, same output)", elem_id="compare"
                     )
-                    eviction = gr.Dropdown(
-                        engine.eviction_choices(),
-                        value=engine.eviction_choices()[-1],
-                        label="Eviction policy",
-                        elem_id="eviction",
-                    )
-                    budget = gr.Dropdown(
-                        BUDGET_CHOICES_MIB, value=DEFAULT_BUDGET_MIB, label="Budget (MiB)", elem_id="budget"
-                    )
-                    gr.Markdown("Settings apply when the cache is built: before the first message, or after clearing.")
-                    with gr.Row():
-                        refresh_btn = gr.Button("Refresh", size="sm", elem_id="refresh")
-                        clear_btn = gr.Button("Clear cache", size="sm", variant="stop", elem_id="clear-cache")
+                    new_btn = gr.Button("New chat", size="sm", elem_id="new-chat")
+                turns_md = gr.Markdown(turns_markdown([]), elem_id="turns")
+                with gr.Accordion("Last turn (raw numbers)", open=False):
+                    last_turn = gr.JSON(label="last turn", elem_id="last-turn")
+            with gr.Column(scale=2):
+                gr.Markdown("### Cache (shared by all sessions)")
+                panel_box = gr.HTML(engine.panel_html(), elem_id="cache-panel")
+                plot = gr.LinePlot(
+                    engine.hit_plot(),
+                    x="request",
+                    y="hit_rate",
+                    sort="x",
+                    color="series",
+                    y_lim=[0, 1],
+                    y_title="token hit rate",
+                    title="Token hit rate per request (all sessions)",
+                    height=220,
+                    elem_id="hit-plot",
+                )
+                retention = gr.Dropdown(
+                    RETENTION_CHOICES,
+                    value=DEFAULT_RETENTION,
+                    label="Retention interval (checkpoints kept during prefill)",
+                    elem_id="retention",
+                )
+                eviction = gr.Dropdown(
+                    engine.eviction_choices(),
+                    value=engine.eviction_choices()[-1],
+                    label="Eviction policy",
+                    elem_id="eviction",
+                )
+                budget = gr.Dropdown(
+                    BUDGET_CHOICES_MIB, value=DEFAULT_BUDGET_MIB, label="Budget (MiB)", elem_id="budget"
+                )
+                gr.Markdown("Settings apply when the cache is built: before the first message, or after clearing.")
+                with gr.Row():
+                    refresh_btn = gr.Button("Refresh", size="sm", elem_id="refresh")
+                    clear_btn = gr.Button("Clear cache", size="sm", variant="stop", elem_id="clear-cache")
         with gr.Tab("How it works"):
             gr.Markdown(__doc__.split("Run it with")[0])
         panel = [panel_box, plot, retention, eviction, budget]
 
         send_inputs = [msg, system, compare, retention, eviction, budget, state_conversation, state_turns]
         send_outputs = [chatbot, msg, system, state_conversation, state_turns, turns_md, last_turn, *panel]
-        model_event = dict(concurrency_limit=1, concurrency_id="model")
+        model_event = dict(concurrency_limit=engine.max_running_requests, concurrency_id="chat")
         msg.submit(send, send_inputs, send_outputs, api_name="send", show_progress="minimal", **model_event)
         send_btn.click(
             send, send_inputs, send_outputs, api_visibility="private", show_progress="minimal", **model_event
         )
         new_chat_outputs = [chatbot, state_conversation, state_turns, turns_md, last_turn, system]
         new_btn.click(new_chat, None, new_chat_outputs, api_name="new_chat")
-        clear_btn.click(clear_cache, None, panel, api_name="clear_cache", **model_event)
+        clear_btn.click(clear_cache, None, panel, api_name="clear_cache")
         refresh_btn.click(panel_outputs, None, panel, api_name="cache_panel")
         demo.load(panel_outputs, None, panel, api_visibility="private")
     return demo
@@ -570,11 +651,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=DEFAULT_MAX_RUNNING_REQUESTS,
+        help="chat turns the engine runs at once (Gradio's queue holds the others)",
+    )
     args = parser.parse_args(argv)
     if args.model_id:
-        engine = ChatEngine.from_pretrained(args.model_id, args.max_new_tokens)
+        engine = ChatEngine.from_pretrained(args.model_id, args.max_new_tokens, args.max_running_requests)
     else:
-        engine = ChatEngine.builtin(args.max_new_tokens)
+        engine = ChatEngine.builtin(args.max_new_tokens, args.max_running_requests)
     engine.warm_up()
     demo = build_demo(engine)
     demo.queue(default_concurrency_limit=1)
