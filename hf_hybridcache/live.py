@@ -39,10 +39,11 @@ def restore_row(cache, token_ids: list[int], tail_tokens: int | None = None, dec
         if not hit.hit_tokens:
             return row
         room = len(token_ids) - hit.hit_tokens + max(decode_tokens, 0)  # written after the prefix, not concatenated
+        pages = store.page_table(hit.block_ids) if cache.spec.attention else None  # one block table for all layers
         for attn in cache.spec.attention:
             first = attn.restore_from_block(hit.hit_tokens, store.block_size)
             full = attn.sliding_window is None
-            keys, values = store.gather_kv(attn.layer_idx, hit.block_ids[first:], room if full else 0)
+            keys, values = store.gather_kv(attn.layer_idx, pages[first:], room if full else 0)
             _compat.set_kv(cache.layers[attn.layer_idx], keys, values, hit.hit_tokens, owns_room=full)
         for key, (conv, ssm) in store.checkpoint_copy(hit.block_ids[-1]).items():
             layer_idx, state_idx = split_state_key(key)

@@ -109,6 +109,9 @@ __all__ = [
 ]
 
 _warned_versions: set[str] = set()
+#: Fields of transformers' ``LinearAttentionLayer`` a restore sets (:func:`~hf_hybridcache._compat.layers.set_linear_state`).
+_LINEAR_LAYER_FIELDS = ("device", "dtype", "conv_kernel_size", "conv_states", "recurrent_states",
+                        "is_conv_states_initialized", "is_recurrent_states_initialized", "has_previous_state")
 
 
 def check_version() -> None:
@@ -125,6 +128,8 @@ def check_version() -> None:
     missing = [name for name in ("_prefill", "_get_candidate_generator") if not hasattr(GenerationMixin, name)]
     missing += [f"{cls.__name__}.lazy_initialization" for cls in (DynamicLayer, LinearAttentionLayer)
                 if not hasattr(cls, "lazy_initialization")]
+    fresh = LinearAttentionLayer()  # the fields set_linear_state writes in place of its lazy_initialization
+    missing += [f"LinearAttentionLayer.{name}" for name in _LINEAR_LAYER_FIELDS if not hasattr(fresh, name)]
     if missing:
         raise ValueError(
             f"hf_hybridcache needs transformers internals that transformers {TRANSFORMERS_VERSION} does not have "

@@ -130,10 +130,17 @@ def conv_state_before_update(
 
 def set_linear_state(layer, conv: torch.Tensor, ssm: torch.Tensor, state_idx: int = 0) -> None:
     """Make a fresh Mamba layer hold ``conv``/``ssm`` (taken over, not copied) and say that a state exists, so the
-    mixer continues from it instead of treating the next tokens as a fresh prefill."""
-    layer.lazy_initialization(conv_states=conv, state_idx=state_idx, conv_kernel_size=conv.shape[-1])
+    mixer continues from it instead of treating the next tokens as a fresh prefill.
+
+    Sets the fields ``LinearAttentionLayer.lazy_initialization`` sets (5.23 - 5.24: ``dtype``, ``device``,
+    ``conv_kernel_size``, the states and their ``is_*_initialized`` flags) without the zero states it allocates,
+    which a restore would overwrite at once: on a GDN model they are as many bytes as the checkpoint itself."""
+    if layer.device is None:
+        layer.dtype, layer.device = conv.dtype, conv.device
+    layer.conv_kernel_size[state_idx] = conv.shape[-1]
     layer.conv_states[state_idx] = conv
+    layer.is_conv_states_initialized[state_idx] = True
     if ssm.numel():  # a short conv's empty stand-in leaves the layer without a recurrent state, as upstream does
-        layer.lazy_initialization(recurrent_states=ssm, state_idx=state_idx)
         layer.recurrent_states[state_idx] = ssm
+        layer.is_recurrent_states_initialized[state_idx] = True
     layer.has_previous_state[state_idx] = True

@@ -93,13 +93,16 @@ class KVStore:
         eviction, after which the page is reused)."""
         return self.pages.block(self._page_of[block_id])
 
-    def gather(self, layer_idx: int, block_ids: list[int], room_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(
+        self, layer_idx: int, block_ids: list[int] | torch.Tensor, room_tokens: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``block_ids`` in order, as new tensors ``[1, Hkv, len(block_ids) * block_size, Dk]``
         and ``[..., Dv]`` on the layer's device (a copy: writing them never touches the store): one gather per
         tensor (:meth:`PagePool.gather`), then a copy to the device when entries are offloaded. With
         ``room_tokens``, each is the leading view of a buffer with room for that many more tokens
-        (:func:`~hf_hybridcache.kernels.paged_copy.kv_room`)."""
-        pages = self.page_table(block_ids)
+        (:func:`~hf_hybridcache.kernels.paged_copy.kv_room`). ``block_ids`` may be their block table already
+        (:meth:`page_table`, int64 ``[n]``), so that a restore of several layers builds it once."""
+        pages = block_ids if isinstance(block_ids, torch.Tensor) else self.page_table(block_ids)
         keys, values = self.pages.gather(layer_idx, pages, room_tokens)
         return self._to_layer(layer_idx, keys, room_tokens), self._to_layer(layer_idx, values, room_tokens)
 

@@ -114,11 +114,13 @@ class PrefixStore:
         return hit
 
     def gather_kv(
-        self, layer_idx: int, block_ids: tuple[int, ...], room_tokens: int = 0
+        self, layer_idx: int, block_ids: tuple[int, ...] | torch.Tensor, room_tokens: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the keys ``[1, Hkv, len(block_ids) * block_size, Dk]`` and values ``[..., Dv]`` of one attention
-        layer, with room for ``room_tokens`` more after them (:meth:`~hf_hybridcache.store.kv_store.KVStore.gather`)."""
-        return self.kv.gather(layer_idx, list(block_ids), room_tokens)
+        layer, with room for ``room_tokens`` more after them (:meth:`~hf_hybridcache.store.kv_store.KVStore.gather`;
+        ``block_ids`` may be their :meth:`page_table`)."""
+        return self.kv.gather(layer_idx, block_ids if isinstance(block_ids, torch.Tensor) else list(block_ids),
+                              room_tokens)
 
     @property
     def pages(self):
