@@ -75,8 +75,8 @@ class HybridPrefixCache(LiveCache):
         replay_replies: store replies from one prefill of their tokens when ``generate()`` has its output, and leave
             two tokens to a hit's tail (:mod:`hf_hybridcache.reply_replay`); None: on in bf16/fp16, see there.
 
-    Threads: ``generate()`` calls with one cache (or its :meth:`with_salt` views) from several threads run one at a
-    time under the cache's lock; see :mod:`hf_hybridcache.sharing`.
+    Threads: ``generate()`` calls with one cache from several threads run one at a time; calls on different
+    :meth:`with_salt` views run at the same time; see :mod:`hf_hybridcache.calls`.
 
     Attributes:
         core: the :class:`~hf_hybridcache.sharing.CacheCore` this cache and its views share (store, hash roots,

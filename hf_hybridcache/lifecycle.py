@@ -1,7 +1,7 @@
 """The life of one call, in the order it happens; the integration layer (``_compat.generation``) calls these.
 
 1. :func:`generate_call` holds the view's call lock for the whole ``generate()`` call (released in ``finally``;
-   the store's own lock is taken only around each store operation, see :mod:`~hf_hybridcache.sharing`).
+   the store's own lock is taken only around each store operation, see :mod:`~hf_hybridcache.calls`).
 2. :func:`begin_request` runs before ``generate()`` reads ``get_seq_length()``: it checks the request, ends the
    previous one, restores each row's longest stored prefix into fresh live layers (:mod:`~hf_hybridcache.live`;
    batches via :mod:`~hf_hybridcache.batch`) and makes the new :class:`~hf_hybridcache.live.LiveRequest` live.
