@@ -78,6 +78,18 @@ def _skip_reason(report) -> str:
     return reason.removeprefix("Skipped: ")
 
 
+@pytest.fixture(scope="module")
+def server():
+    """A redis-server on a free loopback port for one test module (the remote tier's tests; skipped, or failed in CI,
+    without ``redis-server``)."""
+    from redis_server import RedisServer, require_redis
+
+    require_redis()
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture(params=FAMILIES)
 def family(request):
     return request.param

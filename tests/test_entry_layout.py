@@ -2,10 +2,8 @@
 cache file (``save`` / ``HybridPrefixCache.load``) and the remote tier on a loopback redis-server — and then served
 as an exact hit. Both take their tensor names, shapes and dtypes from :mod:`hf_hybridcache.layout`."""
 
-import pytest
 import torch
 from conftest import assert_restored_states_match, greedy, random_ids
-from redis_server import RedisServer, require_redis
 
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.checks import entry_digests
@@ -13,14 +11,6 @@ from hf_hybridcache.layout import entry_layout
 from hf_hybridcache.toy import build_model
 
 NEW_TOKENS = 4
-
-
-@pytest.fixture(scope="module")
-def server():
-    require_redis()
-    server = RedisServer().start()
-    yield server
-    server.stop()
 
 
 def test_the_layout_names_every_state_once_and_sizes_it_as_the_spec_does(family, model):

@@ -8,7 +8,6 @@ import logging
 import pytest
 import torch
 from conftest import random_ids
-from redis_server import RedisServer, require_redis
 
 from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
 from hf_hybridcache.explain import HITS_LOGGER, REASONS, HitReport
@@ -305,14 +304,6 @@ def test_misses_by_reason_and_the_log_line(caplog):
 
 
 # ---------------------------------------------------------------------- the remote tier
-
-
-@pytest.fixture(scope="module")
-def server():
-    require_redis()
-    server = RedisServer().start()
-    yield server
-    server.stop()
 
 
 def _tier_contents(server) -> dict:

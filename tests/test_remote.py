@@ -24,14 +24,6 @@ JAMBA = pytest.mark.parametrize("family", ["jamba"])
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
-def server():
-    require_redis()
-    server = RedisServer().start()
-    yield server
-    server.stop()
-
-
 @pytest.fixture
 def own_server():
     """A server this test may kill and restart."""

@@ -5,7 +5,6 @@ value that fails verification is removed, so the next process that computes it r
 import pytest
 import torch
 from conftest import assert_matches_cold, random_ids
-from redis_server import RedisServer, require_redis
 
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.hashing import chain_hashes
@@ -15,14 +14,6 @@ from hf_hybridcache.remote.config import SECRET_ENV
 from hf_hybridcache.toy import build_model
 
 pytestmark = pytest.mark.parametrize("family", ["jamba"])
-
-
-@pytest.fixture(scope="module")
-def server():
-    require_redis()
-    server = RedisServer().start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(autouse=True)

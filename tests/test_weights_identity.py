@@ -8,7 +8,6 @@ import warnings
 import pytest
 import torch
 from conftest import FAMILIES, greedy, random_ids
-from redis_server import RedisServer, require_redis
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -18,14 +17,6 @@ from hf_hybridcache.weights import RUN_ELEMENTS, tensor_digest
 
 peft = pytest.importorskip("peft")
 NEW_TOKENS = 4
-
-
-@pytest.fixture(scope="module")
-def server():
-    require_redis()
-    server = RedisServer().start()
-    yield server
-    server.stop()
 
 
 def _delta(*shape, seed=7):
