@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import itertools
 
 import torch
 
@@ -131,19 +130,33 @@ def adapter_state(layers: list[torch.nn.Module]) -> tuple:
     )
 
 
-def weights_key(model: torch.nn.Module) -> int:
+def weights_key(model: torch.nn.Module, views: dict[int, tuple] | None = None) -> int:
     """Changes when a parameter or buffer is added, removed, replaced, re-pointed, written in place (autograd version
     counter) or written through ``.data`` where one of its :data:`KEY_SAMPLES` evenly spaced elements changed. Costs
-    one strided view per tensor and one copy per device and dtype (see ``benchmarks/weights_identity.py``)."""
-    tensors = list(itertools.chain(model.parameters(), model.buffers()))
+    one walk of the module tree and one copy per device and dtype (see ``benchmarks/weights_identity.py``).
+
+    ``views``: a dict kept across calls for one model, in which each tensor's strided view of its samples is made
+    once (per tensor object, storage and shape; entries of tensors that left the model are dropped)."""
+    tensors = _compat.module_tensors(model)
+    kept = {} if views is None else views
+    current: dict[int, tuple] = {}
     samples: dict[tuple, list[torch.Tensor]] = {}  # (device, dtype) -> samples, concatenated per group
     with torch.no_grad():  # views of parameters without autograd's bookkeeping
         for t in tensors:
-            if t.numel() and t.device.type != "meta":
+            if not t.numel() or t.device.type == "meta":
+                continue
+            entry = kept.get(id(t))
+            if entry is None or entry[0] is not t or entry[1] != t.data_ptr() or entry[2] != t.shape:
                 # Elements of the storage span the tensor covers (its own elements when contiguous): no copy.
                 span = t.numel() if t.is_contiguous() else 1 + sum((s - 1) * d for s, d in zip(t.shape, t.stride()))
-                picked = t.as_strided((min(span, KEY_SAMPLES),), (max(1, span // KEY_SAMPLES),))
-                samples.setdefault((t.device, t.dtype), []).append(picked)
+                # Of a detached alias: a view kept across calls must outlive in-place writes under autograd.
+                picked = t.detach().as_strided((min(span, KEY_SAMPLES),), (max(1, span // KEY_SAMPLES),))
+                entry = (t, t.data_ptr(), t.shape, picked)
+            current[id(t)] = entry
+            samples.setdefault((t.device, t.dtype), []).append(entry[3])
+    if views is not None:
+        views.clear()
+        views.update(current)
     read = [torch.cat(group).cpu() for _, group in sorted(samples.items(), key=lambda item: str(item[0]))]
     raw = b"".join(r.view(_INTS.get(r.element_size(), torch.uint8)).numpy().tobytes() for r in read)
     return hash((tuple((id(t), t.data_ptr(), t._version) for t in tensors), raw))
@@ -159,13 +172,14 @@ class WeightsTracker:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._model = model
+        self._views: dict[int, tuple] = {}  # weights_key's sample views, made once per tensor
         self.fingerprint = ""
         self.refresh(full=True)
 
     def refresh(self, full: bool = False) -> bool:
         """Re-read the weights state: the identity is computed again when :func:`weights_key` changed, or always with
         ``full``. True when the fingerprint changed since the last call."""
-        key = weights_key(self._model)
+        key = weights_key(self._model, self._views)
         if full or key != self._key:
             self._key = key
             self._adapters = adapter_layers(self._model)

@@ -46,7 +46,13 @@ import warnings
 import transformers
 from packaging.version import Version
 
-from .accelerate import execution_device, force_accelerate_hooks, patch_instance_forward, weight_tensors
+from .accelerate import (
+    execution_device,
+    force_accelerate_hooks,
+    module_tensors,
+    patch_instance_forward,
+    weight_tensors,
+)
 from .attention import package_forward
 from .continuous_batching import install_manager_hook
 from .generation import (
@@ -105,6 +111,7 @@ __all__ = [
     "set_linear_state",
     "sliding_windows",
     "split_mixer_call",
+    "module_tensors",
     "weight_tensors",
 ]
 
