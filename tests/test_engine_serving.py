@@ -162,6 +162,31 @@ def test_sampling_and_return_sequences(model, cold_model):
     check_store(cache)
 
 
+def test_a_seeded_request_samples_the_same_tokens_alone_and_beside_others(model, cold_model):
+    """A request with a seed draws from its own generator: alone, or added with other sampled requests (which draw
+    from the shared generator before it in the same steps), it gets the same tokens; another seed gets others."""
+    cache = HybridPrefixCache(model)
+    prompt, others = ids(30, seed=990), [ids(20 + i, seed=991 + i) for i in range(3)]
+    manager = cache.init_continuous_batching(config(max_new_tokens=12, do_sample=True, temperature=1.5))
+    manager.start()
+    try:
+        manager.add_request(prompt, request_id="alone", seed=11, eos_token_id=-1)
+        alone_tokens = finals(manager, ["alone"])["alone"].generated_tokens
+        for i, other in enumerate(others):
+            manager.add_request(other, request_id=f"other{i}", eos_token_id=-1)
+        manager.add_request(prompt, request_id="beside", seed=11, eos_token_id=-1)
+        manager.add_request(prompt, request_id="another", seed=12, eos_token_id=-1)
+        manager.add_request(prompt, request_id="bad", seed="eleven")
+        outputs = finals(manager, ["beside", "another", "bad"] + [f"other{i}" for i in range(3)])
+    finally:
+        manager.stop(block=True)
+    assert len(alone_tokens) == 12
+    assert outputs["beside"].generated_tokens == alone_tokens
+    assert outputs["another"].generated_tokens != alone_tokens
+    assert outputs["bad"].error == "seed must be an int or None, got 'eleven'."
+    check_store(cache)
+
+
 def test_stop_returns_promptly_with_requests_in_flight(model):
     cache = HybridPrefixCache(model)
     manager = cache.init_continuous_batching(config(max_new_tokens=500))

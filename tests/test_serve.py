@@ -119,6 +119,11 @@ def test_stop_n_and_tenants(server, cold_model):
     assert [c.text for c in both.choices] == [expected, expected] and both.usage.completion_tokens == 32
     sampled = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=1.3, top_p=0.9, seed=3)
     assert sampled.choices[0].finish_reason in ("stop", "length")
+    # The same seed again, now beside two more choices in the same steps (seeds 4 and 5): the same text.
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=1.3, top_p=0.9, seed=3,
+                                      n=3)
+    assert again.choices[0].text == sampled.choices[0].text
+    assert len({c.text for c in again.choices}) > 1
 
     long = "A tenant's own long preamble that nobody else sends. " * 3
     first = client.completions.create(model=MODEL, prompt=long, max_tokens=2, temperature=0, user="tenant-a")

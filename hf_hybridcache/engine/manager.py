@@ -179,6 +179,7 @@ class ContinuousBatchingManager:
         record_timestamps: bool = False,
         eos_token_id: int | list[int] | None = None,
         cache_salt: str | None = None,
+        seed: int | None = None,
         **logit_processor_kwargs,
     ) -> str | None:
         """Queue a request; returns its id (None when the manager is stopping or dead, as transformers').
@@ -192,6 +193,9 @@ class ContinuousBatchingManager:
             eos_token_id: token id(s) that end it (the generation config's, else the model's).
             cache_salt: the tenant salt of its prefix chains: it reuses only prefixes stored under the same salt
                 (by ``generate()`` with ``cache.with_salt(salt)`` or by engine requests with that salt).
+            seed: with a sampling generation config, the seed of this request's own generator: the same request
+                with the same seed samples the same tokens whatever runs beside it (its children of
+                ``num_return_sequences`` use ``seed + 1``, ``seed + 2``, ...). None: the engine's shared generator.
             logit_processor_kwargs: per-request ``temperature``, ``top_k``, ``top_p`` (with
                 ``ContinuousBatchingConfig(per_request_processors=True)`` and the processor enabled in the
                 generation config).
@@ -209,17 +213,20 @@ class ContinuousBatchingManager:
         salt = cache_salt if cache_salt is not None else self.salt
         vocab_size = self.model.get_input_embeddings().num_embeddings
         error = validation_error(prompt, max_new_tokens, vocab_size, self.limits.max_request_tokens, salt)
+        if error is None and seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            error = f"seed must be an int or None, got {seed!r}."
         if error is None:
             try:
                 self.processors.check_kwargs(logit_processor_kwargs)
             except (TypeError, ValueError) as problem:
                 error = f"Invalid sampling arguments: {problem}"
         ids = [f"{request_id}__child#{k}" for k in range(self.num_return_sequences - 1)] + [request_id]
+        seeds = [None] * len(ids) if seed is None else [seed + k + 1 for k in range(len(ids) - 1)] + [seed]
         requests = [
             EngineRequest(rid, list(prompt) if error is None else [], max_new_tokens, self._eos(eos_token_id),
-                          dict(logit_processor_kwargs), salt, streaming, record_timestamps,
-                          timestamps=[] if record_timestamps else None)
-            for rid in ids
+                          dict(logit_processor_kwargs), seed=request_seed, salt=salt, streaming=streaming,
+                          record_timestamps=record_timestamps, timestamps=[] if record_timestamps else None)
+            for rid, request_seed in zip(ids, seeds)
         ]
         if error is not None:
             for request in requests:

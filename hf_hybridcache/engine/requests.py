@@ -17,6 +17,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from .._compat.continuous_batching import EngineOutput, RequestStatus
 from ..explain import HitReport
 from ..hashing import BlockHash
@@ -33,6 +35,9 @@ class EngineRequest:
         max_new_tokens: tokens to generate at most.
         eos_token_ids: token ids that finish the request (included in its output).
         sampling: logits-processor kwargs of this request (``temperature``, ``top_k``, ``top_p``).
+        seed: seed of this request's own sampling generator (None: it draws from the engine's shared one), so that
+            its samples do not depend on the requests it runs with.
+        generator: that generator, made by the runner at its first sample.
         salt: the tenant salt of its prefix chains (None: unsalted).
         streaming: deliver an output after every token (else only at the end).
         record_timestamps: record when each token was generated.
@@ -59,6 +64,8 @@ class EngineRequest:
     max_new_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
     sampling: dict = field(default_factory=dict)
+    seed: int | None = None
+    generator: torch.Generator | None = field(default=None, repr=False)
     salt: str | None = None
     streaming: bool = False
     record_timestamps: bool = False

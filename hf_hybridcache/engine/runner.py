@@ -4,7 +4,8 @@ The model's own forward runs on ``input_ids`` / ``position_ids`` ``[1, N]`` with
 :class:`~hf_hybridcache.engine.views.StepCache` as its cache, a mask mapping that builds no masks (the groups carry
 their own), and ``logits_to_keep`` = the sampled positions, so only ``[M, V]`` logits are computed. Sampling is
 transformers' continuous batching's: its logits processors (per-request temperature, top-k, top-p), then argmax or
-``multinomial`` from one generator (seeded by ``ContinuousBatchingConfig.seed``).
+``multinomial`` from one generator (seeded by ``ContinuousBatchingConfig.seed``), or from a request's own generator
+when it was added with a ``seed``.
 """
 
 from __future__ import annotations
@@ -79,6 +80,12 @@ class StepRunner:
             probs = torch.softmax(logits, dim=-1)
         if self.do_sample:
             tokens = torch.multinomial(probs, num_samples=1, generator=self.generator)[:, 0]
+            for row, segment in enumerate(plan.sampled):  # a seeded request draws from its own generator
+                request = segment.request
+                if request.seed is not None:
+                    if request.generator is None:
+                        request.generator = torch.Generator(device=logits.device).manual_seed(request.seed)
+                    tokens[row] = torch.multinomial(probs[row], num_samples=1, generator=request.generator)[0]
         else:
             tokens = logits.argmax(dim=-1)
         logprobs = None

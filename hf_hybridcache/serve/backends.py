@@ -48,8 +48,8 @@ class EngineBackend:
     """Requests go to a :class:`~hf_hybridcache.engine.ContinuousBatchingManager` of ``cache``.
 
     The manager samples (transformers' per-request temperature, top-k and top-p processors); a greedy request is
-    top-k 1 at temperature 1, which keeps only the argmax. Its sampling generator is shared by all requests, so a
-    ``seed`` does not make one request's sample reproducible.
+    top-k 1 at temperature 1, which keeps only the argmax. A request with a ``seed`` samples from its own generator,
+    so it gets the same reply whatever runs beside it; the others share the engine's generator.
 
     Args:
         cache: the :class:`~hf_hybridcache.HybridPrefixCache` of the served model.
@@ -100,7 +100,8 @@ class EngineBackend:
             kwargs = {"temperature": float(sampling.temperature), "top_k": self.vocab_size,
                       "top_p": float(sampling.top_p)}
         added = self.manager.add_request(prompt_ids, request_id=request_id, max_new_tokens=sampling.max_tokens,
-                                         streaming=True, eos_token_id=self.eos_token_ids, cache_salt=salt, **kwargs)
+                                         streaming=True, eos_token_id=self.eos_token_ids, cache_salt=salt,
+                                         seed=None if sampling.greedy else sampling.seed, **kwargs)
         if added is None:
             yield Progress([], 0, True, "The engine is not running.")
             return
