@@ -8,6 +8,7 @@ from conftest import MAMBA2_FAMILIES, assert_matches_cold, assert_restored_state
 from transformers import DynamicCache
 
 from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
+from hf_hybridcache._compat.continuous_batching import cache_parameter
 from hf_hybridcache.kernels import mamba2_chunk_scan_ref, mamba2_recurrent_ref
 from hf_hybridcache.toy import build_model
 
@@ -102,15 +103,16 @@ def test_patched_mixer_is_bit_identical_and_emits_the_cold_states(family, overri
     HybridPrefixCache(model)  # patches the mixers of this instance
     mixer = next(m for m in model.modules() if type(m).__name__ == MIXER_CLASS[family])
     original = type(mixer).forward
+    kw = cache_parameter(original)  # cache_params in 5.23, cache in 5.24
     hidden = torch.randn(1, 53, model.config.hidden_size, generator=torch.Generator().manual_seed(71))
     positions = (3, 12, 27, 39)
     recording = _RecordingCache(model.config, positions)
     plain = DynamicCache(config=model.config)
     with torch.no_grad():
         for cache in (recording, plain):  # a prefix of 13 tokens first, so the second forward starts from a state
-            original(mixer, hidden[:, :13], cache_params=cache)
-        out = mixer(hidden[:, 13:], cache_params=recording)
-        ref = original(mixer, hidden[:, 13:], cache_params=plain)
+            original(mixer, hidden[:, :13], **{kw: cache})
+        out = mixer(hidden[:, 13:], **{kw: recording})
+        ref = original(mixer, hidden[:, 13:], **{kw: plain})
     assert torch.equal(out, ref)
     live, ref_layer = recording.layers[mixer.layer_idx], plain.layers[mixer.layer_idx]
     assert torch.equal(live.recurrent_states[0], ref_layer.recurrent_states[0])
@@ -119,7 +121,7 @@ def test_patched_mixer_is_bit_identical_and_emits_the_cold_states(family, overri
     for t, (conv, ssm) in recording.captured.items():
         cold = DynamicCache(config=model.config)
         with torch.no_grad():
-            original(mixer, hidden[:, : 13 + t], cache_params=cold)
+            original(mixer, hidden[:, : 13 + t], **{kw: cold})
         torch.testing.assert_close(conv, cold.layers[mixer.layer_idx].conv_states[0], rtol=0, atol=0)
         torch.testing.assert_close(ssm, cold.layers[mixer.layer_idx].recurrent_states[0], rtol=0, atol=1e-5)
 

@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
 from hf_hybridcache.config import AttentionLayerSpec
 from hf_hybridcache.store.kv_store import KVStore
 from hf_hybridcache.store.pages import PagePool
@@ -104,7 +104,7 @@ def test_a_small_cache_does_not_reserve_its_budget(model):
     """The default 2 GiB budget is a bound, not an allocation: the pool holds about what is stored."""
     cache = HybridPrefixCache(model)
     ids = torch.randint(6, 200, (1, 100))
-    model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False)
+    model.generate(ids, **{CACHE_KWARG: cache}, max_new_tokens=2, do_sample=False)
     pages = cache.store.pages
     assert cache.stats.kv_blocks == 6
     assert pages.reserved_bytes <= 2 * max(pages.num_used, 16) * pages.page_bytes
