@@ -213,6 +213,29 @@ def test_disconnect_mid_stream_cancels(server):
     assert client.completions.create(model=MODEL, prompt="still here", max_tokens=2).choices[0].text is not None
 
 
+def test_a_non_streaming_client_that_goes_away_cancels_its_request():
+    """A client that times out on a long non-streaming request: the server notices the disconnect and cancels the
+    request, which frees its place (without it, the request ran to its max_tokens). The server of this test never
+    ends a reply at EOS, so the request would run its 3,000 tokens."""
+    tokenizer, cache = byte_tokenizer(), HybridPrefixCache(build_model("jamba", seed=0))
+    server = Server(build_app(EngineBackend(cache, []), tokenizer, MODEL, cache))
+    try:
+        client = server.client()
+        with pytest.raises(openai.APITimeoutError):
+            client.with_options(timeout=1.5).completions.create(
+                model=MODEL, prompt="Tell me a very long story about", max_tokens=3000, temperature=1.0)
+        assert server.metrics()["hf_hybridcache_running_requests"] == 1  # still running when the client left
+        deadline = time.time() + 20
+        while server.metrics()["hf_hybridcache_running_requests"] and time.time() < deadline:
+            time.sleep(0.05)
+        metrics = server.metrics()
+        assert metrics["hf_hybridcache_running_requests"] == 0
+        assert metrics["hf_hybridcache_generation_tokens_total"] < 1000
+        assert client.completions.create(model=MODEL, prompt="still here", max_tokens=2).choices[0].text is not None
+    finally:
+        server.close()
+
+
 BAD_BODIES = {
     "unknown model": ({"model": "gpt-4", "prompt": "x"}, 404, "model_not_found"),
     "temperature out of range": ({"model": MODEL, "prompt": "x", "temperature": 2.5}, 400, None),

@@ -5,6 +5,7 @@ for the one request that failed inside."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -54,11 +55,7 @@ def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens:
     app = FastAPI(title="hf_hybridcache", lifespan=lifespan)
     app.state.metrics, app.state.backend = metrics, backend
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        response = await call_next(request)
-        metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
+    app.add_middleware(_CountRequests, metrics=metrics)
 
     @app.exception_handler(APIError)
     async def api_error(request, problem: APIError):
@@ -108,7 +105,7 @@ def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens:
             raise APIError(400, f"The chat template cannot render these messages: {problem}", param="messages")
         max_tokens = body.max_completion_tokens or body.max_tokens
         job = job_for(body, prompt_ids, request, max_tokens, remember=True)
-        return await respond(job, body, chat_payloads(body.model))
+        return await respond(job, body, chat_payloads(body.model), request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -122,23 +119,43 @@ def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens:
         if not prompt_ids:
             raise APIError(400, "The prompt is empty; send at least one token.", param="prompt")
         job = job_for(body, prompt_ids, request, body.max_tokens, remember=False)
-        return await respond(job, body, completion_payloads(body.model))
+        return await respond(job, body, completion_payloads(body.model), request)
 
-    async def respond(job: Job, body, payloads):
+    async def respond(job: Job, body, payloads, request: Request):
         arrived, request_id = time.perf_counter(), f"cmpl-{uuid.uuid4().hex}"
         pieces = runner.pieces(job, arrived)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(sse(pieces, job, payloads, request_id, include_usage),
                                      media_type="text/event-stream")
-        texts, finals = [""] * job.n, [None] * job.n
-        async for piece in pieces:
-            texts[piece.index] += piece.text
-            if piece.finish_reason is not None:
-                finals[piece.index] = piece
+        collecting = asyncio.ensure_future(collect(pieces, job.n))
+        watching = asyncio.ensure_future(disconnected(request))
+        await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
+        watching.cancel()
+        if not collecting.done():  # the client went away: its choices are cancelled and free their places
+            collecting.cancel()
+            await asyncio.gather(collecting, return_exceptions=True)
+            return Response(status_code=499)
+        texts, finals = collecting.result()
         metrics.hit_tokens.inc(finals[0].hit_tokens)
         return JSONResponse(payloads.whole(request_id, texts, finals, usage(job, finals)).model_dump(
             exclude_none=True))
+
+    async def collect(pieces: AsyncIterator[Piece], n: int) -> tuple[list[str], list[Piece | None]]:
+        texts, finals = [""] * n, [None] * n
+        try:
+            async for piece in pieces:
+                texts[piece.index] += piece.text
+                if piece.finish_reason is not None:
+                    finals[piece.index] = piece
+        finally:
+            await pieces.aclose()  # cancelled: the choices still running are cancelled with it
+        return texts, finals
+
+    async def disconnected(request: Request) -> None:
+        """Returns once the client of a non-streaming request has gone away (polled every 0.2 s)."""
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.2)
 
     async def sse(pieces: AsyncIterator[Piece], job: Job, payloads, request_id: str, include_usage: bool):
         finals = [None] * job.n
@@ -237,3 +254,28 @@ class completion_payloads:  # noqa: N801 - a namespace of the completions endpoi
     def usage_chunk(self, request_id, usage) -> Completion:
         return Completion.model_construct(id=request_id, object="text_completion", created=self.created,
                                           model=self.model, choices=[], usage=usage)
+
+
+class _CountRequests:
+    """ASGI middleware counting requests by path and status. Plain ASGI, not ``@app.middleware("http")``: Starlette's
+    ``BaseHTTPMiddleware`` wraps the receive channel, and a handler behind it never sees its client disconnect."""
+
+    def __init__(self, app, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status: list[int] = []
+
+        async def send_and_note(message) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            if status:
+                self.metrics.requests.labels(scope["path"], str(status[0])).inc()
