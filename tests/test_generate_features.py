@@ -168,6 +168,25 @@ def test_the_cache_kwarg_of_this_transformers_works_without_deprecation_warnings
         assert torch.equal(batch[i], cold_model.generate(rows[i : i + 1], **kwargs)[0])
 
 
+@pytest.mark.parametrize("family", ["jamba", "qwen3_5_text"])
+def test_either_name_of_the_cache_kwarg_works_on_either_transformers(model, cold_model):
+    # The README's generate(..., cache=cache) failed on 5.23 with transformers' "model_kwargs are not used" error, and
+    # code written for 5.23 (past_key_values=cache) warned on 5.24: the package hands its cache on under the name of
+    # the installed version.
+    cache = HybridPrefixCache(model)
+    ids = random_ids(40, seed=490)
+    kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = model.generate(ids, cache=cache, **kwargs)
+        second = model.generate(ids, past_key_values=cache, **kwargs)
+    deprecations = [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    assert not [m for m in deprecations if "past_key_values" in m or "cache" in m], deprecations
+    expected = cold_model.generate(ids, **kwargs)
+    assert torch.equal(first, expected) and torch.equal(second, expected)
+    assert cache.last_hit_tokens == [32]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["jamba", "zamba2"])
 def test_torch_compile_of_the_model_keeps_outputs_exact(model, cold_model):

@@ -115,6 +115,12 @@ def _hooked_generate(self, *args, **kwargs):
     cache = hooks.find(self, kwargs)
     if cache is None:
         return type(self).generate(self, *args, **kwargs)
+    if kwargs.get(CACHE_KWARG) is not cache:
+        # The cache under the other version's name (``cache=`` on 5.23, which refuses it; ``past_key_values=`` on
+        # 5.24, which warns): handed on under this version's name, so one call works on both.
+        name = next(n for n in CACHE_KWARG_NAMES if kwargs.get(n) is cache)
+        if CACHE_KWARG not in kwargs or kwargs[CACHE_KWARG] is None:
+            kwargs[CACHE_KWARG] = kwargs.pop(name)
     token = _GENERATING.set(_Call(cache))
     try:
         with hooks.generate_call(cache), allow_speculative_decoding(self):
