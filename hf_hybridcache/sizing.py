@@ -54,14 +54,22 @@ class CacheSizes:
         checkpoints, so this is an upper bound for them. Pass the result as ``max_cache_bytes``.
 
         Raises:
-            ValueError: a count that is not an int >= 0.
+            ValueError: a count that is not an int >= 0, or counts that hold nothing (a budget of 0 bytes, which
+                ``max_cache_bytes`` refuses).
         """
         for name, value in (("num_prefixes", num_prefixes), ("prefix_tokens", prefix_tokens),
                             ("checkpoints_per_prefix", checkpoints_per_prefix)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"`{name}` must be an int >= 0, got {value!r}.")
         per_prefix = (prefix_tokens // self.block_size) * self.kv_block_bytes
-        return num_prefixes * (per_prefix + checkpoints_per_prefix * self.checkpoint_bytes)
+        budget = num_prefixes * (per_prefix + checkpoints_per_prefix * self.checkpoint_bytes)
+        if not budget:
+            raise ValueError(
+                f"suggest_budget({num_prefixes}, {prefix_tokens}, checkpoints_per_prefix={checkpoints_per_prefix}) "
+                f"holds nothing (0 bytes): count at least one prefix of at least one block ({self.block_size} tokens) "
+                "or one checkpoint."
+            )
+        return budget
 
     def __str__(self) -> str:
         text = (

@@ -6,6 +6,8 @@ cancellation by disconnect, every bad input (4xx JSON errors beside a request th
 import asyncio
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -236,6 +238,30 @@ def test_a_non_streaming_client_that_goes_away_cancels_its_request():
         server.close()
 
 
+def test_the_command_says_where_it_serves():
+    """``python -m hf_hybridcache.serve`` prints the URL clients use (uvicorn's own line is below its log level)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "hf_hybridcache.serve", "--model", "toy:jamba", "--port",
+                                str(port)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = process.stdout.readline()
+        assert line.strip() == (f"hf_hybridcache.serve: toy:jamba at http://127.0.0.1:{port}/v1 (OpenAI API; "
+                                "/health, /metrics)"), line
+        deadline = time.time() + 120
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                assert process.poll() is None and time.time() < deadline, "the server did not start"
+                time.sleep(0.2)
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
 BAD_BODIES = {
     "unknown model": ({"model": "gpt-4", "prompt": "x"}, 404, "model_not_found"),
     "temperature out of range": ({"model": MODEL, "prompt": "x", "temperature": 2.5}, 400, None),
@@ -273,9 +299,10 @@ def test_every_bad_input_gets_its_json_error_and_disturbs_no_one(server, cold_mo
         for name, (body, status) in BAD_CHATS.items():
             response = http.post("/v1/chat/completions", json=body)
             assert response.status_code == status and response.json()["error"]["message"], name
-        for raw in (b"{not json", b"[1, 2]", b""):
+        for raw, says in ((b"{not json", "not valid JSON"), (b"[1, 2]", "must be a JSON object"), (b"", "JSON")):
             response = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
-            assert response.status_code == 400 and "JSON" in response.json()["error"]["message"], raw
+            error = response.json()["error"]
+            assert response.status_code == 400 and says in error["message"] and error["param"] is None, (raw, error)
         assert http.get("/v1/nothing").status_code == 404 and http.get("/v1/nothing").json()["error"]
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])

@@ -56,6 +56,7 @@ def test_a_budget_too_small_names_the_sizing_helper():
         (lambda model: hf_hybridcache.sizes(torch.nn.Linear(2, 2)), "does not support Linear"),
         (lambda model: hf_hybridcache.sizes(model).suggest_budget(-1, 100), "num_prefixes"),
         (lambda model: hf_hybridcache.sizes(model).suggest_budget(1, 1.5), "prefix_tokens"),
+        (lambda model: hf_hybridcache.sizes(model).suggest_budget(0, 2_000), "holds nothing"),
     ],
 )
 def test_bad_arguments(call, match):

@@ -58,7 +58,10 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     args = parse_args(argv)
-    uvicorn.run(make_app(args), host=args.host, port=args.port, log_level=args.log_level)
+    app = make_app(args)
+    print(f"hf_hybridcache.serve: {args.served_model_name or args.model} at http://{args.host}:{args.port}/v1 "
+          "(OpenAI API; /health, /metrics)", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 
 if __name__ == "__main__":

@@ -65,9 +65,12 @@ def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens:
     async def invalid(request, problem: RequestValidationError):
         first = problem.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        not_json = first.get("type") == "json_invalid" or tuple(first.get("loc", ())) == ("body",)
-        message = "The body must be a JSON object (OpenAI's request body)." if not_json else (
-            f"Invalid request: {where or 'body'}: {first.get('msg')}.")
+        if first.get("type") == "json_invalid":  # loc names a character offset, not a field
+            message, where = f"The body is not valid JSON ({first.get('msg')}); send a JSON object.", None
+        elif tuple(first.get("loc", ())) == ("body",):
+            message = "The body must be a JSON object (OpenAI's request body)."
+        else:
+            message = f"Invalid request: {where or 'body'}: {first.get('msg')}."
         return JSONResponse(APIError(400, message, param=where).body(), status_code=400)
 
     @app.exception_handler(HTTPException)
