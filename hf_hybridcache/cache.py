@@ -125,13 +125,6 @@ class HybridPrefixCache(LiveCache):
         if replay_replies is None:
             options = replace(options, replay_replies=replays_by_default(model.dtype, self.spec))
         devices = layer_devices(model, [layer.layer_idx for layer in (*self.spec.attention, *self.spec.mamba)])
-        if any(device.type == "meta" for device in devices.values()):
-            raise ValueError(
-                "The model's weights are on the meta device (built under init_empty_weights or with device='meta'), "
-                "so it cannot run; load or materialize them (from_pretrained, or to_empty + load_state_dict) and "
-                "build the HybridPrefixCache after the model is placed. hf_hybridcache.sizes(model) works on a meta "
-                "model."
-            )
         placement = Placement(devices, offload)
         self.model = model
         support.install(model)
