@@ -1,6 +1,6 @@
 """The manager: transformers' continuous-batching API (``ContinuousBatchingManager`` in
-``generation/continuous_batching/continuous_api.py``, 5.23 - 5.24) over the engine, so ``model.generate_batch``,
-``model.continuous_batching_context_manager`` and ``transformers serve --continuous-batching`` run on it.
+``generation/continuous_batching/continuous_api.py``, 5.23 - 5.24) over the engine, so ``model.generate_batch`` and
+``model.continuous_batching_context_manager`` run on it (``transformers serve`` loads its own model: docs/serving.md).
 
 Requests enter from any thread (:meth:`ContinuousBatchingManager.add_request`), run in one background thread (the
 loop: take new requests and cancellations, run a step, deliver outputs), and leave as transformers'
@@ -37,7 +37,7 @@ from .engine import Engine
 from .grouping import wrap_stateful_modules
 from .limits import EngineLimits
 from .outputs import OutputRouter
-from .requests import EngineRequest, validation_error
+from .requests import EngineRequest, first_eos_ids, validation_error
 from .runner import StepRunner
 
 logger = logging.getLogger("hf_hybridcache")
@@ -193,9 +193,8 @@ class ContinuousBatchingManager:
             eos_token_id: token id(s) that end it (the generation config's, else the model's).
             cache_salt: the tenant salt of its prefix chains: it reuses only prefixes stored under the same salt
                 (by ``generate()`` with ``cache.with_salt(salt)`` or by engine requests with that salt).
-            seed: with a sampling generation config, the seed of this request's own generator: the same request
-                with the same seed samples the same tokens whatever runs beside it (its children of
-                ``num_return_sequences`` use ``seed + 1``, ``seed + 2``, ...). None: the engine's shared generator.
+            seed: when sampling, the seed of this request's own generator, so it samples the same tokens whatever runs
+                beside it (``num_return_sequences`` children: ``seed + 1``, ...). None: the shared generator.
             logit_processor_kwargs: per-request ``temperature``, ``top_k``, ``top_p`` (with
                 ``ContinuousBatchingConfig(per_request_processors=True)`` and the processor enabled in the
                 generation config).
@@ -208,25 +207,24 @@ class ContinuousBatchingManager:
             return None
         request_id = f"req_{next(self._ids)}" if request_id is None else request_id
         prompt = input_ids.reshape(-1).tolist() if isinstance(input_ids, torch.Tensor) else input_ids
-        config = self.generation_config
-        max_new_tokens = max_new_tokens if max_new_tokens is not None else (config.max_new_tokens or 20)
+        if max_new_tokens is None:
+            max_new_tokens = self.generation_config.max_new_tokens or 20
         salt = cache_salt if cache_salt is not None else self.salt
         vocab_size = self.model.get_input_embeddings().num_embeddings
-        error = validation_error(prompt, max_new_tokens, vocab_size, self.limits.max_request_tokens, salt)
-        if error is None and seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            error = f"seed must be an int or None, got {seed!r}."
+        error = validation_error(prompt, max_new_tokens, vocab_size, self.limits.max_request_tokens, salt, seed)
         if error is None:
             try:
                 self.processors.check_kwargs(logit_processor_kwargs)
             except (TypeError, ValueError) as problem:
                 error = f"Invalid sampling arguments: {problem}"
         ids = [f"{request_id}__child#{k}" for k in range(self.num_return_sequences - 1)] + [request_id]
-        seeds = [None] * len(ids) if seed is None else [seed + k + 1 for k in range(len(ids) - 1)] + [seed]
-        requests = [
-            EngineRequest(rid, list(prompt) if error is None else [], max_new_tokens, self._eos(eos_token_id),
-                          dict(logit_processor_kwargs), seed=request_seed, salt=salt, streaming=streaming,
-                          record_timestamps=record_timestamps, timestamps=[] if record_timestamps else None)
-            for rid, request_seed in zip(ids, seeds)
+        eos = first_eos_ids(eos_token_id, self.generation_config.eos_token_id, self.model.config.eos_token_id)
+        requests = [  # the parent (last) keeps the seed, child k gets seed + k + 1
+            EngineRequest(rid, list(prompt) if error is None else [], max_new_tokens, eos,
+                          dict(logit_processor_kwargs), seed=None if error or seed is None else seed + (k + 1) % len(ids),
+                          salt=salt, streaming=streaming, record_timestamps=record_timestamps,
+                          timestamps=[] if record_timestamps else None)
+            for k, rid in enumerate(ids)
         ]
         if error is not None:
             for request in requests:
@@ -292,13 +290,6 @@ class ContinuousBatchingManager:
         """Requests queued or waiting for admission now (the server's gauge of waiting requests)."""
         waiting = 0 if self.batch_processor is None else len(self.batch_processor.scheduler.waiting)
         return waiting + self._inbox.qsize()
-
-    def _eos(self, eos_token_id) -> frozenset[int]:
-        for candidate in (eos_token_id, self.generation_config.eos_token_id, self.model.config.eos_token_id):
-            if candidate is not None:
-                ids = candidate if isinstance(candidate, (list, tuple, set)) else [candidate]
-                return frozenset(int(i) for i in ids if int(i) >= 0)
-        return frozenset()
 
     # ------------------------------------------------------------------ the loop
 

@@ -132,7 +132,7 @@ class EngineRequest:
 
 
 def validation_error(
-    prompt, max_new_tokens, vocab_size: int, max_request_tokens: int, salt
+    prompt, max_new_tokens, vocab_size: int, max_request_tokens: int, salt, seed=None
 ) -> str | None:
     """Why a request cannot run, as a sentence that says what to do, or None when it can."""
     if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
@@ -156,4 +156,15 @@ def validation_error(
         )
     if salt is not None and (not isinstance(salt, str) or not salt):
         return f"cache_salt must be a non-empty string naming the tenant, or None; got {salt!r}."
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        return f"seed must be an int or None, got {seed!r}."
     return None
+
+
+def first_eos_ids(*candidates) -> frozenset[int]:
+    """The EOS token ids of the first candidate that is not None (an id or a list of ids; negative ids dropped)."""
+    for candidate in candidates:
+        if candidate is not None:
+            ids = candidate if isinstance(candidate, (list, tuple, set)) else [candidate]
+            return frozenset(int(i) for i in ids if int(i) >= 0)
+    return frozenset()
