@@ -218,7 +218,7 @@ class CacheCore(CallScopes):
             left = reach.checkpoint_tokens if not reach.fetch and reach.checkpoint_tokens > hit.hit_tokens else 0
             hit = replace(hit, tier_kv_tokens=reach.kv_tokens, tier_checkpoint_tokens=left)
         if not self.options.admit_divergence:
-            return replace(hit, divergence_tokens=0)
+            return replace(hit, divergence_tokens=0) if hit.divergence_tokens else hit
         remote_divergence = 0 if reach is None or reach.divergence_tokens <= hit.hit_tokens else reach.divergence_tokens
         return replace(hit, divergence_tokens=hit.divergence_tokens or remote_divergence)
 

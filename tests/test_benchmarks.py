@@ -176,9 +176,10 @@ def test_hit_overhead_runs_on_a_tiny_shape(capsys):
     hit_overhead.main(["--kinds", "gdn", "--shapes", "tiny", "--prefixes", "64", "--restore-prefixes", "64", "128",
                        "--suffix-tokens", "16", "--decode-tokens", "2", "--repeats", "1"])
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| gdn")]
-    compared, restored = [r for r in rows if len(r) == 15], [r for r in rows if len(r) == 7]
+    compared, restored = [r for r in rows if len(r) == 15], [r for r in rows if len(r) == 10]
     assert compared and all(r[-1].strip() == "yes" and float(r[-2]) < 1e-4 for r in compared)
     assert [int(r[1]) for r in restored] == [64, 128] and all(float(r[3]) > 0 for r in restored)
+    assert all(float(r[7]) > 0 for r in restored)  # the copy floor of the same bytes
 
 
 def test_serve_multiturn_runs_two_servers_on_a_tiny_model(capsys):

@@ -235,6 +235,22 @@ def test_a_transformers_without_the_internals_it_hooks_is_refused(model, monkeyp
         HybridPrefixCache(model)
 
 
+def test_a_transformers_whose_cache_layers_lack_the_fields_a_restore_sets_is_refused(model, monkeypatch):
+    """A restore sets the fields of DynamicLayer and LinearAttentionLayer that their lazy_initialization sets; a
+    transformers that renamed one is refused up front, naming it, instead of restoring into the wrong field."""
+    from transformers.cache_utils import DynamicLayer
+
+    init = DynamicLayer.__init__
+
+    def without_is_initialized(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        del self.is_initialized
+
+    monkeypatch.setattr(DynamicLayer, "__init__", without_is_initialized)
+    with pytest.raises(ValueError, match=r"\(DynamicLayer\.is_initialized\); install a tested version"):
+        HybridPrefixCache(model)
+
+
 def test_a_pad_id_inside_a_prompt_warns_once_and_an_explicit_mask_restores_reuse(caplog):
     """generate() masks every pad_token_id it finds when no attention_mask is given: a chat whose tokens include the
     pad id then runs without reuse. The cache says so once, with the fix; an all-ones mask makes it hit again."""

@@ -66,6 +66,7 @@ from .generation import (
 )
 from .kernel_notices import quiet_kernel_notices
 from .layers import (
+    DYNAMIC_LAYER_FIELDS,
     conv_state_before_update,
     append_kv_in_room,
     crop_kv,
@@ -137,6 +138,8 @@ def check_version() -> None:
                 if not hasattr(cls, "lazy_initialization")]
     fresh = LinearAttentionLayer()  # the fields set_linear_state writes in place of its lazy_initialization
     missing += [f"LinearAttentionLayer.{name}" for name in _LINEAR_LAYER_FIELDS if not hasattr(fresh, name)]
+    fresh = DynamicLayer()  # the fields set_kv writes in place of its lazy_initialization
+    missing += [f"DynamicLayer.{name}" for name in DYNAMIC_LAYER_FIELDS if not hasattr(fresh, name)]
     if missing:
         raise ValueError(
             f"hf_hybridcache needs transformers internals that transformers {TRANSFORMERS_VERSION} does not have "

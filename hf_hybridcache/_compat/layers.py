@@ -17,6 +17,11 @@ from ..kernels.paged_copy import kv_room
 #: Attribute of a live layer naming the (keys, values) data pointers of KV restored into buffers with room to spare.
 _ROOM_ATTR = "_hf_hybridcache_kv_room"
 
+#: Fields of a fresh ``DynamicLayer`` that its ``lazy_initialization`` sets (with ``device``, and ``dtype`` on 5.23),
+#: which :func:`set_kv` sets itself on a layer that does not override it (``check_version`` refuses a transformers
+#: whose fresh layer lacks one).
+DYNAMIC_LAYER_FIELDS = ("keys", "values", "is_initialized")
+
 
 def new_live_layers(config) -> list:
     """Fresh per-layer cache objects, exactly as ``DynamicCache(config=...)`` builds them for this model."""
@@ -58,7 +63,11 @@ def set_kv(
     tokens there."""
     setattr(layer, _ROOM_ATTR, (keys.data_ptr(), values.data_ptr()) if owns_room else None)
     num_tokens = keys.shape[-2] if num_tokens is None else num_tokens
-    layer.lazy_initialization(keys[..., :0, :], values[..., :0, :])
+    if type(layer).lazy_initialization is DynamicLayer.lazy_initialization:
+        # What it sets (DYNAMIC_LAYER_FIELDS, device, dtype) without the two empty tensors replaced just below.
+        layer.dtype, layer.device, layer.is_initialized = keys.dtype, keys.device, True
+    else:
+        layer.lazy_initialization(keys[..., :0, :], values[..., :0, :])
     if getattr(layer, "is_sliding", False):
         keep = min(layer.sliding_window - 1, num_tokens)
         assert keys.shape[-2] >= keep, f"a sliding layer at {num_tokens} tokens needs the last {keep} tokens' KV"

@@ -9,6 +9,8 @@ it filled and handed to the store with :meth:`KVStore.adopt`).
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from ..config import AttentionLayerSpec
@@ -85,7 +87,10 @@ class KVStore:
 
     def page_table(self, block_ids) -> torch.Tensor:
         """The pages of ``block_ids`` in order, int64 ``[len(block_ids)]`` (a block table)."""
-        return torch.tensor([self._page_of[b] for b in block_ids], dtype=torch.int64)
+        if not block_ids:
+            return torch.empty(0, dtype=torch.int64)
+        # An int64 array's buffer taken as is: half the time of torch.tensor on a list of ints.
+        return torch.frombuffer(array("q", [self._page_of[b] for b in block_ids]), dtype=torch.int64)
 
     def get(self, block_id: int) -> dict[int, KVBlock]:
         """The stored tensors of one block, ``{layer idx: (keys [Hkv, block_size, Dk], values [Hkv, block_size,
