@@ -260,10 +260,10 @@ def copy_floor(cache, prompt: torch.Tensor):
         pages[first] = store.page_table(hit.block_ids[first:])
     states = [t for pair in store.checkpoints.get(hit.block_ids[-1]).values() for t in pair]
 
-    def copy() -> list[torch.Tensor]:
+    def copy_bytes() -> list[torch.Tensor]:
         return [pool.index_select(0, pages[first]) for pool, first in pools] + [t.clone() for t in states]
 
-    return copy, sum(t.numel() * t.element_size() for t in copy())
+    return copy_bytes, sum(t.numel() * t.element_size() for t in copy_bytes())
 
 
 def measure_restores(args, model, prefixes: list[int]) -> dict[int, dict[str, float]]:
@@ -290,9 +290,9 @@ def measure_restores(args, model, prefixes: list[int]) -> dict[int, dict[str, fl
                 for name in ("start", "restore"):
                     seconds[prefix_tokens][name].append(clocks.seconds[name][0])
         cache.reset()
-        for prefix_tokens, (copy, _) in floors.items():
+        for prefix_tokens, (copy_bytes, _) in floors.items():
             began = time.perf_counter()
-            copied = copy()
+            copied = copy_bytes()
             if repeat:
                 seconds[prefix_tokens]["floor"].append(time.perf_counter() - began)
             del copied
