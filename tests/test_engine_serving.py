@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from transformers import ContinuousBatchingConfig
 from conftest import greedy, random_ids
 from engine_scenarios import alone, config, finals, ids
 
@@ -184,6 +185,28 @@ def test_a_seeded_request_samples_the_same_tokens_alone_and_beside_others(model,
     assert outputs["beside"].generated_tokens == alone_tokens
     assert outputs["another"].generated_tokens != alone_tokens
     assert outputs["bad"].error == "seed must be an int or None, got 'eleven'."
+    check_store(cache)
+
+
+def test_an_unseeded_request_samples_the_same_tokens_beside_a_seeded_one(model):
+    """Seeded requests draw only from their own generators, so with the manager's shared generator seeded, an
+    unseeded request samples the same tokens alone and beside a seeded request added before it."""
+    cache = HybridPrefixCache(model)
+    prompt, seeded_prompt = ids(30, seed=996), ids(26, seed=997)
+    tokens = []
+    for beside in (False, True):
+        manager = cache.init_continuous_batching(config(max_new_tokens=12, do_sample=True, temperature=1.5),
+                                                 ContinuousBatchingConfig(seed=5))
+        manager.start()
+        try:
+            if beside:
+                manager.add_request(seeded_prompt, request_id="seeded", seed=3, eos_token_id=-1)
+            manager.add_request(prompt, request_id="shared", eos_token_id=-1)
+            outputs = finals(manager, ["shared", "seeded"] if beside else ["shared"])
+        finally:
+            manager.stop(block=True)
+        tokens.append(outputs["shared"].generated_tokens)
+    assert len(tokens[0]) == 12 and tokens[1] == tokens[0]
     check_store(cache)
 
 

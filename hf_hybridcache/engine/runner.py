@@ -79,16 +79,28 @@ class StepRunner:
         if self.do_sample or self.return_logprobs:
             probs = torch.softmax(logits, dim=-1)
         if self.do_sample:
-            tokens = torch.multinomial(probs, num_samples=1, generator=self.generator)[:, 0]
-            for row, segment in enumerate(plan.sampled):  # a seeded request draws from its own generator
-                request = segment.request
-                if request.seed is not None:
-                    if request.generator is None:
-                        request.generator = torch.Generator(device=logits.device).manual_seed(request.seed)
-                    tokens[row] = torch.multinomial(probs[row], num_samples=1, generator=request.generator)[0]
+            tokens = self._draw(probs, [segment.request for segment in plan.sampled])
         else:
             tokens = logits.argmax(dim=-1)
         logprobs = None
         if self.return_logprobs:
             logprobs = probs.gather(1, tokens[:, None])[:, 0].log().tolist()
         return tokens.tolist(), logprobs
+
+    def _draw(self, probs: torch.Tensor, requests: list) -> torch.Tensor:
+        """One token per row of ``probs`` ``[M, V]``: a seeded request's from its own generator, the others' from the
+        shared one, which only they draw from (so the shared stream does not depend on seeded requests beside them)."""
+        seeded = [row for row, request in enumerate(requests) if request.seed is not None]
+        if not seeded:
+            return torch.multinomial(probs, num_samples=1, generator=self.generator)[:, 0]
+        tokens = torch.empty(len(requests), dtype=torch.int64, device=probs.device)
+        shared = [row for row, request in enumerate(requests) if request.seed is None]
+        if shared:
+            rows = torch.tensor(shared, device=probs.device)
+            tokens[rows] = torch.multinomial(probs[rows], num_samples=1, generator=self.generator)[:, 0]
+        for row in seeded:
+            request = requests[row]
+            if request.generator is None:
+                request.generator = torch.Generator(device=probs.device).manual_seed(request.seed)
+            tokens[row] = torch.multinomial(probs[row], num_samples=1, generator=request.generator)[0]
+        return tokens
