@@ -93,14 +93,26 @@ def test_tenant_salts_separate_the_engine_requests(model, cold_model):
     check_store(cache)
 
 
-@pytest.mark.parametrize("family", ["jamba"])
-def test_bf16_requests_store_no_decode_steps(family):
-    """With replay_replies (bf16's default) the engine stores a request's blocks up to its first decode step only: a
-    decode step rounds differently from a prefill in bf16, and the engine does not replay replies."""
-    model = build_model(family, seed=0, dtype=torch.bfloat16)
+@pytest.mark.parametrize("family", ["jamba", "lfm2"])
+def test_bf16_replies_are_stored_from_a_replay_and_the_next_turn_hits_inside(family):
+    """With replay_replies (bf16's default) a request stores nothing past its first decode step while it runs (a
+    decode step rounds differently from a prefill in bf16); when it finishes, a hidden replay request runs its tokens
+    up to their last block boundary as one prefill, which stores the reply's blocks and decode-end checkpoint as a
+    prefill computes them. The next turn hits inside the reply and equals it run alone without a cache."""
+    model, cold = build_model(family, seed=0, dtype=torch.bfloat16), build_model(family, seed=0, dtype=torch.bfloat16)
     cache = HybridPrefixCache(model)
     assert cache.options.replay_replies
-    outputs = model.generate_batch([ids(40, seed=930)], generation_config=config(max_new_tokens=20))
-    assert len(outputs["req_0"].generated_tokens) == 20
-    assert cache.stats.kv_blocks == 2  # 40 prompt tokens; the 19 decoded ones would complete a third block
+    prompt = ids(37, seed=930)
+    first = model.generate_batch([prompt], generation_config=config(max_new_tokens=27, eos_token_id=-1))["req_0"]
+    assert first.generated_tokens == alone(cold, prompt, 27, eos_token_id=-1)
+    # 37 + 26 fed tokens: decode end at 48, replayed from the prompt-end checkpoint at 32; the replay is not delivered
+    assert (cache.stats.replayed_reply_tokens, cache.stats.kv_blocks, cache.stats.requests) == (16, 3, 1)
+    turn = prompt + first.generated_tokens + ids(5, seed=931)
+    second = model.generate_batch([turn], generation_config=config(max_new_tokens=12, eos_token_id=-1))["req_0"]
+    assert second.hit_tokens == 48
+    assert second.generated_tokens == alone(cold, turn, 12, eos_token_id=-1)
+    again = model.generate_batch([prompt], generation_config=config(max_new_tokens=27, eos_token_id=-1))["req_0"]
+    assert again.generated_tokens == first.generated_tokens
+    # 69 + 11 fed tokens: the second turn's replay runs 64-80; the first reply again was stored already
+    assert cache.stats.replayed_reply_tokens == 16 + 16
     check_store(cache)

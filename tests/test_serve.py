@@ -223,10 +223,22 @@ def test_a_non_streaming_client_that_goes_away_cancels_its_request():
     server = Server(build_app(EngineBackend(cache, []), tokenizer, MODEL, cache))
     try:
         client = server.client()
-        with pytest.raises(openai.APITimeoutError):
-            client.with_options(timeout=1.5).completions.create(
-                model=MODEL, prompt="Tell me a very long story about", max_tokens=3000, temperature=1.0)
-        assert server.metrics()["hf_hybridcache_running_requests"] == 1  # still running when the client left
+        errors, seen_running = [], False
+
+        def leave_early():
+            try:
+                client.with_options(timeout=1.5).completions.create(
+                    model=MODEL, prompt="Tell me a very long story about", max_tokens=3000, temperature=1.0)
+            except openai.APITimeoutError as error:
+                errors.append(error)
+
+        caller = threading.Thread(target=leave_early)
+        caller.start()
+        while caller.is_alive():  # seen running while the client waits (a check after it left races the cancel)
+            seen_running |= server.metrics()["hf_hybridcache_running_requests"] == 1
+            time.sleep(0.02)
+        caller.join()
+        assert len(errors) == 1 and seen_running
         deadline = time.time() + 20
         while server.metrics()["hf_hybridcache_running_requests"] and time.time() < deadline:
             time.sleep(0.05)

@@ -27,7 +27,7 @@ from .requests import EngineRequest
 from .runner import StepRunner
 from .scheduler import Chunk, Scheduler
 from .slots import StateSlots
-from .storing import emit_positions, store_segment
+from .storing import replay_request, emit_positions, store_segment
 from .views import StepCache
 
 logger = logging.getLogger("hf_hybridcache")
@@ -151,7 +151,7 @@ class Engine:
             request.own_pages.update(new)
         tokens = request.remaining_tokens[: chunk.num_tokens]
         segment = Segment(request, tokens, request.past, request.fresh,
-                          samples=request.past + len(tokens) == len(request.tokens))
+                          samples=request.past + len(tokens) == len(request.tokens) and not request.replay_of)
         segment.emit_positions = emit_positions(segment, self.block_size, self.core.options.retention_tokens)
         return segment
 
@@ -164,6 +164,9 @@ class Engine:
             store_segment(self.core, segment, self.slots, self.block_size, options.retention_tokens)
             if request.past >= len(request.prompt):
                 self._leave_inflight(request)
+                if request.replay_of:  # stored as a prefill computes it: done, nothing to deliver
+                    self.core.count_replayed_reply_tokens(len(request.prompt) - request.hit_tokens)
+                    self.finish(request, RequestStatus.FINISHED)
         now = time.perf_counter()
         for i, (segment, token) in enumerate(zip(plan.sampled, tokens)):
             request = segment.request
@@ -174,9 +177,22 @@ class Engine:
                 request.timestamps.append(now)
             request.status = RequestStatus.DECODING
             if token in request.eos_token_ids or len(request.generated) >= request.max_new_tokens:
+                replay = self._replay_of(request) if options.replay_replies else None
                 self.finish(request, RequestStatus.FINISHED)
+                if replay is not None:
+                    self.add(replay)
             changed.append(request)
         return changed
+
+    def _replay_of(self, request: EngineRequest) -> EngineRequest | None:
+        """The replay request that stores ``request``'s reply (:func:`~.storing.replay_request`), or None when there is
+        nothing to store (its tokens' blocks and checkpoint are stored already: the same reply again)."""
+        replay = replay_request(request, self.block_size)
+        if replay is None:
+            return None
+        with self.core.store_lock:
+            stored = self.core.store.find(replay.prompt, request.row.root, tail_tokens=0).hit_tokens
+        return None if stored == len(replay.prompt) else replay
 
     def _step_failed(self, segments: list[Segment], error: Exception) -> list[EngineRequest]:
         """A forward raised: a request that ran alone (or already was a suspect) fails; when several ran together,
@@ -223,13 +239,16 @@ class Engine:
         self.tables[request.slot, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
         request.pages, request.own_pages = pages, set()
         request.past, request.fresh = hit.hit_tokens, hit.hit_tokens == 0
-        request.row = Row(len(request.prompt), token_ids=tokens[: hit.hit_tokens], hit_tokens=hit.hit_tokens, root=root,
+        request.row = Row(request.retention_prompt_tokens, token_ids=tokens[: hit.hit_tokens], hit_tokens=hit.hit_tokens,
+                          root=root,
                           block_ids=list(hit.block_ids), block_hashes=list(hit.block_hashes),
                           divergence_tokens=hit.divergence_tokens)
         if not request.counted:
             core.count_request(len(request.prompt), hit.hit_tokens, [report.reason])
             request.counted, request.hit_tokens, request.hit_report = True, hit.hit_tokens, report
             request.lifespan = (time.perf_counter(), -1)
+        elif request.replay_of:
+            request.hit_tokens = hit.hit_tokens
         request.status = RequestStatus.PREFILLING
         for block_hash in request.chain_hashes[hit.hit_tokens // bs : len(request.prompt) // bs]:
             self.inflight.setdefault(block_hash, request)

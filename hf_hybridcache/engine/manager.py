@@ -341,6 +341,6 @@ class ContinuousBatchingManager:
         self._deliver(cancelled)
 
     def _deliver(self, requests: list[EngineRequest]) -> None:
-        outputs = [r.to_output() for r in requests if r.is_finished or r.streaming]
+        outputs = [r.to_output() for r in requests if (r.is_finished or r.streaming) and not r.replay_of]
         if outputs:
             self._router.deliver(outputs)

@@ -57,6 +57,10 @@ class EngineRequest:
         asked: while waiting, it asked the running request computing its prefix to keep a checkpoint for it.
         suspect: it was in a step whose forward raised; it runs alone until a step of it succeeds.
         counted: its prompt and hit were counted in the cache's counters.
+        replay_of: for a reply replay (``replay_replies``), the prompt length of the finished request whose tokens
+            it runs again as one prefill to store them as a prefill computes them (:mod:`~hf_hybridcache.reply_replay`;
+            its checkpoints are kept as that request's would be); it samples nothing and is never delivered. 0: a
+            user's request.
     """
 
     request_id: str
@@ -90,11 +94,17 @@ class EngineRequest:
     asked: bool = False
     suspect: bool = False
     counted: bool = False
+    replay_of: int = 0
 
     @property
     def tokens(self) -> list[int]:
         """The tokens the model must have seen (or been fed) to continue: the prompt, then every generated token."""
         return self.prompt + self.generated
+
+    @property
+    def retention_prompt_tokens(self) -> int:
+        """The prompt length its checkpoints are retained by (a replay's: the replayed request's)."""
+        return self.replay_of or len(self.prompt)
 
     @property
     def is_admitted(self) -> bool:

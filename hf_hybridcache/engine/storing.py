@@ -13,13 +13,14 @@ from __future__ import annotations
 from ..sharing import CacheCore
 from ..store import last_boundary, retained_boundaries
 from .plan import Segment
+from .requests import EngineRequest
 from .slots import StateSlots
 
 
 def kept_boundaries(segment: Segment, block_size: int, retention_tokens: int) -> set[int]:
     """Boundaries in ``(past, end]`` of ``segment`` whose checkpoints its request keeps for good."""
     request, start, end = segment.request, segment.past, segment.end
-    kept = set(retained_boundaries(start, end, len(request.prompt), block_size, retention_tokens,
+    kept = set(retained_boundaries(start, end, request.retention_prompt_tokens, block_size, retention_tokens,
                                    request.row.divergence_tokens))
     return kept | {b for b in request.extra_boundaries if start < b <= end}
 
@@ -35,7 +36,8 @@ def emit_positions(segment: Segment, block_size: int, retention_tokens: int) -> 
 def store_segment(core: CacheCore, segment: Segment, slots: StateSlots, block_size: int, retention_tokens: int) -> None:
     """Store what ``segment``'s chunk completed (after the step's forward succeeded). With ``replay_replies`` (bf16,
     fp16) nothing past a request's first decode step is stored: a decode step rounds differently from a prefill
-    there (:mod:`~hf_hybridcache.reply_replay`), and the engine does not replay replies."""
+    there (:mod:`~hf_hybridcache.reply_replay`); the engine stores the reply from a replay request when the request
+    finishes (:func:`replay_request`)."""
     request = segment.request
     row = request.row
     if segment.is_decode and core.options.replay_replies and row.prefill_tokens is None:
@@ -53,8 +55,25 @@ def store_segment(core: CacheCore, segment: Segment, slots: StateSlots, block_si
         return
     kept = kept_boundaries(segment, block_size, retention_tokens)
     divergence = row.divergence_tokens
-    plain = set(retained_boundaries(segment.past, segment.end, len(request.prompt), block_size, retention_tokens))
+    plain = set(retained_boundaries(segment.past, segment.end, request.retention_prompt_tokens, block_size,
+                                    retention_tokens))
     for boundary in sorted(captured):
         stored = core.store_checkpoint(row, boundary, captured[boundary], boundary not in kept)
         if stored and divergence and boundary == divergence and divergence not in plain:
             core.count_divergence_checkpoint()
+
+
+def replay_request(request: EngineRequest, block_size: int) -> EngineRequest | None:
+    """The reply replay of ``request``, which just finished and stored nothing past its first decode step
+    (``replay_replies``): a hidden request whose prompt is the tokens it fed up to their last block boundary, so that
+    its prefill stores the reply's blocks and the decode-end checkpoint as a prefill computes them (as
+    :func:`~hf_hybridcache.reply_replay.replay_replies` does after ``generate()``). None when no block boundary was
+    reached past the first decode step, or the request stored nothing."""
+    row = request.row
+    if request.replay_of or row is None or row.prefill_tokens is None or not row.storing:
+        return None
+    end = last_boundary(len(row.token_ids), block_size)
+    if end <= last_boundary(row.prefill_tokens, block_size):
+        return None
+    return EngineRequest(f"{request.request_id}__replay", row.token_ids[:end], max_new_tokens=1, salt=request.salt,
+                         counted=True, replay_of=len(request.prompt))
