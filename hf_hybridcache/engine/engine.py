@@ -27,7 +27,7 @@ from .requests import EngineRequest
 from .runner import StepRunner
 from .scheduler import Chunk, Scheduler
 from .slots import StateSlots
-from .storing import replay_request, emit_positions, store_segment
+from .storing import emit_positions, replay_request, store_segment
 from .views import StepCache
 
 logger = logging.getLogger("hf_hybridcache")
