@@ -6,15 +6,16 @@ does for these models without continuous batching).
 
     PYTHONPATH=. python benchmarks/serve_multiturn.py                       # Jamba-shaped model, 1/4/16 clients
     PYTHONPATH=. python benchmarks/serve_multiturn.py --clients 16 --max-tokens 16 --shape tiny
+    PYTHONPATH=. python benchmarks/serve_multiturn.py --dtype bfloat16 --clients 1 4 --system-repeats 2
 
-The model is built in code (``benchmarks/concurrency.py``'s Jamba shape: 8 layers, hidden 256, fp32, long-memory
-init), saved with the byte tokenizer and loaded by both servers through ``from_pretrained``; both run in their own
-process. Every client sends its turns one after another with greedy sampling and streams the reply (SSE). Per level
-and server: tokens/s (completion tokens over the level's wall time), TTFT p50 / p95 per turn (request sent to the
-first chunk with text, seconds) and the token hit rate per turn (``usage.prompt_tokens_details.cached_tokens`` over
-prompt tokens). The replies of both servers are compared (they must be equal). Levels run one after another, stock
-first; the servers stay up for the whole run (the cache keeps the shared system prompt, as a running service would).
-Timing is noisy on a shared machine: compare rows of one run.
+The model is built in code (``benchmarks/concurrency.py``'s Jamba shape: 8 layers, hidden 256, long-memory init;
+served in fp32 unless ``--dtype`` says otherwise), saved with the byte tokenizer and loaded by both servers through
+``from_pretrained``; both run in their own process. Every client sends its turns one after another with greedy
+sampling and streams the reply (SSE). Per level and server: tokens/s (completion tokens over the level's wall time),
+TTFT p50 / p95 per turn (request sent to the first chunk with text, seconds) and the token hit rate per turn
+(``usage.prompt_tokens_details.cached_tokens`` over prompt tokens). The replies of both servers are compared (they
+must be equal). Levels run one after another, stock first; the servers stay up for the whole run (the cache keeps
+the shared system prompt, as a running service would). Timing is noisy on a shared machine: compare rows of one run.
 """
 
 from __future__ import annotations
@@ -131,12 +132,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--system-repeats", type=int, default=4, help="copies of the system text (~230 tokens each)")
     parser.add_argument("--shape", choices=["jamba", "tiny"], default="jamba")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="both servers' --dtype (bf16 and fp16 store replies from a replay when a request ends)")
     args = parser.parse_args(argv)
     system = SYSTEM * args.system_repeats
     results = {}
     with tempfile.TemporaryDirectory() as model_dir:
         save_model(args.shape, model_dir)
-        with serving(model_dir, ["--no-cache"]) as stock_url, serving(model_dir, []) as ours_url:
+        dtype = ["--dtype", args.dtype]
+        with serving(model_dir, ["--no-cache", *dtype]) as stock_url, serving(model_dir, dtype) as ours_url:
             for clients in args.clients:
                 for name, url in (("stock", stock_url), ("hf_hybridcache", ours_url)):
                     wall, records = asyncio.run(run_level(url, clients, args.turns, args.max_tokens, system))
@@ -158,7 +162,7 @@ def differing(stock: list[list[str]], ours: list[list[str]]) -> str:
 
 
 def print_tables(results: dict, args) -> None:
-    print(f"\nserve_multiturn: {args.shape} model, {args.turns} turns, max_tokens {args.max_tokens}, "
+    print(f"\nserve_multiturn: {args.shape} model, {args.dtype}, {args.turns} turns, max_tokens {args.max_tokens}, "
           f"greedy, streamed\n")
     print("| clients | server | tokens/s | vs stock | TTFT p50 turns 2-6 (s) | vs stock | replies equal |")
     print("|---|---|---|---|---|---|---|")
