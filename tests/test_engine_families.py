@@ -2,6 +2,8 @@
 generate() and no cache, whatever else runs beside it; prefixes are shared through the store both ways (engine ->
 engine, engine -> generate()); transformers' own continuous batching refuses these models."""
 
+import time
+
 import pytest
 import torch
 from conftest import greedy, random_ids
@@ -90,6 +92,37 @@ def test_tenant_salts_separate_the_engine_requests(model, cold_model):
     assert [outputs[n].hit_tokens for n in ("other", "unsalted", "same", "view")] == [0, 0, 32, 32]
     for output in outputs.values():
         assert output.generated_tokens == alone(cold_model, prompt, 4)
+    check_store(cache)
+
+
+def test_a_bf16_turn_sent_within_the_grace_period_drops_the_replay_and_a_later_one_hits_the_reply():
+    """A chat's next turn sent at once starts with the reply: its own prefill stores the reply as a prefill computes
+    it, so the waiting replay is dropped (instead of making the turn wait for one more forward). A turn sent after
+    the grace period hits inside the reply the replay stored."""
+    model, cold = build_model("jamba", seed=0, dtype=torch.bfloat16), build_model("jamba", seed=0, dtype=torch.bfloat16)
+    cache = HybridPrefixCache(model)
+    manager = cache.init_continuous_batching(config(max_new_tokens=27))
+    manager.start()
+    try:
+        prompt = ids(37, seed=932)
+        manager.add_request(prompt, request_id="t1", eos_token_id=-1)
+        first = finals(manager, ["t1"])["t1"]
+        turn = prompt + first.generated_tokens + ids(5, seed=933)
+        manager.add_request(turn, request_id="t2", max_new_tokens=12, eos_token_id=-1)  # within REPLAY_GRACE_S
+        second = finals(manager, ["t2"])["t2"]
+        assert second.hit_tokens == 32 and cache.stats.replayed_reply_tokens == 0
+        assert second.generated_tokens == alone(cold, turn, 12, eos_token_id=-1)
+        deadline = time.time() + 30  # no next turn: t2's replay runs after the grace period (69 + 11 fed: 64-80)
+        while cache.stats.replayed_reply_tokens == 0 and time.time() < deadline:
+            time.sleep(0.05)
+        assert cache.stats.replayed_reply_tokens == 16
+        third = turn + second.generated_tokens + ids(3, seed=934)
+        manager.add_request(third, request_id="t3", max_new_tokens=4, eos_token_id=-1)
+        output = finals(manager, ["t3"])["t3"]
+        assert output.hit_tokens == 80 and output.generated_tokens == alone(cold, third, 4, eos_token_id=-1)
+    finally:
+        manager.stop(block=True)
+    assert cache.stats.requests == 3
     check_store(cache)
 
 

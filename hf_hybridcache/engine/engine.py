@@ -32,6 +32,12 @@ from .views import StepCache
 
 logger = logging.getLogger("hf_hybridcache")
 
+#: Seconds a reply replay (bf16/fp16) waits before it may run: a chat's next turn sent within them starts with the
+#: reply, and its own prefill stores the reply as a prefill computes it, so the replay is dropped instead of making
+#: that turn wait for one more forward (measured back to back: TTFT p50 of turns 2-6 0.45 s without replays, 0.76 s
+#: with replays that ran at once). A later turn hits inside the stored reply.
+REPLAY_GRACE_S = 1.0
+
 
 class Engine:
     """Requests of one cache (and so one model) served in packed steps.
@@ -67,15 +73,29 @@ class Engine:
         self._refused: list[EngineRequest] = []
         self.preempted = 0
         self.peak_running_pages = self.peak_batch_tokens = 0
+        self.flushing = False  # the manager is stopping: reply replays run without their grace period
 
     # ------------------------------------------------------------------ requests in and out
 
     def add(self, request: EngineRequest) -> None:
+        """Queue ``request``. A reply replay still waiting whose tokens the new request's prompt starts with is dropped:
+        that prompt's own prefill stores the reply as a prefill computes it."""
+        if not request.replay_of:
+            for replay in [r for r in self.scheduler.waiting if r.replay_of and r.salt == request.salt]:
+                if request.prompt[: len(replay.prompt)] == replay.prompt:
+                    self.scheduler.remove(replay)
         self.scheduler.waiting.append(request)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.waiting)
+        """A request runs or may be admitted now (a reply replay in its grace period may not, unless flushing)."""
+        return bool(self.scheduler.running) or any(not self._in_grace(r) for r in self.scheduler.waiting)
+
+    def _in_grace(self, request: EngineRequest) -> bool:
+        """A reply replay waits :data:`REPLAY_GRACE_S` for the conversation's next turn (which drops it, see
+        :meth:`add`) before it may run, unless the engine is flushing (the manager is stopping)."""
+        return (bool(request.replay_of) and not self.flushing
+                and time.perf_counter() - request.created_time < REPLAY_GRACE_S)
 
     def find(self, request_id: str) -> EngineRequest | None:
         return next((r for r in (*self.scheduler.running, *self.scheduler.waiting) if r.request_id == request_id), None)
@@ -215,6 +235,8 @@ class Engine:
         """Admit a waiting request (a free slot was checked): its longest stored prefix is shared by reference and
         its checkpoint copied into the slot. False: it waits for a prefix another request is computing, or it failed
         (the model changed dtype or devices since the cache was built; returned by the next :meth:`step`)."""
+        if self._in_grace(request):
+            return False
         core, tokens, bs = self.core, request.tokens, self.block_size
         try:
             core.check_model(self.cache.model)

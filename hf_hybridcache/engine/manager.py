@@ -298,9 +298,10 @@ class ContinuousBatchingManager:
         error: BaseException | None = None
         try:
             with torch.no_grad():
-                while self._stop_mode != "hard" and (
-                    self._stop_mode is None or engine.has_work or not self._inbox.empty()
-                ):
+                while self._stop_mode != "hard":
+                    engine.flushing = self._stop_mode is not None  # stopping: reply replays run at once
+                    if engine.flushing and not engine.has_work and self._inbox.empty():
+                        break
                     self._take_queues(engine)
                     if not engine.has_work:
                         self._wake.wait(IDLE_WAIT_S)
