@@ -58,7 +58,7 @@ def replay_replies(cache, run_forward: Callable = _compat.run_forward) -> None:
     bs = cache.options.block_size
     spans: dict[tuple[int, ...], tuple[int, int]] = {}  # repeated rows (num_return_sequences) are replayed once
     for row in request.rows:
-        start = _replay_start(row, bs)
+        start = replay_start(row, bs)
         if start is not None:
             spans.setdefault(tuple(row.token_ids[: last_boundary(len(row.token_ids), bs)]), (start, row.prompt_tokens))
     if not spans:
@@ -74,7 +74,7 @@ def replay_replies(cache, run_forward: Callable = _compat.run_forward) -> None:
     request.stop_tracking("its reply was stored from a replay")
 
 
-def _replay_start(row: Row, block_size: int) -> int | None:
+def replay_start(row: Row, block_size: int) -> int | None:
     """The boundary a row's replay starts from (its last one before the first decode step), or None when no block
     boundary was reached past it."""
     if row.prefill_tokens is None or not row.storing:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from ..reply_replay import replay_start
 from ..sharing import CacheCore
 from ..store import last_boundary, retained_boundaries
 from .plan import Segment
@@ -70,10 +71,8 @@ def replay_request(request: EngineRequest, block_size: int) -> EngineRequest | N
     :func:`~hf_hybridcache.reply_replay.replay_replies` does after ``generate()``). None when no block boundary was
     reached past the first decode step, or the request stored nothing."""
     row = request.row
-    if request.replay_of or row is None or row.prefill_tokens is None or not row.storing:
+    if request.replay_of or row is None or replay_start(row, block_size) is None:
         return None
     end = last_boundary(len(row.token_ids), block_size)
-    if end <= last_boundary(row.prefill_tokens, block_size):
-        return None
     return EngineRequest(f"{request.request_id}__replay", row.token_ids[:end], max_new_tokens=1, salt=request.salt,
                          counted=True, replay_of=len(request.prompt))
