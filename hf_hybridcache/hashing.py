@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from array import array
 from collections.abc import Sequence
 from typing import NewType
@@ -18,6 +19,17 @@ from typing import NewType
 import torch
 
 BlockHash = NewType("BlockHash", bytes)
+
+
+def hash_seed(seed: bytes | None) -> bytes:
+    """``seed``, or 32 random bytes when it is None.
+
+    Raises:
+        ValueError: ``seed`` is neither bytes nor None.
+    """
+    if seed is not None and not isinstance(seed, bytes):
+        raise ValueError(f"`seed` must be bytes (e.g. b'my-app') or None for a random one, got {type(seed).__name__}.")
+    return os.urandom(32) if seed is None else seed
 
 
 def root_hash(seed: bytes, model_identity: str, salt: str | None = None) -> BlockHash:

@@ -132,11 +132,12 @@ def _begin_uncached_forward(cache) -> None:
 def _before_forward(cache, input_ids: torch.Tensor | None, num_rows: int, num_tokens: int, storing: bool) -> None:
     if cache.live.request is None:  # a forward outside generate(): one request that starts with this forward
         end_idle_requests(cache)
-        cache.live.root = cache.core.request_root(cache.salt)
+        cache.live.root, cache.live.weights_generation = cache.core.request_start(cache.salt)
         # Live layers that hold tokens nobody tracked (a failed or ended request) must not be stored as if they held
         # this forward's prefix.
         tracking = storing and num_rows == 1 and input_ids is not None and _live_is_empty(cache)
-        rows = [Row(prompt_tokens=num_tokens, root=cache.live.root)] if tracking else []
+        rows = [Row(prompt_tokens=num_tokens, root=cache.live.root,
+                     weights_generation=cache.live.weights_generation)] if tracking else []
         _make_live(cache, LiveRequest(cache, rows, tracking))
     if not storing:
         # Training mode: dropout may be on and gradient checkpointing drops the cache inside the layers, so nothing
@@ -169,7 +170,7 @@ def start_request(
     (:func:`~hf_hybridcache.live.restore_row`)."""
     end_request(cache)
     end_idle_requests(cache)
-    cache.live.root = cache.core.request_root(cache.salt)
+    cache.live.root, cache.live.weights_generation = cache.core.request_start(cache.salt)
     cache.layers = _compat.new_live_layers(cache.model.config)
     rows_tokens = unpadded_rows(input_ids, attention_mask)
     if rows_tokens is None:

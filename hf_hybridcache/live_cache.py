@@ -29,6 +29,8 @@ class LiveState:
 
     Attributes:
         root: parent hash of block 0 for this view's requests (its salt and the weights state of its last request).
+        weights_generation: the weights generation of its last request
+            (:meth:`~hf_hybridcache.sharing.CacheCore.request_start`).
         request: the live request of this view, or None between requests.
         awaiting_request: a ``generate()`` call is running and its request has not begun yet.
         rollback_next_request: assisted decoding asked for per-token states before its request began.
@@ -36,6 +38,7 @@ class LiveState:
     """
 
     root: BlockHash
+    weights_generation: int = 0
     request: LiveRequest | None = None
     awaiting_request: bool = False
     rollback_next_request: bool = False

@@ -41,6 +41,10 @@ class Row:
             (:mod:`~hf_hybridcache.reply_replay` stores them from one prefill when ``generate()`` ends). None: no
             decode step yet, or replies are not replayed.
         report: why the row hit what it hit (:class:`~hf_hybridcache.explain.HitReport`), made at its lookup.
+        weights_generation: the weights generation its request began under
+            (:meth:`~hf_hybridcache.sharing.CacheCore.request_start`).
+        stale: the weights changed while the row ran: nothing more of it is stored (its states mix two weights
+            states and its root names the first; :meth:`~hf_hybridcache.sharing.CacheCore.check_weights`).
     """
 
     prompt_tokens: int
@@ -57,6 +61,8 @@ class Row:
     finished: bool = False
     prefill_tokens: int | None = None
     report: HitReport | None = None
+    weights_generation: int = 0
+    stale: bool = False
 
     @property
     def storable_tokens(self) -> int:
@@ -75,7 +81,7 @@ def store_row_blocks(
     Dv])}``), or the page ``page_of_block(index)`` of the store's page pool that already holds it (stored by
     reference)."""
     bs = store.block_size
-    while row.storing and len(row.block_ids) < row.storable_tokens // bs:
+    while row.storing and not row.stale and len(row.block_ids) < row.storable_tokens // bs:
         index = len(row.block_ids)
         source = (
             {"page": page_of_block(index)} if page_of_block is not None else {"make_kv": lambda: live_block_kv(index)}
@@ -100,7 +106,7 @@ def store_row_checkpoint(
     """Store the row's state after ``boundary`` tokens (copies), if the block ending there is stored. True if a new
     checkpoint was stored."""
     index = boundary // store.block_size - 1
-    if index >= len(row.block_ids) or set(states) != set(store.mamba_layers):
+    if row.stale or index >= len(row.block_ids) or set(states) != set(store.mamba_layers):
         return False
     block_id = row.block_ids[index]
     previous, row.tentative_block = row.tentative_block, None

@@ -6,9 +6,8 @@ threads share it (the store lock, each view's call lock, the call gate) is :mod:
 from __future__ import annotations
 
 import logging
-import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -33,17 +32,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("hf_hybridcache")
 
 
-def hash_seed(seed: bytes | None) -> bytes:
-    """``seed``, or 32 random bytes when it is None.
-
-    Raises:
-        ValueError: ``seed`` is neither bytes nor None.
-    """
-    if seed is not None and not isinstance(seed, bytes):
-        raise ValueError(f"`seed` must be bytes (e.g. b'my-app') or None for a random one, got {type(seed).__name__}.")
-    return os.urandom(32) if seed is None else seed
-
-
 class CacheCore(CallScopes):
     """What a cache, its :meth:`~hf_hybridcache.HybridPrefixCache.with_salt` views and any other caller of the store
     (a serving engine) share: one store under one budget, the roots of the block hash chains (seed, model identity,
@@ -51,7 +39,8 @@ class CacheCore(CallScopes):
 
     A request, whoever runs it, goes through it in this order:
 
-    1. ``root = core.request_root(salt)``: re-read the weights state; the root of the request's chains.
+    1. ``root, generation = core.request_start(salt)``: re-read the weights state; the root of the request's
+       chains and the weights generation its rows record.
     2. Holding ``store_lock``: ``hit = core.lookup(token_ids, root)`` (the longest restorable prefix, extended from
        the tier first) and ``core.report(token_ids, root, hit)`` (why it is that long,
        :class:`~hf_hybridcache.explain.HitReport`); copy or share the hit into the request's own state
@@ -59,8 +48,8 @@ class CacheCore(CallScopes):
        ``core.store.checkpoint_copy``; a stored entry is never written), then ``core.pin(hit.block_ids)`` so that
        nothing evicts the chain under the request.
     3. ``core.count_request(prompt_tokens, hit_tokens, reasons)`` (the reports' reasons, one per row).
-    4. As the request computes: ``core.store_blocks(row, ...)`` or ``core.store_pages(row, ...)`` and
-       ``core.store_checkpoint(row, ...)``.
+    4. As the request computes: ``core.check_weights(rows)`` once per forward that stores, then
+       ``core.store_blocks(row, ...)`` or ``core.store_pages(row, ...)`` and ``core.store_checkpoint(row, ...)``.
     5. At its end ``core.release(row.block_ids)``: the restored chain and the blocks it stored (pinned).
 
     Every method that reads or changes the store takes ``store_lock`` itself; hold it around a sequence that must
@@ -126,6 +115,7 @@ class CacheCore(CallScopes):
         self.epoch = 0
         self.pinning: list[Callable[[], set[int]]] = []
         self.warned_masked_prompt = False
+        self._warned_generation = -1
 
     # ------------------------------------------------------------------ roots and the model
 
@@ -134,21 +124,43 @@ class CacheCore(CallScopes):
         return root_hash(self.seed, f"{self.identity}|{self.weights.fingerprint}", salt)
 
     def request_root(self, salt: str | None) -> BlockHash:
+        """The root of :meth:`request_start` alone (a lookup that stores nothing)."""
+        return self.request_start(salt)[0]
+
+    def request_start(self, salt: str | None) -> tuple[BlockHash, int]:
         """Re-read the model's weights state (:mod:`~hf_hybridcache.weights`) and return the root a new request
-        under ``salt`` chains its blocks from."""
+        under ``salt`` chains its blocks from, with the weights generation it runs under (its rows'
+        ``weights_generation``: :meth:`check_weights`)."""
         with self.store_lock:
             before = self.weights.fingerprint
             changed = self.weights.refresh()
             if changed:
                 self.weights_history.weights_changed(before)
+            root, generation = self.root(salt), self.weights.generation
         if changed:
             logger.warning(
                 "The model's weights or adapters changed since the last request: prefixes stored under other weights "
                 "are not served (they are again if those weights come back; cache.clear() drops them)."
             )
-        root = self.root(salt)
         self.weights_history.saw_root(root, salt)
-        return root
+        return root, generation
+
+    def check_weights(self, rows: Iterable[Row]) -> None:
+        """Before storing what a forward computed for ``rows``: a row whose request began under an earlier weights
+        generation (the weights were edited while it ran) stores nothing more (``row.stale``), since its states mix
+        two weights states and its root names the first. Costs one :func:`~hf_hybridcache.weights.weights_key`."""
+        rows = [row for row in rows if not row.stale]
+        if not rows:
+            return
+        with self.store_lock:
+            generation = self.weights.observe()
+        stale = [row for row in rows if row.weights_generation != generation]
+        for row in stale:
+            row.stale = True
+        if stale and self._warned_generation != generation:
+            self._warned_generation = generation
+            logger.warning("The model's weights changed while requests ran: they go on under the new weights, and "
+                           "nothing more of them is stored (docs/concurrency.md: weights updated while serving).")
 
     def previous_roots(self, root: BlockHash) -> list[BlockHash]:
         """The roots a request given ``root`` by :meth:`request_root` would have had under each remembered earlier

@@ -168,20 +168,34 @@ class WeightsTracker:
     Attributes:
         identity: :func:`weights_identity` of the weights as last computed (hex SHA-256).
         fingerprint: names the current weights state (identity + adapter state); mixed into root hashes.
+        generation: counts the changes of :func:`weights_key` seen so far (cheap to read again: :meth:`observe`); a
+            request stores what it computes only while the generation it began under is the current one.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._model = model
         self._views: dict[int, tuple] = {}  # weights_key's sample views, made once per tensor
+        self._key: int | None = None
+        self.generation = 0
+        self._identity_generation = -1
         self.fingerprint = ""
         self.refresh(full=True)
 
-    def refresh(self, full: bool = False) -> bool:
-        """Re-read the weights state: the identity is computed again when :func:`weights_key` changed, or always with
-        ``full``. True when the fingerprint changed since the last call."""
+    def observe(self) -> int:
+        """Re-read :func:`weights_key` (not the identity) and return the generation: one more than before when the
+        key changed since the last look. An in-place write bumps a tensor's version counter, so a write that was
+        undone in place still counts; a write through ``.data`` undone before the next look does not."""
         key = weights_key(self._model, self._views)
-        if full or key != self._key:
+        if key != self._key:
             self._key = key
+            self.generation += 1
+        return self.generation
+
+    def refresh(self, full: bool = False) -> bool:
+        """Re-read the weights state: the identity is computed again when the generation moved (:meth:`observe`), or
+        always with ``full``. True when the fingerprint changed since the last call."""
+        if self.observe() != self._identity_generation or full:
+            self._identity_generation = self.generation
             self._adapters = adapter_layers(self._model)
             self.identity = weights_identity(self._model)
         state = f"{self.identity}|{adapter_state(self._adapters)}"

@@ -1,6 +1,6 @@
 """The tier's namespace: one hash seed shared by every cache of the same model, so their block hashes agree.
 
-A cache draws a random hash seed (:func:`~hf_hybridcache.sharing.hash_seed`), so two processes would never compute
+A cache draws a random hash seed (:func:`~hf_hybridcache.hashing.hash_seed`), so two processes would never compute
 the same block hash. With a tier and no ``seed=``, the seed is instead derived from the key prefix, the model identity
 (class, config, dtype; :func:`~hf_hybridcache.hashing.model_identity`) and the hf_hybridcache and transformers
 versions (stored states are only reused under the versions that computed them). The weights state (the weights
