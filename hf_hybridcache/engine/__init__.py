@@ -4,8 +4,9 @@ the :class:`~hf_hybridcache.HybridPrefixCache`'s store with ``generate()``.
 Parts, one job each: ``limits`` (memory bounds), ``requests`` (a request and its running state), ``scheduler``
 (which tokens each step feeds), ``slots`` (running requests' recurrent states), ``plan`` (the packed layout of a
 step), ``views`` (the caches the model sees in a step), ``grouping`` (stateful modules run per group), ``runner``
-(the forward and sampling), ``storing`` (what a step stores), ``engine`` (admission, steps, results), ``outputs``
-(where outputs go) and ``manager`` (transformers' continuous-batching API, a loop thread).
+(the forward and sampling), ``storing`` (what a step stores), ``isolation`` (finding the request that makes a
+forward raise), ``engine`` (admission, steps, results), ``outputs`` (where outputs go) and ``manager``
+(transformers' continuous-batching API, a loop thread).
 """
 
 from .limits import EngineLimits

@@ -21,6 +21,7 @@ import torch
 from .._compat.continuous_batching import RequestStatus
 from ..hashing import BlockHash, chain_hashes
 from ..rows import Row
+from .isolation import Probes, forwards, probe_after
 from .limits import EngineLimits
 from .plan import Segment, StepPlan
 from .requests import EngineRequest
@@ -53,6 +54,7 @@ class Engine:
         slots: the running requests' state slots.
         tables: page tables ``[max_running_requests, max pages per request]`` int64, one row per slot.
         preempted: requests preempted so far (each resumed later from the store).
+        steps, forwards: steps that ran a forward so far, and forwards (one per step plus one per probe group).
         peak_running_pages, peak_batch_tokens: the most private pages running requests held at once and the most
             tokens one step fed (each stays within its bound in ``limits``).
     """
@@ -72,6 +74,7 @@ class Engine:
         self.core.pinning.append(self.pinned_block_ids)
         self._refused: list[EngineRequest] = []
         self.preempted = 0
+        self.probes, self.steps, self.forwards = Probes(), 0, 0
         self.peak_running_pages = self.peak_batch_tokens = 0
         self.flushing = False  # the manager is stopping: reply replays run without their grace period
 
@@ -140,13 +143,19 @@ class Engine:
         own = sum(len(r.own_pages) for r in self.scheduler.running)
         self.peak_running_pages = max(self.peak_running_pages, own)
         self.peak_batch_tokens = max(self.peak_batch_tokens, sum(len(s.tokens) for s in segments))
-        plan = StepPlan(segments, self.tables, self.block_size)
-        cache = StepCache(plan, self.spec, self.slots, self.pages)
-        try:
-            tokens, logprobs = self.runner.run(plan, cache)
-        except Exception as error:  # noqa: BLE001 - a failed forward fails its requests, never the engine
-            return refused + self._step_failed(segments, error)
-        return refused + self._settle(plan, tokens, logprobs)
+        self.steps += 1
+        changed = refused
+        for group in forwards(segments):  # one forward per probe group: a raise touches only its requests
+            plan = StepPlan(group, self.tables, self.block_size)
+            cache = StepCache(plan, self.spec, self.slots, self.pages)
+            self.forwards += 1
+            try:
+                tokens, logprobs = self.runner.run(plan, cache)
+            except Exception as error:  # noqa: BLE001 - a failed forward fails its requests, never the engine
+                changed += self._step_failed(group, error)
+            else:
+                changed += self._settle(plan, tokens, logprobs)
+        return changed
 
     def _follow_store(self) -> None:
         """The store was emptied (``cache.clear()``): the running requests' chains are gone, so they store no more
@@ -180,7 +189,7 @@ class Engine:
         options = self.core.options
         for segment in plan.segments:
             request = segment.request
-            request.past, request.fresh, request.suspect = segment.end, False, False
+            request.past, request.fresh, request.probe = segment.end, False, probe_after(request, segment.end)
             store_segment(self.core, segment, self.slots, self.block_size, options.retention_tokens)
             if request.past >= len(request.prompt):
                 self._leave_inflight(request)
@@ -215,18 +224,18 @@ class Engine:
         return None if stored == len(replay.prompt) else replay
 
     def _step_failed(self, segments: list[Segment], error: Exception) -> list[EngineRequest]:
-        """A forward raised: a request that ran alone (or already was a suspect) fails; when several ran together,
-        each is recomputed alone through the store, so only the request that makes the forward raise fails."""
+        """A forward raised: a request that ran alone in it fails; several that ran together are preempted, put first
+        in the queue (in order) and split into two probe groups (:mod:`~hf_hybridcache.engine.isolation`), so only a
+        request that makes a forward raise fails, and the others run on beside them."""
         requests = list(dict.fromkeys(s.request for s in segments))
-        logger.warning("an engine step of %d requests raised %s: %s", len(requests), type(error).__name__, error)
+        logger.warning("an engine forward of %d requests raised %s: %s", len(requests), type(error).__name__, error)
         if len(requests) == 1:
             self.finish(requests[0], RequestStatus.FAILED, f"{type(error).__name__}: {error}")
             return requests
         for request in requests:
             self.scheduler.running.remove(request)
             self.preempt(request)
-            request.suspect = True
-            self.scheduler.waiting.appendleft(request)
+        self.scheduler.waiting.extendleft(reversed(self.probes.split(segments)))
         return []
 
     # ------------------------------------------------------------------ admission and preemption

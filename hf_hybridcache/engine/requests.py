@@ -55,7 +55,10 @@ class EngineRequest:
         chain_hashes: hashes of the full blocks of ``tokens`` (for the in-flight prefix index), or None.
         extra_boundaries: boundaries other requests asked it to keep a checkpoint at (they share its prefix).
         asked: while waiting, it asked the running request computing its prefix to keep a checkpoint for it.
-        suspect: it was in a step whose forward raised; it runs alone until a step of it succeeds.
+        probe: its probe group while it is suspect (it was in a forward of several requests that raised), else None:
+            the group runs in a forward of its own (:mod:`~hf_hybridcache.engine.isolation`).
+        suspect_until: tokens it must have run in a forward that succeeded to leave its probe group (where its
+            last segment in a forward that raised ended).
         counted: its prompt and hit were counted in the cache's counters.
         replay_of: for a reply replay (``replay_replies``), the prompt length of the finished request whose tokens
             it runs again as one prefill to store them as a prefill computes them (:mod:`~hf_hybridcache.reply_replay`;
@@ -92,7 +95,8 @@ class EngineRequest:
     chain_hashes: list[BlockHash] | None = None
     extra_boundaries: set[int] = field(default_factory=set)
     asked: bool = False
-    suspect: bool = False
+    probe: int | None = None
+    suspect_until: int = 0
     counted: bool = False
     replay_of: int = 0
 

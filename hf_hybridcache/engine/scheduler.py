@@ -12,9 +12,8 @@ Each step, in this order (vLLM's and transformers' continuous-batching policy: d
 3. Waiting requests are admitted in arrival order while a slot, tokens and pages remain (admission may defer a
    request whose prefix another running request is computing; it keeps its place).
 
-A request that took part in a step whose forward raised (a *suspect*) runs alone until one of its steps succeeds:
-no request is admitted while suspects wait, and once the running ones have drained the suspects run one at a time,
-so only a request whose own step raises fails, and it fails once.
+Requests in a probe group (they were in a forward that raised) are scheduled like any other: the engine runs each
+group in a forward of its own (:mod:`~hf_hybridcache.engine.isolation`), so nothing waits behind them.
 """
 
 from __future__ import annotations
@@ -66,19 +65,6 @@ class Scheduler:
         """The chunks of the next step. ``free_pages``: pages the running requests may still take;
         ``admit(request)`` admits a waiting request (slot, prefix hit, pages of the hit) or defers it (False);
         ``preempt(request)`` gives a running request's slot and pages back (it is put first in ``waiting`` here)."""
-        suspects = [r for r in self.running if r.suspect]
-        if suspects:
-            chunk = self._chunk(suspects[0], self.max_batch_tokens, free_pages)
-            return [chunk] if chunk else []
-        waiting_suspects = [r for r in self.waiting if r.suspect]
-        if waiting_suspects and not self.running:  # the others drained: one suspect runs alone
-            request = waiting_suspects[0]
-            if not has_free_slot() or not admit(request):
-                return []
-            self.waiting.remove(request)
-            self.running.append(request)
-            chunk = self._chunk(request, self.max_batch_tokens, free_pages)
-            return [chunk] if chunk else []
         chunks: list[Chunk] = []
         budget = self.max_batch_tokens
         decoding = [r for r in self.running if r.is_decoding][:budget]
@@ -97,7 +83,7 @@ class Scheduler:
             chunks.append(chunk)
             budget -= chunk.num_tokens
             free_pages -= self.pages_needed(request, chunk.num_tokens)
-        for request in [] if waiting_suspects else list(self.waiting):  # suspects first: let the running ones drain
+        for request in list(self.waiting):
             if budget < 1 or free_pages < 1 or not has_free_slot():
                 break
             if not admit(request):
