@@ -98,21 +98,33 @@ class CallScopes:
 
 class CallGate:
     """Calls pass through the gate together; an exclusive holder waits until none is inside and keeps new ones out
-    until it is done (new calls wait while it waits, so it is not starved). A thread already inside passes again
-    without waiting (a forward inside its own ``generate()``)."""
+    until it is done (new calls wait while it waits, so it is not starved). Calls that waited through an exclusive
+    holder pass before the next one begins (so back-to-back ``clear()`` calls do not starve the engine's steps). A
+    thread already inside passes again without waiting (a forward inside its own ``generate()``)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._inside: dict[int, int] = {}
         self._exclusive = False
         self._waiting = 0
+        self._tickets = 0  # calls that ever waited at the gate, numbered in arrival order
+        self._blocked: set[int] = set()  # the tickets of calls waiting now
+        self._admit_upto = 0  # calls with a ticket up to this pass even while an exclusive holder waits
 
     @contextlib.contextmanager
     def call(self):
         me = threading.get_ident()
         with self._cond:
             if me not in self._inside:
-                self._cond.wait_for(lambda: not self._exclusive and not self._waiting)
+                self._tickets += 1
+                ticket = self._tickets
+                self._blocked.add(ticket)
+                try:
+                    self._cond.wait_for(
+                        lambda: not self._exclusive and (not self._waiting or ticket <= self._admit_upto)
+                    )
+                finally:
+                    self._blocked.discard(ticket)
             self._inside[me] = self._inside.get(me, 0) + 1
         try:
             yield
@@ -128,7 +140,8 @@ class CallGate:
         with self._cond:
             self._waiting += 1
             try:
-                self._cond.wait_for(lambda: not self._exclusive and not self._inside)
+                self._cond.wait_for(lambda: not self._exclusive and not self._inside and not any(
+                    ticket <= self._admit_upto for ticket in self._blocked))
             finally:
                 self._waiting -= 1
             self._exclusive = True
@@ -137,4 +150,5 @@ class CallGate:
         finally:
             with self._cond:
                 self._exclusive = False
+                self._admit_upto = self._tickets  # the calls that waited through this holder go before the next
                 self._cond.notify_all()

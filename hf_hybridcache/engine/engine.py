@@ -19,8 +19,8 @@ import time
 import torch
 
 from .._compat.continuous_batching import RequestStatus
-from ..hashing import BlockHash, chain_hashes
 from ..rows import Row
+from .inflight import InflightPrefixes
 from .isolation import Probes, forwards, probe_after
 from .limits import EngineLimits
 from .plan import Segment, StepPlan
@@ -69,7 +69,7 @@ class Engine:
         max_pages = -(-limits.max_request_tokens // self.block_size) + 1
         self.tables = torch.zeros(limits.max_running_requests, max_pages, dtype=torch.int64)
         self.scheduler = Scheduler(limits.max_batch_tokens, self.block_size)
-        self.inflight: dict[BlockHash, EngineRequest] = {}
+        self.inflight = InflightPrefixes(self.core, self.block_size)
         self.epoch = self.core.epoch
         self.core.pinning.append(self.pinned_block_ids)
         self._refused: list[EngineRequest] = []
@@ -111,14 +111,31 @@ class Engine:
         request.status, request.error = status, error
         request.lifespan = (request.lifespan[0], time.perf_counter())
 
+    def abort(self, reason: str) -> list[EngineRequest]:
+        """Fail every request left with ``reason`` and give everything back (:meth:`close`); returns them. A request
+        whose slot or chain cannot be given back is failed all the same (logged): each gets its final output."""
+        self.follow_store()
+        left = [*self.scheduler.running, *self.scheduler.waiting]
+        for request in left:
+            try:
+                self.finish(request, RequestStatus.FAILED, reason)
+            except Exception:  # noqa: BLE001 - the others must still be failed and the store left usable
+                logger.exception("giving back request %s failed", request.request_id)
+                request.status, request.error = RequestStatus.FAILED, reason
+        self.close()
+        return left
+
     def close(self) -> None:
         """Give back everything (the requests left are the caller's to fail)."""
-        for request in list(self.scheduler.running):
-            self._release(request)
-        self.scheduler.running.clear()
-        self.scheduler.waiting.clear()
         if self.pinned_block_ids in self.core.pinning:
             self.core.pinning.remove(self.pinned_block_ids)
+        for request in list(self.scheduler.running):
+            try:
+                self._release(request)
+            except Exception:  # noqa: BLE001 - what could not be given back stays with the request; the rest goes
+                logger.exception("giving back request %s failed", request.request_id)
+        self.scheduler.running.clear()
+        self.scheduler.waiting.clear()
 
     def pinned_block_ids(self) -> set[int]:
         """Blocks the running requests keep pinned (for the store's checks)."""
@@ -128,10 +145,10 @@ class Engine:
 
     def step(self) -> list[EngineRequest]:
         """Run one step; returns the requests whose output changed (a new token, finished, failed)."""
-        self._follow_store()
+        self.follow_store()
         if self.inflight:
             for request in self.scheduler.waiting:
-                self._ask_for_checkpoint(request)
+                self.inflight.ask_for_checkpoint(request)
         own = sum(len(r.own_pages) for r in self.scheduler.running)
         chunks = self.scheduler.choose(
             self.limits.max_running_pages - own, lambda: self.slots.num_free > 0, self.admit, self.preempt
@@ -157,7 +174,7 @@ class Engine:
                 changed += self._settle(plan, tokens, logprobs)
         return changed
 
-    def _follow_store(self) -> None:
+    def follow_store(self) -> None:
         """The store was emptied (``cache.clear()``): the running requests' chains are gone, so they store no more
         (their pages, held by the requests themselves, stay valid)."""
         if self.core.epoch == self.epoch:
@@ -181,18 +198,20 @@ class Engine:
         tokens = request.remaining_tokens[: chunk.num_tokens]
         segment = Segment(request, tokens, request.past, request.fresh,
                           samples=request.past + len(tokens) == len(request.tokens) and not request.replay_of)
-        segment.emit_positions = emit_positions(segment, self.block_size, self.core.options.retention_tokens)
+        segment.emit_positions = emit_positions(segment, self.core.options)
         return segment
 
     def _settle(self, plan: StepPlan, tokens: list[int], logprobs: list[float] | None) -> list[EngineRequest]:
         changed = []
         options = self.core.options
+        bs = self.block_size  # weights edited while a request ran: it stores nothing more (one look per storing step)
+        self.core.check_weights(s.request.row for s in plan.segments if s.captured or s.end // bs > s.past // bs)
         for segment in plan.segments:
             request = segment.request
             request.past, request.fresh, request.probe = segment.end, False, probe_after(request, segment.end)
-            store_segment(self.core, segment, self.slots, self.block_size, options.retention_tokens)
+            store_segment(self.core, segment, self.slots)
             if request.past >= len(request.prompt):
-                self._leave_inflight(request)
+                self.inflight.leave(request)
                 if request.replay_of:  # stored as a prefill computes it: done, nothing to deliver
                     self.core.count_replayed_reply_tokens(len(request.prompt) - request.hit_tokens)
                     self.finish(request, RequestStatus.FINISHED)
@@ -253,11 +272,11 @@ class Engine:
             self.finish(request, RequestStatus.FAILED, str(error))
             self._refused.append(request)
             return False
-        root = core.request_root(request.salt)
-        self._hash_chain(request, root)
+        root, generation = core.request_start(request.salt)
+        self.inflight.hash_chain(request, root)
         with core.store_lock:
             hit = core.lookup(tokens, root)
-            if self._waits_for_inflight(request, hit.hit_tokens // bs):
+            if self.inflight.waits_for(request, hit.hit_tokens // bs):
                 return False
             report = None if request.counted else core.report(tokens, root, hit)
             pages = core.store.page_table(hit.block_ids).tolist()
@@ -273,7 +292,7 @@ class Engine:
         request.row = Row(request.retention_prompt_tokens, token_ids=tokens[: hit.hit_tokens], hit_tokens=hit.hit_tokens,
                           root=root,
                           block_ids=list(hit.block_ids), block_hashes=list(hit.block_hashes),
-                          divergence_tokens=hit.divergence_tokens)
+                          divergence_tokens=hit.divergence_tokens, weights_generation=generation)
         if not request.counted:
             core.count_request(len(request.prompt), hit.hit_tokens, [report.reason])
             request.counted, request.hit_tokens, request.hit_report = True, hit.hit_tokens, report
@@ -281,52 +300,8 @@ class Engine:
         elif request.replay_of:
             request.hit_tokens = hit.hit_tokens
         request.status = RequestStatus.PREFILLING
-        for block_hash in request.chain_hashes[hit.hit_tokens // bs : len(request.prompt) // bs]:
-            self.inflight.setdefault(block_hash, request)
+        self.inflight.claim(request, hit.hit_tokens)
         return True
-
-    def _ask_for_checkpoint(self, request: EngineRequest) -> None:
-        """A waiting request that no slot or token budget admits yet still tells the running request computing its
-        prefix where their prompts part, so that a checkpoint is kept there for it (once per request)."""
-        if request.asked or request.is_admitted:
-            return
-        self._hash_chain(request, self.core.root(request.salt))
-        chain = request.chain_hashes[: (len(request.tokens) - self.core.options.min_tail_tokens) // self.block_size]
-        first = next((i for i, h in enumerate(chain) if h in self.inflight), None)
-        if first is not None:
-            request.asked = self._waits_for_inflight(request, first)
-
-    def _hash_chain(self, request: EngineRequest, root: BlockHash) -> None:
-        """Hash the full blocks of ``request``'s tokens under ``root`` (once per root and length)."""
-        tokens, bs = request.tokens, self.block_size
-        if (request.root, len(request.chain_hashes or ())) != (root, len(tokens) // bs):
-            request.root, request.chain_hashes = root, chain_hashes(root, tokens, bs)
-
-    def _waits_for_inflight(self, request: EngineRequest, hit_blocks: int) -> bool:
-        """Whether ``request`` should wait: a running request is computing its next blocks after the hit. That
-        request then keeps a checkpoint where the two prompts part (or where it is now, if it is further)."""
-        tail = self.core.options.min_tail_tokens  # tokens a hit leaves to run
-        chain = request.chain_hashes[: (len(request.tokens) - tail) // self.block_size]
-        if hit_blocks >= len(chain):
-            return False
-        owner = self.inflight.get(chain[hit_blocks])
-        if owner is None or owner is request or not owner.is_admitted:
-            return False
-        shared = hit_blocks
-        while shared < len(chain) and self.inflight.get(chain[shared]) is owner:
-            shared += 1
-        boundary = shared * self.block_size
-        if owner.past >= boundary:
-            return False  # it went past the boundary without a checkpoint there: compute
-        owner.extra_boundaries.add(boundary)
-        return True
-
-    def _leave_inflight(self, request: EngineRequest) -> None:
-        if request.chain_hashes is None:
-            return
-        for block_hash in request.chain_hashes:
-            if self.inflight.get(block_hash) is request:
-                del self.inflight[block_hash]
 
     def preempt(self, request: EngineRequest) -> None:
         """Give ``request``'s slot and pages back; it resumes from the store when admitted again."""
@@ -336,7 +311,7 @@ class Engine:
         self.preempted += 1
 
     def _release(self, request: EngineRequest) -> None:
-        self._leave_inflight(request)
+        self.inflight.leave(request)
         with self.core.store_lock:
             self.core.release(request.row.block_ids)
             self.pages.unref(request.pages)

@@ -36,6 +36,7 @@ from .._compat.engine_attention import install_router
 from .engine import Engine
 from .grouping import wrap_stateful_modules
 from .limits import EngineLimits
+from .generation_fields import EosFloor, batching_config, engine_generation_config
 from .outputs import OutputRouter
 from .requests import EngineRequest, first_eos_ids, validation_error
 from .runner import StepRunner
@@ -68,11 +69,11 @@ class ContinuousBatchingManager:
 
     Args:
         cache: the cache whose store, budget and options the requests share with ``generate()`` calls.
-        generation_config: sampling and stopping (``do_sample``, ``temperature``, ``top_k``, ``top_p``,
-            ``max_new_tokens``, ``eos_token_id``, ``num_return_sequences``); the model's when None.
+        generation_config: sampling and stopping; the model's fills the fields it leaves unset (as in generate()).
+            The fields applied, allowed and refused: :mod:`~hf_hybridcache.engine.generation_fields`.
         continuous_batching_config: transformers' ``ContinuousBatchingConfig``: ``max_batch_tokens``,
             ``max_requests_per_batch``, ``max_memory_percent``, ``per_request_processors``, ``return_logprobs`` and
-            ``seed`` are used (``page_size`` is the cache's ``block_size``; the CUDA-graph options do not apply).
+            ``seed`` are used (``page_size``: the cache's ``block_size``; no CUDA graphs); None: generation config's.
         limits: explicit :class:`~hf_hybridcache.engine.EngineLimits` (else from the device and the config).
         salt: the tenant salt of requests that pass no ``cache_salt`` (a salted view's own salt by default).
 
@@ -82,7 +83,7 @@ class ContinuousBatchingManager:
             ``.scheduler.waiting`` are the requests), or None when stopped.
 
     Raises:
-        ValueError: the model's attention implementation cannot be masked per group (flash attention).
+        ValueError: flash attention (it cannot be masked per group), or a generation config field it refuses.
     """
 
     def __init__(
@@ -95,12 +96,11 @@ class ContinuousBatchingManager:
         salt: str | None = None,
     ) -> None:
         model = cache.model
+        generation_config = engine_generation_config(model, generation_config)  # before the model is touched
         install_router(model)
         wrap_stateful_modules(model)
-        self.model, self.cache, self.salt = model, cache, salt
-        self.generation_config = generation_config if generation_config is not None else model.generation_config
-        config = continuous_batching_config if continuous_batching_config is not None else ContinuousBatchingConfig()
-        self.continuous_batching_config = config
+        self.model, self.cache, self.salt, self.generation_config = model, cache, salt, generation_config
+        self.continuous_batching_config = config = batching_config(generation_config, continuous_batching_config)
         self.num_return_sequences = self.generation_config.num_return_sequences or 1
         self.limits = limits or EngineLimits.from_device(
             model, cache.spec, cache.max_cache_bytes, config.max_requests_per_batch, config.max_batch_tokens,
@@ -135,7 +135,7 @@ class ContinuousBatchingManager:
             return
         config = self.continuous_batching_config
         runner = StepRunner(self.model, self.processors, bool(self.generation_config.do_sample),
-                            config.return_logprobs, config.seed)
+                            config.return_logprobs, config.seed, EosFloor.of(self.model, self.generation_config))
         self.batch_processor = Engine(self.cache, self.limits, runner)
         self.background_thread_status = ThreadStatus()
         self._stop_mode = None
@@ -302,27 +302,30 @@ class ContinuousBatchingManager:
                     engine.flushing = self._stop_mode is not None  # stopping: reply replays run at once
                     if engine.flushing and not engine.has_work and self._inbox.empty():
                         break
-                    self._take_queues(engine)
-                    if not engine.has_work:
+                    # One iteration passes the cache's call gate as a generate() call does: clear(), save() and
+                    # budget changes wait for its end, so the store never changes under a step.
+                    with self.cache.core.calls.call():
+                        engine.follow_store()
+                        cancelled = self._take_queues(engine)
+                        changed = engine.step() if engine.has_work else None
+                    self._deliver(cancelled + (changed or []))
+                    if changed is None:
                         self._wake.wait(IDLE_WAIT_S)
                         self._wake.clear()
-                        continue
-                    self._deliver(engine.step())
         except BaseException as problem:  # noqa: BLE001 - recorded for serve, every request is failed below
             error = problem
             self.background_thread_status.fatal_error = problem
             logger.exception("the continuous batching loop died")
         finally:
-            self._take_queues(engine)
             reason = "stopped" if error is None else f"the engine loop died: {error!r}"
-            left = [*engine.scheduler.running, *engine.scheduler.waiting]
-            for request in left:
-                engine.finish(request, RequestStatus.FAILED, reason)
-            self._deliver(left)
-            engine.close()
-            self._router.wake()
+            try:
+                with self.cache.core.calls.call():
+                    self._deliver(self._take_queues(engine) + engine.abort(reason))
+            finally:
+                self._router.wake()
 
-    def _take_queues(self, engine: Engine) -> None:
+    def _take_queues(self, engine: Engine) -> list[EngineRequest]:
+        """Queue the new requests and end the cancelled ones (returned, for delivery)."""
         with self._intake:
             while True:
                 try:
@@ -339,7 +342,7 @@ class ContinuousBatchingManager:
                             if r.request_id == request_id or r.request_id.startswith(f"{request_id}__child#")]:
                 engine.finish(request, RequestStatus.FAILED, "cancelled")
                 cancelled.append(request)
-        self._deliver(cancelled)
+        return cancelled
 
     def _deliver(self, requests: list[EngineRequest]) -> None:
         outputs = [r.to_output() for r in requests if (r.is_finished or r.streaming) and not r.replay_of]
