@@ -18,7 +18,8 @@ from . import _compat
 from .config import StateKey, split_state_key
 from .kernels.paged_copy import KVBlock
 from .rows import Row
-from .store import LayerState, last_boundary, retained_boundaries
+from .store import LayerState
+from .store.retention import plan_checkpoints
 
 logger = logging.getLogger("hf_hybridcache")
 
@@ -124,15 +125,11 @@ class LiveRequest:
             self._plan_emits(self.rows[0])
 
     def _plan_emits(self, row: Row) -> None:
-        start, end, options = self.forward_start, self.forward_end, self.cache.options
-        retained = retained_boundaries(
-            start, end, row.prompt_tokens, options.block_size, options.retention_tokens, row.divergence_tokens,
-            options.min_tail_tokens,
-        )
-        # Besides the retained boundaries the last boundary reached is wanted: it becomes the decode-end checkpoint
-        # if the request stops before the next one.
-        self.wanted = frozenset(retained) | {last_boundary(end, options.block_size)}
-        positions = {b - start for b in self.wanted if start < b < end}
+        start, end = self.forward_start, self.forward_end
+        # The retained boundaries and the last one reached (the decode-end checkpoint if the request stops before the
+        # next one), chosen as the serving engine chooses them.
+        self.wanted = plan_checkpoints(start, end, row.prompt_tokens, self.cache.options, row.divergence_tokens).wanted
+        positions = {b - start for b in self.wanted if b < end}
         if self.rollback:  # draft tokens past the prompt may be rejected: keep every state after them
             positions.update(range(max(1, row.prompt_tokens - start), end - start))
         self.emit_positions = tuple(sorted(positions))
@@ -176,14 +173,10 @@ class LiveRequest:
                 captured[end] = self._live_row_states(index)
             if not captured:  # most decode steps
                 continue
-            start, divergence, tail = end - num_tokens, row.divergence_tokens, options.min_tail_tokens
-            plan = (start, end, row.prompt_tokens, options.block_size, options.retention_tokens)
-            retained = retained_boundaries(*plan, divergence, tail)
-            # A divergence checkpoint counts only where nothing else (retention, prompt end) would have kept one.
-            admitted = divergence in captured and divergence not in retained_boundaries(*plan, 0, tail)
+            plan = plan_checkpoints(end - num_tokens, end, row.prompt_tokens, options, row.divergence_tokens)
             for boundary in sorted(captured):
-                stored = core.store_checkpoint(row, boundary, captured[boundary], boundary not in retained)
-                if stored and admitted and boundary == divergence:
+                stored = core.store_checkpoint(row, boundary, captured[boundary], boundary not in plan.kept)
+                if stored and boundary == plan.admitted_divergence:
                     core.count_divergence_checkpoint()
         if not self.rollback:  # kept for crop() otherwise
             self.captured.clear()

@@ -106,4 +106,19 @@ def test_pool_reports_evictable_changes():
     ],
 )
 def test_retained_boundaries(start, end, prompt, retention, expected):
-    assert retained_boundaries(start, end, prompt, 16, retention) == expected
+    assert retained_boundaries(start, end, prompt, 16, retention, 0, 1) == expected
+
+
+@pytest.mark.parametrize(
+    "prompt,tail,expected",
+    [
+        (33, 1, [32]),
+        (33, 2, [16, 32]),  # a re-sent 33-token prompt may hit at most 31 tokens: 16
+        (49, 2, [32, 48]),
+        (32, 2, [16, 32]),
+        (40, 2, [32]),
+        (16, 2, [16]),
+    ],
+)
+def test_retained_boundaries_keep_the_deepest_hit_a_re_sent_prompt_may_return(prompt, tail, expected):
+    assert retained_boundaries(0, prompt, prompt, 16, 0, 0, tail) == expected

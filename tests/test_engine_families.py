@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 from conftest import greedy, random_ids
-from engine_scenarios import alone, alone_logprobs, config, finals, ids
+from engine_scenarios import GREEDY, alone, alone_logprobs, config, finals, ids
 from transformers import ContinuousBatchingConfig
 
 from hf_hybridcache import HybridPrefixCache
@@ -148,4 +148,41 @@ def test_bf16_replies_are_stored_from_a_replay_and_the_next_turn_hits_inside(fam
     assert again.generated_tokens == first.generated_tokens
     # 69 + 11 fed tokens: the second turn's replay runs 64-80; the first reply again was stored already
     assert cache.stats.replayed_reply_tokens == 16 + 16
+    check_store(cache)
+
+
+#: Prompt lengths re-sent with a two-token tail, and the hit of the repeat: the last boundary <= L - 2 (a 33- or
+#: 49-token prompt hits the boundary below its prompt-end one).
+RESENT_HITS = {16: 0, 32: 16, 33: 16, 40: 32, 49: 32}
+
+
+@pytest.mark.parametrize("family", ["jamba", "zamba2", "lfm2"])
+def test_a_prompt_re_sent_with_a_two_token_tail_hits_in_the_engine_as_in_generate(family, model, cold_model):
+    """With replay_replies (bf16's default; on here in float32, where outputs are exact) a hit leaves two tokens to
+    run, so a re-sent prompt hits the last boundary <= L - 2. The engine keeps the checkpoints generate() keeps
+    (one choice, :func:`~hf_hybridcache.store.retention.plan_checkpoints`), so its repeat hits as deep as
+    generate()'s and equals a cold run (issue 31: it kept only the boundary <= L - 1, and a 33- or 49-token prompt
+    re-sent to it hit 0)."""
+    prompts = [ids(n, seed=940 + n) for n in RESENT_HITS]
+    cache = HybridPrefixCache(model, replay_replies=True)
+    generate_model = build_model(family, seed=0)
+    generate_cache = HybridPrefixCache(generate_model, replay_replies=True)
+    new_tokens = 20  # the replies reach a boundary past the prompt's: the reply replay runs too
+    generation = config(max_new_tokens=new_tokens, eos_token_id=-1)
+    runs = [model.generate_batch(prompts, generation_config=generation) for _ in range(2)]
+    generate_hits = []
+    for prompt in prompts:
+        for _ in range(2):
+            with torch.no_grad():
+                generate_model.generate(torch.tensor([prompt]), past_key_values=generate_cache,
+                                        max_new_tokens=new_tokens, eos_token_id=-1, **GREEDY)
+            generate_hits.append(generate_cache.last_hit_tokens[0])
+    repeats = [runs[1][f"req_{i}"] for i in range(len(prompts))]
+    assert generate_hits[1::2] == list(RESENT_HITS.values())
+    assert [output.hit_tokens for output in repeats] == list(RESENT_HITS.values())
+    for prompt, first, repeat in zip(prompts, (runs[0][f"req_{i}"] for i in range(len(prompts))), repeats):
+        cold = alone(cold_model, prompt, new_tokens, eos_token_id=-1)
+        assert first.generated_tokens == repeat.generated_tokens == cold, f"{len(prompt)}-token prompt"
+    assert (cache.stats.checkpoints, cache.stats.kv_blocks) == (
+        generate_cache.stats.checkpoints, generate_cache.stats.kv_blocks)
     check_store(cache)

@@ -10,38 +10,42 @@
 
 from __future__ import annotations
 
+from ..config import CacheOptions
 from ..reply_replay import replay_start
 from ..sharing import CacheCore
-from ..store import last_boundary, retained_boundaries
+from ..store import last_boundary
+from ..store.retention import CheckpointPlan, plan_checkpoints
 from .plan import Segment
 from .requests import EngineRequest
 from .slots import StateSlots
 
 
-def kept_boundaries(segment: Segment, block_size: int, retention_tokens: int) -> set[int]:
-    """Boundaries in ``(past, end]`` of ``segment`` whose checkpoints its request keeps for good."""
-    request, start, end = segment.request, segment.past, segment.end
-    kept = set(retained_boundaries(start, end, request.retention_prompt_tokens, block_size, retention_tokens,
-                                   request.row.divergence_tokens))
-    return kept | {b for b in request.extra_boundaries if start < b <= end}
+def checkpoint_plan(segment: Segment, options: CacheOptions) -> CheckpointPlan:
+    """What ``segment``'s chunk keeps (:func:`~hf_hybridcache.store.retention.plan_checkpoints`, as ``generate()``
+    chooses it), with the boundaries other requests sharing its prefix asked for. A reply replay keeps what its
+    request would have kept with a prefill: no divergence point, which only its own lookup saw (``generate()``'s
+    replay keeps none either)."""
+    request = segment.request
+    divergence = 0 if request.replay_of else request.row.divergence_tokens
+    return plan_checkpoints(segment.past, segment.end, request.retention_prompt_tokens, options, divergence,
+                            request.extra_boundaries)
 
 
-def emit_positions(segment: Segment, block_size: int, retention_tokens: int) -> tuple[int, ...]:
+def emit_positions(segment: Segment, options: CacheOptions) -> tuple[int, ...]:
     """Token counts inside ``segment``'s chunk after which the mixers must hand over its request's states: the kept
     boundaries and the last boundary reached, strictly inside the chunk."""
     start, end = segment.past, segment.end
-    wanted = kept_boundaries(segment, block_size, retention_tokens) | {last_boundary(end, block_size)}
-    return tuple(sorted(b - start for b in wanted if start < b < end))
+    return tuple(sorted(b - start for b in checkpoint_plan(segment, options).wanted if b < end))
 
 
-def store_segment(core: CacheCore, segment: Segment, slots: StateSlots, block_size: int, retention_tokens: int) -> None:
+def store_segment(core: CacheCore, segment: Segment, slots: StateSlots) -> None:
     """Store what ``segment``'s chunk completed (after the step's forward succeeded). With ``replay_replies`` (bf16,
     fp16) nothing past a request's first decode step is stored: a decode step rounds differently from a prefill
     there (:mod:`~hf_hybridcache.reply_replay`); the engine stores the reply from a replay request when the request
     finishes (:func:`replay_request`)."""
-    request = segment.request
+    request, options = segment.request, core.options
     row = request.row
-    if segment.is_decode and core.options.replay_replies and row.prefill_tokens is None:
+    if segment.is_decode and options.replay_replies and row.prefill_tokens is None:
         row.prefill_tokens = len(row.token_ids)
     row.token_ids.extend(segment.tokens)
     blocks_before = len(row.block_ids)
@@ -50,17 +54,14 @@ def store_segment(core: CacheCore, segment: Segment, slots: StateSlots, block_si
         if core.store.page_of(row.block_ids[index]) == request.pages[index]:
             request.own_pages.discard(request.pages[index])  # the store owns the page now
     captured = {b: states for b, states in segment.captured.items() if b <= row.storable_tokens}
-    if segment.end % block_size == 0 and segment.end <= row.storable_tokens:
+    if segment.end % options.block_size == 0 and segment.end <= row.storable_tokens:
         captured[segment.end] = slots.read(request.slot)
     if not captured:
         return
-    kept = kept_boundaries(segment, block_size, retention_tokens)
-    divergence = row.divergence_tokens
-    plain = set(retained_boundaries(segment.past, segment.end, request.retention_prompt_tokens, block_size,
-                                    retention_tokens))
+    plan = checkpoint_plan(segment, options)
     for boundary in sorted(captured):
-        stored = core.store_checkpoint(row, boundary, captured[boundary], boundary not in kept)
-        if stored and divergence and boundary == divergence and divergence not in plain:
+        stored = core.store_checkpoint(row, boundary, captured[boundary], boundary not in plan.kept)
+        if stored and boundary == plan.admitted_divergence:
             core.count_divergence_checkpoint()
 
 
