@@ -36,7 +36,8 @@ def restore_row(cache, token_ids: list[int], tail_tokens: int | None = None, dec
     with core.store_lock:  # nothing is evicted between the lookup and the pin
         hit = core.lookup(token_ids, root, tail_tokens)
         row = Row(len(token_ids), token_ids=token_ids[: hit.hit_tokens], hit_tokens=hit.hit_tokens, root=root,
-                  divergence_tokens=hit.divergence_tokens, report=core.report(token_ids, root, hit))
+                  divergence_tokens=hit.divergence_tokens, report=core.report(token_ids, root, hit),
+                  weights_generation=cache.live.weights_generation)
         if not hit.hit_tokens:
             return row
         room = len(token_ids) - hit.hit_tokens + max(decode_tokens, 0)  # written after the prefix, not concatenated
@@ -162,6 +163,9 @@ class LiveRequest:
             return
         options, core = self.cache.options, self.cache.core
         num_tokens = self.forward_end - self.forward_start
+        bs = options.block_size
+        core.check_weights(row for row in self.rows if not row.finished and (
+            self.captured or len(row.block_ids) < row.storable_tokens // bs or len(row.token_ids) % bs == 0))
         for index, row in enumerate(self.rows):
             if row.finished:
                 continue
