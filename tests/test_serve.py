@@ -20,6 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.serve import EngineBackend, ReplyMemory, SequentialBackend, build_app, chat_prompt_ids
+from hf_hybridcache.serve.app import COMPLETION_MAX_TOKENS, reply_tokens
+from hf_hybridcache.serve.schema import APIError
 from hf_hybridcache.toy import build_model, byte_tokenizer
 
 MODEL = "toy:jamba"
@@ -322,6 +324,63 @@ def test_every_bad_input_gets_its_json_error_and_disturbs_no_one(server, cold_mo
         client.completions.create(model=MODEL, prompt="x", temperature=9)
     text += "".join(chunk.choices[0].text for chunk in stream)
     assert text == expected
+
+
+def test_a_prompt_that_leaves_no_room_is_a_400_whoever_computed_max_tokens(served):
+    """A prompt at or over the engine's limit is a 400 ``context_length_exceeded`` whether the client sent
+    ``max_tokens`` or the server computed it (chat's default capped by the room left reached the engine as 0 and -9, a
+    500): chat and completions, JSON and streams, ``n`` > 1. A seed whose ``seed + k`` (choice k) torch cannot seed a
+    generator with is a 400 too (choice 1 of seed 2**64 - 1 was a 500)."""
+    server = served[0]
+    limit = server.server.config.app.state.backend.max_request_tokens
+    client, tokenizer = server.client(), byte_tokenizer()
+    template = len(chat_prompt_ids(tokenizer, [{"role": "user", "content": ""}]))
+
+    def chat(prompt_tokens: int) -> list[dict]:
+        return [{"role": "user", "content": "x" * (prompt_tokens - template)}]
+
+    for prompt_tokens in (limit, limit + 9):  # exactly at the limit (room 0), and over it (room -9)
+        assert len(chat_prompt_ids(tokenizer, chat(prompt_tokens))) == prompt_tokens
+        cases = [
+            (client.chat.completions.create, {"messages": chat(prompt_tokens)}),
+            (client.chat.completions.create, {"messages": chat(prompt_tokens), "stream": True}),
+            (client.chat.completions.create, {"messages": chat(prompt_tokens), "n": 2}),
+            (client.chat.completions.create, {"messages": chat(prompt_tokens), "max_completion_tokens": 1}),
+            (client.completions.create, {"prompt": [5] * prompt_tokens}),
+            (client.completions.create, {"prompt": "x" * prompt_tokens, "stream": True}),
+            (client.completions.create, {"prompt": [5] * prompt_tokens, "n": 3, "seed": 1}),
+            (client.completions.create, {"prompt": [5] * prompt_tokens, "max_tokens": 1}),
+        ]
+        for create, kwargs in cases:
+            with pytest.raises(openai.BadRequestError) as refused:
+                create(model=MODEL, temperature=0, **kwargs)
+            error, case = refused.value.body, (prompt_tokens, sorted(kwargs))
+            assert error["code"] == "context_length_exceeded", case
+            assert error["param"] == ("messages" if "messages" in kwargs else "prompt"), case
+            assert f"prompt ({prompt_tokens} tokens)" in error["message"] and str(limit) in error["message"], case
+    for seed in (2**64 - 1, 2**63, -(2**63) - 1):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=2, seed=seed)
+        assert refused.value.body["param"] == "seed", seed
+    edge = client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=2, seed=2**63 - 1)
+    assert [c.finish_reason in ("stop", "length") for c in edge.choices] == [True, True]
+
+
+def test_a_computed_max_tokens_is_the_default_capped_by_the_room_left():
+    """The values :func:`reply_tokens` gives the engine (a prompt one token short of the limit gets one token; a
+    completion sent without ``max_tokens`` 5 tokens short of it gets 5, not a 400 for OpenAI's default 16), and a
+    server built with no default room at all is refused when built."""
+    assert reply_tokens(99, None, 256, 100, "messages") == 1
+    assert reply_tokens(95, None, COMPLETION_MAX_TOKENS, 100, "prompt") == 5
+    assert reply_tokens(10, None, COMPLETION_MAX_TOKENS, 100, "prompt") == 16
+    assert reply_tokens(10, 90, COMPLETION_MAX_TOKENS, 100, "prompt") == 90
+    for prompt_tokens, max_tokens in ((100, None), (109, None), (100, 1), (91, 10)):
+        with pytest.raises(APIError) as refused:
+            reply_tokens(prompt_tokens, max_tokens, 256, 100, "prompt")
+        assert (refused.value.status, refused.value.code) == (400, "context_length_exceeded")
+    for default in (0, -1, True):
+        with pytest.raises(ValueError, match="default_max_tokens must be a positive int"):
+            build_app(None, byte_tokenizer(), MODEL, default_max_tokens=default)
 
 
 def test_a_failing_forward_is_a_500_for_that_request_only(served, cold_model):

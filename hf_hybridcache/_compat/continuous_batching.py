@@ -5,6 +5,9 @@ transformers' ``generate_batch``, ``continuous_batching_context_manager`` and ``
 --continuous-batching`` all get their manager from ``self.init_continuous_batching(...)``
 (``generation/continuous_batching/continuous_api.py``, 5.23.0 and 5.24.0), so an instance attribute of that name
 routes all of them to the engine, and their own code (request ids, result ordering, progress bars) runs unchanged.
+transformers' ``generate_batch`` reads only ``max_new_tokens`` of its ``**kwargs`` and drops the others silently;
+the instance's ``generate_batch`` hook sets the ``GenerationConfig`` fields among them on a copy of the config (as
+``generate()`` does, so the engine applies or refuses each one) and refuses any other keyword.
 Reused as data or stateless helpers: ``GenerationOutput``, ``RequestStatus``, ``ContinuousBatchingConfig``,
 ``ContinuousBatchingLogitsProcessorList`` (per-request temperature / top-k / top-p) and
 ``model._get_logits_processor``. Its per-request processors read ``request.state.logit_processor_kwargs`` of the
@@ -13,6 +16,7 @@ requests they get (``cb_logits_processors.py``), which :func:`processor_args` ha
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import weakref
@@ -75,6 +79,8 @@ def install_manager_hook(model: torch.nn.Module, owner: Any, factory: Callable[.
     vars(model)[_OWNER_ATTR] = _OwnerRef(owner)
     if not isinstance(vars(model).get("init_continuous_batching"), _InstanceHook):
         model.init_continuous_batching = _InstanceHook(model, "init_continuous_batching", _init_continuous_batching)
+    if not isinstance(vars(model).get("generate_batch"), _InstanceHook):
+        model.generate_batch = _InstanceHook(model, "generate_batch", _generate_batch)
 
 
 class _OwnerRef:
@@ -106,6 +112,26 @@ def _init_continuous_batching(model, generation_config=None, continuous_batching
             "HybridPrefixCache(model) and keep a reference to it for as long as you serve requests."
         )
     return vars(model)[_FACTORY_ATTR](owner, generation_config, continuous_batching_config)
+
+
+def _generate_batch(model, inputs, generation_config=None, *args, **kwargs):
+    """transformers' ``generate_batch`` with the ``GenerationConfig`` fields of ``kwargs`` (``max_new_tokens``,
+    ``min_new_tokens``, ``repetition_penalty``, ...) set on a copy of ``generation_config`` (the model's when None).
+
+    Raises:
+        ValueError: a keyword that is neither a ``GenerationConfig`` field nor a ``generate_batch`` parameter.
+    """
+    method = type(model).generate_batch
+    fields = {name: kwargs.pop(name) for name in list(kwargs) if name in GenerationConfig().to_dict()}
+    unknown = sorted(set(kwargs) - set(inspect.signature(method).parameters))
+    if unknown:
+        raise ValueError(f"generate_batch got {', '.join(unknown)}, which is neither a GenerationConfig field nor one "
+                         "of its parameters; check the spelling.")
+    if fields:
+        generation_config = copy.deepcopy(generation_config if generation_config is not None
+                                          else model.generation_config)
+        generation_config.update(**fields)
+    return method(model, inputs, generation_config, *args, **kwargs)
 
 
 def wrap_instance_forward(module: torch.nn.Module, attribute: str, impl: Callable) -> bool:

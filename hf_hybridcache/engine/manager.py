@@ -36,7 +36,7 @@ from .._compat.engine_attention import install_router
 from .engine import Engine
 from .grouping import wrap_stateful_modules
 from .limits import EngineLimits
-from .generation_fields import EosFloor, batching_config, engine_generation_config
+from .generation_fields import EosFloor, batching_config, engine_generation_config, new_tokens
 from .outputs import OutputRouter
 from .requests import EngineRequest, first_eos_ids, validation_error
 from .runner import StepRunner
@@ -187,7 +187,8 @@ class ContinuousBatchingManager:
         Args:
             input_ids: the prompt's token ids (a list of ints, or a ``[T]`` / ``[1, T]`` tensor).
             request_id: its id (``req_<n>`` when None).
-            max_new_tokens: tokens to generate at most (the generation config's, else 20).
+            max_new_tokens: tokens to generate at most (else as ``generate()``: the generation config's
+                ``max_new_tokens``, else its ``max_length`` less the prompt's length, else 20).
             streaming: deliver an output after every token.
             record_timestamps: record when each token was generated.
             eos_token_id: token id(s) that end it (the generation config's, else the model's).
@@ -207,11 +208,10 @@ class ContinuousBatchingManager:
             return None
         request_id = f"req_{next(self._ids)}" if request_id is None else request_id
         prompt = input_ids.reshape(-1).tolist() if isinstance(input_ids, torch.Tensor) else input_ids
-        if max_new_tokens is None:
-            max_new_tokens = self.generation_config.max_new_tokens or 20
+        max_new_tokens, error = new_tokens(self.generation_config, prompt, max_new_tokens)
         salt = cache_salt if cache_salt is not None else self.salt
-        vocab_size = self.model.get_input_embeddings().num_embeddings
-        error = validation_error(prompt, max_new_tokens, vocab_size, self.limits.max_request_tokens, salt, seed)
+        vocab = self.model.get_input_embeddings().num_embeddings
+        error = error or validation_error(prompt, max_new_tokens, vocab, self.limits.max_request_tokens, salt, seed)
         if error is None:
             try:
                 self.processors.check_kwargs(logit_processor_kwargs)

@@ -3,9 +3,10 @@
 The model's own forward runs on ``input_ids`` / ``position_ids`` ``[1, N]`` with the
 :class:`~hf_hybridcache.engine.views.StepCache` as its cache, a mask mapping that builds no masks (the groups carry
 their own), and ``logits_to_keep`` = the sampled positions, so only ``[M, V]`` logits are computed. Sampling is
-transformers' continuous batching's: its logits processors (per-request temperature, top-k, top-p), then argmax or
-``multinomial`` from one generator (seeded by ``ContinuousBatchingConfig.seed``), or from a request's own generator
-when it was added with a ``seed``.
+transformers' continuous batching's: the end-of-sequence floor of ``min_new_tokens`` / ``min_length``
+(:class:`~hf_hybridcache.engine.generation_fields.EosFloor`), its logits processors (per-request temperature, top-k,
+top-p), then argmax or ``multinomial`` from one generator (seeded by ``ContinuousBatchingConfig.seed``), or from a
+request's own generator when it was added with a ``seed``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from .. import _compat
 from .._compat.continuous_batching import processor_args
+from .generation_fields import EosFloor
 from .plan import StepPlan
 from .views import StepCache
 
@@ -35,11 +37,15 @@ class StepRunner:
         do_sample: sample (else greedy argmax).
         return_logprobs: also return the log-probability of each sampled token.
         seed: seed of the sampling generator (None: random).
+        floor: ``min_new_tokens`` / ``min_length`` of the generation config, applied before the processors as
+            ``generate()`` orders them (None: neither is set).
     """
 
-    def __init__(self, model, processors, do_sample: bool, return_logprobs: bool, seed: int | None) -> None:
+    def __init__(self, model, processors, do_sample: bool, return_logprobs: bool, seed: int | None,
+                 floor: EosFloor | None = None) -> None:
         self.model = model
         self.processors = processors
+        self.floor = floor
         self.do_sample = do_sample
         self.return_logprobs = return_logprobs
         self.device = model.get_input_embeddings().weight.device
@@ -72,6 +78,8 @@ class StepRunner:
 
     def _sample(self, logits: torch.Tensor, plan: StepPlan) -> tuple[list[int], list[float] | None]:
         """Tokens for logits ``[M, V]`` float32 of the sampled segments."""
+        if self.floor is not None:
+            logits = self.floor.apply(logits, [segment.request for segment in plan.sampled])
         if self.processors.do_processing:
             last = torch.tensor([s.tokens[-1] for s in plan.sampled], device=logits.device)
             args = processor_args(self.processors, [s.request.sampling for s in plan.sampled]).to(logits.device)

@@ -28,6 +28,8 @@ from .schema import APIError, ChatRequest, CompletionRequest
 
 #: The header that names the tenant (its prefixes are reused only by its own requests); OpenAI's ``user`` otherwise.
 SALT_HEADER = "x-tenant-id"
+#: A text completion's ``max_tokens`` when it sends none (OpenAI's default), capped by the room left.
+COMPLETION_MAX_TOKENS = 16
 
 
 def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens: int = 256) -> FastAPI:
@@ -39,7 +41,13 @@ def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens:
         model_id: the one model name requests must ask for.
         cache: the :class:`~hf_hybridcache.HybridPrefixCache` behind ``backend`` (its stats go to ``/metrics``).
         default_max_tokens: a chat request's ``max_tokens`` when it sends none (capped by the room left).
+
+    Raises:
+        ValueError: ``default_max_tokens`` is not a positive int.
     """
+    if isinstance(default_max_tokens, bool) or not isinstance(default_max_tokens, int) or default_max_tokens < 1:
+        raise ValueError(f"default_max_tokens must be a positive int (a chat reply's max_tokens when a request sends "
+                         f"none), got {default_max_tokens!r}.")
     eos = tokenizer.eos_token_id
     metrics = ServerMetrics(backend, cache)
     runner = ChoiceRunner(backend, tokenizer, metrics, ReplyMemory(), [] if eos is None else [eos])
@@ -82,17 +90,14 @@ def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens:
         return JSONResponse(APIError(500, f"Internal error: {type(problem).__name__}: {problem}").body(),
                             status_code=500)
 
-    def job_for(body, prompt_ids: list[int], request: Request, max_tokens: int | None, remember: bool) -> Job:
+    def job_for(body, prompt_ids: list[int], request: Request, max_tokens: int | None, default: int,
+                remember: bool) -> Job:
+        """The request's job; ``max_tokens`` None (the client sent none): ``default`` capped by the room left."""
         if body.model != model_id:
             raise APIError(404, f"The model {body.model!r} does not exist; this server serves {model_id!r}.",
                            param="model", code="model_not_found")
-        room = backend.max_request_tokens - len(prompt_ids)
-        if max_tokens is None:
-            max_tokens = min(default_max_tokens, room)
-        if max_tokens > room:
-            raise APIError(400, f"The prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) is over the "
-                           f"limit of {backend.max_request_tokens} tokens; shorten the prompt or lower max_tokens.",
-                           param="messages" if remember else "prompt", code="context_length_exceeded")
+        max_tokens = reply_tokens(len(prompt_ids), max_tokens, default, backend.max_request_tokens,
+                                  "messages" if remember else "prompt")
         salt = request.headers.get(SALT_HEADER) or body.user
         sampling = Sampling(max_tokens, body.temperature, body.top_p, body.seed)
         metrics.prompt_tokens.inc(len(prompt_ids))
@@ -107,7 +112,7 @@ def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens:
         except Exception as problem:  # a template that refuses the conversation (roles out of order, say)
             raise APIError(400, f"The chat template cannot render these messages: {problem}", param="messages")
         max_tokens = body.max_completion_tokens or body.max_tokens
-        job = job_for(body, prompt_ids, request, max_tokens, remember=True)
+        job = job_for(body, prompt_ids, request, max_tokens, default_max_tokens, remember=True)
         return await respond(job, body, chat_payloads(body.model), request)
 
     @app.post("/v1/completions")
@@ -121,7 +126,7 @@ def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens:
                 raise APIError(400, f"Token ids must lie in the vocabulary [0, {vocab}).", param="prompt")
         if not prompt_ids:
             raise APIError(400, "The prompt is empty; send at least one token.", param="prompt")
-        job = job_for(body, prompt_ids, request, body.max_tokens, remember=False)
+        job = job_for(body, prompt_ids, request, body.max_tokens, COMPLETION_MAX_TOKENS, remember=False)
         return await respond(job, body, completion_payloads(body.model), request)
 
     async def respond(job: Job, body, payloads, request: Request):
@@ -195,6 +200,28 @@ def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+def reply_tokens(prompt_tokens: int, max_tokens: int | None, default: int, limit: int, param: str) -> int:
+    """The tokens a reply may take: ``max_tokens`` as sent, or (None: the client sent none) ``default`` capped by the
+    room the prompt leaves within ``limit`` (prompt + reply tokens of one request).
+
+    Raises:
+        APIError: 400 ``context_length_exceeded`` when the prompt leaves no room for one token, or the ``max_tokens``
+            sent does not fit in the room left (a limit the server computes is never passed on as 0 or less).
+    """
+    room = limit - prompt_tokens
+    if room < 1:
+        raise APIError(400, f"The prompt ({prompt_tokens} tokens) leaves no room for a reply within the limit of "
+                       f"{limit} tokens per request (prompt and reply together); shorten the prompt.",
+                       param=param, code="context_length_exceeded")
+    if max_tokens is None:
+        return min(default, room)
+    if max_tokens > room:
+        raise APIError(400, f"The prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) is over the limit "
+                       f"of {limit} tokens per request; shorten the prompt or lower max_tokens.",
+                       param=param, code="context_length_exceeded")
+    return max_tokens
 
 
 def usage(job: Job, finals: list[Piece | None]) -> CompletionUsage:

@@ -53,7 +53,8 @@ class _Common(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=16)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    # torch seeds a generator with a value in [-2**63, 2**64); choice k of n samples with seed + k (k < 16)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, min_length=1)
@@ -75,5 +76,6 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
+    """``max_tokens`` None: OpenAI's default, 16 (``app.COMPLETION_MAX_TOKENS``), capped by the room left."""
+
     prompt: str | list[int] = Field(min_length=1)
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for text completions
