@@ -122,3 +122,19 @@ def test_a_dying_loop_still_fails_every_request_and_unpins(family, model, monkey
     manager.stop()
     with torch.no_grad():
         assert cache.stats.requests >= 5
+
+
+@pytest.mark.parametrize("family", ["jamba"])
+def test_a_seed_torch_cannot_take_is_refused_at_once(family, model, cold_model):
+    """A seed outside torch.Generator's range (or whose num_return_sequences children's seeds would be) failed inside
+    a step; it is refused with the request's output, and the manager serves on."""
+    cache = HybridPrefixCache(model)
+    manager = cache.init_continuous_batching(config(max_new_tokens=4, do_sample=True, num_return_sequences=2))
+    manager.start()
+    bad = [manager.add_request(PROMPTS[0], seed=seed) for seed in (2**64, 2**64 - 1, -(2**63) - 1)]
+    good = manager.add_request(PROMPTS[1], seed=2**64 - 2)
+    outputs = finals(manager, [*bad, good])
+    manager.stop()
+    for request_id in bad:
+        assert "seed must be in [-2**63, 2**64 - 2]" in outputs[request_id].error
+    assert outputs[good].error is None and len(outputs[good].generated_tokens) == 4

@@ -210,8 +210,8 @@ class ContinuousBatchingManager:
         prompt = input_ids.reshape(-1).tolist() if isinstance(input_ids, torch.Tensor) else input_ids
         max_new_tokens, error = new_tokens(self.generation_config, prompt, max_new_tokens)
         salt = cache_salt if cache_salt is not None else self.salt
-        vocab = self.model.get_input_embeddings().num_embeddings
-        error = error or validation_error(prompt, max_new_tokens, vocab, self.limits.max_request_tokens, salt, seed)
+        error = error or validation_error(prompt, max_new_tokens, self.model.get_input_embeddings().num_embeddings,
+                                          self.limits.max_request_tokens, salt, seed, self.num_return_sequences)
         if error is None:
             try:
                 self.processors.check_kwargs(logit_processor_kwargs)

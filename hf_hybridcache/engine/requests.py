@@ -146,9 +146,10 @@ class EngineRequest:
 
 
 def validation_error(
-    prompt, max_new_tokens, vocab_size: int, max_request_tokens: int, salt, seed=None
+    prompt, max_new_tokens, vocab_size: int, max_request_tokens: int, salt, seed=None, num_sequences: int = 1
 ) -> str | None:
-    """Why a request cannot run, as a sentence that says what to do, or None when it can."""
+    """Why a request cannot run, as a sentence that says what to do, or None when it can (``num_sequences``: the
+    ``num_return_sequences`` whose seeds are ``seed`` up to ``seed + num_sequences - 1``)."""
     if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
         return f"input_ids must be a list of token ids, got {type(prompt).__name__}; tokenize the prompt first."
     if len(prompt) == 0:
@@ -172,6 +173,8 @@ def validation_error(
         return f"cache_salt must be a non-empty string naming the tenant, or None; got {salt!r}."
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         return f"seed must be an int or None, got {seed!r}."
+    if seed is not None and not -(2**63) <= seed <= 2**64 - num_sequences:  # torch.Generator.manual_seed's range
+        return f"seed must be in [-2**63, 2**64 - {num_sequences}] (seeds up to seed + {num_sequences - 1}), got {seed}."
     return None
 
 
