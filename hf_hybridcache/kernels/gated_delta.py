@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .mamba1_scan import check_emit_positions
+from .scan_steps import check_emit_positions
 
 
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from itertools import pairwise
 
 import torch
-import torch.nn.functional as F
 
 from . import backend
+from .scan_steps import check_emit_positions, gate, time_steps
 
 #: Tokens per chunk of :func:`selective_scan_chunked`: the within-chunk pass takes this many sequential steps, the
 #: cross-chunk carry one step per chunk, so about sqrt(segment) each is the least Python overhead.
@@ -35,41 +34,6 @@ CHUNK_TOKENS = 16
 SEGMENT_TOKENS = 256
 #: Cap on one work buffer, in bytes (segments shrink for wide models).
 WORKSPACE_BYTES = 64 * 2**20
-
-
-def check_emit_positions(emit_positions: Sequence[int], seq_len: int) -> list[int]:
-    """``emit_positions`` as a list, after checking it is strictly increasing within ``[1, seq_len]``.
-
-    Raises:
-        ValueError: a position is out of range or the positions are not strictly increasing.
-    """
-    positions = [int(t) for t in emit_positions]
-    if any(t < 1 or t > seq_len for t in positions) or any(a >= b for a, b in pairwise(positions)):
-        raise ValueError(
-            f"emit_positions must be strictly increasing token counts in [1, {seq_len}] (the state after t of the "
-            f"{seq_len} tokens); got {positions}."
-        )
-    return positions
-
-
-def _time_steps(delta: torch.Tensor, delta_bias: torch.Tensor | None, delta_softplus: bool) -> torch.Tensor:
-    """``softplus(delta + delta_bias)`` in ``delta``'s dtype, the first lines of ``mamba_selective_scan``
-    (``modeling_jamba.py``, transformers 5.23.0), copied."""
-    dt = delta
-    if delta_bias is not None:
-        dt = dt + delta_bias.to(dt.dtype)[..., None]
-    if delta_softplus:
-        dt = F.softplus(dt)
-    return dt
-
-
-def _gate(y: torch.Tensor, u: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None) -> torch.Tensor:
-    """``(y + u * D) * silu(z)``: the last lines of ``mamba_selective_scan`` (``modeling_jamba.py``, 5.23.0), copied."""
-    if D is not None:
-        y = y + u * D[None, :, None]
-    if z is not None:
-        y = y * F.silu(z)
-    return y
 
 
 #: Rows moved per copy when changing between channel-major and token-major layouts on CPU.
@@ -139,7 +103,7 @@ def selective_scan_ref(
     input_dtype = u.dtype
     batch_size, channels, seq_len = u.shape
     emit = set(check_emit_positions(emit_positions, seq_len))
-    dt = _time_steps(delta, delta_bias, delta_softplus)
+    dt = time_steps(delta, delta_bias, delta_softplus)
     B = B.transpose(1, 2)
     C = C.transpose(1, 2)
     discrete_A = torch.exp(A[None, :, None, :] * dt[:, :, :, None])
@@ -157,7 +121,7 @@ def selective_scan_ref(
         if index + 1 in emit:
             emitted.append(ssm_state.clone())
     y = torch.stack(outputs, dim=-1)
-    return _gate(y, u, D, z), ssm_state.float(), emitted
+    return gate(y, u, D, z), ssm_state.float(), emitted
 
 
 def selective_scan_chunked(
@@ -209,7 +173,7 @@ def selective_scan_chunked(
     # Zero padding to whole chunks: dt = 0 gives a = 1 and x = 0, so the padded tokens leave the state unchanged.
     # Work layout [B, T, N, I]: channels innermost, so every elementwise op runs over long contiguous rows.
     padded_len = seq_len + (-seq_len % chunk_tokens)
-    dt = _time_steps(delta, delta_bias, delta_softplus).float()
+    dt = time_steps(delta, delta_bias, delta_softplus).float()
     dt, x = _token_major(dt, padded_len), _token_major(dt * u.float(), padded_len)
     B_t, C_t = _token_major(B.float(), padded_len), _token_major(C.float(), padded_len)
     # exp2 of a pre-scaled exponent: the same decays to fp32 round-off, about 3x faster than exp on CPU.
@@ -259,7 +223,7 @@ def selective_scan_chunked(
         torch.matmul(C_t[:, start : start + n, None, :], states, out=y[:, start : start + n])
 
     y = _channel_major(y[:, :, 0], seq_len).to(input_dtype)
-    return _gate(y, u, D, z), state.transpose(1, 2).contiguous(), emitted
+    return gate(y, u, D, z), state.transpose(1, 2).contiguous(), emitted
 
 
 def selective_scan(

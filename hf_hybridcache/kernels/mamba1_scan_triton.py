@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .mamba1_scan import _gate, _time_steps, check_emit_positions
+from .scan_steps import check_emit_positions, gate, time_steps
 
 
 @triton.jit
@@ -85,7 +85,7 @@ def selective_scan_triton(
     state_size = A.shape[-1]
     positions = check_emit_positions(emit_positions, seq_len)
     device = u.device
-    dt = _time_steps(delta, delta_bias, delta_softplus)
+    dt = time_steps(delta, delta_bias, delta_softplus)
     A = A.float().contiguous()
     h0 = initial_state.float().contiguous() if initial_state is not None else A  # A: unused placeholder pointer
     y = torch.empty(batch, channels, seq_len, dtype=torch.float32, device=device)
@@ -105,4 +105,4 @@ def selective_scan_triton(
         BLOCK_N=triton.next_power_of_2(state_size),
     )  # fmt: skip
     # Separate copies: a checkpoint must not keep the other emitted states alive through a shared storage.
-    return _gate(y.to(u.dtype), u, D, z), h_out, [state.clone() for state in emitted[: len(positions)]]
+    return gate(y.to(u.dtype), u, D, z), h_out, [state.clone() for state in emitted[: len(positions)]]

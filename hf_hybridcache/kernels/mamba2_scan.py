@@ -29,16 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from . import backend
-
-
-def _discretize_dt(
-    dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool, dt_limit: tuple[float, float]
-) -> torch.Tensor:
-    if dt_bias is not None:
-        dt = dt + dt_bias.to(dt.dtype)
-    if dt_softplus:
-        dt = F.softplus(dt)
-    return torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
+from .scan_steps import discretize_dt
 
 
 def _check_positions(emit_positions: Sequence[int], seq_len: int) -> list[int]:
@@ -112,7 +103,7 @@ def mamba2_chunk_scan_ref(
     batch_size, seq_len, num_heads, head_dim = x.shape
     positions = _check_positions(emit_positions, seq_len)
     num_groups = B.shape[2]
-    dt = _discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
+    dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
 
     x = x.float()
     B = B.float().repeat_interleave(num_heads // num_groups, dim=2, output_size=num_heads)
@@ -201,7 +192,7 @@ def mamba2_recurrent_ref(
     batch_size, seq_len, num_heads, head_dim = x.shape
     positions = set(_check_positions(emit_positions, seq_len))
     repeat = num_heads // B.shape[2]
-    dt = _discretize_dt(dt, dt_bias, dt_softplus, dt_limit).float()
+    dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit).float()
     B = B.float().repeat_interleave(repeat, dim=2)
     C = C.float().repeat_interleave(repeat, dim=2)
     x = x.float()

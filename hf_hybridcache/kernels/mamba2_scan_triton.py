@@ -27,8 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .mamba1_scan import check_emit_positions
-from .mamba2_scan import _discretize_dt
+from .scan_steps import check_emit_positions, discretize_dt
 
 
 @triton.jit
@@ -189,7 +188,7 @@ def mamba2_chunk_scan_triton(
     if kernel_chunk < 16 or kernel_chunk & (kernel_chunk - 1):
         raise ValueError(f"kernel_chunk must be a power of two >= 16 (a tl.dot tile); got {kernel_chunk}.")
     device = x.device
-    dt = _discretize_dt(dt, dt_bias, dt_softplus, dt_limit).float()
+    dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit).float()
     A = A.float().contiguous()
     length = kernel_chunk
     num_chunks = triton.cdiv(seq_len, length)
