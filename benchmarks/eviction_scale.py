@@ -27,9 +27,8 @@ import time
 import torch
 
 from hf_hybridcache.config import AttentionLayerSpec, MambaLayerSpec, ModelStateSpec, TensorSpec
-from hf_hybridcache.flops import FlopModel
 from hf_hybridcache.hashing import root_hash
-from hf_hybridcache.store import PrefixStore, make_eviction
+from hf_hybridcache.store import FlopModel, PrefixStore, make_eviction
 
 BS = 16
 SPEC = ModelStateSpec(

@@ -28,8 +28,8 @@ from transformers import AutoModelForCausalLM, JambaConfig
 
 from hf_hybridcache import HybridPrefixCache, _compat, lifecycle
 from hf_hybridcache.config import split_state_key
-from hf_hybridcache.flops import FlopModel
 from hf_hybridcache.reply_replay import replay_replies
+from hf_hybridcache.store import FlopModel
 
 
 def jamba_mini_config() -> JambaConfig:

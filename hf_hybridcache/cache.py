@@ -24,17 +24,15 @@ from transformers.cache_utils import Cache
 from . import _compat, dry_run, lifecycle
 from .config import DEFAULT_MAX_CACHE_BYTES, CacheOptions
 from .explain import HitReport
-from .flops import FlopModel
 from .hashing import hash_seed, model_identity
 from .live_cache import LiveCache, LiveState
 from .models import support_for
-from .placement import Placement, layer_devices
 from .remote import RemoteTier, remote_config
 from .remote import attach as attach_remote
 from .reply_replay import replays_by_default
 from .sharing import CacheCore
 from .stats import PrefixCacheStats
-from .store import PrefixStore, make_eviction
+from .store import FlopModel, Placement, PrefixStore, layer_devices, make_eviction
 from .weights import WeightsTracker
 
 __all__ = ["HybridPrefixCache", "PrefixCacheStats"]

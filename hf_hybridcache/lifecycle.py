@@ -21,12 +21,13 @@ import time
 
 import torch
 
-from . import _compat, explain, placement
+from . import _compat, explain
 from .batch import mask_lengths, replay_rows, unpadded_rows
 from .live import LiveRequest, restore_row
 from .live_cache import LiveCache
 from .reply_replay import replay_replies
 from .rows import Row
+from .store import synchronize
 
 logger = logging.getLogger("hf_hybridcache")
 
@@ -117,7 +118,7 @@ def _observe_forward(cache, started: float) -> None:
     request, core = cache.live.request, cache.core
     if request is None or torch.is_grad_enabled():
         return
-    placement.synchronize(core.devices.values())
+    synchronize(core.devices.values())
     core.remote.observe_forward(request.forward_start, request.forward_end, time.perf_counter() - started)
 
 

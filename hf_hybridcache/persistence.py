@@ -1,7 +1,7 @@
 """Saving a cache to one file and loading it back: safetensors for the tensors, JSON for the rest, never pickle.
 
 A file holds every stored KV block and checkpoint as the named tensors of their layout
-(:mod:`~hf_hybridcache.layout`, shared with the remote tier), the entries of each name stacked along a new first
+(:mod:`~hf_hybridcache.store.layout`, shared with the remote tier), the entries of each name stacked along a new first
 dim: ``keys.{layer} [num_blocks, Hkv, block_size, Dk]``, ``values.{layer} [num_blocks, Hkv, block_size, Dv]``,
 ``conv.{state} [num_checkpoints, C, W]`` and ``ssm.{state} [num_checkpoints, ...]``, in the stored dtypes. The
 safetensors header's metadata carries a JSON document — versions, the model identity and the identity of its
@@ -28,9 +28,8 @@ from safetensors.torch import save_file
 from . import _compat
 from .config import ModelStateSpec
 from .hashing import BlockHash, block_hash, identity_config, model_identity
-from .layout import EntryLayout, entry_layout
 from .models import support_for
-from .store import StoredBlock
+from .store import EntryLayout, StoredBlock, entry_layout
 
 #: Version 2: the weights state (weights fingerprint and adapters) is part of every hash root. Version 3: keys and
 #: values of a layer are two tensors (``keys.{layer}``, ``values.{layer}``) instead of one ``kv.{layer}
@@ -129,7 +128,7 @@ def load_cache(cls, path, model, max_cache_bytes, retention_interval, offload, r
 
 
 def _stack_entries(spec: ModelStateSpec, blocks: list[StoredBlock], with_checkpoint: list[StoredBlock]) -> dict:
-    """Entries stacked per name of their layout (:mod:`~hf_hybridcache.layout`), in host memory (one block at a time
+    """Entries stacked per name of their layout (:mod:`~hf_hybridcache.store.layout`), in host memory (one block at a time
     leaves its device, so saving never needs twice the cache's size on a device)."""
     tensors = {}
     for kind, entries in (("kv", [b.kv for b in blocks]), ("checkpoint", [b.checkpoint for b in with_checkpoint])):

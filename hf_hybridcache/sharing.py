@@ -19,10 +19,9 @@ from .config import CacheOptions, ModelStateSpec, StateKey
 from .hashing import BlockHash, root_hash
 from .history import Eviction, EvictionLog, WeightsHistory
 from .kernels.paged_copy import KVBlock
-from .placement import Placement, layer_devices
 from .rows import Row, store_row_blocks, store_row_checkpoint
 from .stats import PrefixCacheStats
-from .store import EvictionPolicy, Hit, LayerState, PrefixStore
+from .store import EvictionPolicy, Hit, LayerState, Placement, PrefixStore, layer_devices
 from .weights import WeightsTracker
 
 if TYPE_CHECKING:

@@ -1,13 +1,13 @@
 """Every supported family's KV blocks and checkpoints written and read through both paths that serialize them — a
 cache file (``save`` / ``HybridPrefixCache.load``) and the remote tier on a loopback redis-server — and then served
-as an exact hit. Both take their tensor names, shapes and dtypes from :mod:`hf_hybridcache.layout`."""
+as an exact hit. Both take their tensor names, shapes and dtypes from :mod:`hf_hybridcache.store.layout`."""
 
 import torch
 from conftest import assert_restored_states_match, greedy, random_ids
 
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.checks import entry_digests
-from hf_hybridcache.layout import entry_layout
+from hf_hybridcache.store import entry_layout
 from hf_hybridcache.toy import build_model
 
 NEW_TOKENS = 4

@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from hf_hybridcache.config import AttentionLayerSpec, MambaLayerSpec, ModelStateSpec, TensorSpec
-from hf_hybridcache.flops import FlopModel
 from hf_hybridcache.hashing import root_hash
-from hf_hybridcache.store import FlopAwareEviction, LRUEviction, PrefixStore
+from hf_hybridcache.store import FlopAwareEviction, FlopModel, LRUEviction, PrefixStore
 
 BS = 2
 SPEC = ModelStateSpec(

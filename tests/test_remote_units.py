@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from hf_hybridcache.config import AttentionLayerSpec, MambaLayerSpec, ModelStateSpec, TensorSpec
-from hf_hybridcache.flops import FlopModel
 from hf_hybridcache.hashing import BlockHash, block_hash
 from hf_hybridcache.remote import CircuitBreaker, RemoteConfig
 from hf_hybridcache.remote.client import TierClient
@@ -16,6 +15,7 @@ from hf_hybridcache.remote.fetch import worth_fetching
 from hf_hybridcache.remote.namespace import namespace_seed
 from hf_hybridcache.remote.rate import ComputeRate, TransferRate
 from hf_hybridcache.remote.writer import Publisher
+from hf_hybridcache.store import FlopModel
 
 
 class Clock:

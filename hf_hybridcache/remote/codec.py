@@ -9,7 +9,7 @@ a secret never write or read each other's keys: they cannot serve each other's e
 one finding the other's value unverifiable and removing it). The versions in the key also let an operator delete an
 old version's entries by pattern.
 
-Values: the entry's named tensors in the layout shared with cache files (:mod:`~hf_hybridcache.layout`), in the
+Values: the entry's named tensors in the layout shared with cache files (:mod:`~hf_hybridcache.store.layout`), in the
 stored dtypes; the safetensors metadata names the format, the kind, the block hash, the block's token ids and a
 SHA-256 over every tensor's name, shape, dtype and bytes, and, under a secret, an HMAC-SHA256 (RFC 2104, Python's
 ``hmac``) of all of that. Decoding checks everything against what the reader expects (the hash it computed from its
@@ -31,13 +31,13 @@ from safetensors.torch import load, save
 
 from ..config import ModelStateSpec, StateKey
 from ..hashing import BlockHash
-from ..layout import KINDS, entry_layout
+from ..store import KINDS, entry_layout
 from .namespace import computing_versions
 
 logger = logging.getLogger("hf_hybridcache")
 
 #: Bump when the value layout changes: keys of other formats are never read. Version 3: tensors named and shaped by
-#: :mod:`~hf_hybridcache.layout` (a checkpoint's states without their batch dim; a layer's later states as
+#: :mod:`~hf_hybridcache.store.layout` (a checkpoint's states without their batch dim; a layer's later states as
 #: ``conv.{layer}.{state idx}``), and an HMAC under a secret.
 FORMAT = "hfhc-remote/3"
 _KEY_KINDS = {"kv": "kv", "checkpoint": "ck"}

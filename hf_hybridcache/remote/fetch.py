@@ -18,9 +18,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from ..flops import FlopModel
 from ..hashing import BlockHash, chain_hashes
-from ..store import PrefixStore
+from ..store import FlopModel, PrefixStore
 from ..store.lookup import hit_blocks, match_blocks
 from .client import TierClient
 from .config import RemoteConfig
@@ -38,7 +37,7 @@ def worth_fetching(
     measured_flops_per_s: float | None = None,
 ) -> bool:
     """Fetch ``num_bytes`` that save ``saved_flops`` of prefill
-    (:meth:`~hf_hybridcache.flops.FlopModel.span_flops`) only when the FLOPs per byte reach
+    (:meth:`~hf_hybridcache.store.flops.FlopModel.span_flops`) only when the FLOPs per byte reach
     ``config.min_flops_per_byte`` and transferring takes less time than recomputing: ``transfer_seconds`` (measured,
     :class:`~hf_hybridcache.remote.rate.TransferRate`) against ``saved_flops`` over the compute rate, which is
     ``config.compute_flops_per_s`` when given, else ``measured_flops_per_s``

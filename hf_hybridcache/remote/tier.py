@@ -9,9 +9,8 @@ cache without ``remote=`` has no tier and none of this runs.
 
 from __future__ import annotations
 
-from ..flops import FlopModel
 from ..hashing import BlockHash
-from ..store import PrefixStore
+from ..store import FlopModel, PrefixStore
 from .client import CircuitBreaker, TierClient
 from .codec import Codec
 from .config import RemoteConfig, make_client

@@ -7,7 +7,7 @@ import torch
 
 from ..config import StateKey
 from ..kernels.paged_copy import copy_states
-from ..placement import Placement
+from .placement import Placement
 
 #: One Mamba layer's state: conv state ``[1, C, W]`` (model dtype) and SSM state (``[1, I, N]`` for Mamba-1,
 #: usually float32). A checkpoint maps each :data:`~hf_hybridcache.config.StateKey` (the layer index, or

@@ -15,7 +15,7 @@ from typing import Literal
 
 from sortedcontainers import SortedList
 
-from ..flops import FlopModel
+from .flops import FlopModel
 
 EntryKind = Literal["kv", "checkpoint"]
 EntryKey = tuple[EntryKind, int]

@@ -15,8 +15,8 @@ import torch
 
 from ..config import AttentionLayerSpec
 from ..kernels.paged_copy import KVBlock
-from ..placement import Placement
 from .pages import PagePool
+from .placement import Placement
 
 
 class KVStore:

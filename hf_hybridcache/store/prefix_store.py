@@ -3,30 +3,32 @@
 It composes the block pool (bookkeeping), the KV store and the checkpoint store (tensors), the checkpoint links and
 the eviction policy, and answers the one question a new request asks: how long a prefix of these tokens can be
 restored? Its parts are internal: callers use the methods and properties below (``kv``, ``checkpoints``, ``pool`` and
-``eviction`` stay reachable for the cache until it moves to them).
+``eviction`` stay reachable for the cache until it moves to them). Its entries as records (saving, loading, checks)
+come from its base class, :class:`~hf_hybridcache.store.entries.StoredEntries`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
+
 import torch
 
 from ..config import ModelStateSpec, StateKey
 from ..hashing import BlockHash, block_hash
-from ..placement import Placement
 from .block_pool import BlockPool
 from .checkpoint_links import CheckpointLinks
 from .checkpoints import CheckpointStore, LayerState
-from .entries import StoredBlock, import_entries, stored_blocks
+from .entries import StoredEntries
 from .eviction import EntryKey, EntryValue, EvictionPolicy, LRUEviction
 from .kv_store import KVStore
 from .lookup import Hit, find_hit
+from .placement import Placement
 
 logger = logging.getLogger("hf_hybridcache")
 
 
-class PrefixStore:
+class PrefixStore(StoredEntries):
     """Stored KV blocks and checkpoints of one model, never more than ``max_cache_bytes`` in all.
 
     Args:
@@ -281,21 +283,7 @@ class PrefixStore:
         start_tokens = 0 if previous is None else self.end_tokens(previous)
         return start_tokens, self.end_tokens(block_id), self.checkpoints.checkpoint_bytes(block_id)
 
-    # ------------------------------------------------------------------ persistence and inspection
-
-    def export_entries(self) -> tuple[list[StoredBlock], list[EntryKey]]:
-        """Every stored block, parents before children, with its tensors (the store's own: read, never write), and
-        every entry ``(kind, block id)`` from least to most recently used."""
-        return list(stored_blocks(self)), self.eviction.oldest_first()
-
-    def import_entries(self, blocks: Sequence[StoredBlock], recency: Sequence[EntryKey]) -> dict[int, int]:
-        """Insert loaded entries into an empty store without evicting; see
-        :func:`~hf_hybridcache.store.entries.import_entries`. Returns ``{given block id: new block id}``."""
-        return import_entries(self, blocks, recency)
-
-    def blocks(self) -> Iterator[StoredBlock]:
-        """Every stored block, parents before children, with its tensors (see :meth:`export_entries`)."""
-        return stored_blocks(self)
+    # ------------------------------------------------------------------ inspection
 
     def end_tokens(self, block_id: int) -> int:
         """The block boundary (in tokens) a stored block ends at."""

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ModelStateSpec
+from ..config import ModelStateSpec
 
 #: Operations per SSM state element and token of a selective scan (exp of the step, decay, input, readout).
 SCAN_FLOPS_PER_STATE_ELEMENT = 6

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _compat
-from .config import StateKey, split_state_key
+from .. import _compat
+from ..config import StateKey, split_state_key
 
 OFFLOAD_CHOICES = (None, "cpu")
 

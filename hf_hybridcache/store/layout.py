@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ModelStateSpec, StateKey, TensorSpec
+from ..config import ModelStateSpec, StateKey, TensorSpec
 
 #: The two kinds of entries, as the store names them.
 KINDS = ("kv", "checkpoint")
