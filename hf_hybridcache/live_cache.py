@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache
 
-from . import _compat, emission
+from . import _compat
 from .config import state_key
 from .hashing import BlockHash
 from .live import LiveRequest
+from .models import emission
 from .sharing import CacheCore
 
 

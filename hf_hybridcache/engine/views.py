@@ -7,7 +7,7 @@
   ``update_recurrent_state``, ``has_previous_state``, ``get_mask_sizes``, ``get_query_offset``), answered from the
   rows' state slots and the page pool with the semantics of transformers' ``LinearAttentionLayer`` and
   ``DynamicLayer`` (``cache_utils.py``, 5.23 - 5.24), plus the package's checkpoint protocol
-  (``checkpoint_positions`` / ``capture_states``, the conv capture of :mod:`~hf_hybridcache.emission`), as
+  (``checkpoint_positions`` / ``capture_states``, the conv capture of :mod:`~hf_hybridcache.models.emission`), as
   :class:`~hf_hybridcache.live_cache.LiveCache` answers them for ``generate()``.
 
 A view gathers its rows' states from the slots on first use and writes them back once the module returns; an
@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
-from .. import emission
 from ..config import ModelStateSpec, StateKey, state_key
+from ..models import emission
 from ..store.pages import PagePool
 from .plan import Group, StepPlan
 from .slots import StateSlots

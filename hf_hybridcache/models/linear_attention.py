@@ -4,7 +4,7 @@ transformers 5.23 keeps these mixers' state in the same ``LinearAttentionLayer``
 families, and their multi-token forward already continues exactly from a cached (conv, recurrent) state: the causal
 conv runs over ``cache.update_conv_state``'s output (cached window + new inputs) and the recurrence kernel takes the
 cached state as ``initial_state``. So no mixer is copied here. The patched forward runs the upstream forward
-unchanged and, when the cache wants states inside the call, makes an :class:`~hf_hybridcache.emission.Emission`
+unchanged and, when the cache wants states inside the call, makes an :class:`~hf_hybridcache.models.emission.Emission`
 active around it:
 
 - the conv windows at the positions are cut from the raw conv inputs the mixer hands to
@@ -32,8 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _compat, emission
+from .. import _compat
 from ..config import AttentionLayerSpec, MambaLayerSpec, ModelStateSpec, TensorSpec, state_key
+from . import emission
 from .base import ModelSupport, attention_layer_spec
 from .mamba1 import checkpoint_positions
 
@@ -117,7 +118,7 @@ def route_recurrence(kernel: RecurrenceKernel, original: Callable, *args, **kwar
     """The routed recurrence function: ``original`` unless a mixer call of this package wants states inside it.
 
     Returns ``original``'s ``(out [B, T, ...], final_state or None)``; the states after the emission's positions go to
-    the active :class:`~hf_hybridcache.emission.Emission`.
+    the active :class:`~hf_hybridcache.models.emission.Emission`.
     """
     active = emission.active()
     if active is None or active.recurrent is not None:

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import StateKey
+from ..config import StateKey
+from .mamba1 import conv_states_at
 
 _ACTIVE: contextvars.ContextVar[Emission | None] = contextvars.ContextVar("hf_hybridcache_emission", default=None)
 
@@ -43,8 +44,6 @@ class Emission:
     def capture_conv(self, conv_inputs: torch.Tensor, conv_state: torch.Tensor | None, width: int) -> None:
         """Cut the conv window (the last ``width`` raw conv inputs, zero-padded on a fresh prompt) after each
         position from the call's inputs ``[B, C, T]`` and the layer's conv state ``[B, C, W]`` before the call."""
-        from .models.mamba1 import conv_states_at
-
         self.conv = conv_states_at(conv_inputs, conv_state, width, self.positions)
 
 
