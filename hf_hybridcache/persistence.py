@@ -25,7 +25,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from . import _compat
+from . import _compat, _version
 from .config import ModelStateSpec
 from .hashing import BlockHash, block_hash, identity_config, model_identity
 from .models import support_for
@@ -156,9 +156,7 @@ def _tensor_digest(tensor: torch.Tensor) -> str:
 
 
 def _versions() -> dict:
-    from . import __version__
-
-    return {"hf_hybridcache": __version__, "transformers": _compat.TRANSFORMERS_VERSION}
+    return {"hf_hybridcache": _version.__version__, "transformers": _compat.TRANSFORMERS_VERSION}
 
 
 def _model_facts(model) -> dict:

@@ -173,7 +173,7 @@ def test_other_versions_are_refused(warm, model, cold_model, monkeypatch, packag
     if package == "transformers":
         monkeypatch.setattr(_compat, "TRANSFORMERS_VERSION", "9.9.9")
     else:
-        monkeypatch.setattr(hf_hybridcache, "__version__", "9.9.9")
+        monkeypatch.setattr(hf_hybridcache._version, "__version__", "9.9.9")
     _refused_and_nothing_lost(path, cache, cold_model, f"saved with {package} .* but 9.9.9 is running")
 
 

@@ -352,7 +352,7 @@ def test_an_explicit_seed_shares_only_under_the_same_versions(server, cold_model
     if package == "transformers":
         monkeypatch.setattr(_compat, "TRANSFORMERS_VERSION", "9.9.9")
     else:
-        monkeypatch.setattr(hf_hybridcache, "__version__", "9.9.9")
+        monkeypatch.setattr(hf_hybridcache._version, "__version__", "9.9.9")
     model = build_model("jamba", seed=0)
     cache = HybridPrefixCache(model, remote=server.url, seed=b"deployment seed")
     assert_matches_cold(model, cold_model, cache, ids, new_tokens=4)

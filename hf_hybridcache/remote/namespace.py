@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import hashlib
 
-from .. import _compat
+from .. import _compat, _version
 
 
 def computing_versions() -> tuple[str, str]:
     """The versions that compute the states, hf_hybridcache's and transformers': states are only reused under
     them, so they are in every key (:func:`~hf_hybridcache.remote.codec.key_namespace`) as well as in the derived
     seed (a given ``seed=`` names no version)."""
-    from .. import __version__
-
-    return __version__, _compat.TRANSFORMERS_VERSION
+    return _version.__version__, _compat.TRANSFORMERS_VERSION
 
 
 def namespace_identity(model_identity: str) -> str:
