@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from .loading import DTYPES
 
+
+class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows every option's default (once: a help text that names its default keeps it)."""
+
+    def _get_help_string(self, action):
+        if action.required or "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _retention(value: str):
@@ -13,26 +22,34 @@ def _retention(value: str):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m hf_hybridcache.serve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m hf_hybridcache.serve", description=__doc__,
+                                     formatter_class=_DefaultsShown)
     parser.add_argument("--model", required=True, help="a local path or hub id, or toy:FAMILY (e.g. toy:jamba)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--dtype", choices=list(DTYPES), default="auto")
+    parser.add_argument("--tokenizer", default=None,
+                        help="the tokenizer's local path or hub id (default: the model's; a toy's byte tokenizer)")
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8000, help="the port to listen on")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="auto",
+                        help="the weights' dtype (auto: the checkpoint's)")
     parser.add_argument("--device-map", default=None, help="from_pretrained's device_map (e.g. auto, cuda:0, cpu)")
     parser.add_argument("--served-model-name", default=None, help="the name clients ask for (default: --model)")
     parser.add_argument("--max-tokens", type=int, default=256, help="a chat reply's max_tokens when none is sent")
-    parser.add_argument("--max-running-requests", type=int, default=32)
-    parser.add_argument("--max-batch-tokens", type=int, default=512)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="prompt + reply tokens of one request at most; over it a 400 context_length_exceeded "
+                        "(default: what the model's positions and the memory allow)")
+    parser.add_argument("--max-running-requests", type=int, default=32, help="requests in one engine batch at most")
+    parser.add_argument("--max-batch-tokens", type=int, default=512, help="tokens in one engine step at most")
     cache = parser.add_argument_group("prefix cache (HybridPrefixCache's options)")
-    cache.add_argument("--block-size", type=int, default=16)
+    cache.add_argument("--block-size", type=int, default=16, help="tokens per stored KV block")
     cache.add_argument("--retention-interval", type=_retention, default=0, help='"dense", 0 or a multiple of tokens')
-    cache.add_argument("--max-cache-bytes", type=int, default=None)
-    cache.add_argument("--eviction", choices=["flop_aware", "lru"], default="flop_aware")
+    cache.add_argument("--max-cache-bytes", type=int, default=None,
+                       help="the stored cache's budget in bytes (default: the cache's own)")
+    cache.add_argument("--eviction", choices=["flop_aware", "lru"], default="flop_aware", help="the eviction policy")
     cache.add_argument("--offload", default=None, help='"cpu" to keep stored entries in host memory')
     cache.add_argument("--remote", default=None, help="redis://... for the shared second tier")
     cache.add_argument("--no-cache", action="store_true",
                        help="no prefix cache and no engine: one plain generate() at a time (the stock baseline)")
-    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--log-level", default="warning", help="uvicorn's log level")
     return parser.parse_args(argv)
 
 
@@ -43,25 +60,40 @@ def make_app(args: argparse.Namespace):
     from .backends import EngineBackend, SequentialBackend
     from .loading import load
 
-    model, tokenizer = load(args.model, args.dtype, args.device_map)
+    model, tokenizer = load(args.model, args.dtype, args.device_map, args.tokenizer)
     eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     name = args.served_model_name or args.model
     if args.no_cache:
-        return build_app(SequentialBackend(model, eos), tokenizer, name, None, args.max_tokens)
+        backend = SequentialBackend(model, eos) if args.max_model_len is None else SequentialBackend(
+            model, eos, max_request_tokens=args.max_model_len)
+        return build_app(backend, tokenizer, name, None, args.max_tokens)
     cache = HybridPrefixCache(model, args.block_size, args.retention_interval, args.max_cache_bytes,
                               eviction=args.eviction, offload=args.offload, remote=args.remote)
-    backend = EngineBackend(cache, eos, args.max_running_requests, args.max_batch_tokens)
+    backend = EngineBackend(cache, eos, args.max_running_requests, args.max_batch_tokens, args.max_model_len)
     return build_app(backend, tokenizer, name, cache, args.max_tokens)
 
 
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
+    from .loading import StartupError
+
     args = parse_args(argv)
-    app = make_app(args)
+    if args.max_model_len is not None and args.max_model_len < 2:
+        _exit(f"--max-model-len must be at least 2 (a prompt token and a reply token), got {args.max_model_len}.")
+    try:
+        app = make_app(args)
+    except (StartupError, ValueError) as problem:
+        _exit(str(problem))
     print(f"hf_hybridcache.serve: {args.served_model_name or args.model} at http://{args.host}:{args.port}/v1 "
           "(OpenAI API; /health, /metrics)", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def _exit(message: str) -> None:
+    """One line on stderr (what is wrong and what to do), exit status 2 (as argparse's own usage errors)."""
+    print(f"hf_hybridcache.serve: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -130,7 +130,8 @@ def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens:
         return await respond(job, body, completion_payloads(body.model), request)
 
     async def respond(job: Job, body, payloads, request: Request):
-        arrived, request_id = time.perf_counter(), f"cmpl-{uuid.uuid4().hex}"
+        arrived = time.perf_counter()
+        request_id = f"{'chatcmpl' if isinstance(body, ChatRequest) else 'cmpl'}-{uuid.uuid4().hex}"  # OpenAI's prefixes
         pieces = runner.pieces(job, arrived)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage

@@ -8,10 +8,10 @@ after every token); closing it early (a client that went away) cancels the reque
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig
@@ -19,7 +19,7 @@ from transformers.generation.stopping_criteria import StoppingCriteria
 from transformers.generation.streamers import BaseStreamer
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Sampling:
     """One request's sampling: ``temperature`` 0 is greedy; ``seed`` None draws one."""
 
@@ -33,7 +33,7 @@ class Sampling:
         return self.temperature == 0.0
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Progress:
     """A request's state after a step: its generated ids so far, the prompt tokens the cache restored, whether it is
     done and why it failed (None: it did not)."""
@@ -56,10 +56,15 @@ class EngineBackend:
         eos_token_ids: ids that end a reply.
         max_running_requests: requests in one batch at most.
         max_batch_tokens: tokens in one step at most.
+        max_model_len: prompt + reply tokens of one request at most (None: what the model's positions and the
+            memory allow).
+
+    Raises:
+        ValueError: ``max_model_len`` is over what the model and memory allow.
     """
 
     def __init__(self, cache, eos_token_ids: list[int], max_running_requests: int = 32,
-                 max_batch_tokens: int = 512) -> None:
+                 max_batch_tokens: int = 512, max_model_len: int | None = None) -> None:
         from .._compat.continuous_batching import ContinuousBatchingConfig
 
         vocab_size = cache.model.get_input_embeddings().num_embeddings
@@ -71,6 +76,11 @@ class EngineBackend:
                                             max_batch_tokens=max_batch_tokens)
         self.cache, self.vocab_size, self.eos_token_ids = cache, vocab_size, eos_token_ids
         self.manager = cache.init_continuous_batching(generation_config, batching)
+        if max_model_len is not None:
+            if max_model_len > self.manager.limits.max_request_tokens:
+                raise ValueError(f"--max-model-len {max_model_len} is over what this model and memory allow "
+                                 f"({self.manager.limits.max_request_tokens} tokens per request); lower it.")
+            self.manager.limits = dataclasses.replace(self.manager.limits, max_request_tokens=max_model_len)
         self._ids = itertools.count()
 
     @property

@@ -3,6 +3,8 @@ family with the byte tokenizer and its chat template, no download) or a path / h
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 TOY_PREFIX = "toy:"
@@ -11,7 +13,16 @@ TOY_PREFIX = "toy:"
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load(model_id: str, dtype: str = "auto", device_map: str | None = None):
+class StartupError(Exception):
+    """What is wrong with the server's startup arguments, in one line that says what to do (``python -m
+    hf_hybridcache.serve`` prints it and exits with status 2)."""
+
+
+#: Files of which a folder holds at least one when it has a tokenizer ``AutoTokenizer`` can load.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def load(model_id: str, dtype: str = "auto", device_map: str | None = None, tokenizer_id: str | None = None):
     """The ``(model, tokenizer)`` for ``model_id`` in eval mode.
 
     Args:
@@ -20,13 +31,16 @@ def load(model_id: str, dtype: str = "auto", device_map: str | None = None):
         dtype: a key of :data:`DTYPES`.
         device_map: accelerate's ``device_map`` for ``from_pretrained`` (``"auto"``, ``"cpu"``, ``"cuda:0"``); for a toy
             model, the device it is moved to.
+        tokenizer_id: the tokenizer's local path or hub id (None: ``model_id``'s).
 
     Raises:
         ValueError: an unknown dtype or toy family.
+        StartupError: a local path that does not exist, a folder without a tokenizer, or a hub id that cannot be
+            loaded (offline, not found): one line that says what to do.
     """
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
-    if model_id.startswith(TOY_PREFIX):
+    if model_id.startswith(TOY_PREFIX) and tokenizer_id is None:
         from ..toy import build_model, byte_tokenizer
 
         torch_dtype = torch.float32 if dtype == "auto" else DTYPES[dtype]
@@ -36,6 +50,38 @@ def load(model_id: str, dtype: str = "auto", device_map: str | None = None):
         return model, byte_tokenizer()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_id)
-    model = AutoModelForCausalLM.from_pretrained(model_id, dtype=DTYPES[dtype], device_map=device_map)
+    tokenizer_id = model_id if tokenizer_id is None else tokenizer_id
+    _check_source(model_id, "--model", needs_tokenizer=tokenizer_id == model_id)
+    if tokenizer_id != model_id:
+        _check_source(tokenizer_id, "--tokenizer", needs_tokenizer=True)
+    flag = "--model" if tokenizer_id == model_id else "--tokenizer"
+    tokenizer = _loaded(AutoTokenizer.from_pretrained, tokenizer_id, "tokenizer", flag)
+    model = _loaded(AutoModelForCausalLM.from_pretrained, model_id, "model", "--model", dtype=DTYPES[dtype],
+                    device_map=device_map)
     return model.eval(), tokenizer
+
+
+def _is_local(source: str) -> bool:
+    return os.path.isabs(source) or source.startswith((".", "~")) or os.path.exists(source) or source.count("/") > 1
+
+
+def _check_source(source: str, flag: str, needs_tokenizer: bool) -> None:
+    """Refuse a local path that does not exist, and a model folder without a tokenizer when it must give one."""
+    if not _is_local(source):
+        return
+    path = os.path.expanduser(source)
+    if not os.path.isdir(path):
+        raise StartupError(f"{flag} {source}: no such folder; pass a folder saved with save_pretrained() or a hub id.")
+    if needs_tokenizer and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise StartupError(f"{flag} {source} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save one "
+                           "there (tokenizer.save_pretrained) or pass --tokenizer PATH.")
+
+
+def _loaded(load_fn, source: str, what: str, flag: str, **kwargs):
+    """``load_fn(source, **kwargs)``, with a failure to find or download it as one :class:`StartupError` line."""
+    try:
+        return load_fn(source, **kwargs)
+    except (OSError, ValueError) as problem:
+        first = str(problem).strip().splitlines()[0] if str(problem).strip() else type(problem).__name__
+        where = "the folder" if _is_local(source) else "the Hugging Face Hub (offline, or no such repository?)"
+        raise StartupError(f"{flag} {source}: the {what} could not be loaded from {where}: {first}") from None

@@ -1,0 +1,92 @@
+"""Starting the server: every startup mistake is one line on stderr and exit status 2 (no traceback), ``--help``
+shows every default, ``--tokenizer`` loads a tokenizer from elsewhere, and ``--max-model-len`` bounds a request
+(a 400 ``context_length_exceeded`` through the ``openai`` client)."""
+
+import os
+import re
+import subprocess
+import sys
+
+import openai
+import pytest
+from test_serve import Server
+
+from hf_hybridcache.serve.__main__ import main, make_app, parse_args
+from hf_hybridcache.toy import build_model, byte_tokenizer
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """A saved model without a tokenizer, and a folder with only the tokenizer."""
+    root = tmp_path_factory.mktemp("startup")
+    build_model("jamba", seed=0).save_pretrained(root / "model")
+    byte_tokenizer().save_pretrained(root / "tokenizer")
+    return root
+
+
+def _startup_error(capsys, monkeypatch, *argv: str) -> str:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SystemExit) as stopped:
+        main(list(argv))
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hf_hybridcache.serve: error: "), err
+    return err[0]
+
+
+def test_each_startup_mistake_is_one_line_and_exit_2(folders, capsys, monkeypatch):
+    model, missing = str(folders / "model"), str(folders / "nowhere")
+    assert "holds no tokenizer" in _startup_error(capsys, monkeypatch, "--model", model)
+    assert "--tokenizer PATH" in _startup_error(capsys, monkeypatch, "--model", model)
+    assert "no such folder" in _startup_error(capsys, monkeypatch, "--model", missing)
+    assert "--tokenizer" in _startup_error(capsys, monkeypatch, "--model", model, "--tokenizer", missing)
+    hub = _startup_error(capsys, monkeypatch, "--model", "no-such-org/no-such-model")
+    assert "could not be loaded from the Hugging Face Hub" in hub and "--model no-such-org/no-such-model" in hub
+    assert "--max-model-len must be at least 2" in _startup_error(capsys, monkeypatch, "--model", "toy:jamba",
+                                                                 "--max-model-len", "1")
+    assert "over what this model and memory allow" in _startup_error(capsys, monkeypatch, "--model", "toy:jamba",
+                                                                    "--max-model-len", str(10**9))
+    assert "No tiny config for family 'nothing'" in _startup_error(capsys, monkeypatch, "--model", "toy:nothing")
+
+
+def test_the_command_itself_prints_one_line_without_a_traceback(folders):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "hf_hybridcache.serve", "--model", str(folders / "model")],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()]
+
+
+def test_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(["--help"])
+    assert stopped.value.code == 0
+    options = re.split(r"\n  (?=-)", capsys.readouterr().out.split("options:", 1)[1])  # one block per option
+    described = {block.split()[0].rstrip(","): " ".join(block.split()) for block in options if block.strip()}
+    assert len(described) > 15
+    for option, text in described.items():
+        if option not in ("-h", "--model"):
+            assert "(default:" in text, text
+    assert "(default: 8000)" in described["--port"] and "(default: 256)" in described["--max-tokens"]
+
+
+def test_tokenizer_from_another_folder_and_max_model_len(folders):
+    args = parse_args(["--model", str(folders / "model"), "--tokenizer", str(folders / "tokenizer"),
+                       "--max-model-len", "64", "--dtype", "float32"])
+    server = Server(make_app(args))
+    try:
+        client = server.client()
+        name = str(folders / "model")
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=name, messages=[{"role": "user", "content": "x" * 80}])
+        assert refused.value.code == "context_length_exceeded"
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=name, prompt="y" * 60, max_tokens=10)
+        assert refused.value.code == "context_length_exceeded"
+        fits = client.completions.create(model=name, prompt="y" * 60, temperature=0)  # the room left: 4 tokens
+        assert fits.usage.completion_tokens <= 4
+        chat = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert chat.id.startswith("chatcmpl-") and fits.id.startswith("cmpl-")
+    finally:
+        server.close()
