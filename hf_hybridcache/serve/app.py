@@ -131,7 +131,7 @@ def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens:
 
     async def respond(job: Job, body, payloads, request: Request):
         arrived = time.perf_counter()
-        request_id = f"{'chatcmpl' if isinstance(body, ChatRequest) else 'cmpl'}-{uuid.uuid4().hex}"  # OpenAI's prefixes
+        request_id = f"{'chatcmpl' if isinstance(body, ChatRequest) else 'cmpl'}-{uuid.uuid4().hex}"
         pieces = runner.pieces(job, arrived)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
