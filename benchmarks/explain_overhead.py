@@ -3,7 +3,7 @@
     OMP_WAIT_POLICY=PASSIVE PYTHONPATH=. python benchmarks/explain_overhead.py
     OMP_WAIT_POLICY=PASSIVE PYTHONPATH=. python benchmarks/explain_overhead.py --family qwen3_5_text --tokens 8192
 
-Every request makes one :class:`~hf_hybridcache.explain.HitReport` per row right after its lookup
+Every request makes one :class:`~hf_hybridcache.core.explain.HitReport` per row right after its lookup
 (``CacheCore.report``: the reason and its sentence, the records of evictions and earlier weights read) and counts and
 logs it. This measures that call on a ``--tokens`` prompt in the states that cost the most or the least, beside the
 lookup itself (``CacheCore.peek``: hashing the prompt's blocks) and one forward of the prompt without a cache, on the

@@ -8,7 +8,7 @@ so eviction runs all the time. The run checks:
 
 - every output against a cold run of the same prompt (an unpatched twin of the model, after the soak): tokens equal
   and first-step logits within 1e-4;
-- the store invariants (``hf_hybridcache.checks.check_store``: budget, byte accounting, block tree, hash chain, no
+- the store invariants (``hf_hybridcache.core.check_store``: budget, byte accounting, block tree, hash chain, no
   stored entry ever written, no stray pins) every ``--check-every`` requests while the workers run;
 - at the end: a save / load round trip with identical entries, and ``clear()`` leaving zero bytes.
 
@@ -38,7 +38,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
-from hf_hybridcache.checks import check_store, entry_digests
+from hf_hybridcache.core import check_store, entry_digests
 from hf_hybridcache.toy import VOCAB_SIZE, build_model
 
 

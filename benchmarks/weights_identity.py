@@ -1,4 +1,4 @@
-"""Cost of the weights identity (:mod:`hf_hybridcache.weights`) on real model shapes, next to a 64-token forward.
+"""Cost of the weights identity (:mod:`hf_hybridcache.core.weights`) on real model shapes, next to a 64-token forward.
 
 For each shape of ``benchmarks/model_shapes.py`` (random weights; ``--shapes family:shape``) and each ``--dtypes``
 one row:
@@ -35,7 +35,7 @@ import torch
 
 from benchmarks.model_shapes import build_shape_model
 from hf_hybridcache import _compat
-from hf_hybridcache.weights import WeightsTracker, weights_identity
+from hf_hybridcache.core import WeightsTracker, weights_identity
 
 COLUMNS = ("shape", "dtype", "tensors", "GB", "full s", "GB/s", "sha256 s", "check ms", "fwd 64 ms", "check/fwd")
 

@@ -4,7 +4,7 @@ from ._compat import CACHE_KWARG
 from ._version import __version__
 from .cache import HybridPrefixCache
 from .config import DEFAULT_MAX_CACHE_BYTES
-from .explain import HitReport
+from .core import HitReport
 from .models import supported_model_types
 from .sizing import CacheSizes, sizes
 from .stats import PrefixCacheStats

@@ -7,7 +7,7 @@ the patched mixers call. What happens during a call lives elsewhere, in the orde
 - :mod:`~hf_hybridcache.lifecycle`, which starts a request (lookup + restore: :mod:`~hf_hybridcache.live`, batches:
   :mod:`~hf_hybridcache.batch`) and brackets every forward of the live request
   (:class:`~hf_hybridcache.live.LiveRequest`), which stores full blocks and checkpoints through
-- :class:`~hf_hybridcache.sharing.CacheCore`, what a cache and its views share (hash roots, weights state, remote
+- :class:`~hf_hybridcache.core.sharing.CacheCore`, what a cache and its views share (hash roots, weights state, remote
   tier, counters, lock), in its :class:`~hf_hybridcache.store.PrefixStore` (block pool, KV and checkpoint stores,
   lookup, retention, eviction).
 """
@@ -23,17 +23,15 @@ from transformers.cache_utils import Cache
 
 from . import _compat, dry_run, lifecycle
 from .config import DEFAULT_MAX_CACHE_BYTES, CacheOptions
-from .explain import HitReport
+from .core import CacheCore, HitReport, WeightsTracker, load_cache, save_cache
 from .hashing import hash_seed, model_identity
 from .live_cache import LiveCache, LiveState
 from .models import support_for
 from .remote import RemoteTier, remote_config
 from .remote import attach as attach_remote
 from .reply_replay import replays_by_default
-from .sharing import CacheCore
 from .stats import PrefixCacheStats
 from .store import FlopModel, Placement, PrefixStore, layer_devices, make_eviction
-from .weights import WeightsTracker
 
 __all__ = ["HybridPrefixCache", "PrefixCacheStats"]
 
@@ -74,10 +72,10 @@ class HybridPrefixCache(LiveCache):
             two tokens to a hit's tail (:mod:`hf_hybridcache.reply_replay`); None: on in bf16/fp16, see there.
 
     Threads: ``generate()`` calls with one cache from several threads run one at a time; calls on different
-    :meth:`with_salt` views run at the same time; see :mod:`hf_hybridcache.calls`.
+    :meth:`with_salt` views run at the same time; see :mod:`hf_hybridcache.core.calls`.
 
     Attributes:
-        core: the :class:`~hf_hybridcache.sharing.CacheCore` this cache and its views share (store, hash roots,
+        core: the :class:`~hf_hybridcache.core.sharing.CacheCore` this cache and its views share (store, hash roots,
             weights state, remote tier, counters, lock): the interface for code that serves requests beside
             ``generate()``; not needed to use the cache.
         live: this view's :class:`~hf_hybridcache.live_cache.LiveState` (its live request).
@@ -236,7 +234,7 @@ class HybridPrefixCache(LiveCache):
 
     def clear(self) -> None:
         """Drop every stored KV block and checkpoint (for all :meth:`with_salt` views) and the live request, and read
-        every weight again (:mod:`~hf_hybridcache.weights`: after a write through ``param.data``, which requests do not
+        every weight again (:mod:`~hf_hybridcache.core.weights`: after a write through ``param.data``, which requests do not
         always see, requests root in the new weights). Counters of past requests stay. Waits for a running call in
         another thread.
 
@@ -302,8 +300,6 @@ class HybridPrefixCache(LiveCache):
             ValueError: ``path`` is a directory or its folder does not exist; nothing is written.
             RuntimeError: called from inside a running ``generate()`` in this thread.
         """
-        from .persistence import save_cache
-
         with self.core.idle("save()"):
             save_cache(self, path)
 
@@ -336,8 +332,6 @@ class HybridPrefixCache(LiveCache):
             ValueError: the file is not a cache file, is truncated or corrupted (checksums), or was saved for another
                 model or version; nothing in memory changes.
         """
-        from .persistence import load_cache
-
         return load_cache(cls, path, model, max_cache_bytes, retention_interval, offload, remote)
 
     def __repr__(self) -> str:

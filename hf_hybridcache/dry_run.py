@@ -1,4 +1,4 @@
-"""``cache.explain``: the reports a ``generate()`` of these ids would give (:mod:`~hf_hybridcache.explain`), changing
+"""``cache.explain``: the reports a ``generate()`` of these ids would give (:mod:`~hf_hybridcache.core.explain`), changing
 nothing: no recency is touched, nothing is stored or counted, the tier is read only when asked (one ``EXISTS``
 pipeline per row, which leaves no trace) and never written.
 
@@ -14,7 +14,7 @@ import torch
 
 from . import lifecycle
 from .batch import mask_lengths, unpadded_rows
-from .explain import HitReport, not_cacheable
+from .core import HitReport, not_cacheable
 from .hashing import BlockHash, chain_hashes
 from .store import Hit, PrefixStore, last_boundary, retained_boundaries
 from .store.lookup import find_hit
@@ -33,7 +33,7 @@ def explain_call(cache, input_ids, salt: str | None, remote: bool, attention_mas
         attention_mask: ``[B, T]`` as for ``generate()`` (left padding), or None.
 
     Returns:
-        A :class:`~hf_hybridcache.explain.HitReport` for one prompt, a list of them (one per row) for B > 1.
+        A :class:`~hf_hybridcache.core.explain.HitReport` for one prompt, a list of them (one per row) for B > 1.
 
     Raises:
         ValueError: ``salt`` is not None or a non-empty string; ids that ``generate()`` with the cache refuses (not

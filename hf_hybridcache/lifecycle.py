@@ -1,7 +1,7 @@
 """The life of one call, in the order it happens; the integration layer (``_compat.generation``) calls these.
 
 1. :func:`generate_call` holds the view's call lock for the whole ``generate()`` call (released in ``finally``;
-   the store's own lock is taken only around each store operation, see :mod:`~hf_hybridcache.calls`).
+   the store's own lock is taken only around each store operation, see :mod:`~hf_hybridcache.core.calls`).
 2. :func:`begin_request` runs before ``generate()`` reads ``get_seq_length()``: it checks the request, ends the
    previous one, restores each row's longest stored prefix into fresh live layers (:mod:`~hf_hybridcache.live`;
    batches via :mod:`~hf_hybridcache.batch`) and makes the new :class:`~hf_hybridcache.live.LiveRequest` live.
@@ -21,12 +21,12 @@ import time
 
 import torch
 
-from . import _compat, explain
+from . import _compat
 from .batch import mask_lengths, replay_rows, unpadded_rows
+from .core import Row, log_request, not_cacheable
 from .live import LiveRequest, restore_row
 from .live_cache import LiveCache
 from .reply_replay import replay_replies
-from .rows import Row
 from .store import synchronize
 
 logger = logging.getLogger("hf_hybridcache")
@@ -166,7 +166,7 @@ def start_request(
     """End the view's live request and those of views not in a call, then restore each row's longest hit into fresh
     live layers and make the new request live. ``input_ids`` ``[B, T]`` (None: nothing is looked up, e.g.
     ``inputs_embeds``); ``prompt_tokens`` counts the prompt when there are no ids; ``uncached`` says why there are
-    none (a key of :data:`~hf_hybridcache.explain.NOT_CACHEABLE`; None: ``inputs_embeds``, or padding inside a
+    none (a key of :data:`~hf_hybridcache.core.explain.NOT_CACHEABLE`; None: ``inputs_embeds``, or padding inside a
     prompt); a single row's restored KV gets room for ``decode_tokens`` tokens fed after the prompt
     (:func:`~hf_hybridcache.live.restore_row`)."""
     end_request(cache)
@@ -182,7 +182,7 @@ def start_request(
         request = LiveRequest(cache, rows, tracking=single)
         _log_no_reuse(cache, input_ids is None)
         cause = uncached or ("inputs_embeds" if input_ids is None else "padding")
-        reports = [explain.not_cacheable(n, cause) for n in lengths]
+        reports = [not_cacheable(n, cause) for n in lengths]
     elif num_rows == 1 and len(rows_tokens[0]) == input_ids.shape[1]:
         row = restore_row(cache, rows_tokens[0], decode_tokens=decode_tokens)
         request = LiveRequest(cache, [row], tracking=True, forward_end=row.hit_tokens)
@@ -198,7 +198,7 @@ def start_request(
     request.number = cache.core.count_request(
         sum(lengths), sum(cache.last_hit_tokens), [report.reason for report in reports]
     )
-    explain.log_request(request.number, reports)
+    log_request(request.number, reports)
     divergences = [row.divergence_tokens for row in request.rows]
     logger.debug(
         "request %d: prompt tokens %s, hit %s, replay %d, divergence at %s",
@@ -259,7 +259,7 @@ def end_idle_requests(cache) -> None:
 
 
 def end_live_requests(cache) -> None:
-    """End every live request of ``cache``'s store (the caller holds :meth:`~hf_hybridcache.sharing.CacheCore.idle`,
+    """End every live request of ``cache``'s store (the caller holds :meth:`~hf_hybridcache.core.sharing.CacheCore.idle`,
     so no view is in a call)."""
     end_request(cache)
     end_idle_requests(cache)
@@ -273,7 +273,7 @@ def _live_is_empty(cache) -> bool:
 
 def check_request(cache, input_ids: torch.Tensor | None) -> None:
     """Refuse, before anything changes, a request that cannot run: the model changed dtype or devices since the cache
-    was built (:meth:`~hf_hybridcache.sharing.CacheCore.check_model`), an empty prompt, token ids outside the
+    was built (:meth:`~hf_hybridcache.core.sharing.CacheCore.check_model`), an empty prompt, token ids outside the
     vocabulary.
 
     Raises:

@@ -16,8 +16,8 @@ import torch
 
 from . import _compat
 from .config import StateKey, split_state_key
+from .core import Row
 from .kernels.paged_copy import KVBlock
-from .rows import Row
 from .store import LayerState
 from .store.retention import plan_checkpoints
 
@@ -25,7 +25,7 @@ logger = logging.getLogger("hf_hybridcache")
 
 
 def restore_row(cache, token_ids: list[int], tail_tokens: int | None = None, decode_tokens: int = 0) -> Row:
-    """Copy the longest stored prefix of ``token_ids`` (:meth:`~hf_hybridcache.sharing.CacheCore.lookup`, the remote
+    """Copy the longest stored prefix of ``token_ids`` (:meth:`~hf_hybridcache.core.sharing.CacheCore.lookup`, the remote
     tier included) into ``cache``'s (fresh, single-row) live layers and pin its chain; at least ``tail_tokens`` tokens
     are left to run (None: the options' ``min_tail_tokens``). Full attention layers get buffers with room for the
     prompt's tail and ``decode_tokens`` more tokens (the decode steps ``generate()`` will feed), which their updates

@@ -17,25 +17,25 @@ from transformers.cache_utils import Cache
 
 from . import _compat
 from .config import state_key
+from .core import CacheCore
 from .hashing import BlockHash
 from .live import LiveRequest
 from .models import emission
-from .sharing import CacheCore
 
 
 @dataclass(eq=False)
 class LiveState:
     """The live-request state of one view (a cache or one of its ``with_salt`` views); what the view shares with the
-    others is its :class:`~hf_hybridcache.sharing.CacheCore`.
+    others is its :class:`~hf_hybridcache.core.sharing.CacheCore`.
 
     Attributes:
         root: parent hash of block 0 for this view's requests (its salt and the weights state of its last request).
         weights_generation: the weights generation of its last request
-            (:meth:`~hf_hybridcache.sharing.CacheCore.request_start`).
+            (:meth:`~hf_hybridcache.core.sharing.CacheCore.request_start`).
         request: the live request of this view, or None between requests.
         awaiting_request: a ``generate()`` call is running and its request has not begun yet.
         rollback_next_request: assisted decoding asked for per-token states before its request began.
-        call_lock: held for each ``generate()`` call and forward with the view (:mod:`~hf_hybridcache.sharing`).
+        call_lock: held for each ``generate()`` call and forward with the view (:mod:`~hf_hybridcache.core.sharing`).
     """
 
     root: BlockHash

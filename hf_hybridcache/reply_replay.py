@@ -12,7 +12,7 @@ the tiny models (benchmarks/bf16_multiturn.py), enough to flip near-tied tokens.
 round-off.
 
 With ``replay_replies`` a row stores nothing past its first decode step while the request runs
-(:attr:`~hf_hybridcache.rows.Row.prefill_tokens`). When ``generate()`` has produced its output,
+(:attr:`~hf_hybridcache.core.rows.Row.prefill_tokens`). When ``generate()`` has produced its output,
 :func:`replay_replies` restores each row's deepest checkpoint at or before that step into fresh live layers and runs
 the row's tokens up to its last block boundary as one forward, which stores their KV blocks, the retained
 checkpoints and the decode-end checkpoint as a prefill does. The live layers of the request are left as they are
@@ -31,8 +31,8 @@ import torch
 
 from . import _compat
 from .config import ModelStateSpec
+from .core import replay_start
 from .live import LiveRequest, restore_row
-from .rows import Row
 from .store import last_boundary
 
 logger = logging.getLogger("hf_hybridcache")
@@ -72,15 +72,6 @@ def replay_replies(cache, run_forward: Callable = _compat.run_forward) -> None:
     finally:
         cache.layers, cache.live.request = live_layers, request
     request.stop_tracking("its reply was stored from a replay")
-
-
-def replay_start(row: Row, block_size: int) -> int | None:
-    """The boundary a row's replay starts from (its last one before the first decode step), or None when no block
-    boundary was reached past it."""
-    if row.prefill_tokens is None or not row.storing:
-        return None
-    start = last_boundary(row.prefill_tokens, block_size)
-    return start if last_boundary(len(row.token_ids), block_size) > start else None
 
 
 def _replay(

@@ -38,8 +38,8 @@ class PrefixCacheStats:
         remote_recomputed_tokens: tokens the tier held beyond the local hit but left there, recomputing them being
             measured as faster than fetching them (:func:`~hf_hybridcache.remote.fetch.worth_fetching`). The
             ``remote_*`` counters stay 0 without ``remote=``.
-        misses_by_reason: ``{reason: rows}`` over every :data:`~hf_hybridcache.explain.REASONS` (0 when none): why
-            each prompt row looked up so far hit what it hit (:class:`~hf_hybridcache.explain.HitReport`). A full hit
+        misses_by_reason: ``{reason: rows}`` over every :data:`~hf_hybridcache.core.explain.REASONS` (0 when none): why
+            each prompt row looked up so far hit what it hit (:class:`~hf_hybridcache.core.explain.HitReport`). A full hit
             counts as ``"complete"``, so the values add up to the rows served (``requests`` for single-row calls);
             every other reason is a miss or a short hit.
     """

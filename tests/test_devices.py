@@ -9,8 +9,8 @@ from conftest import FAMILIES, assert_matches_cold, needs_cuda, random_ids
 from transformers import AutoModelForCausalLM
 
 from hf_hybridcache import HybridPrefixCache, _compat
-from hf_hybridcache.checks import check_store
 from hf_hybridcache.config import split_state_key
+from hf_hybridcache.core import check_store
 from hf_hybridcache.toy import build_model
 
 CUDA = torch.cuda.is_available()

@@ -11,7 +11,7 @@ from engine_scenarios import GREEDY, alone, alone_logprobs, config, finals, ids
 from transformers import ContinuousBatchingConfig
 
 from hf_hybridcache import HybridPrefixCache
-from hf_hybridcache.checks import check_store
+from hf_hybridcache.core import check_store
 from hf_hybridcache.toy import build_model
 
 SHARED = ids(40, seed=900)

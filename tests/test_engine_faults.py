@@ -10,7 +10,7 @@ from conftest import assert_matches_cold, random_ids
 from engine_scenarios import alone, config, finals, ids
 
 from hf_hybridcache import HybridPrefixCache, _compat
-from hf_hybridcache.checks import check_store
+from hf_hybridcache.core import check_store
 
 PROMPTS = [ids(40 + i, seed=3110 + i) for i in range(8)]
 NEW_TOKENS = 40

@@ -11,7 +11,7 @@ import torch
 from engine_scenarios import alone, config, ids
 
 from hf_hybridcache import HybridPrefixCache
-from hf_hybridcache.checks import check_store
+from hf_hybridcache.core import check_store
 from hf_hybridcache.engine import EngineLimits
 from hf_hybridcache.engine.engine import Engine
 from hf_hybridcache.engine.requests import EngineRequest

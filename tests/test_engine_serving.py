@@ -8,12 +8,12 @@ import time
 
 import pytest
 import torch
-from transformers import ContinuousBatchingConfig
 from conftest import greedy, random_ids
 from engine_scenarios import alone, config, finals, ids
+from transformers import ContinuousBatchingConfig
 
 from hf_hybridcache import HybridPrefixCache
-from hf_hybridcache.checks import check_store
+from hf_hybridcache.core import check_store
 from hf_hybridcache.engine import EngineLimits
 
 pytestmark = pytest.mark.parametrize("family", ["jamba", "qwen3_5_text", "lfm3"])

@@ -6,7 +6,7 @@ import torch
 from conftest import assert_restored_states_match, greedy, random_ids
 
 from hf_hybridcache import HybridPrefixCache
-from hf_hybridcache.checks import entry_digests
+from hf_hybridcache.core import entry_digests
 from hf_hybridcache.store import entry_layout
 from hf_hybridcache.toy import build_model
 

@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation.utils import GenerationMixin
 
 from hf_hybridcache import CACHE_KWARG, DEFAULT_MAX_CACHE_BYTES, HybridPrefixCache, _compat
-from hf_hybridcache.checks import check_store, entry_digests
+from hf_hybridcache.core import check_store, entry_digests
 from hf_hybridcache.toy import VOCAB_SIZE, build_model
 
 

@@ -10,7 +10,7 @@ import torch
 from conftest import random_ids
 
 from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
-from hf_hybridcache.explain import HITS_LOGGER, REASONS, HitReport
+from hf_hybridcache.core import HITS_LOGGER, REASONS, HitReport
 from hf_hybridcache.remote import RemoteConfig
 from hf_hybridcache.toy import build_model
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from test_batches import left_pad
 
 from hf_hybridcache import HybridPrefixCache
-from hf_hybridcache.checks import check_store, entry_digests
+from hf_hybridcache.core import check_store, entry_digests
 from hf_hybridcache.toy import VOCAB_SIZE, build_model
 
 EXAMPLES = int(os.environ.get("HF_HYBRIDCACHE_FUZZ_EXAMPLES", "0"))

@@ -5,7 +5,7 @@ import torch
 from conftest import assert_matches_cold, random_ids
 
 from hf_hybridcache import HybridPrefixCache
-from hf_hybridcache.checks import check_store
+from hf_hybridcache.core import check_store
 from hf_hybridcache.hashing import chain_hashes
 
 pytestmark = pytest.mark.parametrize("family", ["jamba", "zamba2"])

@@ -14,8 +14,8 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 import hf_hybridcache
-from hf_hybridcache import HybridPrefixCache, _compat, persistence
-from hf_hybridcache.checks import check_store, entry_digests
+from hf_hybridcache import HybridPrefixCache, _compat
+from hf_hybridcache.core import check_store, entry_digests, persistence
 from hf_hybridcache.toy import build_model
 
 # Kimi Linear: an MLA layer stores keys and values of two widths (two tensors per layer in the file).

@@ -9,7 +9,7 @@ from conftest import assert_matches_cold, greedy, random_ids
 from test_batches import left_pad
 
 from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
-from hf_hybridcache.checks import check_store
+from hf_hybridcache.core import check_store
 from hf_hybridcache.toy import build_model
 
 

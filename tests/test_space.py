@@ -201,6 +201,15 @@ def test_browser_chat_shows_the_cache_at_work(app_url, tmp_path):
             page.locator("#hit-plot canvas, #hit-plot svg").first.wait_for(timeout=30_000)
             assert page.locator("#retention input").is_disabled()  # settings are fixed once the cache exists
 
+            # Table headers wrap between words, never inside one, even in a narrow window.
+            page.set_viewport_size({"width": 760, "height": 1100})
+            assert _words_broken_across_lines(page, "#turns th") == [], "a header breaks inside a word"
+            page.set_viewport_size({"width": 1440, "height": 1100})
+            page.get_by_role("tab", name="How it works").click()
+            how = page.locator("#how-it-works").inner_text()
+            assert "HybridPrefixCache" in how and ":class:" not in how and "``" not in how
+            page.get_by_role("tab", name="Chat").click()
+
             screenshot = tmp_path / "space.png"
             page.screenshot(path=str(screenshot), full_page=True)
             assert screenshot.stat().st_size > 10_000
@@ -224,6 +233,39 @@ def test_browser_chat_shows_the_cache_at_work(app_url, tmp_path):
             assert "second visitor" in other_chat and "hybrid model hybrid" not in other_chat
         finally:
             context.close()
+
+
+def _words_broken_across_lines(page, selector: str) -> list[str]:
+    """The words of the elements matching ``selector`` whose letters lie on more than one line."""
+    return page.evaluate(
+        """selector => {
+            const broken = [];
+            for (const cell of document.querySelectorAll(selector)) {
+                const walker = document.createTreeWalker(cell, NodeFilter.SHOW_TEXT);
+                for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+                    for (const match of node.textContent.matchAll(/\\S+/g)) {
+                        const range = document.createRange();
+                        range.setStart(node, match.index);
+                        range.setEnd(node, match.index + match[0].length);
+                        const tops = new Set([...range.getClientRects()].map(r => Math.round(r.top)));
+                        if (tops.size > 1) broken.push(match[0]);
+                    }
+                }
+            }
+            return broken;
+        }""",
+        selector,
+    )
+
+
+def test_empty_reply_and_how_it_works_text():
+    """A reply that is empty (the first token was the end of sequence) says so; "How it works" is Markdown without
+    Sphinx roles."""
+    app = _app_module()
+    shown = app.render_chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}], [])
+    assert shown[1]["content"] == app.EMPTY_REPLY and "empty reply" in app.EMPTY_REPLY
+    how = app.how_it_works()
+    assert "`HybridPrefixCache`" in how and ":class:" not in how and "``" not in how
 
 
 def test_three_browser_sessions_chat_at_once(app_url, tmp_path):

@@ -7,8 +7,8 @@ from conftest import KDA_FAMILIES, assert_matches_cold, assert_restored_states_m
 from safetensors import safe_open
 
 from hf_hybridcache import HybridPrefixCache
-from hf_hybridcache.checks import check_store, entry_digests
 from hf_hybridcache.config import AttentionLayerSpec
+from hf_hybridcache.core import check_store, entry_digests
 from hf_hybridcache.store.kv_store import KVStore
 from hf_hybridcache.toy import build_model
 

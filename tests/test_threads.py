@@ -9,7 +9,7 @@ import torch
 from conftest import assert_matches_cold, greedy, random_ids
 
 from hf_hybridcache import CACHE_KWARG, HybridPrefixCache, _compat
-from hf_hybridcache.checks import check_store
+from hf_hybridcache.core import check_store
 
 pytestmark = pytest.mark.parametrize("family", ["jamba", "zamba2"])
 

@@ -11,9 +11,10 @@ from conftest import FAMILIES, greedy, random_ids
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hf_hybridcache import CACHE_KWARG, HybridPrefixCache, _compat, weights
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache, _compat
+from hf_hybridcache.core import weights
+from hf_hybridcache.core.weights import RUN_ELEMENTS, tensor_digest
 from hf_hybridcache.toy import build_model
-from hf_hybridcache.weights import RUN_ELEMENTS, tensor_digest
 
 peft = pytest.importorskip("peft")
 NEW_TOKENS = 4

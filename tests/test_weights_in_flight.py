@@ -11,7 +11,7 @@ from conftest import assert_matches_cold, random_ids
 from engine_scenarios import config, ids
 
 from hf_hybridcache import CACHE_KWARG, HybridPrefixCache, _compat
-from hf_hybridcache.checks import check_store
+from hf_hybridcache.core import check_store
 from hf_hybridcache.toy import build_model
 
 FAMILIES = ["jamba", "qwen3_5_text", "lfm2"]  # Mamba-1, gated delta net, short conv

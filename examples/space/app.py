@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import re
 import sys
 import threading
 import time
@@ -109,7 +110,7 @@ class CacheSettings:
 @dataclass(frozen=True)
 class TurnStats:
     """Numbers of one chat turn. TTFT is measured from queueing the request to its first new token, in ms;
-    ``reason`` and ``detail`` say why the hit is that long (:class:`~hf_hybridcache.explain.HitReport`);
+    ``reason`` and ``detail`` say why the hit is that long (:class:`~hf_hybridcache.core.explain.HitReport`);
     ``requests_at_once`` is the most requests the engine ran in one step while this turn ran (this one included)."""
 
     prompt_tokens: int
@@ -429,11 +430,17 @@ def _badge(turn: TurnStats) -> str:
     return text
 
 
+#: What the chat shows for a reply with no text: the model ended it at once (its first token was the end of sequence).
+EMPTY_REPLY = "_(empty reply: the model's first token was its end-of-sequence token)_"
+
+
 def render_chat(conversation: list[dict], turns: list[TurnStats], pending: ChatUpdate | None = None) -> list[dict]:
-    """Chatbot messages: each reply followed by a collapsed box whose title holds the turn's numbers."""
+    """Chatbot messages: each reply followed by a collapsed box whose title holds the turn's numbers; an empty reply
+    says so (:data:`EMPTY_REPLY`) instead of showing an empty bubble."""
     shown: list[dict] = []
     for i, message in enumerate(conversation):
-        shown.append({"role": message["role"], "content": message["content"]})
+        empty = message["role"] == "assistant" and not message["content"].strip()
+        shown.append({"role": message["role"], "content": EMPTY_REPLY if empty else message["content"]})
         turn_index = i // 2
         if message["role"] == "assistant" and turn_index < len(turns):
             turn = turns[turn_index]
@@ -479,6 +486,20 @@ def turns_markdown(turns: list[TurnStats]) -> str:
 
 
 # ---------------------------------------------------------------------- the app
+
+
+#: Table headers wrap between words, never inside one (the turns table and the cache panel).
+CSS = """
+#turns th, #turns td, #cache-panel th { word-break: normal; overflow-wrap: normal; hyphens: none; }
+"""
+
+
+def how_it_works() -> str:
+    """The module docstring up to "Run it with", as Markdown: Sphinx roles and double backticks become code spans."""
+    text = __doc__.split("Run it with")[0]
+    text = re.sub(r":[a-z]+:`~?(?:[\w.]+\.)?(\w+)`", r"`\1`", text)  # :class:`~a.b.C` -> `C`
+    return text.replace("``", "`")
+
 
 
 INTRO = """\
@@ -623,7 +644,7 @@ def build_demo(engine: ChatEngine) -> gr.Blocks:
                     refresh_btn = gr.Button("Refresh", size="sm", elem_id="refresh")
                     clear_btn = gr.Button("Clear cache", size="sm", variant="stop", elem_id="clear-cache")
         with gr.Tab("How it works"):
-            gr.Markdown(__doc__.split("Run it with")[0])
+            gr.Markdown(how_it_works(), elem_id="how-it-works")
         panel = [panel_box, plot, retention, eviction, budget]
 
         send_inputs = [msg, system, compare, retention, eviction, budget, state_conversation, state_turns]
@@ -665,7 +686,7 @@ def main(argv: list[str] | None = None) -> None:
     engine.warm_up()
     demo = build_demo(engine)
     demo.queue(default_concurrency_limit=1)
-    demo.launch(server_name=args.host, server_port=args.port)
+    demo.launch(server_name=args.host, server_port=args.port, css=CSS)
 
 
 if __name__ == "__main__":

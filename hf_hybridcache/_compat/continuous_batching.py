@@ -61,7 +61,7 @@ class EngineOutput(GenerationOutput):
 
     Attributes:
         hit_tokens: prompt tokens restored from the cache (shared by reference) instead of computed; 0 for a miss.
-        hit_report: why the hit is that long (:class:`~hf_hybridcache.explain.HitReport`), made at the request's
+        hit_report: why the hit is that long (:class:`~hf_hybridcache.core.explain.HitReport`), made at the request's
             first admission; None before it.
     """
 

@@ -30,7 +30,7 @@ import threading
 
 
 class CallScopes:
-    """The scopes of calls on a :class:`~hf_hybridcache.sharing.CacheCore` (its base class): it sets ``store_lock``,
+    """The scopes of calls on a :class:`~hf_hybridcache.core.sharing.CacheCore` (its base class): it sets ``store_lock``,
     ``calls`` (a :class:`CallGate`) and ``generating_threads``."""
 
     store_lock: threading.RLock

@@ -8,8 +8,8 @@ import hashlib
 
 import torch
 
-from .config import split_state_key
-from .hashing import block_hash
+from ..config import split_state_key
+from ..hashing import block_hash
 
 
 def _digest(tensors) -> str:

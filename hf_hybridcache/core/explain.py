@@ -2,9 +2,9 @@
 and for a dry run (``cache.explain``) alike.
 
 A report is made from the lookup's result (:class:`~hf_hybridcache.store.Hit`), the store, the record of evictions
-and the weights states before the current one (:mod:`~hf_hybridcache.history`), right after the lookup and before
+and the weights states before the current one (:mod:`~hf_hybridcache.core.history`), right after the lookup and before
 the request stores anything: :func:`make_report`, reached through :meth:`CacheCore.report
-<hf_hybridcache.sharing.CacheCore.report>`, so any caller that looks up through the core (a serving engine) makes its
+<hf_hybridcache.core.sharing.CacheCore.report>`, so any caller that looks up through the core (a serving engine) makes its
 reports the same way. Its ``reason`` is the first of :data:`REASONS` that applies:
 
 - ``"not_cacheable"``: the call stores and restores nothing (``use_cache=False``, training mode, ``inputs_embeds``
@@ -18,7 +18,9 @@ reports the same way. Its ``reason`` is the first of :data:`REASONS` that applie
 - ``"diverged"``: the hit reaches the end of the stored KV chain, where a stored block continues the prompt's prefix
   with other tokens;
 - ``"new_tokens"``: the hit reaches the end of the stored KV chain and nothing is stored past it;
-- ``"remote_recomputed"``: the remote tier held a longer hit, and fetching it was measured slower than recomputing.
+- ``"remote_recomputed"``: the remote tier held a longer hit, and fetching it was measured slower than recomputing;
+- ``"prompt_logprobs"`` (serving engine only): the request asks for its prompt's logprobs, and the store held a longer
+  hit whose tokens' logprobs were not kept (:mod:`~hf_hybridcache.engine.score_store`); given in place of the others.
 
 The last four are exclusive by definition: ``no_checkpoint``, ``diverged`` and ``new_tokens`` say that nothing stored
 (locally or in the tier) gives a longer hit, ``remote_recomputed`` that the tier does.
@@ -32,19 +34,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from .hashing import BlockHash, block_hash
+from ..config import CacheOptions
+from ..hashing import BlockHash, block_hash
+from ..store import Hit, PrefixStore
 from .history import Eviction, EvictionLog
-from .store import Hit
-
-if TYPE_CHECKING:
-    from .sharing import CacheCore
 
 #: Every reason a report gives, in the order they are tried.
 REASONS = (
     "not_cacheable", "too_short", "complete", "weights_changed", "evicted", "no_checkpoint", "diverged", "new_tokens",
-    "remote_recomputed",
+    "remote_recomputed", "prompt_logprobs",
 )
 #: The logger of the per-request line (INFO: request number, hit, reason, detail); silent unless enabled.
 HITS_LOGGER = "hf_hybridcache.hits"
@@ -95,7 +95,20 @@ def not_cacheable(prompt_tokens: int, cause: str) -> HitReport:
     return HitReport(prompt_tokens, 0, 0, 0, "not_cacheable", NOT_CACHEABLE[cause])
 
 
-def make_report(core: CacheCore, token_ids: list[int], root: BlockHash, hit: Hit) -> HitReport:
+class ReportSource(Protocol):
+    """What a report reads of the :class:`~hf_hybridcache.core.sharing.CacheCore` that makes it."""
+
+    options: CacheOptions
+    store: PrefixStore
+    evictions: EvictionLog
+
+    @property
+    def num_requests(self) -> int: ...
+
+    def previous_roots(self, root: BlockHash) -> list[BlockHash]: ...
+
+
+def make_report(core: ReportSource, token_ids: list[int], root: BlockHash, hit: Hit) -> HitReport:
     """Why the hit of ``token_ids`` under ``root`` is ``hit`` (the result of ``core.lookup`` or ``core.peek``, taken
     before anything else changed the store); changes nothing."""
     bs, num_tokens = core.options.block_size, len(token_ids)
@@ -170,7 +183,7 @@ def evicted_on_path(
     return found
 
 
-def _evicted_detail(core: CacheCore, evicted: tuple[int, Eviction], local_kv: int) -> str:
+def _evicted_detail(core: ReportSource, evicted: tuple[int, Eviction], local_kv: int) -> str:
     boundary, eviction = evicted
     ago = _count(core.num_requests + 1 - eviction.request, "request")
     budget = core.options.max_cache_bytes
@@ -184,7 +197,7 @@ def _evicted_detail(core: CacheCore, evicted: tuple[int, Eviction], local_kv: in
     return f"{what} evicted {ago} ago {why} ({_size(budget)}); {fix}."
 
 
-def _no_checkpoint_detail(core: CacheCore, hit: Hit, reach: int, found: int) -> str:
+def _no_checkpoint_detail(core: ReportSource, hit: Hit, reach: int, found: int) -> str:
     options = core.options
     past = f" past {found:,}" if found else ""
     start = (f"the stored KV chain matches {reach:,} tokens but no checkpoint was kept on it{past} "
@@ -196,7 +209,7 @@ def _no_checkpoint_detail(core: CacheCore, hit: Hit, reach: int, found: int) -> 
             f"{4 * options.block_size} keeps checkpoints inside prompts, so prompts ending inside a stored one hit.")
 
 
-def _new_tokens_detail(core: CacheCore, kv_tokens: int, block_size: int) -> str:
+def _new_tokens_detail(core: ReportSource, kv_tokens: int, block_size: int) -> str:
     if kv_tokens:
         return (f"the stored path ends at {kv_tokens:,} tokens and the prompt goes on; the hit reaches its end, and "
                 "the tokens after it are stored for the next request.")

@@ -1,12 +1,12 @@
 """What a miss is explained from besides the store itself: the entries the budget evicted and the weights states
-before the current one, each kept in a bounded record (:mod:`~hf_hybridcache.explain` reads them)."""
+before the current one, each kept in a bounded record (:mod:`~hf_hybridcache.core.explain` reads them)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from .hashing import BlockHash
+from ..hashing import BlockHash
 
 #: Evictions remembered, the oldest forgotten first (about 250 bytes each: 1 MiB at most).
 EVICTIONS_KEPT = 4096

@@ -5,7 +5,7 @@ A file holds every stored KV block and checkpoint as the named tensors of their 
 dim: ``keys.{layer} [num_blocks, Hkv, block_size, Dk]``, ``values.{layer} [num_blocks, Hkv, block_size, Dv]``,
 ``conv.{state} [num_checkpoints, C, W]`` and ``ssm.{state} [num_checkpoints, ...]``, in the stored dtypes. The
 safetensors header's metadata carries a JSON document — versions, the model identity and the identity of its
-weights (every element; :mod:`~hf_hybridcache.weights`), the options, the hash seed, the block tree (parent, token
+weights (every element; :mod:`~hf_hybridcache.core.weights`), the options, the hash seed, the block tree (parent, token
 ids and hash per block), which blocks have a checkpoint and the recency order — plus SHA-256 checksums of that JSON
 and of every tensor. Loading checks everything before it fills the new cache, so a file that is truncated, corrupted
 or made for another model or other weights is refused with a ``ValueError`` and nothing in memory changes.
@@ -25,11 +25,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from . import _compat, _version
-from .config import ModelStateSpec
-from .hashing import BlockHash, block_hash, identity_config, model_identity
-from .models import support_for
-from .store import EntryLayout, StoredBlock, entry_layout
+from .. import _compat, _version
+from ..config import ModelStateSpec
+from ..hashing import BlockHash, block_hash, identity_config, model_identity
+from ..models import support_for
+from ..store import EntryLayout, StoredBlock, entry_layout
 
 #: Version 2: the weights state (weights fingerprint and adapters) is part of every hash root. Version 3: keys and
 #: values of a layer are two tensors (``keys.{layer}``, ``values.{layer}``) instead of one ``kv.{layer}

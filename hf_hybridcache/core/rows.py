@@ -11,10 +11,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..hashing import BlockHash
+from ..kernels.paged_copy import KVBlock
+from ..store import LayerState, PrefixStore, last_boundary
 from .explain import HitReport
-from .hashing import BlockHash
-from .kernels.paged_copy import KVBlock
-from .store import LayerState, PrefixStore
 
 logger = logging.getLogger("hf_hybridcache")
 
@@ -40,11 +40,11 @@ class Row:
             forward over a cached state); blocks and checkpoints past them are not stored while the request runs
             (:mod:`~hf_hybridcache.reply_replay` stores them from one prefill when ``generate()`` ends). None: no
             decode step yet, or replies are not replayed.
-        report: why the row hit what it hit (:class:`~hf_hybridcache.explain.HitReport`), made at its lookup.
+        report: why the row hit what it hit (:class:`~hf_hybridcache.core.explain.HitReport`), made at its lookup.
         weights_generation: the weights generation its request began under
-            (:meth:`~hf_hybridcache.sharing.CacheCore.request_start`).
+            (:meth:`~hf_hybridcache.core.sharing.CacheCore.request_start`).
         stale: the weights changed while the row ran: nothing more of it is stored (its states mix two weights
-            states and its root names the first; :meth:`~hf_hybridcache.sharing.CacheCore.check_weights`).
+            states and its root names the first; :meth:`~hf_hybridcache.core.sharing.CacheCore.check_weights`).
     """
 
     prompt_tokens: int
@@ -121,3 +121,12 @@ def store_row_checkpoint(
     elif tentative and (stored or block_id == previous):
         row.tentative_block = block_id
     return bool(stored)
+
+
+def replay_start(row: Row, block_size: int) -> int | None:
+    """The boundary a row's replay starts from (its last one before the first decode step), or None when no block
+    boundary was reached past it."""
+    if row.prefill_tokens is None or not row.storing:
+        return None
+    start = last_boundary(row.prefill_tokens, block_size)
+    return start if last_boundary(len(row.token_ids), block_size) > start else None

@@ -1,6 +1,6 @@
 """What a :class:`~hf_hybridcache.HybridPrefixCache`, its salted views and any other caller of the store share
 (:class:`CacheCore`): one store, its lock, the weights state, the tier and the counters. How calls from several
-threads share it (the store lock, each view's call lock, the call gate) is :mod:`~hf_hybridcache.calls`.
+threads share it (the store lock, each view's call lock, the call gate) is :mod:`~hf_hybridcache.core.calls`.
 """
 
 from __future__ import annotations
@@ -13,20 +13,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..config import CacheOptions, ModelStateSpec, StateKey
+from ..hashing import BlockHash, root_hash
+from ..kernels.paged_copy import KVBlock
+from ..stats import PrefixCacheStats
+from ..store import EvictionPolicy, Hit, LayerState, Placement, PrefixStore, layer_devices
 from . import explain
 from .calls import CallGate, CallScopes
-from .config import CacheOptions, ModelStateSpec, StateKey
-from .hashing import BlockHash, root_hash
 from .history import Eviction, EvictionLog, WeightsHistory
-from .kernels.paged_copy import KVBlock
 from .rows import Row, store_row_blocks, store_row_checkpoint
-from .stats import PrefixCacheStats
-from .store import EvictionPolicy, Hit, LayerState, Placement, PrefixStore, layer_devices
 from .weights import WeightsTracker
 
 if TYPE_CHECKING:
-    from .remote import RemoteTier
-    from .remote.fetch import TierReach
+    from ..remote import RemoteTier
+    from ..remote.fetch import TierReach
 
 logger = logging.getLogger("hf_hybridcache")
 
@@ -42,7 +42,7 @@ class CacheCore(CallScopes):
        chains and the weights generation its rows record.
     2. Holding ``store_lock``: ``hit = core.lookup(token_ids, root)`` (the longest restorable prefix, extended from
        the tier first) and ``core.report(token_ids, root, hit)`` (why it is that long,
-       :class:`~hf_hybridcache.explain.HitReport`); copy or share the hit into the request's own state
+       :class:`~hf_hybridcache.core.explain.HitReport`); copy or share the hit into the request's own state
        (``core.store.gather_kv`` or the pages of ``core.store.page_table(hit.block_ids)``,
        ``core.store.checkpoint_copy``; a stored entry is never written), then ``core.pin(hit.block_ids)`` so that
        nothing evicts the chain under the request.
@@ -69,8 +69,8 @@ class CacheCore(CallScopes):
         remote: the :class:`~hf_hybridcache.remote.RemoteTier`, or None without ``remote=``.
         counters: ``{"requests", "prompt_tokens", "hit_tokens", "divergence_checkpoints", "replayed_reply_tokens":
             int}`` of past requests.
-        reasons: ``{reason: rows}``, the :data:`~hf_hybridcache.explain.REASONS` of past requests' rows.
-        evictions: the entries the budget evicted lately (:class:`~hf_hybridcache.history.EvictionLog`).
+        reasons: ``{reason: rows}``, the :data:`~hf_hybridcache.core.explain.REASONS` of past requests' rows.
+        evictions: the entries the budget evicted lately (:class:`~hf_hybridcache.core.history.EvictionLog`).
         weights_history: the weights states before the current one and the salts of roots in use.
         store_lock: held by every operation on the store and the counters (see the module docstring).
         calls: the :class:`CallGate` of ``generate()`` calls and store-wide operations.
@@ -127,7 +127,7 @@ class CacheCore(CallScopes):
         return self.request_start(salt)[0]
 
     def request_start(self, salt: str | None) -> tuple[BlockHash, int]:
-        """Re-read the model's weights state (:mod:`~hf_hybridcache.weights`) and return the root a new request
+        """Re-read the model's weights state (:mod:`~hf_hybridcache.core.weights`) and return the root a new request
         under ``salt`` chains its blocks from, with the weights generation it runs under (its rows'
         ``weights_generation``: :meth:`check_weights`)."""
         with self.store_lock:
@@ -147,7 +147,7 @@ class CacheCore(CallScopes):
     def check_weights(self, rows: Iterable[Row]) -> None:
         """Before storing what a forward computed for ``rows``: a row whose request began under an earlier weights
         generation (the weights were edited while it ran) stores nothing more (``row.stale``), since its states mix
-        two weights states and its root names the first. Costs one :func:`~hf_hybridcache.weights.weights_key`."""
+        two weights states and its root names the first. Costs one :func:`~hf_hybridcache.core.weights.weights_key`."""
         rows = [row for row in rows if not row.stale]
         if not rows:
             return
@@ -238,7 +238,7 @@ class CacheCore(CallScopes):
 
     def report(self, token_ids: list[int], root: BlockHash, hit: Hit) -> explain.HitReport:
         """Why the hit of ``token_ids`` under ``root`` is ``hit`` (what :meth:`lookup` or :meth:`peek` returned, before
-        anything else changes the store): :func:`~hf_hybridcache.explain.make_report`."""
+        anything else changes the store): :func:`~hf_hybridcache.core.explain.make_report`."""
         return explain.make_report(self, token_ids, root, hit)
 
     def pin(self, block_ids) -> None:
@@ -253,7 +253,7 @@ class CacheCore(CallScopes):
 
     def store_blocks(self, row: Row, live_block_kv: Callable[[int], dict[int, KVBlock]]) -> None:
         """Store every full block of ``row`` not stored yet, pinned for the request
-        (:func:`~hf_hybridcache.rows.store_row_blocks`); ``live_block_kv(index)`` copies block ``index``."""
+        (:func:`~hf_hybridcache.core.rows.store_row_blocks`); ``live_block_kv(index)`` copies block ``index``."""
         with self.store_lock:
             store_row_blocks(self.store, row, live_block_kv)
 
@@ -264,7 +264,7 @@ class CacheCore(CallScopes):
             store_row_blocks(self.store, row, page_of_block=page_of_block)
 
     def store_checkpoint(self, row: Row, boundary: int, states: dict[StateKey, LayerState], tentative: bool) -> bool:
-        """Store ``row``'s state after ``boundary`` tokens (:func:`~hf_hybridcache.rows.store_row_checkpoint`); True
+        """Store ``row``'s state after ``boundary`` tokens (:func:`~hf_hybridcache.core.rows.store_row_checkpoint`); True
         if a new checkpoint was stored."""
         with self.store_lock:
             return store_row_checkpoint(self.store, row, boundary, states, tentative)

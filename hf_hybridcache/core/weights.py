@@ -36,7 +36,7 @@ import hashlib
 
 import torch
 
-from . import _compat
+from .. import _compat
 
 #: Elements summed with one run of multipliers in :func:`tensor_digest`; part of the digest's definition (the same
 #: on every device), so changing it changes every identity.

@@ -1,6 +1,6 @@
 """The engine: admits requests through the cache's store, runs steps, and settles each step's results. It runs in
 one thread (the manager's loop, :mod:`~hf_hybridcache.engine.manager`); the store it shares with ``generate()``
-calls in other threads is reached only through :class:`~hf_hybridcache.sharing.CacheCore`, whose short store lock
+calls in other threads is reached only through :class:`~hf_hybridcache.core.sharing.CacheCore`, whose short store lock
 it takes around each store operation, never around a forward.
 
 Admission (:meth:`Engine.admit`) looks the request's tokens up in the store (the remote tier, salts and the weights
@@ -19,7 +19,7 @@ import time
 import torch
 
 from .._compat.continuous_batching import RequestStatus
-from ..rows import Row
+from ..core import Row
 from .inflight import InflightPrefixes
 from .isolation import Probes, forwards, probe_after
 from .limits import EngineLimits

@@ -5,8 +5,8 @@ computed once (the idea of vLLM's and SGLang's in-flight prefix sharing, applied
 
 from __future__ import annotations
 
+from ..core import CacheCore
 from ..hashing import BlockHash, chain_hashes
-from ..sharing import CacheCore
 from .requests import EngineRequest
 
 

@@ -7,7 +7,7 @@ Lifecycle (``status``, transformers' ``RequestStatus``)::
        └──── preempted ────┴──────────────────────────┘       (any state) ──error / cancel / stop──> FAILED
 
 While admitted a request holds a state slot (its conv + recurrent states), a page table (the KV pages of its tokens:
-pages shared from a prefix hit, then pages of its own) and a :class:`~hf_hybridcache.rows.Row` (its chain in the
+pages shared from a prefix hit, then pages of its own) and a :class:`~hf_hybridcache.core.rows.Row` (its chain in the
 store, pinned). A preempted request gives all three back and re-enters the queue with its prompt and the tokens it
 generated so far, which it recomputes from the store's longest hit when admitted again.
 """
@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .._compat.continuous_batching import EngineOutput, RequestStatus
-from ..explain import HitReport
+from ..core import HitReport, Row
 from ..hashing import BlockHash
-from ..rows import Row
 
 
 @dataclass(eq=False)
@@ -43,7 +42,7 @@ class EngineRequest:
         record_timestamps: record when each token was generated.
         generated: the tokens generated so far.
         hit_tokens: prompt tokens its first admission restored from the store.
-        hit_report: why that hit is that long (:class:`~hf_hybridcache.explain.HitReport`), or None before it.
+        hit_report: why that hit is that long (:class:`~hf_hybridcache.core.explain.HitReport`), or None before it.
         status, error, created_time, lifespan, timestamps: as transformers' ``GenerationOutput``.
         slot: its state slot while admitted, else None.
         pages: its page table while admitted: page ``i`` holds tokens ``[i * block_size, (i + 1) * block_size)``.

@@ -11,8 +11,7 @@
 from __future__ import annotations
 
 from ..config import CacheOptions
-from ..reply_replay import replay_start
-from ..sharing import CacheCore
+from ..core import CacheCore, replay_start
 from ..store import last_boundary
 from ..store.retention import CheckpointPlan, plan_checkpoints
 from .plan import Segment

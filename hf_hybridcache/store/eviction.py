@@ -65,7 +65,7 @@ class EvictionPolicy:
         return self._last_used[key]
 
     def oldest_first(self) -> list[EntryKey]:
-        """Every entry from least to most recently used (what :mod:`~hf_hybridcache.persistence` saves)."""
+        """Every entry from least to most recently used (what :mod:`~hf_hybridcache.core.persistence` saves)."""
         return sorted(self._last_used, key=self._last_used.__getitem__)
 
     # ------------------------------------------------------------------ candidates
