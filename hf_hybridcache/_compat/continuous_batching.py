@@ -63,10 +63,14 @@ class EngineOutput(GenerationOutput):
         hit_tokens: prompt tokens restored from the cache (shared by reference) instead of computed; 0 for a miss.
         hit_report: why the hit is that long (:class:`~hf_hybridcache.core.explain.HitReport`), made at the request's
             first admission; None before it.
+        prompt_scores, token_scores: the request's prompt and generated tokens'
+            :class:`~hf_hybridcache.engine.scoring.TokenScore` lists when it asked for them, else None.
     """
 
     hit_tokens: int = field(default=0)
     hit_report: Any = field(default=None)
+    prompt_scores: Any = field(default=None)
+    token_scores: Any = field(default=None)
 
 
 def install_manager_hook(model: torch.nn.Module, owner: Any, factory: Callable[..., Any]) -> None:

@@ -26,6 +26,7 @@ from .limits import EngineLimits
 from .plan import Segment, StepPlan
 from .requests import EngineRequest
 from .runner import StepRunner
+from .score_store import ScoreStore, capped_report
 from .scheduler import Chunk, Scheduler
 from .slots import StateSlots
 from .storing import emit_positions, replay_request, store_segment
@@ -70,6 +71,7 @@ class Engine:
         self.tables = torch.zeros(limits.max_running_requests, max_pages, dtype=torch.int64)
         self.scheduler = Scheduler(limits.max_batch_tokens, self.block_size)
         self.inflight = InflightPrefixes(self.core, self.block_size)
+        self.scores = ScoreStore(self.block_size, limits.max_score_bytes)  # prompt logprobs of stored prefixes
         self.epoch = self.core.epoch
         self.core.pinning.append(self.pinned_block_ids)
         self._refused: list[EngineRequest] = []
@@ -180,6 +182,7 @@ class Engine:
         if self.core.epoch == self.epoch:
             return
         self.epoch = self.core.epoch
+        self.scores.clear()
         for request in self.scheduler.running:
             request.row.block_ids.clear()
             request.row.block_hashes.clear()
@@ -210,6 +213,7 @@ class Engine:
             request = segment.request
             request.past, request.fresh, request.probe = segment.end, False, probe_after(request, segment.end)
             store_segment(self.core, segment, self.slots)
+            self.scores.settle(segment)
             if request.past >= len(request.prompt):
                 self.inflight.leave(request)
                 if request.replay_of:  # stored as a prefill computes it: done, nothing to deliver
@@ -221,6 +225,8 @@ class Engine:
             request.generated.append(token)
             if logprobs is not None:
                 request.logprobs.append(logprobs[i])
+            if segment.sampled_score is not None:
+                request.token_scores.append(segment.sampled_score)
             if request.timestamps is not None:
                 request.timestamps.append(now)
             request.status = RequestStatus.DECODING
@@ -275,10 +281,14 @@ class Engine:
         root, generation = core.request_start(request.salt)
         self.inflight.hash_chain(request, root)
         with core.store_lock:
-            hit = core.lookup(tokens, root)
+            hit = stored = core.lookup(tokens, root)
+            if request.score_prompt is not None:  # it restores only what the scores of its prompt are kept for
+                tail = core.options.min_tail_tokens
+                hit = self.scores.restorable(request, hit, lambda b: core.store.find(tokens[: b + tail], root,
+                                                                                     tail).hit_tokens)
             if self.inflight.waits_for(request, hit.hit_tokens // bs):
                 return False
-            report = None if request.counted else core.report(tokens, root, hit)
+            report = None if request.counted else capped_report(core.report(tokens, root, stored), hit.hit_tokens)
             pages = core.store.page_table(hit.block_ids).tolist()
             self.pages.ref(pages)
             core.pin(hit.block_ids)

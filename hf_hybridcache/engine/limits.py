@@ -35,6 +35,8 @@ class EngineLimits:
         max_running_pages: KV pages running requests may hold that the store does not own (``block_size`` tokens
             each).
         max_request_tokens: prompt + new tokens of one request (the model's positions, and what fits the pages).
+        max_score_bytes: bytes of the prompt logprobs kept for requests that ask for them
+            (:mod:`~hf_hybridcache.engine.score_store`; host memory, apart from the cache's budget).
 
     Raises:
         ValueError: a bound that is not a positive int.
@@ -44,9 +46,11 @@ class EngineLimits:
     max_batch_tokens: int = 512
     max_running_pages: int = 4096
     max_request_tokens: int = 32768
+    max_score_bytes: int = 256 * 2**20
 
     def __post_init__(self) -> None:
-        for name in ("max_running_requests", "max_batch_tokens", "max_running_pages", "max_request_tokens"):
+        for name in ("max_running_requests", "max_batch_tokens", "max_running_pages", "max_request_tokens",
+                     "max_score_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive int, got {value!r}.")

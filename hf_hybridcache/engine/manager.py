@@ -25,13 +25,8 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 
-from .._compat.continuous_batching import (
-    KEPT_ATTR,
-    ContinuousBatchingConfig,
-    GenerationOutput,
-    RequestStatus,
-    logits_processors,
-)
+from .._compat.continuous_batching import (KEPT_ATTR, ContinuousBatchingConfig, GenerationOutput, RequestStatus,
+                                           logits_processors)
 from .._compat.engine_attention import install_router
 from .engine import Engine
 from .grouping import wrap_stateful_modules
@@ -40,6 +35,7 @@ from .generation_fields import EosFloor, batching_config, engine_generation_conf
 from .outputs import OutputRouter
 from .requests import EngineRequest, first_eos_ids, validation_error
 from .runner import StepRunner
+from .scoring import request_error
 
 logger = logging.getLogger("hf_hybridcache")
 
@@ -180,6 +176,8 @@ class ContinuousBatchingManager:
         eos_token_id: int | list[int] | None = None,
         cache_salt: str | None = None,
         seed: int | None = None,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
         **logit_processor_kwargs,
     ) -> str | None:
         """Queue a request; returns its id (None when the manager is stopping or dead, as transformers').
@@ -196,6 +194,7 @@ class ContinuousBatchingManager:
                 (by ``generate()`` with ``cache.with_salt(salt)`` or by engine requests with that salt).
             seed: when sampling, the seed of this request's own generator, so it samples the same tokens whatever runs
                 beside it (``num_return_sequences`` children: ``seed + 1``, ...). None: the shared generator.
+            logprobs, prompt_logprobs: score its generated / prompt tokens, with this many alternatives (0-20 / 0-5).
             logit_processor_kwargs: per-request ``temperature``, ``top_k``, ``top_p`` (with
                 ``ContinuousBatchingConfig(per_request_processors=True)`` and the processor enabled in the
                 generation config).
@@ -212,6 +211,7 @@ class ContinuousBatchingManager:
         salt = cache_salt if cache_salt is not None else self.salt
         error = error or validation_error(prompt, max_new_tokens, self.model.get_input_embeddings().num_embeddings,
                                           self.limits.max_request_tokens, salt, seed, self.num_return_sequences)
+        error = error or request_error(logprobs, prompt_logprobs)
         if error is None:
             try:
                 self.processors.check_kwargs(logit_processor_kwargs)
@@ -222,8 +222,8 @@ class ContinuousBatchingManager:
         requests = [  # the parent (last) keeps the seed, child k gets seed + k + 1
             EngineRequest(rid, list(prompt) if error is None else [], max_new_tokens, eos,
                           dict(logit_processor_kwargs), seed=None if error or seed is None else seed + (k + 1) % len(ids),
-                          salt=salt, streaming=streaming, record_timestamps=record_timestamps,
-                          timestamps=[] if record_timestamps else None)
+                          salt=salt, streaming=streaming, record_timestamps=record_timestamps, score_generated=logprobs,
+                          score_prompt=prompt_logprobs, timestamps=[] if record_timestamps else None)
             for k, rid in enumerate(ids)
         ]
         if error is not None:

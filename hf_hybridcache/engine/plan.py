@@ -46,6 +46,9 @@ class Segment:
             (the block boundaries inside the chunk that it keeps).
         samples: the chunk reaches the end of the request's remaining tokens: its last logits are sampled.
         captured: ``{boundary tokens: {state key: (conv [1, C, W], ssm [1, ...])}}`` the mixers handed over.
+        scores, boundary_rows, sampled_score: what the forward scored for a request that asks for logprobs
+            (:mod:`~hf_hybridcache.engine.scoring`): its prompt tokens ``past + 1 ..``, the log-softmax rows
+            ``{boundary: [V] float32 (CPU)}`` before the boundaries it keeps, and its sampled token.
     """
 
     request: EngineRequest
@@ -55,6 +58,9 @@ class Segment:
     emit_positions: tuple[int, ...] = ()
     samples: bool = False
     captured: dict[int, dict[StateKey, LayerState]] = field(default_factory=dict)
+    scores: list | None = None
+    boundary_rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    sampled_score: object | None = None
 
     @property
     def is_decode(self) -> bool:

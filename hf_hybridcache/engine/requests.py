@@ -59,6 +59,11 @@ class EngineRequest:
         suspect_until: tokens it must have run in a forward that succeeded to leave its probe group (where its
             last segment in a forward that raised ended).
         counted: its prompt and hit were counted in the cache's counters.
+        score_prompt, score_generated: alternatives per token (0-5, 0-20) of the logprobs it asks for its prompt
+            tokens and its generated tokens (:mod:`~hf_hybridcache.engine.scoring`); None: none asked.
+        prompt_scores: the :class:`~hf_hybridcache.engine.scoring.TokenScore` of its prompt tokens ``0 ..`` so far
+            (entry 0 None), computed or restored with a hit (:mod:`~hf_hybridcache.engine.score_store`).
+        token_scores: the scores of its generated tokens.
         replay_of: for a reply replay (``replay_replies``), the prompt length of the finished request whose tokens
             it runs again as one prefill to store them as a prefill computes them (:mod:`~hf_hybridcache.reply_replay`;
             its checkpoints are kept as that request's would be); it samples nothing and is never delivered. 0: a
@@ -98,6 +103,10 @@ class EngineRequest:
     suspect_until: int = 0
     counted: bool = False
     replay_of: int = 0
+    score_prompt: int | None = None
+    score_generated: int | None = None
+    prompt_scores: list = field(default_factory=list)
+    token_scores: list = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:
@@ -141,6 +150,8 @@ class EngineRequest:
             timestamps=None if self.timestamps is None else list(self.timestamps),
             hit_tokens=self.hit_tokens,
             hit_report=self.hit_report,
+            prompt_scores=None if self.score_prompt is None else list(self.prompt_scores),
+            token_scores=None if self.score_generated is None else list(self.token_scores),
         )
 
 

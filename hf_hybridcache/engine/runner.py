@@ -15,6 +15,7 @@ import torch
 
 from .. import _compat
 from .._compat.continuous_batching import processor_args
+from . import scoring
 from .generation_fields import EosFloor
 from .plan import StepPlan
 from .views import StepCache
@@ -60,7 +61,10 @@ class StepRunner:
         """The tokens sampled for ``plan.sampled`` (and their log-probabilities when asked). Raises whatever the
         forward raises; the caller fails or retries the step's requests."""
         kwargs = {_compat.CACHE_KWARG: cache}
-        if plan.logits_index.numel() == 0:
+        kept = scoring.kept_logits(plan)  # a request scoring its prompt: the logits of those positions too
+        if kept is not None:
+            kwargs["logits_to_keep"] = kept.index.to(self.device)
+        elif plan.logits_index.numel() == 0:
             kwargs["logits_to_keep"] = 1  # a step of mid-prompt chunks only: nothing is sampled
         else:
             kwargs["logits_to_keep"] = plan.logits_index.to(self.device)
@@ -72,12 +76,17 @@ class StepRunner:
                 use_cache=True,
                 **kwargs,
             )
+        logits = out.logits[0].float()
+        if kept is not None:
+            scoring.score_segments(kept, logits, plan.groups[0].page_size)
+            logits = logits.index_select(0, kept.sample_rows.to(logits.device))
         if not plan.sampled:
             return [], None
-        return self._sample(out.logits[0].float(), plan)
+        return self._sample(logits, plan)
 
     def _sample(self, logits: torch.Tensor, plan: StepPlan) -> tuple[list[int], list[float] | None]:
-        """Tokens for logits ``[M, V]`` float32 of the sampled segments."""
+        """Tokens for logits ``[M, V]`` float32 of the sampled segments (scored from the raw logits when asked)."""
+        raw = scoring.log_softmax_sampled(plan, logits)
         if self.floor is not None:
             logits = self.floor.apply(logits, [segment.request for segment in plan.sampled])
         if self.processors.do_processing:
@@ -90,6 +99,8 @@ class StepRunner:
             tokens = self._draw(probs, [segment.request for segment in plan.sampled])
         else:
             tokens = logits.argmax(dim=-1)
+        if raw is not None:
+            scoring.score_sampled(plan, raw, tokens)
         logprobs = None
         if self.return_logprobs:
             logprobs = probs.gather(1, tokens[:, None])[:, 0].log().tolist()
