@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import httpx
 import openai
 import pytest
 from test_serve import Server
@@ -88,5 +89,33 @@ def test_tokenizer_from_another_folder_and_max_model_len(folders):
         assert fits.usage.completion_tokens <= 4
         chat = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
         assert chat.id.startswith("chatcmpl-") and fits.id.startswith("cmpl-")
+    finally:
+        server.close()
+
+
+def _client(server, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
+
+
+def test_api_key(monkeypatch):
+    """With --api-key (or $HF_HYBRIDCACHE_API_KEY) /v1/ needs the key; /health and /metrics stay open."""
+    monkeypatch.setenv("HF_HYBRIDCACHE_API_KEY", "from-env")
+    server = Server(make_app(parse_args(["--model", "toy:jamba", "--api-key", "s3cret", "--no-cache"])))
+    try:
+        for key in ("wrong", "from-env"):
+            with pytest.raises(openai.AuthenticationError) as refused:
+                _client(server, key).models.list()
+            assert refused.value.code == "invalid_api_key"
+        reply = _client(server, "s3cret").completions.create(model="toy:jamba", prompt="ab", max_tokens=2)
+        assert reply.usage.completion_tokens <= 2
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        assert httpx.get(f"{server.url}/v1/models").status_code == 401  # no Authorization header at all
+    finally:
+        server.close()
+    server = Server(make_app(parse_args(["--model", "toy:jamba", "--no-cache"])))  # the environment's key
+    try:
+        assert _client(server, "from-env").models.list().data
+        with pytest.raises(openai.AuthenticationError):
+            _client(server, "unused").models.list()
     finally:
         server.close()

@@ -4,7 +4,8 @@
 
 Parts: ``loading`` (model and tokenizer), ``prompts`` (chat prompts whose next turn hits on the reply), ``text``
 (detokenizing and stop strings), ``backends`` (the engine, or plain sequential ``generate()``), ``choices`` (one
-request's choices), ``metrics`` (Prometheus), ``schema`` (requests and errors), ``app`` (the routes) and
+request's choices), ``completions`` (``/v1/completions``' prompts, refused fields and payloads), ``logprobs``
+(OpenAI's logprobs shapes), ``metrics`` (Prometheus), ``schema`` (requests and errors), ``app`` (the routes) and
 ``__main__`` (the command).
 """
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .loading import DTYPES
@@ -32,6 +33,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=list(DTYPES), default="auto",
                         help="the weights' dtype (auto: the checkpoint's)")
     parser.add_argument("--device-map", default=None, help="from_pretrained's device_map (e.g. auto, cuda:0, cpu)")
+    parser.add_argument("--api-key", default=None,
+                        help="clients must send Authorization: Bearer KEY on /v1/ (default: $HF_HYBRIDCACHE_API_KEY; "
+                        "unset: no key)")
     parser.add_argument("--served-model-name", default=None, help="the name clients ask for (default: --model)")
     parser.add_argument("--max-tokens", type=int, default=256, help="a chat reply's max_tokens when none is sent")
     parser.add_argument("--max-model-len", type=int, default=None,
@@ -54,23 +58,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def make_app(args: argparse.Namespace):
-    """The app for parsed ``args`` (model loaded, cache and backend built, not started)."""
+    """The app for parsed ``args`` (model loaded, cache and backend built, not started).
+
+    Raises:
+        StartupError: the model or tokenizer cannot be loaded (:func:`~hf_hybridcache.serve.loading.load`).
+        ValueError: an option the model or the memory refuses (an empty ``--api-key``, ``--max-model-len`` too long).
+    """
     from .. import HybridPrefixCache
     from .app import build_app
+    from .auth import API_KEY_ENV, RequireAPIKey
     from .backends import EngineBackend, SequentialBackend
     from .loading import load
 
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if api_key is not None and not api_key:
+        raise ValueError("--api-key must not be empty; omit it to serve without a key.")
     model, tokenizer = load(args.model, args.dtype, args.device_map, args.tokenizer)
     eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     name = args.served_model_name or args.model
+    cache = None
     if args.no_cache:
-        backend = SequentialBackend(model, eos) if args.max_model_len is None else SequentialBackend(
-            model, eos, max_request_tokens=args.max_model_len)
-        return build_app(backend, tokenizer, name, None, args.max_tokens)
-    cache = HybridPrefixCache(model, args.block_size, args.retention_interval, args.max_cache_bytes,
-                              eviction=args.eviction, offload=args.offload, remote=args.remote)
-    backend = EngineBackend(cache, eos, args.max_running_requests, args.max_batch_tokens, args.max_model_len)
-    return build_app(backend, tokenizer, name, cache, args.max_tokens)
+        limit = {} if args.max_model_len is None else {"max_request_tokens": args.max_model_len}
+        backend = SequentialBackend(model, eos, **limit)
+    else:
+        cache = HybridPrefixCache(model, args.block_size, args.retention_interval, args.max_cache_bytes,
+                                  eviction=args.eviction, offload=args.offload, remote=args.remote)
+        backend = EngineBackend(cache, eos, args.max_running_requests, args.max_batch_tokens, args.max_model_len)
+    app = build_app(backend, tokenizer, name, cache, args.max_tokens)
+    if api_key:
+        app.add_middleware(RequireAPIKey, api_key=api_key)
+    return app
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,13 +15,15 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from openai.types import Completion, CompletionChoice, CompletionUsage, Model
+from openai.types import CompletionUsage, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion_usage import PromptTokensDetails
 from starlette.exceptions import HTTPException
 
 from .backends import Sampling
-from .choices import ChoiceRunner, Job, Piece
+from .choices import ChoiceRunner, Job, Piece, choice_offsets
+from .completions import CompletionPayloads, prompts_of, refuse_unsupported
+from .logprobs import TokenTexts, chat_logprobs
 from .metrics import ServerMetrics
 from .prompts import ReplyMemory, chat_prompt_ids
 from .schema import APIError, ChatRequest, CompletionRequest
@@ -51,6 +53,7 @@ def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens:
     eos = tokenizer.eos_token_id
     metrics = ServerMetrics(backend, cache)
     runner = ChoiceRunner(backend, tokenizer, metrics, ReplyMemory(), [] if eos is None else [eos])
+    texts = TokenTexts(tokenizer)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -91,15 +94,18 @@ def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens:
                             status_code=500)
 
     def job_for(body, prompt_ids: list[int], request: Request, max_tokens: int | None, default: int,
-                remember: bool) -> Job:
+                remember: bool, logprobs: int | None = None, prompt_logprobs: int | None = None) -> Job:
         """The request's job; ``max_tokens`` None (the client sent none): ``default`` capped by the room left."""
         if body.model != model_id:
             raise APIError(404, f"The model {body.model!r} does not exist; this server serves {model_id!r}.",
                            param="model", code="model_not_found")
+        if logprobs is not None and not backend.scores:
+            raise APIError(400, "This server runs without the engine (--no-cache) and returns no logprobs; drop "
+                           "logprobs or serve with the engine.", param="logprobs")
         max_tokens = reply_tokens(len(prompt_ids), max_tokens, default, backend.max_request_tokens,
                                   "messages" if remember else "prompt")
         salt = request.headers.get(SALT_HEADER) or body.user
-        sampling = Sampling(max_tokens, body.temperature, body.top_p, body.seed)
+        sampling = Sampling(max_tokens, body.temperature, body.top_p, body.seed, logprobs, prompt_logprobs)
         metrics.prompt_tokens.inc(len(prompt_ids))
         return Job(prompt_ids, sampling, body.stop_strings(), salt, body.n, remember)
 
@@ -112,32 +118,31 @@ def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens:
         except Exception as problem:  # a template that refuses the conversation (roles out of order, say)
             raise APIError(400, f"The chat template cannot render these messages: {problem}", param="messages")
         max_tokens = body.max_completion_tokens or body.max_tokens
-        job = job_for(body, prompt_ids, request, max_tokens, default_max_tokens, remember=True)
-        return await respond(job, body, chat_payloads(body.model), request)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        job = job_for(body, prompt_ids, request, max_tokens, default_max_tokens, remember=True, logprobs=logprobs)
+        return await respond([job], body, chat_payloads(body.model, logprobs, texts), request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        if isinstance(body.prompt, str):
-            prompt_ids = tokenizer(body.prompt, add_special_tokens=False)["input_ids"]
-        else:
-            prompt_ids = body.prompt
-            vocab = backend.vocab_size
-            if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-                raise APIError(400, f"Token ids must lie in the vocabulary [0, {vocab}).", param="prompt")
-        if not prompt_ids:
-            raise APIError(400, "The prompt is empty; send at least one token.", param="prompt")
-        job = job_for(body, prompt_ids, request, body.max_tokens, COMPLETION_MAX_TOKENS, remember=False)
-        return await respond(job, body, completion_payloads(body.model), request)
+        refuse_unsupported(body)
+        prompts = prompts_of(body, tokenizer, backend.vocab_size)
+        scored = body.logprobs if body.echo else None
+        jobs = [job_for(body, ids, request, body.max_tokens, COMPLETION_MAX_TOKENS, False, body.logprobs, scored)
+                for ids, _ in prompts]
+        payloads = CompletionPayloads(body.model, prompts, body.n, body.echo, body.logprobs, texts)
+        return await respond(jobs, body, payloads, request)
 
-    async def respond(job: Job, body, payloads, request: Request):
+    async def respond(jobs: list[Job], body, payloads, request: Request):
         arrived = time.perf_counter()
         request_id = f"{'chatcmpl' if isinstance(body, ChatRequest) else 'cmpl'}-{uuid.uuid4().hex}"
-        pieces = runner.pieces(job, arrived)
+        pieces = runner.pieces(jobs, arrived)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(sse(pieces, job, payloads, request_id, include_usage),
+            return StreamingResponse(sse(pieces, jobs, payloads, request_id, include_usage),
                                      media_type="text/event-stream")
-        collecting = asyncio.ensure_future(collect(pieces, job.n))
+        collecting = asyncio.ensure_future(collect(pieces, sum(job.n for job in jobs)))
         watching = asyncio.ensure_future(disconnected(request))
         await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
         watching.cancel()
@@ -145,42 +150,41 @@ def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens:
             collecting.cancel()
             await asyncio.gather(collecting, return_exceptions=True)
             return Response(status_code=499)
-        texts, finals = collecting.result()
-        metrics.hit_tokens.inc(finals[0].hit_tokens)
-        return JSONResponse(payloads.whole(request_id, texts, finals, usage(job, finals)).model_dump(
-            exclude_none=True))
+        choices = collecting.result()
+        finals = [pieces[-1] for pieces in choices]
+        metrics.hit_tokens.inc(sum(finals[start].hit_tokens for start in choice_offsets(jobs)))
+        return JSONResponse(_dump(payloads.whole(request_id, choices, usage(jobs, finals))))
 
-    async def collect(pieces: AsyncIterator[Piece], n: int) -> tuple[list[str], list[Piece | None]]:
-        texts, finals = [""] * n, [None] * n
+    async def collect(pieces: AsyncIterator[Piece], n: int) -> list[list[Piece]]:
+        """The pieces of each of the ``n`` choices, the last one with its finish reason."""
+        choices: list[list[Piece]] = [[] for _ in range(n)]
         try:
             async for piece in pieces:
-                texts[piece.index] += piece.text
-                if piece.finish_reason is not None:
-                    finals[piece.index] = piece
+                choices[piece.index].append(piece)
         finally:
             await pieces.aclose()  # cancelled: the choices still running are cancelled with it
-        return texts, finals
+        return choices
 
     async def disconnected(request: Request) -> None:
         """Returns once the client of a non-streaming request has gone away (polled every 0.2 s)."""
         while not await request.is_disconnected():
             await asyncio.sleep(0.2)
 
-    async def sse(pieces: AsyncIterator[Piece], job: Job, payloads, request_id: str, include_usage: bool):
-        finals = [None] * job.n
+    async def sse(pieces: AsyncIterator[Piece], jobs: list[Job], payloads, request_id: str, include_usage: bool):
+        finals, firsts = [None] * sum(job.n for job in jobs), set(choice_offsets(jobs))
         try:
-            for index in range(job.n):
+            for index in range(len(finals)):
                 first = payloads.opening(request_id, index)
                 if first is not None:
                     yield _event(first)
             async for piece in pieces:
                 if piece.finish_reason is not None:
                     finals[piece.index] = piece
-                    if piece.index == 0:
+                    if piece.index in firsts:
                         metrics.hit_tokens.inc(piece.hit_tokens)
                 yield _event(payloads.chunk(request_id, piece))
             if include_usage:
-                yield _event(payloads.usage_chunk(request_id, usage(job, finals)))
+                yield _event(payloads.usage_chunk(request_id, usage(jobs, finals)))
         except APIError as problem:
             yield f"data: {json.dumps(problem.body())}\n\n"
         yield "data: [DONE]\n\n"
@@ -225,27 +229,34 @@ def reply_tokens(prompt_tokens: int, max_tokens: int | None, default: int, limit
     return max_tokens
 
 
-def usage(job: Job, finals: list[Piece | None]) -> CompletionUsage:
+def usage(jobs: list[Job], finals: list[Piece | None]) -> CompletionUsage:
+    """Prompt tokens of every prompt, completion tokens of every choice, and as ``cached_tokens`` the prompt tokens
+    each prompt's first choice restored (with their logprobs, for a request that scores its prompt)."""
     completion = sum(p.completion_tokens for p in finals if p is not None)
-    hit = finals[0].hit_tokens if finals and finals[0] is not None else 0
-    return CompletionUsage(prompt_tokens=len(job.prompt_ids), completion_tokens=completion,
-                           total_tokens=len(job.prompt_ids) + completion,
+    hit = sum(finals[start].hit_tokens for start in choice_offsets(jobs) if finals[start] is not None)
+    prompt = sum(len(job.prompt_ids) for job in jobs)
+    return CompletionUsage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                            prompt_tokens_details=PromptTokensDetails(cached_tokens=hit))
 
 
+def _dump(payload) -> dict:
+    return payload if isinstance(payload, dict) else payload.model_dump(mode="json", exclude_none=True)
+
+
 def _event(payload) -> str:
-    return f"data: {payload.model_dump_json(exclude_none=True)}\n\n"
+    return f"data: {json.dumps(_dump(payload))}\n\n"
 
 
 class chat_payloads:  # noqa: N801 - a namespace of the chat endpoint's payload builders
-    def __init__(self, model: str) -> None:
-        self.model, self.created = model, int(time.time())
+    def __init__(self, model: str, logprobs: int | None = None, texts: TokenTexts | None = None) -> None:
+        self.model, self.created, self.logprobs, self.texts = model, int(time.time()), logprobs, texts
 
-    def whole(self, request_id, texts, finals, usage) -> ChatCompletion:
-        choices = [{"index": i, "message": {"role": "assistant", "content": text},
-                    "finish_reason": finals[i].finish_reason} for i, text in enumerate(texts)]
+    def whole(self, request_id, choices: list[list[Piece]], usage) -> ChatCompletion:
+        out = [{"index": i, "message": {"role": "assistant", "content": "".join(p.text for p in pieces)},
+                "finish_reason": pieces[-1].finish_reason, **self._logprobs(pieces)}
+               for i, pieces in enumerate(choices)]
         return ChatCompletion(id=request_id, object="chat.completion", created=self.created, model=self.model,
-                              choices=choices, usage=usage)
+                              choices=out, usage=usage)
 
     def opening(self, request_id, index) -> ChatCompletionChunk:
         return self._chunk(request_id, [{"index": index, "delta": {"role": "assistant", "content": ""}}])
@@ -253,38 +264,22 @@ class chat_payloads:  # noqa: N801 - a namespace of the chat endpoint's payload 
     def chunk(self, request_id, piece: Piece) -> ChatCompletionChunk:
         delta = {"content": piece.text} if piece.text else {}
         return self._chunk(request_id, [{"index": piece.index, "delta": delta,
-                                         "finish_reason": piece.finish_reason}])
+                                         "finish_reason": piece.finish_reason, **self._logprobs([piece])}])
 
     def usage_chunk(self, request_id, usage) -> ChatCompletionChunk:
         return self._chunk(request_id, [], usage=usage)
 
+    def _logprobs(self, pieces: list[Piece]) -> dict:
+        """``{"logprobs": ...}`` of ``pieces``' tokens in OpenAI's chat shape when asked, else nothing."""
+        if self.logprobs is None:
+            return {}
+        ids = [i for p in pieces for i in p.token_ids]
+        content = chat_logprobs(self.texts, ids, [s for p in pieces for s in p.scores or ()], self.logprobs)
+        return {"logprobs": {"content": content, "refusal": None}}
+
     def _chunk(self, request_id, choices, usage=None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=request_id, object="chat.completion.chunk", created=self.created,
                                    model=self.model, choices=choices, usage=usage)
-
-
-class completion_payloads:  # noqa: N801 - a namespace of the completions endpoint's payload builders
-    def __init__(self, model: str) -> None:
-        self.model, self.created = model, int(time.time())
-
-    def whole(self, request_id, texts, finals, usage) -> Completion:
-        choices = [CompletionChoice(index=i, text=text, finish_reason=finals[i].finish_reason)
-                   for i, text in enumerate(texts)]
-        return Completion(id=request_id, object="text_completion", created=self.created, model=self.model,
-                          choices=choices, usage=usage)
-
-    def opening(self, request_id, index) -> None:
-        return None
-
-    def chunk(self, request_id, piece: Piece) -> Completion:
-        choice = CompletionChoice.model_construct(index=piece.index, text=piece.text,
-                                                  finish_reason=piece.finish_reason)
-        return Completion.model_construct(id=request_id, object="text_completion", created=self.created,
-                                          model=self.model, choices=[choice])
-
-    def usage_chunk(self, request_id, usage) -> Completion:
-        return Completion.model_construct(id=request_id, object="text_completion", created=self.created,
-                                          model=self.model, choices=[], usage=usage)
 
 
 class _CountRequests:

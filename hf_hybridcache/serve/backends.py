@@ -21,12 +21,16 @@ from transformers.generation.streamers import BaseStreamer
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """One request's sampling: ``temperature`` 0 is greedy; ``seed`` None draws one."""
+    """One request's sampling: ``temperature`` 0 is greedy; ``seed`` None draws one. ``logprobs`` and
+    ``prompt_logprobs``: score the generated and the prompt tokens with this many alternatives each (None: no scores;
+    :mod:`~hf_hybridcache.engine.scoring`)."""
 
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -36,12 +40,14 @@ class Sampling:
 @dataclasses.dataclass(frozen=True)
 class Progress:
     """A request's state after a step: its generated ids so far, the prompt tokens the cache restored, whether it is
-    done and why it failed (None: it did not)."""
+    done and why it failed (None: it did not); the scores of its generated and prompt tokens so far when asked."""
 
     token_ids: list[int]
     hit_tokens: int
     finished: bool
     error: str | None = None
+    token_scores: list | None = None
+    prompt_scores: list | None = None
 
 
 class EngineBackend:
@@ -62,6 +68,8 @@ class EngineBackend:
     Raises:
         ValueError: ``max_model_len`` is over what the model and memory allow.
     """
+
+    scores = True  # it returns logprobs (the engine scores tokens)
 
     def __init__(self, cache, eos_token_ids: list[int], max_running_requests: int = 32,
                  max_batch_tokens: int = 512, max_model_len: int | None = None) -> None:
@@ -111,7 +119,8 @@ class EngineBackend:
                       "top_p": float(sampling.top_p)}
         added = self.manager.add_request(prompt_ids, request_id=request_id, max_new_tokens=sampling.max_tokens,
                                          streaming=True, eos_token_id=self.eos_token_ids, cache_salt=salt,
-                                         seed=None if sampling.greedy else sampling.seed, **kwargs)
+                                         seed=None if sampling.greedy else sampling.seed, logprobs=sampling.logprobs,
+                                         prompt_logprobs=sampling.prompt_logprobs, **kwargs)
         if added is None:
             yield Progress([], 0, True, "The engine is not running.")
             return
@@ -121,7 +130,8 @@ class EngineBackend:
             while not finished:
                 output = await queue.get()
                 finished = output.is_finished()
-                yield Progress(list(output.generated_tokens), output.hit_tokens, finished, output.error)
+                yield Progress(list(output.generated_tokens), output.hit_tokens, finished, output.error,
+                               output.token_scores, output.prompt_scores)
         finally:
             if not finished:
                 self.manager.cancel_request(request_id)
@@ -129,7 +139,10 @@ class EngineBackend:
 
 class SequentialBackend:
     """One plain ``generate()`` at a time, no cache: what serving a hybrid model with transformers gives without this
-    package (the baseline). ``seed`` is honoured (the global torch RNG is seeded under the lock)."""
+    package (the baseline). ``seed`` is honoured (the global torch RNG is seeded under the lock). It computes no
+    logprobs: requests that ask for them get a 400."""
+
+    scores = False
 
     def __init__(self, model, eos_token_ids: list[int], max_request_tokens: int = 32768) -> None:
         self.model, self.eos_token_ids, self.max_request_tokens = model, eos_token_ids, max_request_tokens

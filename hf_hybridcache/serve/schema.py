@@ -73,9 +73,23 @@ class _Common(BaseModel):
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class CompletionRequest(_Common):
-    """``max_tokens`` None: OpenAI's default, 16 (``app.COMPLETION_MAX_TOKENS``), capped by the room left."""
+    """``max_tokens`` None: OpenAI's default, 16 (``app.COMPLETION_MAX_TOKENS``), capped by the room left; 0 with
+    ``echo``: score the prompt, generate nothing. OpenAI's fields this server does not implement, and fields OpenAI
+    does not define, are refused by name (:func:`~hf_hybridcache.serve.completions.refuse_unsupported`)."""
 
-    prompt: str | list[int] = Field(min_length=1)
+    model_config = ConfigDict(extra="allow")
+
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=5)
+    best_of: int | None = None
+    suffix: str | None = None
+    logit_bias: dict | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
