@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import openai
@@ -119,3 +120,14 @@ def test_api_key(monkeypatch):
             _client(server, "unused").models.list()
     finally:
         server.close()
+
+
+def test_the_docs_options_table_lists_every_flag(capsys):
+    """docs/serving.md's options table and ``--help`` name the same flags."""
+    table = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text().split("## Options", 1)[1]
+    documented = set(re.findall(r"^\| (`--[^|]*)\|", table.split("\n\n|", 1)[1].split("\n\n", 1)[0], re.M))
+    documented = {flag for cell in documented for flag in re.findall(r"`(--[\w-]+)`", cell)}
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    flags = set(re.findall(r"^  (--[\w-]+)", capsys.readouterr().out, re.M))
+    assert len(flags) > 15 and documented == flags - {"--help"}
