@@ -37,7 +37,8 @@ import torch
 from transformers import DynamicCache
 
 from benchmarks.model_shapes import build_shape_model
-from hf_hybridcache import CACHE_KWARG, HybridPrefixCache, lifecycle
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
+from hf_hybridcache.generate import lifecycle
 from hf_hybridcache.store import last_boundary
 from hf_hybridcache.toy import VOCAB_SIZE, build_model
 

@@ -43,8 +43,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from benchmarks.model_shapes import build_shape_model
 from benchmarks.ttft import random_ids
-from hf_hybridcache import CACHE_KWARG, HybridPrefixCache, lifecycle
-from hf_hybridcache.live import LiveRequest
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
+from hf_hybridcache.generate import LiveRequest, lifecycle
 
 #: family kind -> (family of the small shape, (family, shape) of the real one).
 KINDS = {

@@ -9,7 +9,7 @@ simulator does what ``generate()`` and the model would do to the cache:
    sampled token never goes through the model); around each forward, ``_before_forward`` / ``_after_forward`` (the
    forward hooks), and in between what the model writes: the KV of the new tokens through ``cache.update`` and the
    Mamba states the cache asked for through ``capture_states`` — meta tensors of the real shapes and dtypes;
-3. the end of ``generate()``: the replay of the reply (:mod:`hf_hybridcache.reply_replay`, on by default for the
+3. the end of ``generate()``: the replay of the reply (:mod:`hf_hybridcache.generate.reply_replay`, on by default for the
    bfloat16 models), whose forward is played the same way.
 
 So the lookup, admission, retention, eviction and budget code that runs is the cache's own; only the numbers inside
@@ -26,9 +26,9 @@ import datasets
 import torch
 from transformers import AutoModelForCausalLM, JambaConfig
 
-from hf_hybridcache import HybridPrefixCache, _compat, lifecycle
+from hf_hybridcache import HybridPrefixCache, _compat
 from hf_hybridcache.config import split_state_key
-from hf_hybridcache.reply_replay import replay_replies
+from hf_hybridcache.generate import lifecycle, replay_replies
 from hf_hybridcache.store import FlopModel
 
 

@@ -4,9 +4,9 @@ This module is the thin adapter: options, stats, salted views, save/load and the
 the patched mixers call. What happens during a call lives elsewhere, in the order it happens:
 
 - :mod:`~hf_hybridcache._compat` wraps the model's ``generate()`` and ``forward()`` and calls
-- :mod:`~hf_hybridcache.lifecycle`, which starts a request (lookup + restore: :mod:`~hf_hybridcache.live`, batches:
-  :mod:`~hf_hybridcache.batch`) and brackets every forward of the live request
-  (:class:`~hf_hybridcache.live.LiveRequest`), which stores full blocks and checkpoints through
+- :mod:`~hf_hybridcache.generate.lifecycle`, which starts a request (lookup + restore: :mod:`~hf_hybridcache.generate.live`, batches:
+  :mod:`~hf_hybridcache.generate.batch`) and brackets every forward of the live request
+  (:class:`~hf_hybridcache.generate.live.LiveRequest`), which stores full blocks and checkpoints through
 - :class:`~hf_hybridcache.core.sharing.CacheCore`, what a cache and its views share (hash roots, weights state, remote
   tier, counters, lock), in its :class:`~hf_hybridcache.store.PrefixStore` (block pool, KV and checkpoint stores,
   lookup, retention, eviction).
@@ -21,15 +21,14 @@ from dataclasses import replace
 import torch
 from transformers.cache_utils import Cache
 
-from . import _compat, dry_run, lifecycle
+from . import _compat
 from .config import DEFAULT_MAX_CACHE_BYTES, CacheOptions
 from .core import CacheCore, HitReport, WeightsTracker, load_cache, save_cache
+from .generate import HOOKS, LiveCache, LiveState, explain_call, lifecycle, replays_by_default
 from .hashing import hash_seed, model_identity
-from .live_cache import LiveCache, LiveState
 from .models import support_for
 from .remote import RemoteTier, remote_config
 from .remote import attach as attach_remote
-from .reply_replay import replays_by_default
 from .stats import PrefixCacheStats
 from .store import FlopModel, Placement, PrefixStore, layer_devices, make_eviction
 
@@ -69,7 +68,7 @@ class HybridPrefixCache(LiveCache):
             or ``"lru"`` (least recently used first). Either way a KV block goes only after the blocks that extend it
             and after its own checkpoint, and the running request's blocks never go.
         replay_replies: store replies from one prefill of their tokens when ``generate()`` has its output, and leave
-            two tokens to a hit's tail (:mod:`hf_hybridcache.reply_replay`); None: on in bf16/fp16, see there.
+            two tokens to a hit's tail (:mod:`hf_hybridcache.generate.reply_replay`); None: on in bf16/fp16, see there.
 
     Threads: ``generate()`` calls with one cache from several threads run one at a time; calls on different
     :meth:`with_salt` views run at the same time; see :mod:`hf_hybridcache.core.calls`.
@@ -78,7 +77,7 @@ class HybridPrefixCache(LiveCache):
         core: the :class:`~hf_hybridcache.core.sharing.CacheCore` this cache and its views share (store, hash roots,
             weights state, remote tier, counters, lock): the interface for code that serves requests beside
             ``generate()``; not needed to use the cache.
-        live: this view's :class:`~hf_hybridcache.live_cache.LiveState` (its live request).
+        live: this view's :class:`~hf_hybridcache.generate.live_cache.LiveState` (its live request).
         last_reports: why each row of this view's latest request hit what it hit (``last_report``: the first row's).
 
     Raises:
@@ -125,7 +124,7 @@ class HybridPrefixCache(LiveCache):
         self.model = model
         support.install(model)
         support.explain_kernels(model, devices.values())
-        _compat.install_hooks(model, _HOOKS)
+        _compat.install_hooks(model, HOOKS)
         super().__init__(layers=_compat.new_live_layers(model.config))
 
         policy = make_eviction(options.eviction, FlopModel.from_model(model, self.spec))
@@ -217,8 +216,8 @@ class HybridPrefixCache(LiveCache):
 
     def explain(self, input_ids, salt: str | None = None, remote: bool = False, attention_mask=None):
         """What a ``generate()`` of ``input_ids`` would restore and why, changing nothing; see
-        :func:`~hf_hybridcache.dry_run.explain_call` (arguments, what comes back, errors)."""
-        return dry_run.explain_call(self, input_ids, self.salt if salt is None else salt, remote, attention_mask)
+        :func:`~hf_hybridcache.generate.dry_run.explain_call` (arguments, what comes back, errors)."""
+        return explain_call(self, input_ids, self.salt if salt is None else salt, remote, attention_mask)
 
     def reset(self) -> None:
         """End the live request and empty the live layers; stored blocks and checkpoints stay. Waits for a running
@@ -377,11 +376,3 @@ def _manager_for(cache: HybridPrefixCache, generation_config, continuous_batchin
     """``model.init_continuous_batching``'s manager (see :meth:`HybridPrefixCache.init_continuous_batching`)."""
     return cache.init_continuous_batching(generation_config, continuous_batching_config)
 
-
-_HOOKS = _compat.Hooks(
-    find=lifecycle.find_cache,
-    generate_call=lifecycle.generate_call,
-    begin_request=lifecycle.begin_request,
-    forward_call=lifecycle.forward_call,
-    rows_done=lifecycle.rows_done,
-)

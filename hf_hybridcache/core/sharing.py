@@ -337,7 +337,7 @@ class CacheCore(CallScopes):
             self.counters["divergence_checkpoints"] += 1
 
     def count_replayed_reply_tokens(self, num_tokens: int) -> None:
-        """Count reply tokens run again as one prefill (:mod:`~hf_hybridcache.reply_replay`)."""
+        """Count reply tokens run again as one prefill (:mod:`~hf_hybridcache.generate.reply_replay`)."""
         with self.store_lock:
             self.counters["replayed_reply_tokens"] += num_tokens
 

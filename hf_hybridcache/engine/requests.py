@@ -65,7 +65,7 @@ class EngineRequest:
             (entry 0 None), computed or restored with a hit (:mod:`~hf_hybridcache.engine.score_store`).
         token_scores: the scores of its generated tokens.
         replay_of: for a reply replay (``replay_replies``), the prompt length of the finished request whose tokens
-            it runs again as one prefill to store them as a prefill computes them (:mod:`~hf_hybridcache.reply_replay`;
+            it runs again as one prefill to store them as a prefill computes them (:mod:`~hf_hybridcache.generate.reply_replay`;
             its checkpoints are kept as that request's would be); it samples nothing and is never delivered. 0: a
             user's request.
     """

@@ -8,7 +8,7 @@
   rows' state slots and the page pool with the semantics of transformers' ``LinearAttentionLayer`` and
   ``DynamicLayer`` (``cache_utils.py``, 5.23 - 5.24), plus the package's checkpoint protocol
   (``checkpoint_positions`` / ``capture_states``, the conv capture of :mod:`~hf_hybridcache.models.emission`), as
-  :class:`~hf_hybridcache.live_cache.LiveCache` answers them for ``generate()``.
+  :class:`~hf_hybridcache.generate.live_cache.LiveCache` answers them for ``generate()``.
 
 A view gathers its rows' states from the slots on first use and writes them back once the module returns; an
 attention ``update`` writes the new keys and values into the rows' own pages and returns every key the rows' queries

@@ -8,7 +8,7 @@ unchanged and, when the cache wants states inside the call, makes an :class:`~hf
 active around it:
 
 - the conv windows at the positions are cut from the raw conv inputs the mixer hands to
-  ``cache.update_conv_state`` (:class:`~hf_hybridcache.live_cache.LiveCache` forwards them to the emission);
+  ``cache.update_conv_state`` (:class:`~hf_hybridcache.generate.live_cache.LiveCache` forwards them to the emission);
 - the recurrence kernel the mixer calls by its module-level name (``torch_chunk_gated_delta_rule`` and kin) is
   routed through :func:`route_recurrence`, which returns the states after the positions with the output. With no
   emitting implementation for the kernel it calls the kernel piecewise, from each piece's final state as the next

@@ -1,6 +1,6 @@
 """The live request: what one ``generate()`` call (or a run of direct forwards) is doing to a cache's live layers.
 
-A :class:`LiveRequest` is made when a request begins (:mod:`hf_hybridcache.lifecycle`), after the longest stored
+A :class:`LiveRequest` is made when a request begins (:mod:`hf_hybridcache.generate.lifecycle`), after the longest stored
 prefix of each row was restored into the live layers (:func:`restore_row`). Around every forward it is told
 :meth:`~LiveRequest.before_forward` (which block boundaries the patched mixers must hand their states over at) and
 :meth:`~LiveRequest.after_forward` (store the new full blocks and the captured checkpoints); :meth:`~LiveRequest.crop`
@@ -14,12 +14,12 @@ import logging
 
 import torch
 
-from . import _compat
-from .config import StateKey, split_state_key
-from .core import Row
-from .kernels.paged_copy import KVBlock
-from .store import LayerState
-from .store.retention import plan_checkpoints
+from .. import _compat
+from ..config import StateKey, split_state_key
+from ..core import Row
+from ..kernels.paged_copy import KVBlock
+from ..store import LayerState
+from ..store.retention import plan_checkpoints
 
 logger = logging.getLogger("hf_hybridcache")
 

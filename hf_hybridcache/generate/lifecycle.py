@@ -3,8 +3,8 @@
 1. :func:`generate_call` holds the view's call lock for the whole ``generate()`` call (released in ``finally``;
    the store's own lock is taken only around each store operation, see :mod:`~hf_hybridcache.core.calls`).
 2. :func:`begin_request` runs before ``generate()`` reads ``get_seq_length()``: it checks the request, ends the
-   previous one, restores each row's longest stored prefix into fresh live layers (:mod:`~hf_hybridcache.live`;
-   batches via :mod:`~hf_hybridcache.batch`) and makes the new :class:`~hf_hybridcache.live.LiveRequest` live.
+   previous one, restores each row's longest stored prefix into fresh live layers (:mod:`~hf_hybridcache.generate.live`;
+   batches via :mod:`~hf_hybridcache.generate.batch`) and makes the new :class:`~hf_hybridcache.generate.live.LiveRequest` live.
 3. :func:`forward_call` wraps every forward: ``before_forward`` plans the boundaries the patched mixers hand their
    states over at, ``after_forward`` stores new full blocks and checkpoints; a forward that raises (any
    ``BaseException``) ends the request, since its live state is half-written.
@@ -21,19 +21,19 @@ import time
 
 import torch
 
-from . import _compat
+from .. import _compat
+from ..core import Row, log_request, not_cacheable
+from ..store import synchronize
 from .batch import mask_lengths, replay_rows, unpadded_rows
-from .core import Row, log_request, not_cacheable
 from .live import LiveRequest, restore_row
 from .live_cache import LiveCache
 from .reply_replay import replay_replies
-from .store import synchronize
 
 logger = logging.getLogger("hf_hybridcache")
 
 
 def find_cache(model, kwargs) -> LiveCache | None:
-    """The HybridPrefixCache (a :class:`~hf_hybridcache.live_cache.LiveCache`) of a call to ``model``, or None.
+    """The HybridPrefixCache (a :class:`~hf_hybridcache.generate.live_cache.LiveCache`) of a call to ``model``, or None.
 
     Raises:
         ValueError: the cache was built for another model.
@@ -168,7 +168,7 @@ def start_request(
     ``inputs_embeds``); ``prompt_tokens`` counts the prompt when there are no ids; ``uncached`` says why there are
     none (a key of :data:`~hf_hybridcache.core.explain.NOT_CACHEABLE`; None: ``inputs_embeds``, or padding inside a
     prompt); a single row's restored KV gets room for ``decode_tokens`` tokens fed after the prompt
-    (:func:`~hf_hybridcache.live.restore_row`)."""
+    (:func:`~hf_hybridcache.generate.live.restore_row`)."""
     end_request(cache)
     end_idle_requests(cache)
     cache.live.root, cache.live.weights_generation = cache.core.request_start(cache.salt)
@@ -305,3 +305,13 @@ def check_request(cache, input_ids: torch.Tensor | None) -> None:
             f"Token id {low if low < 0 else high} is outside the model's vocabulary [0, {vocab_size}); check that "
             "the tokenizer belongs to this model."
         )
+
+
+#: The calls ``_compat`` makes into the lifecycle from the model's wrapped ``generate()`` and forwards.
+HOOKS = _compat.Hooks(
+    find=find_cache,
+    generate_call=generate_call,
+    begin_request=begin_request,
+    forward_call=forward_call,
+    rows_done=rows_done,
+)

@@ -2,7 +2,7 @@
 nothing: no recency is touched, nothing is stored or counted, the tier is read only when asked (one ``EXISTS``
 pipeline per row, which leaves no trace) and never written.
 
-The rows of a batch replay one after another in ``generate()`` (:mod:`~hf_hybridcache.batch`), each storing its
+The rows of a batch replay one after another in ``generate()`` (:mod:`~hf_hybridcache.generate.batch`), each storing its
 blocks and checkpoints before the next one looks up, so a row can hit what an earlier row of the same batch stores.
 The dry run follows that: each row is looked up in the store plus what the earlier rows would store
 (:class:`Planned`). It assumes the budget keeps all of it (a batch that evicts while it replays may hit less).
@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from ..core import HitReport, not_cacheable
+from ..hashing import BlockHash, chain_hashes
+from ..store import Hit, PrefixStore, last_boundary, retained_boundaries
+from ..store.lookup import find_hit
 from . import lifecycle
 from .batch import mask_lengths, unpadded_rows
-from .core import HitReport, not_cacheable
-from .hashing import BlockHash, chain_hashes
-from .store import Hit, PrefixStore, last_boundary, retained_boundaries
-from .store.lookup import find_hit
 
 
 def explain_call(cache, input_ids, salt: str | None, remote: bool, attention_mask: torch.Tensor | None = None):
@@ -126,7 +126,7 @@ class Planned:
     def add_row(self, token_ids: list[int], root: BlockHash, hit: Hit, options) -> None:
         """Plan what a batch row that hit ``hit`` stores while it replays up to its last token: its full blocks and
         the checkpoints at its retained boundaries and at the last boundary it reaches
-        (:class:`~hf_hybridcache.live.LiveRequest`)."""
+        (:class:`~hf_hybridcache.generate.live.LiveRequest`)."""
         bs, start, end = options.block_size, hit.hit_tokens, len(token_ids) - 1
         if end <= start:
             return

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _compat
+from .. import _compat
 from .live import LiveRequest, restore_row
 
 

@@ -3,7 +3,7 @@
 transformers' ``Cache`` API is what the model's own code calls on the cache while a forward runs: ``update`` and
 ``update_conv_state`` write the live layers, beam search reorders them, speculative decoding rolls them back with
 ``crop``, and the patched Mamba mixers ask where to hand over their states. :class:`LiveCache` answers these by
-delegating to the live request (:class:`~hf_hybridcache.live.LiveRequest`); the user-facing half (options, stats,
+delegating to the live request (:class:`~hf_hybridcache.generate.live.LiveRequest`); the user-facing half (options, stats,
 views, persistence) is :class:`~hf_hybridcache.HybridPrefixCache`.
 """
 
@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache
 
-from . import _compat
-from .config import state_key
-from .core import CacheCore
-from .hashing import BlockHash
+from .. import _compat
+from ..config import state_key
+from ..core import CacheCore
+from ..hashing import BlockHash
+from ..models import emission
 from .live import LiveRequest
-from .models import emission
 
 
 @dataclass(eq=False)

@@ -29,11 +29,11 @@ from collections.abc import Callable
 
 import torch
 
-from . import _compat
-from .config import ModelStateSpec
-from .core import replay_start
+from .. import _compat
+from ..config import ModelStateSpec
+from ..core import replay_start
+from ..store import last_boundary
 from .live import LiveRequest, restore_row
-from .store import last_boundary
 
 logger = logging.getLogger("hf_hybridcache")
 
