@@ -25,8 +25,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from hf_hybridcache import CACHE_KWARG, DEFAULT_MAX_CACHE_BYTES, HybridPrefixCache, supported_model_types
 from hf_hybridcache.config import CacheOptions
-from hf_hybridcache.toy import build_model, byte_tokenizer
-from hf_hybridcache.toy_configs import TINY_CONFIGS
+from hf_hybridcache.toy import TINY_CONFIGS, build_model, byte_tokenizer
 
 #: Families the built-in model can take: those with a tiny config that the installed transformers serves.
 FAMILIES = sorted(set(TINY_CONFIGS) & set(supported_model_types()))

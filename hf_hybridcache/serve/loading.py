@@ -26,7 +26,7 @@ def load(model_id: str, dtype: str = "auto", device_map: str | None = None, toke
     """The ``(model, tokenizer)`` for ``model_id`` in eval mode.
 
     Args:
-        model_id: ``toy:FAMILY`` (a family of :data:`~hf_hybridcache.toy_configs.TINY_CONFIGS`, seed 0, long-memory
+        model_id: ``toy:FAMILY`` (a family of :data:`~hf_hybridcache.toy.configs.TINY_CONFIGS`, seed 0, long-memory
             init, float32 unless ``dtype`` says otherwise) or a local path / hub id.
         dtype: a key of :data:`DTYPES`.
         device_map: accelerate's ``device_map`` for ``from_pretrained`` (``"auto"``, ``"cpu"``, ``"cuda:0"``); for a toy

@@ -14,7 +14,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from .toy_configs import COMMON, TINY_CONFIGS
+from .configs import COMMON, TINY_CONFIGS
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
 #: Byte-level vocabulary: the special tokens, then one token per byte.
@@ -46,7 +46,7 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_config(family: str = "jamba", **overrides):
-    """A small config of ``family`` (a key of :data:`~hf_hybridcache.toy_configs.TINY_CONFIGS`) sized for CPU tests;
+    """A small config of ``family`` (a key of :data:`~hf_hybridcache.toy.configs.TINY_CONFIGS`) sized for CPU tests;
     ``overrides`` win.
 
     Raises:
