@@ -32,6 +32,7 @@ from .engine import Engine
 from .grouping import wrap_stateful_modules
 from .limits import EngineLimits
 from .generation_fields import EosFloor, batching_config, engine_generation_config, new_tokens
+from .grammar import grammar_error
 from .outputs import OutputRouter
 from .requests import EngineRequest, first_eos_ids, validation_error
 from .runner import StepRunner
@@ -178,6 +179,7 @@ class ContinuousBatchingManager:
         seed: int | None = None,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        grammar=None,
         **logit_processor_kwargs,
     ) -> str | None:
         """Queue a request; returns its id (None when the manager is stopping or dead, as transformers').
@@ -195,6 +197,7 @@ class ContinuousBatchingManager:
             seed: when sampling, the seed of this request's own generator, so it samples the same tokens whatever runs
                 beside it (``num_return_sequences`` children: ``seed + 1``, ...). None: the shared generator.
             logprobs, prompt_logprobs: score its generated / prompt tokens, with this many alternatives (0-20 / 0-5).
+            grammar: a :class:`~hf_hybridcache.structured.Grammar` its output (each sequence's) follows, or None.
             logit_processor_kwargs: per-request ``temperature``, ``top_k``, ``top_p`` (with
                 ``ContinuousBatchingConfig(per_request_processors=True)`` and the processor enabled in the
                 generation config).
@@ -212,18 +215,21 @@ class ContinuousBatchingManager:
         error = error or validation_error(prompt, max_new_tokens, self.model.get_input_embeddings().num_embeddings,
                                           self.limits.max_request_tokens, salt, seed, self.num_return_sequences)
         error = error or request_error(logprobs, prompt_logprobs)
+        eos = first_eos_ids(eos_token_id, self.generation_config.eos_token_id, self.model.config.eos_token_id)
+        error = error or grammar_error(grammar, eos, EosFloor.of(self.model, self.generation_config),
+                                       self.model.get_input_embeddings().num_embeddings)
         if error is None:
             try:
                 self.processors.check_kwargs(logit_processor_kwargs)
             except (TypeError, ValueError) as problem:
                 error = f"Invalid sampling arguments: {problem}"
         ids = [f"{request_id}__child#{k}" for k in range(self.num_return_sequences - 1)] + [request_id]
-        eos = first_eos_ids(eos_token_id, self.generation_config.eos_token_id, self.model.config.eos_token_id)
         requests = [  # the parent (last) keeps the seed, child k gets seed + k + 1
             EngineRequest(rid, list(prompt) if error is None else [], max_new_tokens, eos,
                           dict(logit_processor_kwargs), seed=None if error or seed is None else seed + (k + 1) % len(ids),
                           salt=salt, streaming=streaming, record_timestamps=record_timestamps, score_generated=logprobs,
-                          score_prompt=prompt_logprobs, timestamps=[] if record_timestamps else None)
+                          score_prompt=prompt_logprobs, timestamps=[] if record_timestamps else None,
+                          grammar=None if error or grammar is None else grammar.matcher())
             for k, rid in enumerate(ids)
         ]
         if error is not None:
@@ -327,17 +333,11 @@ class ContinuousBatchingManager:
     def _take_queues(self, engine: Engine) -> list[EngineRequest]:
         """Queue the new requests and end the cancelled ones (returned, for delivery)."""
         with self._intake:
-            while True:
-                try:
-                    engine.add(self._inbox.get_nowait())
-                except queue.Empty:
-                    break
+            while not self._inbox.empty():  # the loop is the queues' only reader: a non-empty one has an item for it
+                engine.add(self._inbox.get_nowait())
         cancelled = []
-        while True:
-            try:
-                request_id = self._cancels.get_nowait()
-            except queue.Empty:
-                break
+        while not self._cancels.empty():
+            request_id = self._cancels.get_nowait()
             for request in [r for r in (*engine.scheduler.running, *engine.scheduler.waiting)
                             if r.request_id == request_id or r.request_id.startswith(f"{request_id}__child#")]:
                 engine.finish(request, RequestStatus.FAILED, "cancelled")

@@ -22,6 +22,7 @@ import torch
 from .._compat.continuous_batching import EngineOutput, RequestStatus
 from ..core import HitReport, Row
 from ..hashing import BlockHash
+from ..structured.grammar import GrammarMatcher
 
 
 @dataclass(eq=False)
@@ -64,6 +65,8 @@ class EngineRequest:
         prompt_scores: the :class:`~hf_hybridcache.engine.scoring.TokenScore` of its prompt tokens ``0 ..`` so far
             (entry 0 None), computed or restored with a hit (:mod:`~hf_hybridcache.engine.score_store`).
         token_scores: the scores of its generated tokens.
+        grammar: its :class:`~hf_hybridcache.structured.GrammarMatcher` when its output follows a grammar (the
+            step masks what it does not allow, :mod:`~hf_hybridcache.engine.grammar`), else None.
         replay_of: for a reply replay (``replay_replies``), the prompt length of the finished request whose tokens
             it runs again as one prefill to store them as a prefill computes them (:mod:`~hf_hybridcache.generate.reply_replay`;
             its checkpoints are kept as that request's would be); it samples nothing and is never delivered. 0: a
@@ -107,6 +110,7 @@ class EngineRequest:
     score_generated: int | None = None
     prompt_scores: list = field(default_factory=list)
     token_scores: list = field(default_factory=list)
+    grammar: GrammarMatcher | None = field(default=None, repr=False)
 
     @property
     def tokens(self) -> list[int]:

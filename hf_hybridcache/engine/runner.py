@@ -3,7 +3,8 @@
 The model's own forward runs on ``input_ids`` / ``position_ids`` ``[1, N]`` with the
 :class:`~hf_hybridcache.engine.views.StepCache` as its cache, a mask mapping that builds no masks (the groups carry
 their own), and ``logits_to_keep`` = the sampled positions, so only ``[M, V]`` logits are computed. Sampling is
-transformers' continuous batching's: the end-of-sequence floor of ``min_new_tokens`` / ``min_length``
+transformers' continuous batching's after the grammar masks of requests that follow one
+(:mod:`~hf_hybridcache.engine.grammar`): the end-of-sequence floor of ``min_new_tokens`` / ``min_length``
 (:class:`~hf_hybridcache.engine.generation_fields.EosFloor`), its logits processors (per-request temperature, top-k,
 top-p), then argmax or ``multinomial`` from one generator (seeded by ``ContinuousBatchingConfig.seed``), or from a
 request's own generator when it was added with a ``seed``.
@@ -15,7 +16,7 @@ import torch
 
 from .. import _compat
 from .._compat.continuous_batching import processor_args
-from . import scoring
+from . import grammar, scoring
 from .generation_fields import EosFloor
 from .plan import StepPlan
 from .views import StepCache
@@ -87,6 +88,8 @@ class StepRunner:
     def _sample(self, logits: torch.Tensor, plan: StepPlan) -> tuple[list[int], list[float] | None]:
         """Tokens for logits ``[M, V]`` float32 of the sampled segments (scored from the raw logits when asked)."""
         raw = scoring.log_softmax_sampled(plan, logits)
+        requests = [segment.request for segment in plan.sampled]
+        logits = grammar.mask_logits(logits, grammar.grammar_rows(requests))  # raises before anything is sampled
         if self.floor is not None:
             logits = self.floor.apply(logits, [segment.request for segment in plan.sampled])
         if self.processors.do_processing:
@@ -104,7 +107,9 @@ class StepRunner:
         logprobs = None
         if self.return_logprobs:
             logprobs = probs.gather(1, tokens[:, None])[:, 0].log().tolist()
-        return tokens.tolist(), logprobs
+        tokens = tokens.tolist()
+        grammar.advance(requests, tokens)  # last: a step that raised took no token
+        return tokens, logprobs
 
     def _draw(self, probs: torch.Tensor, requests: list) -> torch.Tensor:
         """One token per row of ``probs`` ``[M, V]``: a seeded request's from its own generator, the others' from the

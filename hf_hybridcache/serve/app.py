@@ -27,6 +27,7 @@ from .logprobs import TokenTexts, chat_logprobs
 from .metrics import ServerMetrics
 from .prompts import ReplyMemory, chat_prompt_ids
 from .schema import APIError, ChatRequest, CompletionRequest
+from .structured import Grammars, structure_of
 
 #: The header that names the tenant (its prefixes are reused only by its own requests); OpenAI's ``user`` otherwise.
 SALT_HEADER = "x-tenant-id"
@@ -54,6 +55,7 @@ def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens:
     metrics = ServerMetrics(backend, cache)
     runner = ChoiceRunner(backend, tokenizer, metrics, ReplyMemory(), [] if eos is None else [eos])
     texts = TokenTexts(tokenizer)
+    grammars = Grammars(tokenizer, backend.vocab_size, [] if eos is None else [eos])
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -94,7 +96,7 @@ def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens:
                             status_code=500)
 
     def job_for(body, prompt_ids: list[int], request: Request, max_tokens: int | None, default: int,
-                remember: bool, logprobs: int | None = None, prompt_logprobs: int | None = None) -> Job:
+                remember: bool, logprobs: int | None = None, prompt_logprobs: int | None = None, grammar=None) -> Job:
         """The request's job; ``max_tokens`` None (the client sent none): ``default`` capped by the room left."""
         if body.model != model_id:
             raise APIError(404, f"The model {body.model!r} does not exist; this server serves {model_id!r}.",
@@ -105,24 +107,26 @@ def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens:
         max_tokens = reply_tokens(len(prompt_ids), max_tokens, default, backend.max_request_tokens,
                                   "messages" if remember else "prompt")
         salt = request.headers.get(SALT_HEADER) or body.user
-        sampling = Sampling(max_tokens, body.temperature, body.top_p, body.seed, logprobs, prompt_logprobs)
+        sampling = Sampling(max_tokens, body.temperature, body.top_p, body.seed, logprobs, prompt_logprobs, grammar)
         metrics.prompt_tokens.inc(len(prompt_ids))
         return Job(prompt_ids, sampling, body.stop_strings(), salt, body.n, remember)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        structure = await structure_of(body, grammars)  # response_format, tools, tool_choice
+        messages = [m.for_template() for m in body.messages]
         salt = request.headers.get(SALT_HEADER) or body.user
         try:
-            prompt_ids = chat_prompt_ids(tokenizer, messages, runner.memory, salt)
+            prompt_ids = chat_prompt_ids(tokenizer, messages, runner.memory, salt, **structure.template_kwargs)
         except Exception as problem:  # a template that refuses the conversation (roles out of order, say)
             raise APIError(400, f"The chat template cannot render these messages: {problem}", param="messages")
         max_tokens = body.max_completion_tokens or body.max_tokens
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        job = job_for(body, prompt_ids, request, max_tokens, default_max_tokens, remember=True, logprobs=logprobs)
-        return await respond([job], body, chat_payloads(body.model, logprobs, texts), request)
+        job = job_for(body, prompt_ids, request, max_tokens, default_max_tokens, remember=True, logprobs=logprobs,
+                      grammar=structure.grammar)
+        return await respond([job], body, structure.payloads(chat_payloads(body.model, logprobs, texts)), request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -23,7 +23,8 @@ from transformers.generation.streamers import BaseStreamer
 class Sampling:
     """One request's sampling: ``temperature`` 0 is greedy; ``seed`` None draws one. ``logprobs`` and
     ``prompt_logprobs``: score the generated and the prompt tokens with this many alternatives each (None: no scores;
-    :mod:`~hf_hybridcache.engine.scoring`)."""
+    :mod:`~hf_hybridcache.engine.scoring`). ``grammar``: the :class:`~hf_hybridcache.structured.Grammar` the reply
+    follows (None: free text)."""
 
     max_tokens: int
     temperature: float = 1.0
@@ -31,6 +32,7 @@ class Sampling:
     seed: int | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    grammar: object = None
 
     @property
     def greedy(self) -> bool:
@@ -120,7 +122,7 @@ class EngineBackend:
         added = self.manager.add_request(prompt_ids, request_id=request_id, max_new_tokens=sampling.max_tokens,
                                          streaming=True, eos_token_id=self.eos_token_ids, cache_salt=salt,
                                          seed=None if sampling.greedy else sampling.seed, logprobs=sampling.logprobs,
-                                         prompt_logprobs=sampling.prompt_logprobs, **kwargs)
+                                         prompt_logprobs=sampling.prompt_logprobs, grammar=sampling.grammar, **kwargs)
         if added is None:
             yield Progress([], 0, True, "The engine is not running.")
             return
@@ -194,6 +196,10 @@ class SequentialBackend:
                     torch.manual_seed(sampling.seed)
                 sample = {} if sampling.greedy else dict(temperature=sampling.temperature, top_p=sampling.top_p,
                                                          top_k=0)
+                if sampling.grammar is not None:
+                    from ..structured import GrammarLogitsProcessor
+
+                    sample["logits_processor"] = [GrammarLogitsProcessor(sampling.grammar)]
                 device = self.model.get_input_embeddings().weight.device
                 ids = torch.tensor([prompt_ids], device=device)
                 # Without a mask generate() masks every pad token id in the prompt, and a model can generate one

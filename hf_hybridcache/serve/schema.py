@@ -31,11 +31,20 @@ class Message(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[dict] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool's result: the call it answers
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict:
+        """The message as chat templates take it: role and content, and the tool fields it has."""
+        extra = {key: value for key, value in (("tool_calls", self.tool_calls), ("tool_call_id", self.tool_call_id),
+                                               ("name", self.name)) if value is not None}
+        return {"role": self.role, "content": self.text(), **extra}
 
 
 class StreamOptions(BaseModel):
@@ -75,6 +84,11 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # serve/structured.py reads and checks these four
+    response_format: dict | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Common):

@@ -1,0 +1,78 @@
+"""Grammars in the engine's batched sampling: a request added with a
+:class:`~hf_hybridcache.structured.Grammar` holds its own
+:class:`~hf_hybridcache.structured.GrammarMatcher` (``EngineRequest.grammar``); each step the runner fills one
+bitmask row per sampled request that has one, sets the disallowed logits of those rows to -inf before the end-of-
+sequence floor and the sampling processors, and advances each matcher with its row's token. Rows without a grammar
+are not touched, so they sample exactly what they would alone.
+
+A matcher follows the request's generated tokens, not its slot or pages: a preempted request, recomputed later from
+the store, and the prefix it hits or stores are the same as without a grammar. A matcher that refused a token (it
+cannot, as the mask allowed it) raises at its next mask, before anything of that step is sampled, so the engine's
+isolation fails that request alone (:mod:`~hf_hybridcache.engine.isolation`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..structured.grammar import allocate_token_bitmask, apply_token_bitmask
+
+
+def grammar_error(grammar, eos_token_ids: frozenset[int], floor, vocab_size: int) -> str | None:
+    """Why a request cannot run with ``grammar`` (None: it can, or it has no grammar), as a sentence that says what to
+    do.
+
+    Args:
+        grammar: the request's :class:`~hf_hybridcache.structured.Grammar`, or None.
+        eos_token_ids: the ids that end the request.
+        floor: the manager's :class:`~hf_hybridcache.engine.generation_fields.EosFloor`, or None.
+        vocab_size: the model's vocabulary size.
+    """
+    if grammar is None:
+        return None
+    if not hasattr(grammar, "matcher") or not hasattr(grammar, "eos_token_ids"):
+        return (f"grammar must be a hf_hybridcache.structured.Grammar (GrammarCompiler(tokenizer).json_schema(...)), "
+                f"got {type(grammar).__name__}.")
+    if grammar.vocab_size != vocab_size:
+        return (f"The grammar covers {grammar.vocab_size} tokens and the model has {vocab_size}; build the "
+                f"GrammarCompiler with vocab_size={vocab_size}.")
+    if not grammar.eos_token_ids <= eos_token_ids:
+        return (f"The grammar ends with token(s) {sorted(grammar.eos_token_ids)}, which do not end this request "
+                f"(its end-of-sequence ids: {sorted(eos_token_ids)}); pass eos_token_id= to add_request, or build the "
+                "GrammarCompiler with eos_token_ids= of the request.")
+    if floor is not None:
+        return ("A request with a grammar cannot run under min_new_tokens / min_length: once the grammar is complete "
+                "only an end-of-sequence token is allowed, which they hold off; unset them in the generation config.")
+    return None
+
+
+def grammar_rows(requests: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The rows of ``requests`` (one per sampled segment) that have a grammar, and their bitmask
+    ``[G, ceil(V / 32)]`` int32 (CPU); None when no row has one.
+
+    Raises:
+        RuntimeError: a matcher is in an error state (it refused a token).
+    """
+    rows = [row for row, request in enumerate(requests) if request.grammar is not None]
+    if not rows:
+        return None
+    bitmask = allocate_token_bitmask(len(rows), requests[rows[0]].grammar.vocab_size)
+    for i, row in enumerate(rows):
+        requests[row].grammar.fill(bitmask, i)
+    return torch.tensor(rows), bitmask
+
+
+def mask_logits(logits: torch.Tensor, masks: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """``logits`` ``[M, V]`` float32 with the disallowed tokens of the rows in ``masks`` at -inf (a copy; the
+    others' rows unchanged)."""
+    if masks is None:
+        return logits
+    rows, bitmask = masks
+    return apply_token_bitmask(logits.clone(), bitmask, rows)
+
+
+def advance(requests: list, tokens: list[int]) -> None:
+    """Each request with a grammar takes its sampled token. Never raises (a refusal shows at the next mask)."""
+    for request, token in zip(requests, tokens):
+        if request.grammar is not None:
+            request.grammar.accept(token)

@@ -1,0 +1,17 @@
+"""Structured output: text constrained to a grammar (a JSON schema, any JSON object, a Lark grammar, a regular
+expression) by masking the logits of the tokens it does not allow, with llguidance
+(``pip install 'hf_hybridcache[structured]'``).
+
+Used three ways: per request in the engine (``manager.add_request(ids, grammar=compiler.json_schema(schema))``,
+masks of a step's rows with a grammar, :mod:`~hf_hybridcache.engine.grammar`), by the server's ``response_format``
+and ``tools`` (:mod:`~hf_hybridcache.serve.structured`), and as a logits processor for ``generate()``
+(:class:`JSONSchemaLogitsProcessor`). A mask changes only which token is sampled: prefix reuse is untouched.
+"""
+
+from .grammar import EXTRA, Grammar, GrammarCompiler, GrammarMatcher, allocate_token_bitmask, apply_token_bitmask
+from .processor import GrammarLogitsProcessor, JSONSchemaLogitsProcessor
+
+__all__ = [
+    "EXTRA", "Grammar", "GrammarCompiler", "GrammarLogitsProcessor", "GrammarMatcher", "JSONSchemaLogitsProcessor",
+    "allocate_token_bitmask", "apply_token_bitmask",
+]
