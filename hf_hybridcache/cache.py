@@ -1,15 +1,8 @@
 """HybridPrefixCache: the transformers ``Cache`` users pass to every ``generate()`` call.
 
-This module is the thin adapter: options, stats, salted views, save/load and the ``Cache`` methods transformers and
-the patched mixers call. What happens during a call lives elsewhere, in the order it happens:
-
-- :mod:`~hf_hybridcache._compat` wraps the model's ``generate()`` and ``forward()`` and calls
-- :mod:`~hf_hybridcache.generate.lifecycle`, which starts a request (lookup + restore: :mod:`~hf_hybridcache.generate.live`, batches:
-  :mod:`~hf_hybridcache.generate.batch`) and brackets every forward of the live request
-  (:class:`~hf_hybridcache.generate.live.LiveRequest`), which stores full blocks and checkpoints through
-- :class:`~hf_hybridcache.core.sharing.CacheCore`, what a cache and its views share (hash roots, weights state, remote
-  tier, counters, lock), in its :class:`~hf_hybridcache.store.PrefixStore` (block pool, KV and checkpoint stores,
-  lookup, retention, eviction).
+This module is the thin face: options, stats, salted views, save/load, what runs a request outside ``generate()``. The
+life of a call is :mod:`~hf_hybridcache.generate`, what the cache and its views share :mod:`~hf_hybridcache.core`,
+what is stored :mod:`~hf_hybridcache.store` (the path of one call: docs/design.md).
 """
 
 from __future__ import annotations
@@ -38,13 +31,6 @@ __all__ = ["HybridPrefixCache", "PrefixCacheStats"]
 class HybridPrefixCache(LiveCache):
     """Cross-request prefix cache for hybrid attention + Mamba models; pass it to every ``generate()`` call.
 
-    Example::
-
-        cache = HybridPrefixCache(model)
-        for prompt_ids in requests:
-            out = model.generate(prompt_ids, cache=cache, max_new_tokens=64)  # 5.23: past_key_values=cache
-            print(cache.last_hit_tokens, cache.stats.token_hit_rate)
-
     Args:
         model: a supported ``*ForCausalLM`` (see ``hf_hybridcache.models.supported_model_types()``). Constructing the
             cache patches this model instance's Mamba mixers and adds hooks to it; other models are not touched.
@@ -57,26 +43,21 @@ class HybridPrefixCache(LiveCache):
             hashes). :meth:`save` keeps it, so a loaded cache computes the same hashes.
         offload: None keeps stored entries on the device of the layer that made them; ``"cpu"`` keeps them in host
             memory (page-locked for CUDA layers) and copies them to the layer's device on restore.
-        admit_divergence: when a prompt leaves an already stored token path, keep a checkpoint at the last block
-            boundary of the shared part, taken inside the same prefill, so the shared prefix is reusable from the next
-            request on (Marconi's admission rule).
+        admit_divergence: keep a checkpoint where a prompt leaves an already stored token path, taken inside the
+            same prefill, so the shared prefix is reusable from the next request on (Marconi's admission rule).
         remote: a shared second tier (Redis or Valkey; :mod:`hf_hybridcache.remote`): a ``redis://`` or ``rediss://``
-            URL, a redis-py client or a :class:`~hf_hybridcache.remote.RemoteConfig`. Every entry stored is also
-            published there, and a request whose local hit is short fetches the longer chain other processes stored.
-            Unless ``seed`` is given the hash seed is the tier's for this model, so processes share. None: no tier.
+            URL, a redis-py client or a :class:`~hf_hybridcache.remote.RemoteConfig`: entries are published there, a
+            short local hit fetches the longer chain other processes stored, and unless ``seed`` is given the hash seed
+            is the tier's for this model, so processes share (docs/shared-tier.md). None: no tier.
         eviction: ``"flop_aware"`` (evict the lowest recency + alpha x prefill FLOPs saved per byte, after Marconi)
             or ``"lru"`` (least recently used first). Either way a KV block goes only after the blocks that extend it
             and after its own checkpoint, and the running request's blocks never go.
         replay_replies: store replies from one prefill of their tokens when ``generate()`` has its output, and leave
             two tokens to a hit's tail (:mod:`hf_hybridcache.generate.reply_replay`); None: on in bf16/fp16, see there.
 
-    Threads: ``generate()`` calls with one cache from several threads run one at a time; calls on different
-    :meth:`with_salt` views run at the same time; see :mod:`hf_hybridcache.core.calls`.
-
     Attributes:
-        core: the :class:`~hf_hybridcache.core.sharing.CacheCore` this cache and its views share (store, hash roots,
-            weights state, remote tier, counters, lock): the interface for code that serves requests beside
-            ``generate()``; not needed to use the cache.
+        core: the :class:`~hf_hybridcache.core.CacheCore` this cache and its views share: the interface for code
+            that serves requests beside ``generate()`` (a serving engine); not needed to use the cache.
         live: this view's :class:`~hf_hybridcache.generate.live_cache.LiveState` (its live request).
         last_reports: why each row of this view's latest request hit what it hit (``last_report``: the first row's).
 
@@ -85,8 +66,7 @@ class HybridPrefixCache(LiveCache):
             ``offload``, ``admit_divergence``, ``eviction``, ``replay_replies`` or ``remote``; a budget smaller than
             one KV block plus one checkpoint; a ``block_size`` longer than a sliding attention window of the model.
         TypeError: ``remote`` is not a URL, a redis-py client or a ``RemoteConfig``.
-        ImportError: ``remote`` is a URL and redis-py is not installed (``pip install redis``; from a checkout
-            ``pip install -e '.[redis]'``).
+        ImportError: ``remote`` is a URL and redis-py is not installed (``pip install redis``).
     """
 
     def __init__(
@@ -107,14 +87,9 @@ class HybridPrefixCache(LiveCache):
         support = support_for(model)
         seed_given, seed = seed is not None, hash_seed(seed)  # validated (or drawn) before anything is patched
         remote = remote_config(remote)
-        options = CacheOptions(
-            block_size,
-            retention_interval,
-            DEFAULT_MAX_CACHE_BYTES if max_cache_bytes is None else max_cache_bytes,
-            admit_divergence,
-            eviction,
-            False if replay_replies is None else replay_replies,  # None: decided from the model below
-        )
+        budget = DEFAULT_MAX_CACHE_BYTES if max_cache_bytes is None else max_cache_bytes
+        replay = False if replay_replies is None else replay_replies  # None: decided from the model below
+        options = CacheOptions(block_size, retention_interval, budget, admit_divergence, eviction, replay)
         self.spec = support.spec_for(model, block_size)
         self.spec.check_budget(options.max_cache_bytes)
         if replay_replies is None:
@@ -159,8 +134,8 @@ class HybridPrefixCache(LiveCache):
 
     @max_cache_bytes.setter
     def max_cache_bytes(self, max_cache_bytes: int | None) -> None:
-        """Change the budget; when it shrinks, the entries the eviction policy ranks lowest are evicted at once. Waits
-        for a running call in another thread.
+        """Change the budget (None: the default); when it shrinks, the entries the eviction policy ranks lowest are
+        evicted at once. Waits for a running call in another thread.
 
         Raises:
             ValueError: not None or a positive int, or smaller than one KV block plus one checkpoint, or smaller than
@@ -233,9 +208,9 @@ class HybridPrefixCache(LiveCache):
 
     def clear(self) -> None:
         """Drop every stored KV block and checkpoint (for all :meth:`with_salt` views) and the live request, and read
-        every weight again (:mod:`~hf_hybridcache.core.weights`: after a write through ``param.data``, which requests do not
-        always see, requests root in the new weights). Counters of past requests stay. Waits for a running call in
-        another thread.
+        every weight again (:mod:`~hf_hybridcache.core.weights`: after a write through ``param.data``, which requests
+        do not always see, requests root in the new weights). Counters of past requests stay. Waits for a running call
+        in another thread.
 
         Raises:
             RuntimeError: called from inside a running ``generate()`` in this thread.
@@ -248,12 +223,9 @@ class HybridPrefixCache(LiveCache):
 
     def with_salt(self, salt: str | None) -> HybridPrefixCache:
         """A view of this cache for one tenant: requests made with it only reuse prefixes stored by requests with the
-        same salt (vLLM's ``cache_salt``), because the salt is mixed into the root of every block hash chain.
-
-        The view shares the store, the budget, the counters and the lock with this cache, and has its own live
-        state; it is cheap to make one per call::
-
-            model.generate(ids, cache=cache.with_salt(user_id), max_new_tokens=64)  # 5.23: past_key_values=
+        same salt (vLLM's ``cache_salt``), because the salt is mixed into the root of every block hash chain. The view
+        shares the store, the budget, the counters and the lock with this cache, and has its own live state: it is
+        cheap to make one per call (``generate(ids, cache=cache.with_salt(user_id))``).
 
         Args:
             salt: a non-empty string naming the tenant; None gives an unsalted view (shares with ``cache`` itself).
@@ -269,11 +241,10 @@ class HybridPrefixCache(LiveCache):
         return view
 
     def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, *, limits=None):
-        """A continuous-batching manager serving many requests at once with this cache's store (prefix reuse shared
-        with ``generate()`` calls): :class:`~hf_hybridcache.engine.ContinuousBatchingManager`, with transformers'
-        API (``start``, ``add_request``, ``get_result``, ``request_id_iter``, ``cancel_request``, ``stop``). Requests
-        that pass no ``cache_salt`` use this view's salt. ``model.init_continuous_batching``, ``model.generate_batch``
-        and ``model.continuous_batching_context_manager`` use it too (on the model this cache was built for).
+        """A continuous-batching manager serving many requests at once with this cache's store, shared with
+        ``generate()`` calls: :class:`~hf_hybridcache.engine.ContinuousBatchingManager` (transformers' API). Requests
+        without a ``cache_salt`` use this view's salt. The model's ``init_continuous_batching``, ``generate_batch``
+        and ``continuous_batching_context_manager`` use it too.
 
         Args:
             generation_config: transformers' ``GenerationConfig`` (the model's when None).
@@ -291,9 +262,8 @@ class HybridPrefixCache(LiveCache):
 
     def save(self, path: str | os.PathLike) -> None:
         """Write every stored KV block and checkpoint, their block hashes, the hash seed and the model identity to
-        ``path`` (safetensors tensors + JSON metadata with checksums; no pickle, so loading cannot run code). The
-        file is written next to ``path`` and renamed over it, so a crash never leaves a half-written file there.
-        Waits for a running call in another thread.
+        ``path`` (safetensors + JSON with checksums, no pickle; written next to ``path`` and renamed over it: see
+        docs/usage.md). Waits for a running call in another thread.
 
         Raises:
             ValueError: ``path`` is a directory or its folder does not exist; nothing is written.
@@ -324,8 +294,8 @@ class HybridPrefixCache(LiveCache):
             retention_interval: None keeps the saved one.
             offload: as in the constructor.
             remote: as in the constructor; the loaded entries are queued for the tier (``cache.remote.flush()``
-                waits until they are written). The file's hash seed is kept, so they are shared with other caches only when it
-                was saved by a cache with ``remote=`` (whose seed is the tier's namespace seed) or the same ``seed=``.
+                waits for them). The file's hash seed is kept: they are shared with other caches only when it was
+                saved by a cache with ``remote=`` (the tier's namespace seed) or the same ``seed=``.
 
         Raises:
             ValueError: the file is not a cache file, is truncated or corrupted (checksums), or was saved for another
@@ -341,25 +311,11 @@ class HybridPrefixCache(LiveCache):
             f"{self.salt!r}, stored_bytes={self.stored_bytes}, max_cache_bytes={o.max_cache_bytes})"
         )
 
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
-    def __deepcopy__(self, memo):
-        raise ValueError(
-            "A HybridPrefixCache cannot be deep-copied (it holds the model and the stored prefixes). To reuse a "
-            "prompt's cache across calls, pass the same HybridPrefixCache to every generate() call: each call "
-            "restores the longest stored prefix by copy, and nothing a call does changes what is stored for others."
-        )
-
     def restore(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[int]:
         """Start a request outside ``generate()`` (which does this by itself): restore each row of ``input_ids``
         ``[B, T]`` int64 (left-padded rows with ``attention_mask`` ``[B, T]``) from its longest stored prefix, for a
-        decoding loop of your own. Returns the restored tokens per row. Feed ``input_ids[:, cache.get_seq_length():]``
-        next (for one row that is ``input_ids[:, hit:]``; a batch is assembled with all but its last token consumed,
-        so pass the full ``attention_mask`` and matching ``position_ids``). Run such a loop on its own view
-        (``cache.with_salt(None)`` shares the stored prefixes) when other threads use the cache: between two of your
-        forwards another call may start a request on a shared object.
+        decoding loop of your own, which feeds ``input_ids[:, cache.get_seq_length():]`` next (docs/limits.md: the
+        loop, batches, threads). Returns the restored tokens per row.
 
         Raises:
             ValueError: ``input_ids`` not ``[B, T]``, an empty prompt, ids outside the vocabulary, or a model that

@@ -60,6 +60,17 @@ class LiveCache(Cache):
 
     # ------------------------------------------------------------------ Cache methods transformers calls
 
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def __deepcopy__(self, memo):
+        raise ValueError(
+            "A HybridPrefixCache cannot be deep-copied (it holds the model and the stored prefixes). To reuse a "
+            "prompt's cache across calls, pass the same HybridPrefixCache to every generate() call: each call "
+            "restores the longest stored prefix by copy, and nothing a call does changes what is stored for others."
+        )
+
     def _check_owner(self) -> None:
         if self.live.request is None or not self.live.request.in_forward:
             raise ValueError(
