@@ -34,7 +34,7 @@ ATTENTION_FED_CONV_FAMILIES = CCA_FAMILIES + ["inkling_text", "inkling2_text"]
 @pytest.mark.parametrize("family", LINEAR_FAMILIES)
 def test_states_at_every_boundary_of_one_prefill_equal_cold_prefills(family, model, cold_model):
     """Dense retention: one 150-token prefill hands over the state at each of its 9 block boundaries; restoring any of
-    them equals a cold forward of that prefix (conv windows bit for bit, recurrent states within fp32 round-off)."""
+    them equals a cold forward of that prefix (within fp32 round-off)."""
     cache = HybridPrefixCache(model, retention_interval="dense")
     ids = random_ids(150, seed=90)
     assert_matches_cold(model, cold_model, cache, ids, new_tokens=1)
@@ -49,12 +49,14 @@ def test_states_at_every_boundary_of_one_prefill_equal_cold_prefills(family, mod
                 if family in ATTENTION_FED_CONV_FAMILIES:
                     # These windows hold attention outputs (Inkling's post-attention conv) or projections of a layer
                     # fed by attention (ZAYA's q|k), whose sums over 150 and over `hit` keys differ in fp32
-                    # round-off (up to 1.0e-5 measured); the windows of the other families come out bit for bit.
+                    # round-off (up to 1.0e-5 measured).
                     torch.testing.assert_close(live.conv_states[i], cold.conv_states[i], rtol=0, atol=5e-5)
                 else:
-                    assert torch.equal(live.conv_states[i], cold.conv_states[i]), (
-                        f"conv window at {hit}, layer {m.layer_idx}, state {i}"
-                    )
+                    # Projections of 150 and of `hit` rows: a GEMM may block (and so round) by its row count (bit for
+                    # bit on some CPUs, up to 2.3e-6 apart on AMD EPYC's), so fp32 round-off, not bits.
+                    torch.testing.assert_close(live.conv_states[i], cold.conv_states[i], rtol=0, atol=1e-5,
+                                               msg=lambda text, hit=hit, layer=m.layer_idx: f"{text} (conv window at {hit}, "
+                                               f"layer {layer})")
                 if family in SHORT_CONV_FAMILIES:
                     assert live.recurrent_states[i] is None and cold.recurrent_states[i] is None
                 else:

@@ -148,15 +148,15 @@ def test_patched_mixer_equals_upstream_on_a_fresh_prompt(family, overrides, seq_
 def test_emitted_checkpoints_equal_upstream_on_the_prefix(family, overrides, backend):
     """The state emitted after t tokens equals transformers' state after a fresh forward of those t tokens alone."""
     run = _run_patched(family, overrides, CHECKPOINTING_TOKENS, backend)
-    # Mamba-1 reference kernels run upstream's loop, whose prefix is the loop over the prefix: exact. The fast Mamba-1
-    # scan reassociates; the Mamba-2 state inside a chunk is the chunk-start state decayed plus the chunk's first
-    # tokens, another summation order than upstream's scan of the shorter prompt (see FP32_ROUNDOFF).
-    exact = family in MAMBA1_FAMILIES and backend == "reference"
+    # Against a forward of t tokens alone, not bit for bit: the input projection of t rows and of the whole prompt may
+    # round differently (a GEMM can block by its row count: bit for bit on some CPUs, up to 6e-8 apart on AMD EPYC's),
+    # the fast Mamba-1 scan reassociates, and the Mamba-2 state inside a chunk is the chunk-start state decayed plus the
+    # chunk's first tokens, another summation order than upstream's scan of the shorter prompt (see FP32_ROUNDOFF).
     for t in EMIT_POSITIONS:
         conv, ssm = run.captured[t]
         _, ref_conv, ref_ssm = _run_upstream(run, t)
-        torch.testing.assert_close(conv, ref_conv, **EXACT)
-        torch.testing.assert_close(ssm, ref_ssm, **(EXACT if exact else FP32_ROUNDOFF))
+        torch.testing.assert_close(conv, ref_conv, **FP32_ROUNDOFF)
+        torch.testing.assert_close(ssm, ref_ssm, **FP32_ROUNDOFF)
 
 
 @pytest.mark.parametrize("family,overrides", VARIANTS)

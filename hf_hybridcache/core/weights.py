@@ -159,7 +159,9 @@ def weights_key(model: torch.nn.Module, views: dict[int, tuple] | None = None) -
         views.update(current)
     read = [torch.cat(group).cpu() for _, group in sorted(samples.items(), key=lambda item: str(item[0]))]
     raw = b"".join(r.view(_INTS.get(r.element_size(), torch.uint8)).numpy().tobytes() for r in read)
-    return hash((tuple((id(t), t.data_ptr(), t._version) for t in tensors), raw))
+    # A tensor accelerate offloaded is a meta placeholder between forwards, made anew (and as many) at each one: it
+    # does not count (its weights live in the hook's weights map, which weights_identity reads at every request).
+    return hash((tuple((id(t), t.data_ptr(), t._version) for t in tensors if t.device.type != "meta"), raw))
 
 
 class WeightsTracker:
@@ -193,8 +195,11 @@ class WeightsTracker:
 
     def refresh(self, full: bool = False) -> bool:
         """Re-read the weights state: the identity is computed again when the generation moved (:meth:`observe`), or
-        always with ``full``. True when the fingerprint changed since the last call."""
-        if self.observe() != self._identity_generation or full:
+        always with ``full`` or when accelerate offloaded some weights (:func:`weights_key` does not see those: an edit
+        to them is seen by the next request, not by a running one). True when the fingerprint changed since the last
+        call."""
+        offloaded = any(t.device.type == "meta" for t in _compat.module_tensors(self._model))
+        if self.observe() != self._identity_generation or full or offloaded:
             self._identity_generation = self.generation
             self._adapters = adapter_layers(self._model)
             self.identity = weights_identity(self._model)
