@@ -7,7 +7,8 @@ Per library and vocabulary: the tokenizer setup (once per server), the compile o
 (once per request or per distinct schema), and the per-token cost of the engine's use: fill one row's token bitmask
 (p50 and p99 over a walk), fill 20 rows' bitmasks in one step (one by one, and with the library's batch call where it
 has one: xgrammar's ``BatchGrammarMatcher``, llguidance's thread pool ``fill_next_token_bitmask_par``), and apply
-the masks to ``[20, V]`` float32 logits. The walk samples each token from random logits under the mask (as a random
+the masks to ``[20, V]`` float32 logits (xgrammar's own applier; for llguidance and outlines-core
+:func:`~hf_hybridcache.structured.apply_token_bitmask`, the engine's). The walk samples each token from random logits under the mask (as a random
 toy model does) for ``--steps`` tokens, so the states are those a served model passes through (inside strings, where
 most tokens are allowed, is the costly case for a large vocabulary). Last, the share of random walks on the toy
 vocabulary whose JSON parses with ``json.loads`` (a random model is the adversarial case: it emits any byte the mask
@@ -34,6 +35,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from hf_hybridcache.structured import apply_token_bitmask
 from hf_hybridcache.toy import SPECIAL_TOKENS, byte_tokenizer
 
 SCHEMA = {
@@ -144,7 +146,7 @@ class LLGuidance:
         return matcher.is_stopped()
 
     def apply(self, logits, bitmask) -> None:
-        self.torch_api.apply_token_bitmask_inplace(logits, bitmask)
+        apply_token_bitmask(logits, bitmask)  # the engine's (llguidance's own is a torch.compile kernel)
 
 
 class OutlinesCore:
@@ -191,9 +193,7 @@ class OutlinesCore:
         return matcher.is_finished()
 
     def apply(self, logits, bitmask) -> None:
-        bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
-        allowed = bits.reshape(bitmask.shape[0], -1)[:, : logits.shape[1]].bool()
-        logits.masked_fill_(~allowed, float("-inf"))
+        apply_token_bitmask(logits, bitmask)
 
 
 def walk(lib, compiled, vocab_size: int, steps: int, rows: int, seed: int = 0) -> dict:
@@ -271,6 +271,8 @@ def main() -> None:
     parser.add_argument("--walks", type=int, default=100, help="random walks of the parse check (toy vocabulary)")
     args = parser.parse_args()
     libraries = {lib.name: lib for lib in (XGrammar, LLGuidance, OutlinesCore)}
+    for name in args.libraries:  # imports (seconds: llguidance.torch imports torch's compiler) are not setup time
+        libraries[name](byte_tokenizer(), len(SPECIAL_TOKENS) + 256)
     print(f"torch threads {torch.get_num_threads()}; {args.steps} steps, batch {args.batch}; times in ms\n")
     print("| vocab | library | tokenizer setup | compile schema | compile any JSON | walk tokens | "
           f"fill 1 row p50 / p99 | fill {args.batch} rows one by one / batch call | apply [{args.batch}, V] |")
