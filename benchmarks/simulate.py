@@ -9,8 +9,8 @@ simulator does what ``generate()`` and the model would do to the cache:
    sampled token never goes through the model); around each forward, ``_before_forward`` / ``_after_forward`` (the
    forward hooks), and in between what the model writes: the KV of the new tokens through ``cache.update`` and the
    Mamba states the cache asked for through ``capture_states`` — meta tensors of the real shapes and dtypes;
-3. the end of ``generate()``: the replay of the reply (:mod:`hf_hybridcache.generate.reply_replay`, on by default for the
-   bfloat16 models), whose forward is played the same way.
+3. the end of ``generate()``: the replay of the reply (:mod:`hf_hybridcache.generate.reply_replay`, on by default for
+   the bfloat16 models), whose forward is played the same way.
 
 So the lookup, admission, retention, eviction and budget code that runs is the cache's own; only the numbers inside
 the tensors are missing, and hit rates do not depend on them. Two tensor copies of the cache are swapped for

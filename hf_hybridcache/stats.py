@@ -39,8 +39,8 @@ class PrefixCacheStats:
             measured as faster than fetching them (:func:`~hf_hybridcache.remote.fetch.worth_fetching`). The
             ``remote_*`` counters stay 0 without ``remote=``.
         misses_by_reason: ``{reason: rows}`` over every :data:`~hf_hybridcache.core.explain.REASONS` (0 when none): why
-            each prompt row looked up so far hit what it hit (:class:`~hf_hybridcache.core.explain.HitReport`). A full hit
-            counts as ``"complete"``, so the values add up to the rows served (``requests`` for single-row calls);
+            each prompt row looked up so far hit what it hit (:class:`~hf_hybridcache.core.explain.HitReport`). A full
+            hit counts as ``"complete"``, so the values add up to the rows served (``requests`` for single-row calls);
             every other reason is a miss or a short hit.
     """
 
@@ -71,7 +71,11 @@ class PrefixCacheStats:
 
     @classmethod
     def snapshot(
-        cls, counters: dict[str, int], store, remote: dict[str, int] | None = None, reasons: dict[str, int] | None = None
+        cls,
+        counters: dict[str, int],
+        store,
+        remote: dict[str, int] | None = None,
+        reasons: dict[str, int] | None = None,
     ) -> PrefixCacheStats:
         """The counters of past requests plus what ``store`` (a :class:`~hf_hybridcache.store.PrefixStore`) holds,
         the remote tier's counters (``{"remote_*": int}``, None without a tier) and the rows counted per reason."""

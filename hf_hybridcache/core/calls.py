@@ -1,6 +1,7 @@
 """How calls from several threads share one store.
 
-A cache, every view made by ``with_salt`` and a serving engine on the cache share one core: one store. Three locks, each held only as long as it must be:
+A cache, every view made by ``with_salt`` and a serving engine on the cache share one core: one store. Three locks, each
+held only as long as it must be:
 
 - The **store lock** (``core.store_lock``, re-entrant) is held for each operation on the store and the counters
   (lookup + restore copy + pin of a hit, storing a forward's blocks and checkpoints, eviction, releasing a chain):
@@ -30,8 +31,8 @@ import threading
 
 
 class CallScopes:
-    """The scopes of calls on a :class:`~hf_hybridcache.core.sharing.CacheCore` (its base class): it sets ``store_lock``,
-    ``calls`` (a :class:`CallGate`) and ``generating_threads``."""
+    """The scopes of calls on a :class:`~hf_hybridcache.core.sharing.CacheCore` (its base class): it sets
+    ``store_lock``, ``calls`` (a :class:`CallGate`) and ``generating_threads``."""
 
     store_lock: threading.RLock
     calls: CallGate

@@ -3,9 +3,9 @@ and for a dry run (``cache.explain``) alike.
 
 A report is made from the lookup's result (:class:`~hf_hybridcache.store.Hit`), the store, the record of evictions
 and the weights states before the current one (:mod:`~hf_hybridcache.core.history`), right after the lookup and before
-the request stores anything: :func:`make_report`, reached through :meth:`CacheCore.report
-<hf_hybridcache.core.sharing.CacheCore.report>`, so any caller that looks up through the core (a serving engine) makes its
-reports the same way. Its ``reason`` is the first of :data:`REASONS` that applies:
+the request stores anything: :func:`make_report`, reached through
+:meth:`CacheCore.report <hf_hybridcache.core.sharing.CacheCore.report>`, so any caller that looks up through the core
+(a serving engine) makes its reports the same way. Its ``reason`` is the first of :data:`REASONS` that applies:
 
 - ``"not_cacheable"``: the call stores and restores nothing (``use_cache=False``, training mode, ``inputs_embeds``
   without ``input_ids``, padding inside a prompt);

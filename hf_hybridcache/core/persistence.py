@@ -128,8 +128,8 @@ def load_cache(cls, path, model, max_cache_bytes, retention_interval, offload, r
 
 
 def _stack_entries(spec: ModelStateSpec, blocks: list[StoredBlock], with_checkpoint: list[StoredBlock]) -> dict:
-    """Entries stacked per name of their layout (:mod:`~hf_hybridcache.store.layout`), in host memory (one block at a time
-    leaves its device, so saving never needs twice the cache's size on a device)."""
+    """Entries stacked per name of their layout (:mod:`~hf_hybridcache.store.layout`), in host memory (one block at a
+    time leaves its device, so saving never needs twice the cache's size on a device)."""
     tensors = {}
     for kind, entries in (("kv", [b.kv for b in blocks]), ("checkpoint", [b.checkpoint for b in with_checkpoint])):
         layout = entry_layout(spec, kind)

@@ -38,8 +38,8 @@ class Row:
         finished: the row ended in a batch and is now fed padding, which is not recorded.
         prefill_tokens: when replies are replayed, the row's tokens before its first decode step (a one-token
             forward over a cached state); blocks and checkpoints past them are not stored while the request runs
-            (:mod:`~hf_hybridcache.generate.reply_replay` stores them from one prefill when ``generate()`` ends). None: no
-            decode step yet, or replies are not replayed.
+            (:mod:`~hf_hybridcache.generate.reply_replay` stores them from one prefill when ``generate()`` ends). None:
+            no decode step yet, or replies are not replayed.
         report: why the row hit what it hit (:class:`~hf_hybridcache.core.explain.HitReport`), made at its lookup.
         weights_generation: the weights generation its request began under
             (:meth:`~hf_hybridcache.core.sharing.CacheCore.request_start`).

@@ -1,6 +1,24 @@
 """What a :class:`~hf_hybridcache.HybridPrefixCache`, its salted views and any other caller of the store share
 (:class:`CacheCore`): one store, its lock, the weights state, the tier and the counters. How calls from several
 threads share it (the store lock, each view's call lock, the call gate) is :mod:`~hf_hybridcache.core.calls`.
+
+A request, whoever runs it, goes through it in this order:
+
+1. ``root, generation = core.request_start(salt)``: re-read the weights state; the root of the request's
+   chains and the weights generation its rows record.
+2. Holding ``store_lock``: ``hit = core.lookup(token_ids, root)`` (the longest restorable prefix, extended from
+   the tier first) and ``core.report(token_ids, root, hit)`` (why it is that long,
+   :class:`~hf_hybridcache.core.explain.HitReport`); copy or share the hit into the request's own state
+   (``core.store.gather_kv`` or the pages of ``core.store.page_table(hit.block_ids)``,
+   ``core.store.checkpoint_copy``; a stored entry is never written), then ``core.pin(hit.block_ids)`` so that
+   nothing evicts the chain under the request.
+3. ``core.count_request(prompt_tokens, hit_tokens, reasons)`` (the reports' reasons, one per row).
+4. As the request computes: ``core.check_weights(rows)`` once per forward that stores, then
+   ``core.store_blocks(row, ...)`` or ``core.store_pages(row, ...)`` and ``core.store_checkpoint(row, ...)``.
+5. At its end ``core.release(row.block_ids)``: the restored chain and the blocks it stored (pinned).
+
+Every method that reads or changes the store takes ``store_lock`` itself; hold it around a sequence that must
+see one state of the store (step 2).
 """
 
 from __future__ import annotations
@@ -34,25 +52,8 @@ logger = logging.getLogger("hf_hybridcache")
 class CacheCore(CallScopes):
     """What a cache, its :meth:`~hf_hybridcache.HybridPrefixCache.with_salt` views and any other caller of the store
     (a serving engine) share: one store under one budget, the roots of the block hash chains (seed, model identity,
-    weights state, salt), the remote tier, the counters and the locks. Nothing else reaches these.
-
-    A request, whoever runs it, goes through it in this order:
-
-    1. ``root, generation = core.request_start(salt)``: re-read the weights state; the root of the request's
-       chains and the weights generation its rows record.
-    2. Holding ``store_lock``: ``hit = core.lookup(token_ids, root)`` (the longest restorable prefix, extended from
-       the tier first) and ``core.report(token_ids, root, hit)`` (why it is that long,
-       :class:`~hf_hybridcache.core.explain.HitReport`); copy or share the hit into the request's own state
-       (``core.store.gather_kv`` or the pages of ``core.store.page_table(hit.block_ids)``,
-       ``core.store.checkpoint_copy``; a stored entry is never written), then ``core.pin(hit.block_ids)`` so that
-       nothing evicts the chain under the request.
-    3. ``core.count_request(prompt_tokens, hit_tokens, reasons)`` (the reports' reasons, one per row).
-    4. As the request computes: ``core.check_weights(rows)`` once per forward that stores, then
-       ``core.store_blocks(row, ...)`` or ``core.store_pages(row, ...)`` and ``core.store_checkpoint(row, ...)``.
-    5. At its end ``core.release(row.block_ids)``: the restored chain and the blocks it stored (pinned).
-
-    Every method that reads or changes the store takes ``store_lock`` itself; hold it around a sequence that must
-    see one state of the store (step 2).
+    weights state, salt), the remote tier, the counters and the locks. Nothing else reaches these. A request goes
+    through it in the order the module docstring gives.
 
     Args:
         spec: the model's layers and per-entry byte sizes.
@@ -264,8 +265,8 @@ class CacheCore(CallScopes):
             store_row_blocks(self.store, row, page_of_block=page_of_block)
 
     def store_checkpoint(self, row: Row, boundary: int, states: dict[StateKey, LayerState], tentative: bool) -> bool:
-        """Store ``row``'s state after ``boundary`` tokens (:func:`~hf_hybridcache.core.rows.store_row_checkpoint`); True
-        if a new checkpoint was stored."""
+        """Store ``row``'s state after ``boundary`` tokens (:func:`~hf_hybridcache.core.rows.store_row_checkpoint`);
+        True if a new checkpoint was stored."""
         with self.store_lock:
             return store_row_checkpoint(self.store, row, boundary, states, tentative)
 

@@ -68,9 +68,9 @@ class EngineRequest:
         grammar: its :class:`~hf_hybridcache.structured.GrammarMatcher` when its output follows a grammar (the
             step masks what it does not allow, :mod:`~hf_hybridcache.engine.grammar`), else None.
         replay_of: for a reply replay (``replay_replies``), the prompt length of the finished request whose tokens
-            it runs again as one prefill to store them as a prefill computes them (:mod:`~hf_hybridcache.generate.reply_replay`;
-            its checkpoints are kept as that request's would be); it samples nothing and is never delivered. 0: a
-            user's request.
+            it runs again as one prefill to store them as a prefill computes them
+            (:mod:`~hf_hybridcache.generate.reply_replay`; its checkpoints are kept as that request's would be); it
+            samples nothing and is never delivered. 0: a user's request.
     """
 
     request_id: str

@@ -1,5 +1,6 @@
 """What an engine step leaves in the store, by the same rules as ``generate()``'s
-(:meth:`~hf_hybridcache.generate.live.LiveRequest.after_forward`), so that later requests and ``generate()`` calls reuse it:
+(:meth:`~hf_hybridcache.generate.live.LiveRequest.after_forward`), so that later requests and ``generate()`` calls
+reuse it:
 
 - every block a request completed is stored by reference to the page its KV was written to (no copy);
 - checkpoints at the boundaries it keeps: the retention interval's, the mandatory prompt-end ones, its divergence
@@ -40,8 +41,8 @@ def emit_positions(segment: Segment, options: CacheOptions) -> tuple[int, ...]:
 def store_segment(core: CacheCore, segment: Segment, slots: StateSlots) -> None:
     """Store what ``segment``'s chunk completed (after the step's forward succeeded). With ``replay_replies`` (bf16,
     fp16) nothing past a request's first decode step is stored: a decode step rounds differently from a prefill
-    there (:mod:`~hf_hybridcache.generate.reply_replay`); the engine stores the reply from a replay request when the request
-    finishes (:func:`replay_request`)."""
+    there (:mod:`~hf_hybridcache.generate.reply_replay`); the engine stores the reply from a replay request when the
+    request finishes (:func:`replay_request`)."""
     request, options = segment.request, core.options
     row = request.row
     if segment.is_decode and options.replay_replies and row.prefill_tokens is None:
@@ -68,8 +69,8 @@ def replay_request(request: EngineRequest, block_size: int) -> EngineRequest | N
     """The reply replay of ``request``, which just finished and stored nothing past its first decode step
     (``replay_replies``): a hidden request whose prompt is the tokens it fed up to their last block boundary, so that
     its prefill stores the reply's blocks and the decode-end checkpoint as a prefill computes them (as
-    :func:`~hf_hybridcache.generate.reply_replay.replay_replies` does after ``generate()``). None when no block boundary was
-    reached past the first decode step, or the request stored nothing."""
+    :func:`~hf_hybridcache.generate.reply_replay.replay_replies` does after ``generate()``). None when no block boundary
+    was reached past the first decode step, or the request stored nothing."""
     row = request.row
     if request.replay_of or row is None or replay_start(row, block_size) is None:
         return None

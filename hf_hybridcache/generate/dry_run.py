@@ -1,6 +1,6 @@
-"""``cache.explain``: the reports a ``generate()`` of these ids would give (:mod:`~hf_hybridcache.core.explain`), changing
-nothing: no recency is touched, nothing is stored or counted, the tier is read only when asked (one ``EXISTS``
-pipeline per row, which leaves no trace) and never written.
+"""``cache.explain``: the reports a ``generate()`` of these ids would give (:mod:`~hf_hybridcache.core.explain`),
+changing nothing: no recency is touched, nothing is stored or counted, the tier is read only when asked (one
+``EXISTS`` pipeline per row, which leaves no trace) and never written.
 
 The rows of a batch replay one after another in ``generate()`` (:mod:`~hf_hybridcache.generate.batch`), each storing its
 blocks and checkpoints before the next one looks up, so a row can hit what an earlier row of the same batch stores.

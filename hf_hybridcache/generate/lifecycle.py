@@ -4,7 +4,8 @@
    the store's own lock is taken only around each store operation, see :mod:`~hf_hybridcache.core.calls`).
 2. :func:`begin_request` runs before ``generate()`` reads ``get_seq_length()``: it checks the request, ends the
    previous one, restores each row's longest stored prefix into fresh live layers (:mod:`~hf_hybridcache.generate.live`;
-   batches via :mod:`~hf_hybridcache.generate.batch`) and makes the new :class:`~hf_hybridcache.generate.live.LiveRequest` live.
+   batches via :mod:`~hf_hybridcache.generate.batch`) and makes the new
+   :class:`~hf_hybridcache.generate.live.LiveRequest` live.
 3. :func:`forward_call` wraps every forward: ``before_forward`` plans the boundaries the patched mixers hand their
    states over at, ``after_forward`` stores new full blocks and checkpoints; a forward that raises (any
    ``BaseException``) ends the request, since its live state is half-written.
@@ -259,8 +260,8 @@ def end_idle_requests(cache) -> None:
 
 
 def end_live_requests(cache) -> None:
-    """End every live request of ``cache``'s store (the caller holds :meth:`~hf_hybridcache.core.sharing.CacheCore.idle`,
-    so no view is in a call)."""
+    """End every live request of ``cache``'s store (the caller holds
+    :meth:`~hf_hybridcache.core.sharing.CacheCore.idle`, so no view is in a call)."""
     end_request(cache)
     end_idle_requests(cache)
 

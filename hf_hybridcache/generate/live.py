@@ -1,7 +1,7 @@
 """The live request: what one ``generate()`` call (or a run of direct forwards) is doing to a cache's live layers.
 
-A :class:`LiveRequest` is made when a request begins (:mod:`hf_hybridcache.generate.lifecycle`), after the longest stored
-prefix of each row was restored into the live layers (:func:`restore_row`). Around every forward it is told
+A :class:`LiveRequest` is made when a request begins (:mod:`hf_hybridcache.generate.lifecycle`), after the longest
+stored prefix of each row was restored into the live layers (:func:`restore_row`). Around every forward it is told
 :meth:`~LiveRequest.before_forward` (which block boundaries the patched mixers must hand their states over at) and
 :meth:`~LiveRequest.after_forward` (store the new full blocks and the captured checkpoints); :meth:`~LiveRequest.crop`
 rolls rejected draft tokens back, and :meth:`~LiveRequest.end` unpins its chains. It never decides what a store
@@ -25,9 +25,9 @@ logger = logging.getLogger("hf_hybridcache")
 
 
 def restore_row(cache, token_ids: list[int], tail_tokens: int | None = None, decode_tokens: int = 0) -> Row:
-    """Copy the longest stored prefix of ``token_ids`` (:meth:`~hf_hybridcache.core.sharing.CacheCore.lookup`, the remote
-    tier included) into ``cache``'s (fresh, single-row) live layers and pin its chain; at least ``tail_tokens`` tokens
-    are left to run (None: the options' ``min_tail_tokens``). Full attention layers get buffers with room for the
+    """Copy the longest stored prefix of ``token_ids`` (:meth:`~hf_hybridcache.core.sharing.CacheCore.lookup`, the
+    remote tier included) into ``cache``'s (fresh, single-row) live layers and pin its chain; at least ``tail_tokens``
+    tokens are left to run (None: the options' ``min_tail_tokens``). Full attention layers get buffers with room for the
     prompt's tail and ``decode_tokens`` more tokens (the decode steps ``generate()`` will feed), which their updates
     write in place (:func:`~hf_hybridcache._compat.append_kv_in_room`) instead of concatenating. Returns the row,
     whose ``hit_tokens`` is the restored length P (0 on a miss)."""

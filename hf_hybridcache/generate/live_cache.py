@@ -3,8 +3,8 @@
 transformers' ``Cache`` API is what the model's own code calls on the cache while a forward runs: ``update`` and
 ``update_conv_state`` write the live layers, beam search reorders them, speculative decoding rolls them back with
 ``crop``, and the patched Mamba mixers ask where to hand over their states. :class:`LiveCache` answers these by
-delegating to the live request (:class:`~hf_hybridcache.generate.live.LiveRequest`); the user-facing half (options, stats,
-views, persistence) is :class:`~hf_hybridcache.HybridPrefixCache`.
+delegating to the live request (:class:`~hf_hybridcache.generate.live.LiveRequest`); the user-facing half (options,
+stats, views, persistence) is :class:`~hf_hybridcache.HybridPrefixCache`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The store's entries as records, for saving and loading a cache (:mod:`hf_hybridcache.core.persistence`) and for the
-invariant checker (:mod:`hf_hybridcache.core.checks`): one :class:`StoredBlock` per block, with its KV and its checkpoint,
-exported and imported by :class:`StoredEntries`, the base class of the store.
+invariant checker (:mod:`hf_hybridcache.core.checks`): one :class:`StoredBlock` per block, with its KV and its
+checkpoint, exported and imported by :class:`StoredEntries`, the base class of the store.
 """
 
 from __future__ import annotations

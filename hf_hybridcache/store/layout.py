@@ -1,8 +1,8 @@
 """The tensor layout of stored entries as named tensors: the one description that everything serializing them uses.
 
 A KV block and a checkpoint are written as named tensors in two places — a cache file
-(:mod:`~hf_hybridcache.core.persistence`, which stacks the entries of each name along a new first dim) and a value of the
-remote tier (:mod:`~hf_hybridcache.remote.codec`) — and both name, shape, check and rebuild them through the
+(:mod:`~hf_hybridcache.core.persistence`, which stacks the entries of each name along a new first dim) and a value of
+the remote tier (:mod:`~hf_hybridcache.remote.codec`) — and both name, shape, check and rebuild them through the
 :class:`EntryLayout` derived here from the model's :class:`~hf_hybridcache.config.ModelStateSpec`, so the writer and
 the reader of either can never describe one state two ways (they once did: a layer holding several states, such as
 Inkling's four conv windows, was written under one name and looked up under another).

@@ -91,8 +91,8 @@ def find_hit(
     block_size: int,
     tail_tokens: int = 1,
 ) -> Hit:
-    """The longest hit of ``token_ids`` under ``root`` that leaves ``tail_tokens`` to run, its divergence point reported only past the hit; reads
-    ``pool`` and ``has_checkpoint`` only."""
+    """The longest hit of ``token_ids`` under ``root`` that leaves ``tail_tokens`` to run, its divergence point reported
+    only past the hit; reads ``pool`` and ``has_checkpoint`` only."""
     chain, hashes = match_blocks(pool, token_ids, root, block_size)
     divergence = divergence_tokens(pool, chain, len(token_ids), block_size)
     depth = hit_blocks(chain, has_checkpoint, len(token_ids), block_size, tail_tokens)

@@ -99,8 +99,8 @@ class PrefixStore(StoredEntries):
     # ------------------------------------------------------------------ lookup and restore
 
     def find(self, token_ids: list[int], root: BlockHash | None = None, tail_tokens: int = 1) -> Hit:
-        """Longest hit P <= L - ``tail_tokens``, a multiple of ``block_size``, with every KV block of ``[0, P)`` stored and a
-        checkpoint at P; backs off past missing checkpoints down to a miss. Only chains grown from ``root`` (None:
+        """Longest hit P <= L - ``tail_tokens``, a multiple of ``block_size``, with every KV block of ``[0, P)`` stored
+        and a checkpoint at P; backs off past missing checkpoints down to a miss. Only chains grown from ``root`` (None:
         the unsalted root) are searched. Also finds the divergence point
         (:func:`~hf_hybridcache.store.lookup.divergence_tokens`), reported only when it lies past the hit. Changes
         nothing (recency included): what a request would restore, for a dry run."""

@@ -1,8 +1,8 @@
 """What to keep: the block boundaries whose checkpoints a request stores for good.
 
 :func:`plan_checkpoints` is the one place that chooses them for a forward of a request, so that ``generate()``
-(:class:`~hf_hybridcache.generate.live.LiveRequest`, its reply replay) and the serving engine (``engine/storing.py``, its reply
-replays) keep the same checkpoints and a prompt re-sent to either hits the same depth.
+(:class:`~hf_hybridcache.generate.live.LiveRequest`, its reply replay) and the serving engine (``engine/storing.py``,
+its reply replays) keep the same checkpoints and a prompt re-sent to either hits the same depth.
 """
 
 from __future__ import annotations
