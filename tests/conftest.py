@@ -57,6 +57,36 @@ FAMILIES = [f for f in MAMBA1_FAMILIES + MAMBA2_FAMILIES + LINEAR_FAMILIES if f 
 
 _COLD_MODELS: dict[str, torch.nn.Module] = {}
 
+#: Test modules that go through code that differs between transformers versions: generate()'s cache keyword and
+#: loop, each family's modeling code under the patched mixers, the continuous-batching API the engine implements, the
+#: adapter API, the version check. CI's second pass, on the newest transformers of the supported range, runs these
+#: (``pytest -m transformers_version``); the others test the store, its policies, kernels, files, the remote tier,
+#: the layout and the demo, which read nothing of transformers that differs (their scenarios run on the pinned
+#: version). Every test module is in one of the two sets (test_layout.py checks it).
+VERSION_SPECIFIC_MODULES = {
+    "test_batches", "test_continuation", "test_devices", "test_engine_faults", "test_engine_families",
+    "test_engine_generation_fields", "test_engine_isolation", "test_engine_scoring", "test_engine_serving",
+    "test_errors", "test_examples", "test_families", "test_generate_features", "test_hit_in_place",
+    "test_kernel_notices", "test_linear_families", "test_mamba2", "test_quickstart", "test_readme",
+    "test_reduced_precision", "test_serve", "test_serve_completions", "test_serve_startup", "test_sliding",
+    "test_speculative", "test_split_kv", "test_structured", "test_structured_engine", "test_upstream_mixers",
+    "test_weights",
+}
+VERSION_INDEPENDENT_MODULES = {
+    "test_benchmarks", "test_block_pool", "test_entry_layout", "test_exactness", "test_explain", "test_fuzz",
+    "test_gated_delta", "test_grouped_query_sdpa", "test_hashing", "test_isolation", "test_kda", "test_kernels",
+    "test_kernels_triton", "test_layout", "test_lm_eval", "test_pages", "test_persistence", "test_policy",
+    "test_power", "test_randomized", "test_regressions", "test_remote", "test_remote_trust", "test_remote_units",
+    "test_sizing", "test_space", "test_threads", "test_weights_identity", "test_weights_in_flight", "test_ci_split",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests of :data:`VERSION_SPECIFIC_MODULES` ``transformers_version``."""
+    for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] in VERSION_SPECIFIC_MODULES:
+            item.add_marker(pytest.mark.transformers_version)
+
 #: Every skip reason says what it needs and how to provide it; the run's summary line counts skips per reason.
 NEEDS_CUDA = "needs a CUDA device: run the suite on a machine with one"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NEEDS_CUDA)
