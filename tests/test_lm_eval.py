@@ -6,8 +6,10 @@ identical metrics (fp32); the server's hit counter is above 0 after the run.
 
 The model and byte tokenizer are built in code and saved with ``save_pretrained``; the tasks are local YAML files over
 JSON data (``datasets``' json loader); nothing is downloaded. The client sends 4 prompts per request (a list of
-token-id lists, each its own engine request). Some answer choices are the model's own greedy continuation of their
-context, so ``is_greedy`` is True for some samples and compared, not only False everywhere."""
+token-id lists, each its own engine request). Three choices of each question share a long start, so later ones restore
+a checkpoint inside their continuation and its kept logprobs (a broken restore of those changes the scores the harness
+sums; a restore inside the context alone would not). One choice is the model's own greedy continuation of its context
+where it is printable, so ``is_greedy`` is True for some samples and compared, not only False everywhere."""
 
 import glob
 import json
@@ -29,6 +31,7 @@ pytest.importorskip("lm_eval", reason="needs lm-evaluation-harness: pip install 
 DESCRIPTION = ("You are taking a short arithmetic quiz. Read each question, think about the numbers it gives, and "
                "choose the one answer that is correct. Answers are numbers, words or single characters. ")
 QUESTIONS = [(2, 3), (7, 5), (4, 9), (6, 6), (8, 1), (3, 3), (9, 4), (5, 7)]
+SURE = " I am quite sure that it is "
 LOGLIKELIHOOD_TOL = 1e-3
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
        "TOKENIZERS_PARALLELISM": "false"}
@@ -52,7 +55,9 @@ def write_tasks(folder: Path, model, tokenizer) -> int:
     docs, greedy_choices = [], 0
     for a, b in QUESTIONS:
         text = f"Question: What is {a} plus {b}?\nAnswer:"
-        choices = [str(a + b), str(a + b + 1), "none of these", "x"]
+        # Three choices share their first 29 tokens: a later one restores a checkpoint inside them, and with it
+        # logprobs of its continuation that the cache kept, not only of its context.
+        choices = [f"{SURE}{n}" for n in (a + b, a + b + 1, a * b + 10)] + [" none"]
         greedy = greedy_text(model, tokenizer, DESCRIPTION + text, 2) or greedy_text(model, tokenizer,
                                                                                     DESCRIPTION + text, 1)
         if greedy is not None and greedy not in choices:
@@ -124,11 +129,11 @@ def wait_healthy(server: subprocess.Popen, url: str, deadline_s: float = 180) ->
         time.sleep(0.3)
 
 
-def hit_tokens(url: str) -> float:
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith("hf_hybridcache_hit_tokens_total "):
-            return float(line.split()[1])
-    raise AssertionError("no hit counter in /metrics")
+def counters(url: str) -> dict[str, float]:
+    """The server's counters of prompt tokens and of prompt tokens restored from the cache."""
+    names = ("hf_hybridcache_prompt_tokens_total", "hf_hybridcache_hit_tokens_total")
+    lines = httpx.get(f"{url}/metrics").text.splitlines()
+    return {name: float(line.split()[1]) for line in lines for name in names if line.startswith(name + " ")}
 
 
 def test_lm_eval_through_the_server_scores_as_the_hf_model(tmp_path):
@@ -153,7 +158,7 @@ def test_lm_eval_through_the_server_scores_as_the_hf_model(tmp_path):
         api_args = (f"base_url={url}/v1/completions,model={model_dir},tokenizer={model_dir},"
                     "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1")
         api_out = finished(lm_eval("local-completions", api_args, tasks, tmp_path / "api", 4, env), 300)
-        hits = hit_tokens(url)
+        served = counters(url)
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -178,7 +183,8 @@ def test_lm_eval_through_the_server_scores_as_the_hf_model(tmp_path):
         print(f"generation {doc_id}: hf {hf_gen[doc_id]['resps'][0]!r} server {api_gen[doc_id]['resps'][0]!r}")
         assert hf_gen[doc_id]["resps"] == api_gen[doc_id]["resps"], doc_id
         assert hf_gen[doc_id]["filtered_resps"] == api_gen[doc_id]["filtered_resps"], doc_id
-    print(f"max |loglikelihood diff| {worst:.2e}; is_greedy True in {greedy_samples} samples; server hit tokens "
-          f"{hits:.0f}")
+    hits, prompt_tokens = served["hf_hybridcache_hit_tokens_total"], served["hf_hybridcache_prompt_tokens_total"]
+    print(f"max |loglikelihood diff| {worst:.2e}; is_greedy True in {greedy_samples} samples; the server restored "
+          f"{hits:.0f} of {prompt_tokens:.0f} prompt tokens from the cache")
     assert greedy_samples >= 2 and hits > 0
     assert results(tmp_path / "hf") == results(tmp_path / "api")
