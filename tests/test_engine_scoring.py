@@ -52,7 +52,7 @@ def test_scores_with_hits_and_chunked_prefills_equal_the_log_softmax(model, cold
     try:
         outputs = {}
         for name, prompt in prompts.items():  # one after another: each finds what the earlier ones stored
-            outputs |= run(manager, {name: (prompt, dict(prompt_logprobs=5, logprobs=2))})
+            outputs |= run(manager, {name: (prompt, {"prompt_logprobs": 5, "logprobs": 2})})
         engine = manager.batch_processor
         assert 0 < engine.scores.num_bytes <= engine.limits.max_score_bytes
     finally:
@@ -73,7 +73,7 @@ def test_preempted_scoring_requests_score_exactly(model, cold_model):
     manager = cache.init_continuous_batching(config(max_new_tokens=30), limits=limits)
     manager.start()
     try:
-        outputs = run(manager, {n: (p, dict(prompt_logprobs=3, logprobs=4)) for n, p in prompts.items()})
+        outputs = run(manager, {n: (p, {"prompt_logprobs": 3, "logprobs": 4}) for n, p in prompts.items()})
         assert manager.batch_processor.preempted > 0
     finally:
         manager.stop()
@@ -94,7 +94,7 @@ def test_kept_logprobs_stay_within_their_bytes(model, cold_model):
     try:
         outputs = {}
         for name, prompt in prompts.items():
-            outputs |= run(manager, {name: (prompt, dict(prompt_logprobs=1))})
+            outputs |= run(manager, {name: (prompt, {"prompt_logprobs": 1})})
             assert manager.batch_processor.scores.num_bytes <= 2000
     finally:
         manager.stop()

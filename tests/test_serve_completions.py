@@ -8,11 +8,11 @@ import httpx
 import openai
 import pytest
 import torch
+from test_serve import Server, alone, text_of
 
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.serve import EngineBackend, build_app, chat_prompt_ids
 from hf_hybridcache.toy import build_model, byte_tokenizer
-from test_serve import Server, alone, text_of
 
 MODEL = "toy:jamba"
 TOL = 1e-4
@@ -112,7 +112,7 @@ def test_echo_logprobs_equal_the_log_softmax_with_and_without_a_hit(served, cold
     for turn, suffix in enumerate(suffixes):  # the second keeps a checkpoint where it leaves the first: the third hits
         prompt = f"[{tag}] " + PREAMBLE + suffix
         ids = ids_of(prompt)
-        kwargs = dict(model=MODEL, prompt=prompt, echo=True, logprobs=3, max_tokens=0, temperature=0)
+        kwargs = {"model": MODEL, "prompt": prompt, "echo": True, "logprobs": 3, "max_tokens": 0, "temperature": 0}
         if stream:
             text, logprobs, usage = collect_stream(client.completions.create(
                 **kwargs, stream=True, stream_options={"include_usage": True}))
@@ -136,7 +136,7 @@ def test_generated_logprobs_equal_the_log_softmax(served, cold_model, stream):
     client = server.client()
     prompt = PREAMBLE + f"Now continue ({stream}):"
     for echo in (False, True):
-        kwargs = dict(model=MODEL, prompt=prompt, logprobs=5, max_tokens=8, temperature=0, echo=echo)
+        kwargs = {"model": MODEL, "prompt": prompt, "logprobs": 5, "max_tokens": 8, "temperature": 0, "echo": echo}
         if stream:
             text, logprobs, _ = collect_stream(client.completions.create(**kwargs, stream=True))
         else:
@@ -162,7 +162,8 @@ def test_chat_logprobs_equal_the_log_softmax(served, cold_model, stream):
     ended = generated[-1:] == [tokenizer.eos_token_id]
     reference = log_softmax(cold_model, prompt_ids + generated)
     for turn in range(2):  # the second time the prompt is a hit
-        kwargs = dict(model=MODEL, messages=messages, max_tokens=10, temperature=0, logprobs=True, top_logprobs=4)
+        kwargs = {"model": MODEL, "messages": messages, "max_tokens": 10, "temperature": 0, "logprobs": True,
+                  "top_logprobs": 4}
         if stream:
             content, entries, cached = "", [], None
             for chunk in client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
