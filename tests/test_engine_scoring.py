@@ -60,6 +60,8 @@ def test_scores_with_hits_and_chunked_prefills_equal_the_log_softmax(model, cold
     for name, prompt in prompts.items():
         check_scores(cold_model, outputs[name], prompt, 2)
     assert [outputs[n].hit_tokens for n in prompts] == [0, 144, 144, 144]
+    assert "logprobs of the 144 restored tokens and of the one after them came from the cache" in str(
+        outputs["s1"].hit_report)
     check_store(cache)
 
 

@@ -26,7 +26,7 @@ from .limits import EngineLimits
 from .plan import Segment, StepPlan
 from .requests import EngineRequest
 from .runner import StepRunner
-from .score_store import ScoreStore, capped_report
+from .score_store import ScoreStore, scored_report
 from .scheduler import Chunk, Scheduler
 from .slots import StateSlots
 from .storing import emit_positions, replay_request, store_segment
@@ -288,7 +288,9 @@ class Engine:
                                                                                      tail).hit_tokens)
             if self.inflight.waits_for(request, hit.hit_tokens // bs):
                 return False
-            report = None if request.counted else capped_report(core.report(tokens, root, stored), hit.hit_tokens)
+            report = None if request.counted else core.report(tokens, root, stored)
+            if report is not None and request.score_prompt is not None:
+                report = scored_report(report, hit.hit_tokens)
             pages = core.store.page_table(hit.block_ids).tolist()
             self.pages.ref(pages)
             core.pin(hit.block_ids)

@@ -143,11 +143,14 @@ class ScoreStore:
         self.num_bytes += size
 
 
-def capped_report(report: HitReport, hit_tokens: int) -> HitReport:
-    """``report`` (of the store's hit) for a scoring request that restores ``hit_tokens``: reason
-    ``prompt_logprobs`` when that is less than the store held."""
+def scored_report(report: HitReport, hit_tokens: int) -> HitReport:
+    """``report`` (of the store's hit) for a scoring request that restores ``hit_tokens``: reason ``prompt_logprobs``
+    when that is less than the store held; else its detail says the restored tokens' logprobs came with them."""
     if hit_tokens >= report.hit_tokens:
-        return report
+        if not hit_tokens:
+            return report
+        return replace(report, detail=f"{report.detail} The logprobs of the {hit_tokens:,} restored tokens and of the "
+                       "one after them came from the cache too.")
     return replace(report, hit_tokens=hit_tokens, reason="prompt_logprobs", detail=(
         f"the request asks for its prompt's logprobs, and those of the stored prefix's tokens past {hit_tokens:,} "
         f"were not kept (a request that did not ask for them stored its KV and checkpoint up to "
