@@ -201,8 +201,10 @@ def test_replies_with_the_same_text_keep_their_own_ids():
 
 def test_disconnect_mid_stream_cancels(server):
     client = server.client()
+    # Greedy: this prompt's reply has no EOS in its first 400 tokens (sampled, an EOS among the first tokens ended
+    # the stream before the disconnect about once in 50 runs).
     stream = client.completions.create(model=MODEL, prompt="Tell me a very long story about", max_tokens=3000,
-                                       temperature=1.0, stream=True)
+                                       temperature=0, stream=True)
     pieces = [next(stream) for _ in range(3)]
     assert all(p.choices[0].finish_reason is None for p in pieces)
     assert server.metrics()["hf_hybridcache_running_requests"] == 1
