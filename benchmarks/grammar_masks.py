@@ -8,9 +8,9 @@ Per library and vocabulary: the tokenizer setup (once per server), the compile o
 (p50 and p99 over a walk), fill 20 rows' bitmasks in one step (one by one, and with the library's batch call where it
 has one: xgrammar's ``BatchGrammarMatcher``, llguidance's thread pool ``fill_next_token_bitmask_par``), and apply
 the masks to ``[20, V]`` float32 logits (xgrammar's own applier; for llguidance and outlines-core
-:func:`~hf_hybridcache.structured.apply_token_bitmask`, the engine's). The walk samples each token from random logits under the mask (as a random
-toy model does) for ``--steps`` tokens, so the states are those a served model passes through (inside strings, where
-most tokens are allowed, is the costly case for a large vocabulary). Last, the share of random walks on the toy
+:func:`~hf_hybridcache.structured.apply_token_bitmask`, the engine's). The walk samples each token from random logits
+under the mask (as a random toy model does) for ``--steps`` tokens, so the states are those a served model passes
+through (inside strings, where most tokens are allowed, is the costly case for a large vocabulary). Last, the share of random walks on the toy
 vocabulary whose JSON parses with ``json.loads`` (a random model is the adversarial case: it emits any byte the mask
 allows, so a grammar that lets a raw control character into a string shows at once).
 
@@ -159,10 +159,11 @@ class OutlinesCore:
 
         self.oc, self.vocab_size = outlines_core, vocab_size
         eos = tokenizer.eos_token_id
-        tokens: dict[str, list[int]] = {}
-        for token, i in tokenizer.get_vocab().items():
+        byte_of = {symbol: byte for byte, symbol in bytes_to_unicode().items()}
+        tokens: dict[bytes, list[int]] = {}
+        for token, i in tokenizer.get_vocab().items():  # byte-level symbols -> the bytes they stand for
             if i != eos and token not in SPECIAL_TOKENS:
-                tokens.setdefault(token, []).append(i)
+                tokens.setdefault(bytes(byte_of[symbol] for symbol in token), []).append(i)
         self.vocabulary = outlines_core.Vocabulary(eos, tokens)
 
     def compile(self, schema):
@@ -198,36 +199,48 @@ class OutlinesCore:
 
 def walk(lib, compiled, vocab_size: int, steps: int, rows: int, seed: int = 0) -> dict:
     """``rows`` matchers advanced together for up to ``steps`` tokens, each token sampled from random logits under its
-    row's mask; per-step times in ms."""
+    row's mask; per-step times in ms. The library's batch call is timed in a second walk of its own (llguidance's
+    thread pool keeps both cores busy for a while after each call, which would slow everything timed after it)."""
+    one, loop, apply = [], [], []
+    for matchers, bitmask, logits in _steps(lib, compiled, vocab_size, steps, rows, seed):
+        start = time.perf_counter()
+        lib.fill(matchers[0], bitmask, 0)
+        one.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for row, matcher in enumerate(matchers):
+            lib.fill(matcher, bitmask, row)
+        loop.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        lib.apply(logits, bitmask[: len(matchers)])
+        apply.append(time.perf_counter() - start)
+    batch = []
+    for matchers, bitmask, logits in _steps(lib, compiled, vocab_size, steps, rows, seed):
+        start = time.perf_counter()
+        lib.fill_all(matchers, bitmask[: len(matchers)])
+        batch.append(time.perf_counter() - start)
+        lib.apply(logits, bitmask[: len(matchers)])
+    ms = [1000 * x for x in one]
+    return {"tokens": len(one), "fill_p50": statistics.median(ms),
+            "fill_p99": sorted(ms)[min(len(ms) - 1, int(0.99 * len(ms)))],
+            "loop_fill": 1000 * statistics.median(loop), "batch_fill": 1000 * statistics.median(batch),
+            "apply": 1000 * statistics.median(apply)}
+
+
+def _steps(lib, compiled, vocab_size: int, steps: int, rows: int, seed: int):
+    """Yields ``(live matchers, bitmask, logits)`` per step; the caller fills the masks and applies them to the logits,
+    then each live matcher takes a token sampled from its row."""
     generator = torch.Generator().manual_seed(seed)
     matchers = [lib.matcher(compiled) for _ in range(rows)]
-    one, loop, batch, apply = [], [], [], []
     bitmask = lib.bitmask(rows, vocab_size)
     for _ in range(steps):
         live = [m for m in matchers if not lib.done(m)]
         if not live:
-            break
-        start = time.perf_counter()
-        lib.fill(live[0], bitmask, 0)
-        one.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        for row, matcher in enumerate(live):
-            lib.fill(matcher, bitmask, row)
-        loop.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        lib.fill_all(live, bitmask[: len(live)])
-        batch.append(time.perf_counter() - start)
+            return
         logits = torch.randn(len(live), vocab_size, generator=generator)
-        start = time.perf_counter()
-        lib.apply(logits, bitmask[: len(live)])
-        apply.append(time.perf_counter() - start)
+        yield live, bitmask, logits
         tokens = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0].tolist()
         for matcher, token in zip(live, tokens):
             assert lib.accept(matcher, token), f"{lib.name} refused a token its own mask allowed"
-    ms = [1000 * x for x in one]
-    return {"tokens": len(one), "fill_p50": statistics.median(ms),
-            "fill_p99": sorted(ms)[min(len(ms) - 1, int(0.99 * len(ms)))],
-            "loop_fill": 1000 * statistics.median(loop), "batch_fill": 1000 * statistics.median(batch), "apply": 1000 * statistics.median(apply)}
 
 
 def parse_rate(lib, tokenizer, vocab_size: int, walks: int) -> tuple[int, int]:
@@ -285,8 +298,8 @@ def main() -> None:
             _, any_ms = timed(lib.compile, None)
             run = walk(lib, compiled, vocab_size, args.steps, args.batch)
             print(f"| {vocab_size:,} | {name} | {setup:.0f} | {compile_ms:.1f} | {any_ms:.1f} | {run['tokens']} | "
-                  f"{run['fill_p50']:.3f} / {run['fill_p99']:.3f} | {run['loop_fill']:.3f} / {run['batch_fill']:.3f} | {run['apply']:.3f} |",
-                  flush=True)
+                  f"{run['fill_p50']:.3f} / {run['fill_p99']:.3f} | {run['loop_fill']:.3f} / {run['batch_fill']:.3f} | "
+                  f"{run['apply']:.3f} |", flush=True)
     print(f"\nJSON that parses, of {args.walks} random walks under {{s: string, maxLength 8}} (toy vocabulary):")
     for name in args.libraries:
         lib = libraries[name](byte_tokenizer(), len(SPECIAL_TOKENS) + 256)

@@ -3,10 +3,10 @@ a :class:`Grammar` per schema (compiled once, shared by every request that uses 
 sequence (where that sequence stands in the grammar), and :func:`apply_token_bitmask` for a batch of rows.
 
 Why llguidance (``benchmarks/grammar_masks.py``, docs/serving.md): it emits only JSON that parses (xgrammar 0.2.9
-let raw control characters into strings, and outlines-core too: 24 and 1 of 100 random walks on the toy vocabulary
-parsed, llguidance 100), compiles a schema in under 5 ms at 128k tokens (xgrammar 100+ ms, outlines-core seconds
-for an object of any keys), fills one row's mask in about 0.03 ms on a CPU at 262 to 128k tokens, and is one wheel
-with no dependencies.
+lets raw control characters into strings: 24 of 100 random walks on the toy vocabulary parsed, llguidance's and
+outlines-core's 100), compiles a schema in under 1 ms at 128k tokens (xgrammar about 40 ms, outlines-core 1.2 s, and
+6-20 s for an object of any keys), fills one row's mask in 0.02-0.11 ms on a CPU at 262 to 128k tokens, and is one
+wheel with no dependencies.
 
 Bitmasks are transformers' and llguidance's layout: ``[rows, ceil(V / 32)]`` int32, bit ``t % 32`` of word
 ``t // 32`` set when token ``t`` is allowed.
