@@ -1,18 +1,20 @@
 """Which grammar library to put behind structured output: xgrammar, llguidance and outlines-core, side by side on this
-CPU, for the toy byte vocabulary (262 tokens) and byte-level vocabularies of 32k and 128k tokens.
+CPU, for the toy byte vocabulary (262 tokens) and byte-level vocabularies of 32k and 128k tokens. Needs all three
+(``pip install xgrammar llguidance outlines-core``; only llguidance is a dependency of the package, its ``structured``
+extra).
 
     PYTHONPATH=. python benchmarks/grammar_masks.py [--vocabs 262 32000 128000] [--steps 64] [--batch 20]
 
 Per library and vocabulary: the tokenizer setup (once per server), the compile of a small JSON schema and of "any JSON"
-(once per request or per distinct schema), and the per-token cost of the engine's use: fill one row's token bitmask
-(p50 and p99 over a walk), fill 20 rows' bitmasks in one step (one by one, and with the library's batch call where it
-has one: xgrammar's ``BatchGrammarMatcher``, llguidance's thread pool ``fill_next_token_bitmask_par``), and apply
-the masks to ``[20, V]`` float32 logits (xgrammar's own applier; for llguidance and outlines-core
+(once per request or per distinct schema), and the per-token cost of the engine's use: fill one row's token bitmask (p50
+and p99 over a walk), fill 20 rows' bitmasks in one step (one by one, and with the library's batch call where it has
+one: xgrammar's ``BatchGrammarMatcher``, llguidance's thread pool ``fill_next_token_bitmask_par``), and apply the masks
+to ``[20, V]`` float32 logits (xgrammar's own applier; for llguidance and outlines-core
 :func:`~hf_hybridcache.structured.apply_token_bitmask`, the engine's). The walk samples each token from random logits
 under the mask (as a random toy model does) for ``--steps`` tokens, so the states are those a served model passes
-through (inside strings, where most tokens are allowed, is the costly case for a large vocabulary). Last, the share of random walks on the toy
-vocabulary whose JSON parses with ``json.loads`` (a random model is the adversarial case: it emits any byte the mask
-allows, so a grammar that lets a raw control character into a string shows at once).
+through (inside strings, where most tokens are allowed, is the costly case for a large vocabulary). Last, the share of
+random walks on the toy vocabulary whose JSON parses with ``json.loads`` (a random model is the adversarial case: it
+emits any byte the mask allows, so a grammar that lets a raw control character into a string shows at once).
 
 The large vocabularies are made in code (no downloads): the most frequent GPT-2-style byte-level pre-tokens of this
 Python's standard library (words, identifiers with their leading space, punctuation runs) and, up to the size, their
@@ -275,14 +277,14 @@ def timed(fn, *args):
     return value, 1000 * (time.perf_counter() - start)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocabs", type=int, nargs="+", default=[262, 32000, 128000])
     parser.add_argument("--libraries", nargs="+", default=["xgrammar", "llguidance", "outlines-core"])
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--batch", type=int, default=20)
     parser.add_argument("--walks", type=int, default=100, help="random walks of the parse check (toy vocabulary)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     libraries = {lib.name: lib for lib in (XGrammar, LLGuidance, OutlinesCore)}
     for name in args.libraries:  # imports (seconds: llguidance.torch imports torch's compiler) are not setup time
         libraries[name](byte_tokenizer(), len(SPECIAL_TOKENS) + 256)

@@ -191,3 +191,14 @@ def test_serve_multiturn_runs_two_servers_on_a_tiny_model(capsys):
                           "--shape", "tiny"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 2 | stock", "| 2 | hf_"))]
     assert [row.split(" | ")[1] for row in rows] == ["stock", "hf_hybridcache"] and rows[1].endswith("| yes |")
+
+
+def test_grammar_masks_runs_for_llguidance(capsys):
+    """``grammar_masks.py`` on the toy vocabulary with llguidance (the other libraries are not dependencies): a row of
+    timings and every random walk's JSON parses."""
+    pytest.importorskip("llguidance")
+    from benchmarks import grammar_masks
+
+    grammar_masks.main(["--vocabs", "262", "--libraries", "llguidance", "--steps", "8", "--walks", "5"])
+    out = capsys.readouterr().out
+    assert "| 262 | llguidance |" in out and "- llguidance: 5 of 5" in out
