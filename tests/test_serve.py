@@ -437,3 +437,22 @@ def test_the_sequential_baseline_serves_the_same_text(cold_model):
         assert json.loads(httpx.get(f"{server.url}/health").text)["status"] == "ok"
     finally:
         server.close()
+
+
+def test_chat_fields_not_implemented_are_refused_by_name(server):
+    """OpenAI chat fields the server does not implement, and unknown fields, are a 400 naming the field; the value at
+    which such a field does nothing, and OpenAI's bookkeeping labels, are accepted."""
+    client = server.client()
+    messages = [{"role": "user", "content": "hi"}]
+    refused = [({"frequency_penalty": 0.5}, "frequency_penalty"), ({"presence_penalty": -1.0}, "presence_penalty"),
+               ({"logit_bias": {"5": 10}}, "logit_bias"), ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+               ({"modalities": ["text", "audio"]}, "modalities"), ({"store": True}, "store"),
+               ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+               ({"functions": [{"name": "f"}]}, "functions"), ({"extra_body": {"colour": "red"}}, "colour")]
+    for kwargs, field in refused:
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, **kwargs)
+        assert error.value.param == field and field in error.value.message, (field, error.value.message)
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, frequency_penalty=0,
+                                           modalities=["text"], metadata={"run": "7"}, store=False)
+    assert reply.choices[0].message.content is not None

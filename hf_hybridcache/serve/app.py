@@ -1,7 +1,8 @@
 """The FastAPI app: OpenAI's ``/v1/chat/completions`` and ``/v1/completions`` (JSON or SSE streams), ``/v1/models``,
-``/health`` and ``/metrics``. Request and response bodies follow OpenAI's API as ``transformers serve`` does (its
-responses are the ``openai`` package's types); errors are OpenAI's JSON errors, 4xx for the client's mistakes and 500
-for the one request that failed inside."""
+``/metrics``, and what gateways read (``/health``, ``/readiness``, ``/liveness``, ``/server_info``, ``/model_info``,
+``/v1/loads``: :mod:`~hf_hybridcache.serve.health`). Request and response bodies follow OpenAI's API as ``transformers
+serve`` does (its responses are the ``openai`` package's types); errors are OpenAI's JSON errors, 4xx for the client's
+mistakes and 500 for the one request that failed inside."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ from openai.types.completion_usage import PromptTokensDetails
 from starlette.exceptions import HTTPException
 
 from .backends import Sampling
+from .chat_fields import refuse_unsupported_chat
 from .choices import ChoiceRunner, Job, Piece, choice_offsets
 from .completions import CompletionPayloads, prompts_of, refuse_unsupported
+from .health import add_worker_routes
 from .logprobs import TokenTexts, chat_logprobs
 from .metrics import ServerMetrics
 from .prompts import ReplyMemory, chat_prompt_ids
@@ -113,6 +116,7 @@ def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
+        refuse_unsupported_chat(body)
         structure = await structure_of(body, grammars)  # response_format, tools, tool_choice
         messages = [m.for_template() for m in body.messages]
         salt = request.headers.get(SALT_HEADER) or body.user
@@ -198,11 +202,7 @@ def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens:
         return {"object": "list", "data": [Model(id=model_id, created=0, object="model",
                                                  owned_by="hf_hybridcache").model_dump()]}
 
-    @app.get("/health")
-    async def health():
-        if not backend.healthy:
-            return JSONResponse({"status": "unhealthy"}, status_code=503)
-        return {"status": "ok"}
+    add_worker_routes(app, backend, model_id, cache, metrics, tokenizer)  # probes, server/model info, loads
 
     @app.get("/metrics")
     async def scrape():

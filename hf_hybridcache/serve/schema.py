@@ -80,6 +80,11 @@ class _Common(BaseModel):
 
 
 class ChatRequest(_Common):
+    """Fields OpenAI defines that this server does not implement, and fields OpenAI does not define, are kept
+    (``model_extra``) to be refused by name (:mod:`~hf_hybridcache.serve.chat_fields`)."""
+
+    model_config = ConfigDict(extra="allow")
+
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
