@@ -1,0 +1,184 @@
+"""What a gateway or an orchestrator reads of a worker: probes, the model's identity and the engine's load.
+
+The routes follow what SGLang's workers serve, since gateways read them (SMG, the Shepherd Model Gateway, 1.13:
+``model_gateway/src/workflow/steps/local/{detect_backend,discover_metadata}.rs`` and
+``model_gateway/src/worker/monitor.rs``; its own mock worker, ``crates/mock_worker/src/http.rs``):
+
+- ``GET /health``: what gateways probe before routing to a worker (SMG's ``--health-check-endpoint`` default, SGLang's
+  and vLLM's name): 200 ``{"status": "ok"}`` when it takes requests, 503 with the reason while it drains or once the
+  engine's loop died.
+- ``GET /readiness``: the same answer, named for a readiness probe. ``GET /liveness``: 200 while the process serves
+  (draining included), 503 only once the engine's loop died (restart me).
+- ``GET /server_info`` and ``GET /model_info``: the model and the limits. SMG asks these first when it registers a
+  worker (a 404 makes it fall back to ``/get_server_info`` and ``/get_model_info`` and log that it did), and a
+  worker that serves ``/server_info`` but not vLLM's ``/version`` is registered as an SGLang-like engine instead of a
+  ``generic`` one with a warning.
+- ``GET /v1/loads``: the load, in the schema SMG polls for its load-aware policies (``power_of_two``,
+  ``least_load``, ``cache_aware``'s balancing, overload protection): requests running and waiting, KV usage, the
+  tokens the waiting requests bring, generation throughput and the prefix hit rate
+  (``WorkerLoadResponse`` in SMG's ``crates/protocols/src/worker.rs``).
+
+The loading and draining phases themselves live in :mod:`~hf_hybridcache.serve.lifecycle`, which shares its
+:class:`~hf_hybridcache.serve.lifecycle.Phase` with these routes through ``app.state.lifecycle``.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import time
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from .._version import __version__
+from .lifecycle import Phase
+
+#: Seconds of generated tokens that ``gen_throughput`` averages over.
+THROUGHPUT_WINDOW_S = 30.0
+
+
+def add_worker_routes(app: FastAPI, backend, model_id: str, cache, metrics, tokenizer=None) -> None:
+    """Add the probe, info and load routes to ``app`` and give it ``app.state.lifecycle`` (a :class:`Phase`,
+    ready unless a :mod:`~hf_hybridcache.serve.lifecycle` runner says otherwise).
+
+    Args:
+        backend: an :class:`~hf_hybridcache.serve.backends.EngineBackend` or
+            :class:`~hf_hybridcache.serve.backends.SequentialBackend`.
+        model_id: the served model name.
+        cache: the :class:`~hf_hybridcache.HybridPrefixCache` behind the engine, or None.
+        metrics: the server's :class:`~hf_hybridcache.serve.metrics.ServerMetrics` (generated tokens).
+        tokenizer: the served tokenizer (its ``name_or_path`` is reported).
+    """
+    phase = app.state.lifecycle = Phase()
+    throughput = Throughput(metrics)
+
+    def not_ready() -> str | None:
+        if phase.name != "ready":
+            return phase.name
+        return None if backend.healthy else "the engine's loop died"
+
+    @app.get("/health")
+    async def health():
+        reason = not_ready()
+        if reason is None:
+            return {"status": "ok"}
+        return JSONResponse({"status": "unhealthy" if phase.name == "ready" else phase.name, "reason": reason},
+                            status_code=503)
+
+    @app.get("/readiness")
+    async def readiness():
+        reason = not_ready()
+        if reason is None:
+            return {"status": "ready"}
+        return JSONResponse({"status": "not_ready", "reason": reason}, status_code=503)
+
+    @app.get("/liveness")
+    async def liveness():
+        if phase.name == "ready" and not backend.healthy:
+            return JSONResponse({"status": "dead", "reason": "the engine's loop died"}, status_code=503)
+        return {"status": "alive", "phase": phase.name}
+
+    @app.get("/server_info")
+    async def server_info():
+        return server_fields(backend, model_id, cache, tokenizer)
+
+    @app.get("/model_info")
+    async def model_info():
+        return model_fields(backend, model_id, tokenizer)
+
+    @app.get("/v1/loads")
+    async def loads():
+        return load_report(backend, cache, throughput.tokens_per_s())
+
+
+def _model(backend, cache):
+    return cache.model if cache is not None else backend.model
+
+
+def server_fields(backend, model_id: str, cache, tokenizer) -> dict:
+    """SGLang's ``/server_info`` fields a gateway reads (``ServerInfo`` in SMG's ``discover_metadata.rs``), and what
+    this worker adds: the engine's name and whether it has a shared tier."""
+    model = _model(backend, cache)
+    manager = getattr(backend, "manager", None)
+    limits = None if manager is None else manager.limits
+    block_size = None if cache is None else cache.block_size
+    return {
+        "model_path": model.name_or_path or model_id,
+        "served_model_name": model_id,
+        "tokenizer_path": getattr(tokenizer, "name_or_path", None) or None,
+        "version": __version__,
+        "engine": "hf_hybridcache",
+        "is_embedding": False,
+        "tp_size": 1, "dp_size": 1, "pp_size": 1,
+        "context_length": backend.max_request_tokens,
+        "max_running_requests": 1 if limits is None else limits.max_running_requests,
+        "max_total_tokens": None if limits is None else limits.max_running_pages * block_size,
+        "page_size": block_size,
+        "prefix_cache": cache is not None,
+        "remote_tier": cache is not None and cache.remote is not None,
+    }
+
+
+def model_fields(backend, model_id: str, tokenizer) -> dict:
+    """SGLang's ``/model_info`` (``ModelInfo`` in SMG's ``discover_metadata.rs``)."""
+    model = _model(backend, getattr(backend, "cache", None))
+    config = model.config
+    return {
+        "model_path": model.name_or_path or model_id,
+        "tokenizer_path": getattr(tokenizer, "name_or_path", None) or None,
+        "is_generation": True,
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": config.model_type,
+        "architectures": list(getattr(config, "architectures", None) or [type(model).__name__]),
+    }
+
+
+def load_report(backend, cache, gen_throughput: float) -> dict:
+    """``/v1/loads``: one rank (``dp_rank_count`` 1). ``token_usage`` is the share of the engine's running KV pages
+    in use (pages a hit shares with the store are the store's, not counted); ``num_waiting_uncached_tokens`` is the
+    waiting requests' prompt tokens, an upper bound (their hits are looked up at admission); ``cache_hit_rate`` is
+    the prefix cache's token hit rate so far."""
+    running, waiting = backend.load()
+    engine = getattr(getattr(backend, "manager", None), "batch_processor", None)
+    snapshot = {
+        "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting, "num_total_reqs": running + waiting,
+        "num_waiting_uncached_tokens": 0, "num_used_tokens": 0, "max_total_num_tokens": 0, "token_usage": 0.0,
+        "gen_throughput": round(gen_throughput, 3),
+        "cache_hit_rate": 0.0 if cache is None else round(cache.stats.token_hit_rate, 4),
+        "utilization": 0.0, "max_running_requests": 1,
+    }
+    if engine is not None:
+        limits, block_size = engine.limits, engine.block_size
+        used_pages = sum(len(r.own_pages) for r in list(engine.scheduler.running))
+        capacity = limits.max_running_pages * block_size
+        snapshot.update(
+            num_waiting_uncached_tokens=sum(len(r.prompt) for r in list(engine.scheduler.waiting)),
+            num_used_tokens=used_pages * block_size, max_total_num_tokens=capacity,
+            token_usage=round(used_pages / limits.max_running_pages, 4),
+            utilization=round(running / limits.max_running_requests, 4),
+            max_running_requests=limits.max_running_requests,
+        )
+    else:
+        snapshot["utilization"] = float(running)
+    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat()
+    return {"timestamp": stamp, "dp_rank_count": 1, "loads": [snapshot]}
+
+
+class Throughput:
+    """Generated tokens per second over the last :data:`THROUGHPUT_WINDOW_S` seconds, from the server's counter
+    (sampled at each read, so a gateway's polls are the samples)."""
+
+    def __init__(self, metrics, clock=time.monotonic) -> None:
+        self.metrics, self.clock = metrics, clock
+        self.samples: collections.deque[tuple[float, float]] = collections.deque()
+
+    def tokens_per_s(self) -> float:
+        now = self.clock()
+        total = self.metrics.registry.get_sample_value("hf_hybridcache_generation_tokens_total") or 0.0
+        self.samples.append((now, total))
+        while len(self.samples) > 2 and now - self.samples[1][0] >= THROUGHPUT_WINDOW_S:
+            self.samples.popleft()
+        then, before = self.samples[0]
+        return (total - before) / (now - then) if now > then else 0.0
