@@ -202,3 +202,13 @@ def test_grammar_masks_runs_for_llguidance(capsys):
     grammar_masks.main(["--vocabs", "262", "--libraries", "llguidance", "--steps", "8", "--walks", "5"])
     out = capsys.readouterr().out
     assert "| 262 | llguidance |" in out and "- llguidance: 5 of 5" in out
+
+
+def test_step_profile_splits_a_step_on_a_toy_model(capsys):
+    """``step_profile.py`` on the toy Jamba: every phase's row and the engine / stock ratio, for 1 and 2 requests."""
+    from benchmarks import step_profile
+
+    step_profile.main(["--models", "toy:jamba", "--running", "1", "2", "--steps", "2"])
+    out = capsys.readouterr().out
+    for row in ("| forward: Mamba mixer |", "| forward: attention |", "| sampling |", "| store |", "| engine / stock |"):
+        assert row in out, out

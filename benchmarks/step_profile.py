@@ -1,0 +1,206 @@
+"""Where an engine decode step's time goes, beside stock ``generate()``'s decode on the same model.
+
+For each model and each count of running requests (1, 8, 32 by default) the engine is stepped directly (no loop
+thread, no server) until every request decodes; then ``--steps`` decode steps are timed, each split into:
+
+- **schedule + admit**: the scheduler's choice of chunks (admission's store lookups included);
+- **segments**: building each request's segment (its KV pages allocated);
+- **plan + views**: the step plan (packed ids, positions, page tables, masks) and the step cache views;
+- **forward: <kind>**: the model forward, split by the kind of each decoder layer's direct children (Mamba mixers,
+  gated delta nets, short convs, attention, MLP / experts, norms), timed with forward hooks; **forward: rest** is the
+  embedding, final norm, LM head and the time between the layers;
+- **sampling**: what the step runner does after the forward (masks, processors, argmax, the host copy of the tokens);
+- **store**: what the step leaves in the store (blocks by reference, checkpoints, the weights check);
+- **other**: the step's time outside all of these (its Python bookkeeping).
+
+``stock generate()`` is the same model's ``generate()`` without any cache on the same number of equal-length prompts
+(a padded batch), its decode time per step: the bar an engine step must meet.
+
+Run (``OMP_WAIT_POLICY=PASSIVE`` as for every timing run)::
+
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.step_profile                         # toy shapes, quick
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.step_profile --models jamba:small qwen3_5_text:0.8b:8 lfm2:350m
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import torch
+
+from benchmarks.model_shapes import build_shape_model
+from hf_hybridcache import HybridPrefixCache, _compat
+from hf_hybridcache.engine import EngineLimits
+from hf_hybridcache.engine import engine as engine_module
+from hf_hybridcache.engine.engine import Engine
+from hf_hybridcache.engine.requests import EngineRequest
+from hf_hybridcache.engine.runner import StepRunner
+from hf_hybridcache.toy import build_model
+
+PROMPT_TOKENS = 64
+
+
+class Clock:
+    """Seconds spent per phase while ``on``."""
+
+    def __init__(self) -> None:
+        self.spent: collections.Counter[str] = collections.Counter()
+        self.on = False
+        self._undo: list = []
+
+    def wrap(self, owner, name: str, phase: str) -> None:
+        """Time ``owner.name`` (a method or function) as ``phase``."""
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if self.on:
+                    self.spent[phase] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+        self._undo.append(lambda: setattr(owner, name, original))
+
+    def hook_layers(self, model) -> None:
+        """Forward hooks on each decoder layer's direct children, timed by the child's kind."""
+        starts: dict[int, float] = {}
+        for layer in _compat.decoder_layers(model):
+            for child in layer.children():
+                kind = _kind(child)
+
+                def before(module, args, kind=kind):
+                    starts[id(module)] = time.perf_counter()
+
+                def after(module, args, output, kind=kind):
+                    if self.on and id(module) in starts:
+                        self.spent[f"forward: {kind}"] += time.perf_counter() - starts.pop(id(module))
+
+                handles = (child.register_forward_pre_hook(before), child.register_forward_hook(after))
+                self._undo.extend(handle.remove for handle in handles)
+
+    def restore(self) -> None:
+        """Undo every wrap and hook."""
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+
+
+def _kind(module: torch.nn.Module) -> str:
+    name = type(module).__name__.lower()
+    kinds = (("mamba", "Mamba mixer"), ("gateddelta", "gated delta net"), ("linearattention", "linear attn"),
+             ("conv", "short conv"), ("attention", "attention"), ("attn", "attention"), ("moe", "MLP / experts"),
+             ("expert", "MLP / experts"), ("mlp", "MLP / experts"), ("norm", "norms"))
+    for key, kind in kinds:
+        if key in name:
+            return kind
+    return type(module).__name__
+
+
+def build(spec: str) -> tuple[torch.nn.Module, str]:
+    """``toy:FAMILY`` or ``FAMILY:SHAPE[:LAYERS]`` of benchmarks/model_shapes.py."""
+    if spec.startswith("toy:"):
+        return build_model(spec[4:], seed=0), f"{spec} (tiny test config)"
+    family, shape, *layers = spec.split(":")
+    model, description = build_shape_model(family, shape, int(layers[0]) if layers else None)
+    return model, description
+
+
+def profile_engine(model, running: int, steps: int, clock: Clock) -> tuple[float, int]:
+    """Mean seconds per decode step of ``running`` requests, and the steps timed."""
+    cache = HybridPrefixCache(model)
+    limits = EngineLimits(max_running_requests=max(running, 1), max_batch_tokens=max(512, running * 2))
+    manager = cache.init_continuous_batching(limits=limits)  # installs the engine's attention routing
+    runner = StepRunner(model, manager.processors, do_sample=False, return_logprobs=False, seed=0)
+    engine = Engine(cache, manager.limits, runner)
+    vocab = model.get_input_embeddings().num_embeddings
+    generator = torch.Generator().manual_seed(running)
+    for i in range(running):
+        prompt = torch.randint(6, vocab, (PROMPT_TOKENS,), generator=generator).tolist()
+        engine.add(EngineRequest(f"r{i}", prompt, max_new_tokens=steps + 64, eos_token_ids=frozenset()))
+    with torch.no_grad():
+        while any(r.past < len(r.prompt) for r in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.step()  # prefill every request first
+        for _ in range(3):
+            engine.step()  # warm up the decode path
+        clock.spent.clear()
+        clock.on = True
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        total = time.perf_counter() - start
+        clock.on = False
+    engine.close()
+    return total / steps, steps
+
+
+def stock_decode(model, batch: int, steps: int) -> float:
+    """Seconds per decode step of stock ``generate()`` (no cache) on ``batch`` equal-length prompts."""
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.randint(6, vocab, (batch, PROMPT_TOKENS), generator=torch.Generator().manual_seed(7))
+    kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, **kwargs)
+        return (time.perf_counter() - start - prefill) / steps
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["toy:jamba", "toy:qwen3_5_text", "toy:lfm2"],
+                        help="toy:FAMILY or FAMILY:SHAPE[:LAYERS] (benchmarks/model_shapes.py)")
+    parser.add_argument("--running", nargs="+", type=int, default=[1, 8, 32], help="requests decoding at once")
+    parser.add_argument("--steps", type=int, default=20, help="decode steps timed per run")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    for spec in args.models:
+        model, description = build(spec)
+        clock = Clock()
+        clock.wrap(engine_module.Scheduler, "choose", "schedule + admit")
+        clock.wrap(Engine, "_segment", "segments")
+        clock.wrap(engine_module, "StepPlan", "plan + views")
+        clock.wrap(engine_module, "StepCache", "plan + views")
+        clock.wrap(StepRunner, "run", "runner")
+        clock.wrap(StepRunner, "_sample", "sampling")
+        clock.wrap(Engine, "_settle", "store")
+        clock.hook_layers(model)
+        columns, stock = {}, {}
+        for running in args.running:
+            per_step, _ = profile_engine(model, running, args.steps, clock)
+            spent = {phase: seconds / args.steps for phase, seconds in clock.spent.items()}
+            runner = spent.pop("runner", 0.0)
+            layers = sum(v for k, v in spent.items() if k.startswith("forward: "))
+            spent["forward: rest"] = runner - spent.get("sampling", 0.0) - layers
+            spent["other"] = per_step - sum(spent.values())
+            columns[running] = (per_step, spent)
+            stock[running] = stock_decode(model, running, args.steps)
+        clock.restore()
+        _print(description, args, columns, stock)
+
+
+def _print(description: str, args, columns: dict, stock: dict) -> None:
+    first = columns[args.running[0]][1]
+    phases = sorted({p for _, spent in columns.values() for p in spent}, key=lambda p: -first.get(p, 0))
+    print(f"\n### {description}: ms per decode step ({torch.get_num_threads()} threads, {args.steps} steps)\n")
+    print("| phase | " + " | ".join(f"{n} running" for n in args.running) + " |")
+    print("|---|" + "---:|" * len(args.running))
+    for phase in phases:
+        cells = [f"{spent.get(phase, 0) * 1e3:.2f} ({spent.get(phase, 0) / per_step:.0%})"
+                 for per_step, spent in (columns[n] for n in args.running)]
+        print(f"| {phase} | " + " | ".join(cells) + " |")
+    print("| **engine step** | " + " | ".join(f"**{columns[n][0] * 1e3:.2f}**" for n in args.running) + " |")
+    print("| stock generate() decode step | " + " | ".join(f"{stock[n] * 1e3:.2f}" for n in args.running) + " |")
+    print("| engine / stock | " + " | ".join(f"{columns[n][0] / stock[n]:.2f}x" for n in args.running) + " |")
+
+
+if __name__ == "__main__":
+    main()
