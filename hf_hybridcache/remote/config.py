@@ -1,15 +1,18 @@
 """What ``HybridPrefixCache(model, remote=...)`` accepts, validated, and the redis-py client made from it.
 
 ``remote`` is a URL (``redis://host:6379/0``, ``rediss://`` for TLS, ``redis://:password@host/0`` or
-``redis://user:password@host/0``), an existing redis-py client (``redis.Redis`` or ``redis.cluster.RedisCluster``,
+``redis://user:password@host/0``; ``redis+cluster://host:port[,host:port...]`` or ``rediss+cluster://`` for a Redis or
+Valkey Cluster, naming one or more of its nodes), an existing redis-py client (``redis.Redis`` or ``redis.cluster.RedisCluster``,
 used as it is: its own timeouts and retries apply), or a :class:`RemoteConfig` for the tier's other settings. Valkey
 speaks the same protocol, so the same URL and client serve it.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +21,9 @@ DEFAULT_KEY_PREFIX = "hfhc"
 #: The environment variable a :class:`RemoteConfig` without ``secret=`` takes its secret from (deployments set it
 #: in every worker's environment rather than in code).
 SECRET_ENV = "HF_HYBRIDCACHE_REMOTE_SECRET"
+
+#: URL schemes of a cluster: the client discovers every node and its slots from the nodes named.
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 
 _NO_REDIS = "HybridPrefixCache(remote=...) needs redis-py: pip install 'hf_hybridcache[redis]' (or pip install redis)."
 
@@ -65,7 +71,7 @@ class RemoteConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "secret", _secret_bytes(self.secret))
         if isinstance(self.target, str):
-            if not self.target.startswith(("redis://", "rediss://", "unix://")):
+            if not self.target.startswith(("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES)):
                 raise ValueError(
                     f"`remote` must be a redis:// or rediss:// URL (e.g. 'redis://localhost:6379/0'), a redis-py "
                     f"client or a RemoteConfig; got the string {self.target!r}."
@@ -135,6 +141,8 @@ def make_client(config: RemoteConfig):
         from redis.retry import Retry
     except ImportError as error:
         raise ImportError(_NO_REDIS) from error
+    if config.target.startswith(CLUSTER_SCHEMES):
+        return LazyCluster(functools.partial(_cluster_client, config))
     return redis.from_url(
         config.target,
         socket_connect_timeout=config.connect_timeout_s,
@@ -142,3 +150,54 @@ def make_client(config: RemoteConfig):
         retry=Retry(NoBackoff(), 0),
         health_check_interval=0,
     )
+
+
+def _cluster_client(config: RemoteConfig):
+    """A ``RedisCluster`` for a ``redis+cluster://`` URL: the nodes it names are where it starts; a failed command
+    is tried once more after the client re-reads the cluster's slots (a primary that failed over moved its slots to
+    its replica), with the small timeouts, and no more than that (the breaker decides when to try again)."""
+    from urllib.parse import unquote, urlsplit
+
+    from redis.backoff import NoBackoff
+    from redis.cluster import ClusterNode, RedisCluster
+    from redis.retry import Retry
+
+    url = urlsplit(config.target)
+    nodes = []
+    for address in url.netloc.rpartition("@")[2].split(","):
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"`remote` {config.target!r}: each node must be host:port, got {address!r}.")
+        nodes.append(ClusterNode(host.strip("[]"), int(port)))
+    return RedisCluster(
+        startup_nodes=nodes,
+        username=unquote(url.username) if url.username else None,
+        password=unquote(url.password) if url.password else None,
+        ssl=url.scheme.startswith("rediss"),
+        socket_connect_timeout=config.connect_timeout_s,
+        socket_timeout=config.timeout_s,
+        retry=Retry(NoBackoff(), 1),
+        health_check_interval=0,
+    )
+
+
+class LazyCluster:
+    """A cluster client made at its first use, and made again after that failed: ``RedisCluster`` reads the
+    cluster's slots when it is made, so one made while the cluster is down would raise in the cache's constructor,
+    where a standalone client just fails its first command (the tier then counts an error, as for any failure)."""
+
+    def __init__(self, make) -> None:
+        self._make, self._client, self._lock = make, None, threading.Lock()
+
+    @property
+    def client(self):
+        with self._lock:
+            if self._client is None:
+                self._client = self._make()
+            return self._client
+
+    def pipeline(self, transaction: bool = False):
+        return self.client.pipeline(transaction=transaction)
+
+    def __getattr__(self, name: str):
+        return getattr(self.client, name)
