@@ -26,6 +26,7 @@ LAYERS = {
     "sizing": 4,  # what an entry of a model costs
     "store": 3,  # what is stored and what keeps it
     "models": 3,  # the supported families and their patched mixers
+    "multimodal": 3,  # images in a vision-language wrapper's prompt: their keys and their encoding
     "structured": 2,  # grammars for structured output
     "toy": 2,  # small seeded models for tests and examples
     "config": 2,

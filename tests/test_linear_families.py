@@ -196,10 +196,10 @@ def test_refused_real_models_stay_usable(model_type):
     assert torch.equal(_logits(model, ids), before)
 
 
-def test_a_qwen3_5_vision_language_checkpoint_is_served_through_its_text_loader(tmp_path):
-    """Qwen3.5 checkpoints are vision-language models (model_type 'qwen3_5'). The wrapper is refused with the loader
-    to use; AutoModelForCausalLM.from_pretrained of the same saved checkpoint builds the text decoder, which hits and
-    equals the wrapper's own text-only generation."""
+def test_a_qwen3_5_vision_language_checkpoint_is_served_as_published_and_through_its_text_loader(tmp_path):
+    """Qwen3.5 checkpoints are vision-language models (model_type 'qwen3_5'). The wrapper is served (images:
+    tests/test_vision.py); AutoModelForCausalLM.from_pretrained of the same saved checkpoint builds the text decoder,
+    which hits and equals the wrapper's own text-only generation too."""
     text = build_model("qwen3_5_text", seed=0)
     config = transformers.Qwen3_5Config(
         text_config=text.config.to_dict(),
@@ -208,13 +208,16 @@ def test_a_qwen3_5_vision_language_checkpoint_is_served_through_its_text_loader(
     torch.manual_seed(0)
     wrapper = transformers.Qwen3_5ForConditionalGeneration(config).eval()
     wrapper.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"AutoModelForCausalLM\.from_pretrained\(path\)"):
-        HybridPrefixCache(wrapper)
+    ids = random_ids(70, seed=95)
+    reference = wrapper.generate(ids, max_new_tokens=8, do_sample=False)
+    wrapper_cache = HybridPrefixCache(wrapper)
+    for _ in range(2):
+        out = wrapper.generate(ids, **{CACHE_KWARG: wrapper_cache}, max_new_tokens=8, do_sample=False)
+        assert torch.equal(out, reference)
+    assert wrapper_cache.last_hit_tokens == [64]
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert model.config.model_type == "qwen3_5_text"
     cache = HybridPrefixCache(model)
-    ids = random_ids(70, seed=95)
-    reference = wrapper.generate(ids, max_new_tokens=8, do_sample=False)
     for _ in range(2):
         out = model.generate(ids, **{CACHE_KWARG: cache}, max_new_tokens=8, do_sample=False)
         assert torch.equal(out, reference)

@@ -9,6 +9,9 @@ them):
   ``hooks.begin_request(cache, ...)`` before ``generate()`` reads ``cache.get_seq_length()`` and slices the prompt;
 - ``prepare_inputs_for_generation``: assisted decoding's first forward re-feeds the whole prompt, so after a restore
   it is sliced to the uncached tail as ``_prefill`` would;
+- ``_maybe_prepare_encoder_kwargs_for_generation``: a vision-language wrapper's images are encoded after the
+  request's restore instead of before it (``hooks.defer_images``, then ``hooks.encode_images`` in ``_prefill``), so
+  that the images inside the restored prefix are not encoded at all;
 - ``_get_stopping_criteria``: the criteria are observed, so the rows ``generate()`` finishes (and then feeds the pad
   id) stop storing -> ``hooks.rows_done(cache, is_done)``;
 - ``forward`` -> ``hooks.forward_call(cache, ...)``, a context manager around every forward (also direct
@@ -55,10 +58,12 @@ class _Call:
     Attributes:
         cache: the call's cache.
         slice_first_forward: restored tokens that assisted decoding's first forward must skip (0: none, or done).
+        images: what ``hooks.defer_images`` returned for the call's images (None: none, or not deferred).
     """
 
     cache: Any
     slice_first_forward: int = 0
+    images: Any = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,12 @@ class Hooks:
         forward_call: ``(cache, *, input_ids, inputs_embeds, use_cache) -> context manager`` held for one forward.
         rows_done: ``(cache, is_done)`` after each decoding step of a batch whose finished rows are fed the pad id
             from the next step on: ``is_done`` ``[B]`` bool is what ``generate()``'s stopping criteria said.
+        defer_images: ``(model, input_ids, model_kwargs, generation_config) -> (images, encode_now)`` where
+            ``generate()`` would encode a vision-language wrapper's images: ``images`` goes to ``begin_request``
+            (None: the call has none); ``encode_now``: let ``generate()`` encode them as usual (else they were taken
+            out of ``model_kwargs``, to be encoded by ``encode_images``).
+        encode_images: ``(cache, images, model_kwargs)`` after ``begin_request``: put the features of the images
+            the restored prefix does not cover into ``model_kwargs``.
     """
 
     find: Callable[[torch.nn.Module, dict], Any]
@@ -82,6 +93,8 @@ class Hooks:
     begin_request: Callable[..., int]
     forward_call: Callable[..., AbstractContextManager]
     rows_done: Callable[[Any, torch.Tensor], None]
+    defer_images: Callable[..., tuple[Any, bool]] | None = None
+    encode_images: Callable[[Any, Any, dict], None] | None = None
 
 
 def find_cache(kwargs: dict[str, Any]) -> Any:
@@ -103,6 +116,7 @@ def install_hooks(model: torch.nn.Module, hooks: Hooks) -> None:
         ("_get_candidate_generator", _hooked_candidate_generator),
         ("prepare_inputs_for_generation", _hooked_prepare_inputs),
         ("_get_stopping_criteria", _hooked_stopping_criteria),
+        ("_maybe_prepare_encoder_kwargs_for_generation", _hooked_encoder_kwargs),
         ("generate", _hooked_generate),
     ):
         setattr(model, name, _InstanceHook(model, name, wrapper))
@@ -150,19 +164,37 @@ class _ObservedStoppingCriteria(StoppingCriteriaList):
         return is_done
 
 
+def _hooked_encoder_kwargs(self, inputs_tensor, model_kwargs, *args, **kwargs):
+    """Images of a call with the package's cache are handed to ``hooks.defer_images`` first."""
+    call, hooks = _GENERATING.get(), self._hf_hybridcache_hooks
+    if call is not None and hooks.defer_images is not None and hooks.find(self, model_kwargs) is call.cache:
+        generation_config = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
+        input_ids = model_kwargs.get("input_ids", inputs_tensor)
+        call.images, encode_now = hooks.defer_images(self, input_ids, model_kwargs, generation_config)
+        if not encode_now:
+            return model_kwargs
+    return type(self)._maybe_prepare_encoder_kwargs_for_generation(self, inputs_tensor, model_kwargs, *args, **kwargs)
+
+
 def _begin_request(model, input_ids, model_kwargs: dict, generation_config) -> int:
     hooks = model._hf_hybridcache_hooks
     cache = hooks.find(model, model_kwargs)
     if cache is None:
         return 0
-    return hooks.begin_request(
+    call = _GENERATING.get()
+    images = call.images if call is not None and call.cache is cache else None
+    restored = hooks.begin_request(
         cache,
         input_ids=input_ids,
         attention_mask=model_kwargs.get("attention_mask"),
         inputs_embeds=model_kwargs.get("inputs_embeds"),
         use_cache=model_kwargs.get("use_cache"),
         decode_tokens=_decode_tokens(input_ids, generation_config),
+        images=images,
     )
+    if images is not None:
+        hooks.encode_images(cache, images, model_kwargs)
+    return restored
 
 
 def _decode_tokens(input_ids: torch.Tensor, generation_config) -> int:

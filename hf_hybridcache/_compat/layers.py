@@ -29,7 +29,12 @@ def new_live_layers(config) -> list:
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
-    """The decoder layers; layer ``i`` owns cache layer ``i`` in every supported family."""
+    """The decoder layers; layer ``i`` owns cache layer ``i`` in every supported family. A vision-language wrapper's
+    are its language model's (``model.language_model``, or ``language_model.model`` where that is a whole
+    ``*ForCausalLM``: Nemotron-H Omni)."""
+    language = getattr(getattr(model, "model", None), "language_model", None) or getattr(model, "language_model", None)
+    if language is not None:
+        return getattr(language, "model", language).layers
     return model.model.layers
 
 

@@ -58,6 +58,10 @@ NOT_CACHEABLE = {
     "model.eval() before generating.",
     "inputs_embeds": "the call passed inputs_embeds without input_ids, and prefixes are found by token ids; pass "
     "input_ids to reuse prefixes.",
+    "images_batch": "the call had images and several rows (a batch, beams or num_return_sequences); prompts with "
+    "images are looked up and stored one row per call, so nothing was looked up or stored.",
+    "unkeyed_inputs": "the call had inputs block hashes do not cover (audio, Nemotron-H Omni's videos, precomputed "
+    "mm_encoder_outputs), so nothing was looked up or stored.",
     "padding": "the attention_mask masks tokens that are not left padding, so nothing was looked up or stored; "
     "left-pad batches, and pass attention_mask=torch.ones_like(input_ids) when a prompt holds the pad id as a real "
     "token.",

@@ -250,7 +250,7 @@ def _check_entries(meta: dict, tensors: dict, spec: ModelStateSpec, model) -> di
     for i, (parent, token_ids, hash_hex) in enumerate(blocks):
         if not -1 <= parent < i:
             raise ValueError(f"block {i} has parent {parent}, which is not stored before it")
-        if len(token_ids) != bs or not all(isinstance(t, int) and 0 <= t < vocab_size for t in token_ids):
+        if len(token_ids) != bs or not all(isinstance(t, int) and t < vocab_size for t in token_ids):
             raise ValueError(f"block {i} does not hold {bs} token ids of the vocabulary")
         if parent >= 0 and block_hash(BlockHash(bytes.fromhex(blocks[parent][2])), token_ids).hex() != hash_hex:
             raise ValueError(f"block {i}'s hash does not chain from its parent's")

@@ -45,6 +45,8 @@ class Row:
             (:meth:`~hf_hybridcache.core.sharing.CacheCore.request_start`).
         stale: the weights changed while the row ran: nothing more of it is stored (its states mix two weights
             states and its root names the first; :meth:`~hf_hybridcache.core.sharing.CacheCore.check_weights`).
+        keys: the prompt's token keys where images stand in for placeholder ids
+            (:mod:`~hf_hybridcache.multimodal.prompt`): ``token_ids`` holds them in place of the ids it is fed.
     """
 
     prompt_tokens: int
@@ -63,6 +65,7 @@ class Row:
     report: HitReport | None = None
     weights_generation: int = 0
     stale: bool = False
+    keys: list[int] | None = None
 
     @property
     def storable_tokens(self) -> int:

@@ -26,6 +26,7 @@ from .. import _compat
 from ..core import Row, log_request, not_cacheable
 from ..store import synchronize
 from .batch import mask_lengths, replay_rows, unpadded_rows
+from .images import CallImages, defer_images, encode_images, prompt_keys
 from .live import LiveRequest, restore_row
 from .live_cache import LiveCache
 from .reply_replay import replay_replies
@@ -67,21 +68,31 @@ def generate_call(cache):
             cache.live.awaiting_request = cache.live.rollback_next_request = False
 
 
-def begin_request(cache, *, input_ids, attention_mask, inputs_embeds, use_cache, decode_tokens: int = 0) -> int:
-    """Start the request of a ``generate()`` call that will feed at most ``decode_tokens`` tokens after its prompt;
-    returns the restored tokens of its first row."""
+def begin_request(
+    cache, *, input_ids, attention_mask, inputs_embeds, use_cache, decode_tokens: int = 0,
+    images: CallImages | None = None,
+) -> int:
+    """Start the request of a ``generate()`` call that will feed at most ``decode_tokens`` tokens after its prompt,
+    looked up and stored by the token keys of its ``images`` (:mod:`~hf_hybridcache.generate.images`); returns the
+    restored tokens of its first row."""
     if use_cache is False or cache.model.training:
         # use_cache=False: each step re-feeds the whole sequence, nothing is cached between steps. Training mode:
         # states may be computed with dropout. Either way nothing is looked up or stored.
         cause = "training" if cache.model.training else "use_cache"
         start_request(cache, None, None, input_ids.shape[0], prompt_tokens=input_ids.shape[1], uncached=cause)
         return 0
+    if images is not None and images.uncached:
+        start_request(cache, None, None, input_ids.shape[0], prompt_tokens=input_ids.shape[1], uncached=images.uncached)
+        return 0
     if inputs_embeds is not None:
         check_request(cache, None)
         start_request(cache, None, None, inputs_embeds.shape[0], prompt_tokens=inputs_embeds.shape[1])
     else:
         check_request(cache, input_ids)
-        start_request(cache, input_ids, attention_mask, input_ids.shape[0], decode_tokens=decode_tokens)
+        keys = prompt_keys(images, input_ids)
+        start_request(cache, keys, attention_mask, input_ids.shape[0], decode_tokens=decode_tokens)
+        if keys is not input_ids and cache.live.request.rows:
+            cache.live.request.rows[0].keys = keys[0].tolist()
     return cache.last_hit_tokens[0]
 
 
@@ -170,6 +181,7 @@ def start_request(
     none (a key of :data:`~hf_hybridcache.core.explain.NOT_CACHEABLE`; None: ``inputs_embeds``, or padding inside a
     prompt); a single row's restored KV gets room for ``decode_tokens`` tokens fed after the prompt
     (:func:`~hf_hybridcache.generate.live.restore_row`)."""
+    cache.live.awaiting_request = False  # the live layers are the request's from here on (get_seq_length)
     end_request(cache)
     end_idle_requests(cache)
     cache.live.root, cache.live.weights_generation = cache.core.request_start(cache.salt)
@@ -315,4 +327,6 @@ HOOKS = _compat.Hooks(
     begin_request=begin_request,
     forward_call=forward_call,
     rows_done=rows_done,
+    defer_images=defer_images,
+    encode_images=encode_images,
 )

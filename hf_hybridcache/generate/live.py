@@ -18,6 +18,7 @@ from .. import _compat
 from ..config import StateKey, split_state_key
 from ..core import Row
 from ..kernels.paged_copy import KVBlock
+from ..multimodal import key_placeholders
 from ..store import LayerState
 from ..store.retention import plan_checkpoints
 
@@ -121,7 +122,11 @@ class LiveRequest:
             if not row.finished:
                 if decode_step and row.prefill_tokens is None:
                     row.prefill_tokens = len(row.token_ids)
+                start = len(row.token_ids)
                 row.token_ids.extend(ids)
+                if not key_placeholders(row.token_ids, start, row.keys, self.cache.placeholder_ids):
+                    self.stop_tracking("image placeholder tokens fed without their images")
+                    return
         if num_rows == 1:  # the mixers emit interior states for single-row forwards
             self._plan_emits(self.rows[0])
 

@@ -20,6 +20,7 @@ from ..config import state_key
 from ..core import CacheCore
 from ..hashing import BlockHash
 from ..models import emission
+from ..multimodal import ImageReport, placeholder_ids
 from .live import LiveRequest
 
 
@@ -36,6 +37,7 @@ class LiveState:
         awaiting_request: a ``generate()`` call is running and its request has not begun yet.
         rollback_next_request: assisted decoding asked for per-token states before its request began.
         call_lock: held for each ``generate()`` call and forward with the view (:mod:`~hf_hybridcache.core.sharing`).
+        images: what its latest request with images encoded and skipped (:mod:`~hf_hybridcache.generate.images`).
     """
 
     root: BlockHash
@@ -44,6 +46,7 @@ class LiveState:
     awaiting_request: bool = False
     rollback_next_request: bool = False
     call_lock: threading.RLock = field(default_factory=threading.RLock)
+    images: ImageReport | None = None
 
 
 class LiveCache(Cache):
@@ -70,6 +73,23 @@ class LiveCache(Cache):
             "prompt's cache across calls, pass the same HybridPrefixCache to every generate() call: each call "
             "restores the longest stored prefix by copy, and nothing a call does changes what is stored for others."
         )
+
+    @property
+    def last_images(self) -> ImageReport | None:
+        """What the view's latest request with images (a vision-language wrapper's) encoded and skipped: how many
+        images were run through the vision tower, how many the restored prefix held, and the tower's time."""
+        return self.live.images
+
+    @property
+    def placeholder_ids(self) -> frozenset[int]:
+        """The model's image (video, audio) placeholder token ids; empty for a text model."""
+        return placeholder_ids(self.model)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """0 while a ``generate()`` call has not begun its request, as for a fresh cache: ``generate()`` computes
+        positions before its prefill, and Qwen3.5's 3D positions and ``rope_deltas`` must come from the whole prompt,
+        never from the layers of the view's previous request."""
+        return 0 if self.live.awaiting_request else super().get_seq_length(layer_idx)
 
     def _check_owner(self) -> None:
         if self.live.request is None or not self.live.request.in_forward:

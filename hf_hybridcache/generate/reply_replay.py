@@ -90,6 +90,8 @@ def _replay(
     cache.live.request = replay = LiveRequest(cache, [row], tracking=True, forward_end=row.hit_tokens)
     try:
         tail = tokens[row.hit_tokens :]
+        if min(tail) < 0:  # image keys: the images' features are not at hand, so the reply stays as decoded
+            return 0
         run_forward(cache.model, torch.tensor([tail], device=device), cache)
     finally:
         replay.end()

@@ -20,6 +20,7 @@ from .refused import REFUSED
 from .short_conv import LFM2 as _LFM2
 from .short_conv import LFM2_MOE as _LFM2_MOE
 from .short_conv import LFM3 as _LFM3
+from .wrappers import decoder_model_type
 from .zamba import SUPPORT as _ZAMBA
 from .zamba2 import SUPPORT as _ZAMBA2
 from .zaya import SUPPORT as _ZAYA
@@ -45,14 +46,15 @@ def support_for(model) -> ModelSupport:
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    support = _REGISTRY.get(model_type)
+    support = _REGISTRY.get(decoder_model_type(config)) if config is not None else None
     if model_type in REFUSED:
         raise ValueError(f"HybridPrefixCache does not support {type(model).__name__}: model_type={model_type!r} "
                          f"{REFUSED[model_type]}")
     if support is None or not hasattr(model, "generate"):
         raise ValueError(
             f"HybridPrefixCache does not support {type(model).__name__} (model_type={model_type!r}). Supported "
-            f"families: {', '.join(supported_model_types())}; pass their *ForCausalLM model."
+            f"families: {', '.join(supported_model_types())}; pass their *ForCausalLM model, or the vision-language "
+            "wrapper of one (Qwen3.5, LFM2-VL, LFM3-VL, Nemotron-H Omni, Inkling)."
         )
     return support
 

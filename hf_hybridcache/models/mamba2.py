@@ -175,7 +175,7 @@ def state_spec(model: torch.nn.Module, block_size: int, variant: Mamba2Variant) 
     """Decoder layer ``i`` (``model.model.layers[i]``) holding a mixer or an attention module (or both: Zamba2's
     hybrid layers, every Falcon-H1 layer) is cache layer ``i``, as transformers' ``layer_types`` lay it out."""
     attention, mamba = [], []
-    for idx, layer in enumerate(model.model.layers):
+    for idx, layer in enumerate(_compat.decoder_layers(model)):
         found = {variant.mixer_class: [], variant.attention_class: []}
         for module in layer.modules():
             found.get(type(module).__name__, []).append(module)

@@ -85,8 +85,10 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _decoder_layers(model: torch.nn.Module, config) -> torch.nn.ModuleList:
-    """The list of decoder layers: the first ``ModuleList`` with ``num_hidden_layers`` entries."""
-    for module in model.modules():
+    """The list of decoder layers: the first ``ModuleList`` with ``num_hidden_layers`` entries (of the language model
+    in a vision-language wrapper, whose vision tower may have as many layers)."""
+    language = getattr(getattr(model, "model", None), "language_model", None) or getattr(model, "language_model", None)
+    for module in (language or model).modules():
         if isinstance(module, torch.nn.ModuleList) and len(module) == config.num_hidden_layers:
             return module
     raise ValueError(f"Cannot find the {config.num_hidden_layers} decoder layers of {type(model).__name__}.")

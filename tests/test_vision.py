@@ -1,0 +1,200 @@
+"""Images in the prompt of every hybrid vision-language wrapper (issue 34), through generate(), in float32: a chat
+about one image and a chat with a new image every turn equal cold runs (greedy tokens, first-step logits within
+1e-4); the same token ids with another image never hit past the image's first block (with power: keys that ignore
+the image hit past it and change the reply); a hit that holds the image does not call the vision tower, and its
+TTFT is below a cold run's by at least the tower's own time; a hit that ends inside an image encodes it and hands
+the model the rows of the tail.
+"""
+
+import time
+
+import pytest
+import torch
+
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
+from hf_hybridcache.multimodal import ImagePrompt
+from hf_hybridcache.toy import VOCAB_SIZE, byte_tokenizer
+from hf_hybridcache.toy.vision import IMAGE, TINY_WRAPPERS, build_vlm, toy_image, vision_tower, vlm_inputs
+
+FAMILIES = sorted(TINY_WRAPPERS)
+NEW_TOKENS = 6
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def _model(family: str) -> torch.nn.Module:
+    """One tiny wrapper per family for the module (the cache patches the instance; cold runs use the same one, whose
+    generate() without the cache runs transformers' own code)."""
+    if family not in _MODELS:
+        _MODELS[family] = build_vlm(family, seed=3)
+    return _MODELS[family]
+
+
+class TowerCalls:
+    """Counts the vision tower's forwards and their time (a hook on the module, independent of the package)."""
+
+    def __init__(self, model):
+        self.calls, self.seconds, self._started = 0, 0.0, 0.0
+        tower = vision_tower(model)
+        self._handles = [tower.register_forward_pre_hook(self._pre), tower.register_forward_hook(self._post)]
+
+    def _pre(self, *args):
+        self._started = time.perf_counter()
+
+    def _post(self, *args):
+        self.calls += 1
+        self.seconds += time.perf_counter() - self._started
+
+    def close(self):
+        for handle in self._handles:
+            handle.remove()
+
+
+def _ids(text: str) -> list[int]:
+    return byte_tokenizer()(text, add_special_tokens=False)["input_ids"]
+
+
+def _generate(model, inputs: dict, cache=None, new_tokens: int = NEW_TOKENS):
+    kwargs = {CACHE_KWARG: cache} if cache is not None else {}
+    return model.generate(**inputs, **kwargs, max_new_tokens=new_tokens, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True)
+
+
+def _check_equal_cold(model, inputs: dict, cache):
+    """A cached run of ``inputs`` equals a cold one: greedy tokens, first-step logits within 1e-4; returns the reply
+    token ids."""
+    cold = _generate(model, inputs)
+    out = _generate(model, inputs, cache)
+    assert torch.equal(out.sequences, cold.sequences)
+    torch.testing.assert_close(out.logits[0], cold.logits[0], rtol=0, atol=1e-4)
+    # The random model may emit a placeholder id; the next prompt keeps the reply as text (ids of real tokens).
+    return [t if t < VOCAB_SIZE else 6 for t in out.sequences[0, inputs["input_ids"].shape[1]:].tolist()]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_four_turn_chat_about_one_image_equals_cold_runs_and_never_encodes_it_again(family):
+    model = _model(family)
+    cache = HybridPrefixCache(model)
+    tower = TowerCalls(model)
+    try:
+        parts = ["<|system|>You describe screenshots.</s><|user|>", toy_image(11), "What is on screen?</s><|assistant|>"]
+        for turn in range(4):
+            inputs = vlm_inputs(family, parts)
+            calls = tower.calls
+            reply = _check_equal_cold(model, inputs, cache)
+            images = cache.last_images
+            if turn == 0:
+                assert (images.encoded, images.skipped) == (1, 0)
+            else:
+                # The hit holds the whole image: the cached run did not call the tower (the cold one did, once).
+                first_after_image = int((inputs["input_ids"][0] == IMAGE).nonzero()[-1]) + 1
+                assert cache.last_hit_tokens[0] >= first_after_image
+                assert (images.encoded, images.skipped, images.encoder_calls) == (0, 1, 0)
+                assert tower.calls == calls + 1
+            parts = parts + [reply, f"</s><|user|>And question {turn + 2}?</s><|assistant|>"]
+    finally:
+        tower.close()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_chat_with_a_new_image_every_turn_equals_cold_runs_and_encodes_only_the_new_one(family):
+    model = _model(family)
+    cache = HybridPrefixCache(model)
+    parts = ["<|system|>You compare screenshots.</s>"]
+    for turn in range(4):
+        parts = parts + ["<|user|>", toy_image(20 + turn), f"Screen {turn + 1}: what changed?</s><|assistant|>"]
+        inputs = vlm_inputs(family, parts)
+        reply = _check_equal_cold(model, inputs, cache)
+        images = cache.last_images
+        assert (images.items, images.encoded, images.skipped) == (turn + 1, 1, turn)
+        if turn:
+            assert cache.last_hit_tokens[0] > 0
+        parts = parts + [reply, "</s>"]
+
+
+def _first_image_block(inputs: dict, block_size: int) -> int:
+    """The start of the block that holds the prompt's first image placeholder: no hit may reach past it."""
+    first = int((inputs["input_ids"][0] == IMAGE).nonzero()[0])
+    return first // block_size * block_size
+
+
+def _same_ids_other_image(model, family: str):
+    """Prompt A with one image, then prompt B: the same token ids and another image. Returns the cache's hit for B
+    and whether B's cached run equals its cold run."""
+    cache = HybridPrefixCache(model, retention_interval="dense")
+    text = ["<|user|>Here is the login page of our app, please look closely: ", None, "Which button is red?</s>"]
+    a = vlm_inputs(family, [part if part is not None else toy_image(31) for part in text])
+    b = vlm_inputs(family, [part if part is not None else toy_image(32) for part in text])
+    assert torch.equal(a["input_ids"], b["input_ids"])
+    _generate(model, a, cache)
+    out, cold = _generate(model, b, cache), _generate(model, b)
+    same = torch.equal(out.sequences, cold.sequences) and torch.allclose(out.logits[0], cold.logits[0], atol=1e-4)
+    return cache.last_hit_tokens[0], _first_image_block(b, cache.block_size), same
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_same_ids_with_another_image_never_hit_past_the_images_first_block(family):
+    hit, bound, same = _same_ids_other_image(_model(family), family)
+    assert 0 < hit <= bound  # the text before the image is shared, nothing after its first block
+    assert same
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_power_keys_that_ignore_the_image_hit_past_it_and_change_the_reply(family, monkeypatch):
+    """The test above has power: with token keys that ignore the images (the placeholder ids themselves, and no
+    guard against storing them), B hits the blocks of A's image and its first-step logits leave a cold run's."""
+    monkeypatch.setattr(ImagePrompt, "keys", lambda self, input_ids: input_ids)
+    monkeypatch.setattr(HybridPrefixCache, "placeholder_ids", frozenset())
+    hit, bound, same = _same_ids_other_image(_model(family), family)
+    assert hit > bound
+    assert not same
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_hit_that_ends_inside_an_image_encodes_it_and_equals_a_cold_run(family):
+    """Prompt A's last checkpoint below its end lies inside its image; prompt B shares A up to the image's end and
+    then differs: B restores into the image, encodes it and hands the model only its rows after the hit."""
+    model = _model(family)
+    cache = HybridPrefixCache(model, retention_interval="dense")
+    image = toy_image(41, 48, 48)
+    probe = vlm_inputs(family, ["<|user|>Look:", image])
+    first, end = [int(i) for i in (probe["input_ids"][0] == IMAGE).nonzero()[[0, -1], 0]]
+    inside = (end // cache.block_size) * cache.block_size
+    assert first < inside <= end, "the image must cross a block boundary"
+    _generate(model, vlm_inputs(family, ["<|user|>Look:", image, "Is it a chart?</s>"]), cache)
+    b = vlm_inputs(family, ["<|user|>Look:", image, "Where is the menu?</s>"])
+    _check_equal_cold(model, b, cache)
+    assert first < cache.last_hit_tokens[0] <= end + 1
+    assert (cache.last_images.encoded, cache.last_images.skipped) == (1, 0)
+
+
+def _ttft(model, inputs: dict, cache=None) -> float:
+    started = time.perf_counter()
+    _generate(model, inputs, cache, new_tokens=1)
+    return time.perf_counter() - started
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_hit_that_holds_the_image_is_faster_than_cold_by_the_towers_time(family):
+    """TTFT of a second question about the same large image: below the cold run's minus the tower's own time in it
+    (best of three each, so a busy CPU's hiccups do not decide)."""
+    model = _model(family)
+    cache = HybridPrefixCache(model)
+    image = toy_image(51, 128, 96)
+    first = vlm_inputs(family, ["<|user|>", image, "What does this dashboard show?</s><|assistant|>"])
+    _generate(model, first, cache)
+    second = vlm_inputs(family, ["<|user|>", image, "What does this dashboard show?</s><|assistant|>A chart.</s>"
+                                 "<|user|>Which value is highest?</s><|assistant|>"])
+    tower = TowerCalls(model)
+    try:
+        cold, tower_seconds = [], []
+        for _ in range(3):
+            before = tower.seconds
+            cold.append(_ttft(model, second))
+            tower_seconds.append(tower.seconds - before)
+        calls = tower.calls
+        hits = [_ttft(model, second, cache) for _ in range(3)]
+        assert tower.calls == calls  # no hit called the tower
+    finally:
+        tower.close()
+    assert cache.last_hit_tokens[0] > int((second["input_ids"][0] == IMAGE).nonzero()[-1])
+    assert min(hits) < min(cold) - min(tower_seconds), (hits, cold, tower_seconds)
