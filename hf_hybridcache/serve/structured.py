@@ -9,9 +9,12 @@ streamed ``delta.tool_calls``).
   (one call at least; one at most with ``parallel_tool_calls: false``), each call's arguments constrained to its
   function's schema. Either is returned as ``tool_calls`` with ``finish_reason: "tool_calls"`` once complete (a
   reply cut by ``max_tokens`` keeps ``"length"`` and the arguments generated so far).
-- ``"auto"`` (OpenAI's default when tools are sent) is refused: it needs the model's own tool-call format parsed out
-  of free text, which transformers' response templates give for Qwen3-Next, Qwen3.5 and tokenizers that ship a
-  ``response_template``, and which no toy model's chat template has. ``"none"`` generates text as without tools.
+- ``"auto"`` (OpenAI's default when tools are sent): the reply is free text, or text then calls in the model's own
+  format (:mod:`~hf_hybridcache.structured.tool_grammar`: the hermes ``<tool_call>`` JSON of Qwen2.5, Qwen3 and
+  Qwen3-Next, known from the tokenizer's ``response_template`` or its chat template), each call's arguments
+  constrained to its function's schema; read into ``content`` and ``tool_calls`` by
+  :mod:`~hf_hybridcache.serve.tool_calls`. A tokenizer whose format the server does not know gets a 400.
+  ``"none"`` generates text as without tools.
 
 Tools are passed to the chat template (``tools=``), so a template that describes them does.
 """
@@ -22,26 +25,25 @@ import asyncio
 import json
 import re
 import threading
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from ..structured.tool_grammar import SUPPORTED, ToolCallFormat, tool_call_format, tool_call_lark
 from .schema import APIError
+from .tool_calls import CALL_HEAD, CALL_MID, AutoToolPayloads, Call, tool_call_id, value_end
 
-#: The tool call format of ``"required"`` (fixed by its schema: keys in this order, ``json.dumps``' separators).
-CALL_HEAD, CALL_MID = '{"name": "', '", "arguments": '
 #: OpenAI's rule for function names (which keeps them out of JSON escapes).
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 #: Any tool choice: the reply is a list of calls.
 REQUIRED = object()
 AUTO_REFUSED = (
-    "tool_choice 'auto' (OpenAI's default when tools are sent) needs the model's own tool-call format parsed out of "
-    "free text; this server does not parse it (transformers' response templates cover Qwen3-Next, Qwen3.5 and "
-    "tokenizers that ship a response_template; the toy models' chat template has no tool-call format). Send "
-    "tool_choice 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}, whose replies are constrained "
-    "to the tools' schemas, or 'none'."
+    "tool_choice 'auto' (OpenAI's default when tools are sent) lets the model write calls in its own format, and "
+    "this model's tokenizer has none the server can constrain and parse: its response_template and chat template "
+    f"hold neither {SUPPORTED} (Qwen3.5's <function=...> markup and Gemma 4's <|tool_call> are not supported yet). "
+    "Send tool_choice 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}, whose replies are "
+    "constrained to the tools' schemas, or 'none'."
 )
 
 
@@ -51,7 +53,9 @@ class Structure:
 
     Attributes:
         grammar: the :class:`~hf_hybridcache.structured.Grammar` it follows (None: free text).
-        tool: the function whose call the reply is, :data:`REQUIRED` (calls to any of the tools), or None (content).
+        tool: the function whose call the reply is, :data:`REQUIRED` (calls to any of the tools), the model's
+            :class:`~hf_hybridcache.structured.tool_grammar.ToolCallFormat` (``"auto"``: text or calls in it), or
+            None (content).
         tools: the tools given to the chat template, or None.
     """
 
@@ -65,6 +69,8 @@ class Structure:
 
     def payloads(self, payloads):
         """The chat endpoint's payload builders, turning replies into tool calls when the reply is one."""
+        if isinstance(self.tool, ToolCallFormat):
+            return AutoToolPayloads(payloads, self.tool)
         return payloads if self.tool is None else ToolCallPayloads(payloads, self.tool)
 
 
@@ -79,6 +85,7 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], max_kept: int = 256) -> None:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
         self.max_kept = max_kept
+        self.tool_format = tool_call_format(tokenizer)  # what "auto" constrains and reads (None: refused)
         self._compiler = None
         self._kept: OrderedDict[str, object] = OrderedDict()
         self._lock = threading.Lock()
@@ -89,15 +96,21 @@ class Grammars:
         Raises:
             APIError: 400 naming ``param`` when the schema does not compile or llguidance is missing.
         """
+        return self._compiled(json.dumps(schema, sort_keys=True), lambda compiler: compiler.json_schema(schema), param)
+
+    def lark(self, grammar: str, param: str):
+        """The grammar of a Lark text (llguidance's dialect); raises as :meth:`compile`."""
+        return self._compiled(f"lark:{grammar}", lambda compiler: compiler.lark(grammar), param)
+
+    def _compiled(self, key: str, build, param: str):
         from ..structured import GrammarCompiler
 
-        key = json.dumps(schema, sort_keys=True)
         with self._lock:
             try:
                 if self._compiler is None:
                     self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
                 if key not in self._kept:
-                    self._kept[key] = self._compiler.json_schema(schema)
+                    self._kept[key] = build(self._compiler)
                     while len(self._kept) > self.max_kept:
                         self._kept.popitem(last=False)
             except ImportError as error:
@@ -122,7 +135,10 @@ async def structure_of(body, grammars: Grammars) -> Structure:
     if choice is not None and choice != "none" and not tools:
         raise APIError(400, "tool_choice needs tools: send the functions the reply may call.", param="tool_choice")
     if choice == "auto":
-        raise APIError(400, AUTO_REFUSED, param="tool_choice")
+        if grammars.tool_format is None:
+            raise APIError(400, AUTO_REFUSED, param="tool_choice")
+        lark = tool_call_lark(grammars.tool_format, tools, body.parallel_tool_calls is not False)
+        return Structure(await asyncio.to_thread(grammars.lark, lark, "tools"), grammars.tool_format, body.tools)
     if choice in (None, "none"):
         schema, param = _response_schema(body.response_format)
         if param is None:
@@ -185,19 +201,10 @@ def _response_schema(response_format: dict | None) -> tuple[dict | None, str | N
     return spec.get("schema"), "response_format.json_schema.schema"
 
 
-@dataclass(frozen=True)
-class Call:
-    """One tool call read from a reply: its function, its arguments' JSON text so far, and whether they are whole."""
-
-    name: str
-    arguments: str
-    complete: bool
-
-
 def calls_in(text: str, tool) -> tuple[list[Call], bool]:
     """The calls in a reply's text so far, and whether the reply is whole (every call, and the list, closed)."""
     if tool is not REQUIRED:
-        whole = _value_end(text, 0) == len(text)
+        whole = value_end(text, 0) == len(text)
         return [Call(tool, text, whole)], whole
     calls, at = [], 1
     while text.startswith(CALL_HEAD, at):
@@ -205,24 +212,12 @@ def calls_in(text: str, tool) -> tuple[list[Call], bool]:
         if mid < 0:
             break
         start = mid + len(CALL_MID)
-        end = _value_end(text, start)
+        end = value_end(text, start)
         calls.append(Call(text[at + len(CALL_HEAD):mid], text[start:end or len(text)], end is not None))
         if end is None:
             break
         at = end + 1 + (2 if text.startswith(", ", end + 1) else 0)
     return calls, bool(calls) and calls[-1].complete and text.endswith("}]")
-
-
-def _value_end(text: str, start: int) -> int | None:
-    """Where the JSON value at ``start`` ends, or None when it is not whole yet."""
-    try:
-        return json.JSONDecoder().raw_decode(text, start)[1] if start < len(text) else None
-    except ValueError:
-        return None
-
-
-def tool_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 class ToolCallPayloads:

@@ -1,0 +1,55 @@
+"""A toy chat template that describes tools and writes tool calls as Qwen2.5 / Qwen3 / Qwen3-Next do (hermes style:
+``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``), on the byte tokenizer's roles, and the
+``response_template`` transformers parses such replies with (``tokenizer.parse_response``): what the server's
+``tool_choice: "auto"`` is tested on without a hub download. The byte tokenizer's own template is left as it is.
+"""
+
+from __future__ import annotations
+
+from . import byte_tokenizer
+
+#: The tools block of Qwen3's template, on the toy roles (``<|system|>`` ... ``</s>``).
+_TOOLS = (
+    "<|system|>{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+    "XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call></s>"
+)
+_CALLS = (
+    "{% for call in message['tool_calls'] or [] %}{% if not loop.first or message['content'] %}{{ '\\n' }}{% endif %}"
+    "<tool_call>\n{\"name\": \"{{ call['function']['name'] }}\", \"arguments\": "
+    "{% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
+    "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}}\n</tool_call>{% endfor %}"
+)
+HERMES_CHAT_TEMPLATE = (
+    "{% if tools %}" + _TOOLS + "{% elif messages[0]['role'] == 'system' %}<|system|>{{ messages[0]['content'] }}</s>"
+    "{% endif %}{% for message in messages %}"
+    "{% if message['role'] == 'system' and loop.first %}"
+    "{% elif message['role'] == 'assistant' %}<|assistant|>{{ message['content'] or '' }}" + _CALLS + "</s>"
+    "{% elif message['role'] == 'tool' %}<|user|><tool_response>\n{{ message['content'] }}\n</tool_response></s>"
+    "{% else %}<|{{ message['role'] }}|>{{ message['content'] }}</s>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+#: transformers serve's fallback for the Qwen2/Qwen3 families (``cli/serving/utils.py``) on the toy roles.
+HERMES_RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|assistant|>",
+    "fields": {
+        "tool_calls": {"open_pattern": r"\s*<tool_call>", "close": "</tool_call>", "repeats": True,
+                       "content": "json", "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"\s*</s>", "content": "text"},
+    },
+}
+
+
+def hermes_tool_tokenizer(response_template: bool = True):
+    """The byte tokenizer with :data:`HERMES_CHAT_TEMPLATE`, and :data:`HERMES_RESPONSE_TEMPLATE` as its
+    ``response_template`` (False: none, as most Qwen checkpoints ship; the format is then read from the chat
+    template)."""
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = HERMES_CHAT_TEMPLATE
+    if response_template:
+        tokenizer.response_template = HERMES_RESPONSE_TEMPLATE
+    return tokenizer
