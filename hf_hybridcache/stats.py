@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+#: Counters of images (:mod:`~hf_hybridcache.generate.images`), kept beside the others once a request had images.
+_IMAGE_COUNTERS = ("images_encoded", "images_skipped", "vision_encoder_calls", "vision_encoder_seconds")
+
+
 @dataclass(frozen=True)
 class PrefixCacheStats:
     """Counters of a :class:`HybridPrefixCache` (a snapshot; token counts are summed over requests and rows).
@@ -38,6 +42,9 @@ class PrefixCacheStats:
         remote_recomputed_tokens: tokens the tier held beyond the local hit but left there, recomputing them being
             measured as faster than fetching them (:func:`~hf_hybridcache.remote.fetch.worth_fetching`). The
             ``remote_*`` counters stay 0 without ``remote=``.
+        images_encoded, images_skipped: images (videos, tiles) of vision-language prompts run through the vision
+            tower, and those a hit held and the tower never saw (:mod:`~hf_hybridcache.generate.images`).
+        vision_encoder_calls, vision_encoder_seconds: calls of a wrapper's feature method for them, and their time.
         misses_by_reason: ``{reason: rows}`` over every :data:`~hf_hybridcache.core.explain.REASONS` (0 when none): why
             each prompt row looked up so far hit what it hit (:class:`~hf_hybridcache.core.explain.HitReport`). A full
             hit counts as ``"complete"``, so the values add up to the rows served (``requests`` for single-row calls);
@@ -67,6 +74,10 @@ class PrefixCacheStats:
     remote_corrupt_entries: int = 0
     remote_removed_entries: int = 0
     remote_recomputed_tokens: int = 0
+    images_encoded: int = 0
+    images_skipped: int = 0
+    vision_encoder_calls: int = 0
+    vision_encoder_seconds: float = 0.0
     misses_by_reason: dict[str, int] = field(default_factory=dict)
 
     @classmethod
@@ -94,6 +105,7 @@ class PrefixCacheStats:
             evicted_checkpoints=store.evicted_checkpoints,
             divergence_checkpoints=counters["divergence_checkpoints"],
             replayed_reply_tokens=counters["replayed_reply_tokens"],
+            **{name: counters.get(name, 0) for name in _IMAGE_COUNTERS},
             misses_by_reason=dict(reasons or {}),
             **(remote or {}),
         )

@@ -14,7 +14,15 @@ import torch
 from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
 from hf_hybridcache.multimodal import ImagePrompt
 from hf_hybridcache.toy import VOCAB_SIZE, byte_tokenizer
-from hf_hybridcache.toy.vision import IMAGE, TINY_WRAPPERS, build_vlm, toy_image, vision_tower, vlm_inputs
+from hf_hybridcache.toy.vision import (
+    IMAGE,
+    TINY_WRAPPERS,
+    build_vlm,
+    qwen_processor,
+    toy_image,
+    vision_tower,
+    vlm_inputs,
+)
 
 FAMILIES = sorted(TINY_WRAPPERS)
 NEW_TOKENS = 6
@@ -180,10 +188,11 @@ def test_a_hit_that_holds_the_image_is_faster_than_cold_by_the_towers_time(famil
     model = _model(family)
     cache = HybridPrefixCache(model)
     image = toy_image(51, 128, 96)
-    first = vlm_inputs(family, ["<|user|>", image, "What does this dashboard show?</s><|assistant|>"])
+    system = "<|system|>" + "You read dashboards for the operations team and answer in one line. " * 8 + "</s>"
+    first = vlm_inputs(family, [system, "<|user|>", image, "What does this dashboard show?</s><|assistant|>"])
     _generate(model, first, cache)
-    second = vlm_inputs(family, ["<|user|>", image, "What does this dashboard show?</s><|assistant|>A chart.</s>"
-                                 "<|user|>Which value is highest?</s><|assistant|>"])
+    second = vlm_inputs(family, [system, "<|user|>", image, "What does this dashboard show?</s><|assistant|>A chart."
+                                 "</s><|user|>Which value is highest?</s><|assistant|>"])
     tower = TowerCalls(model)
     try:
         cold, tower_seconds = [], []
@@ -198,3 +207,37 @@ def test_a_hit_that_holds_the_image_is_faster_than_cold_by_the_towers_time(famil
         tower.close()
     assert cache.last_hit_tokens[0] > int((second["input_ids"][0] == IMAGE).nonzero()[-1])
     assert min(hits) < min(cold) - min(tower_seconds), (hits, cold, tower_seconds)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_the_image_text_to_text_pipeline_with_the_cache_equals_it_without(family):
+    """pipeline("image-text-to-text") with a processor made in code: chat messages with an image part; the second
+    question about the image restores it and skips the tower, and every reply equals the pipeline's without the
+    cache."""
+    from transformers import pipeline
+
+    model = _model(family)
+    model.generation_config.pad_token_id = 0
+    pipe = pipeline("image-text-to-text", model=model, processor=qwen_processor())
+    cache = HybridPrefixCache(model)
+    image = toy_image(61)
+    messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Title?"}]}]
+    for turn in range(2):
+        kwargs = {"max_new_tokens": NEW_TOKENS, "do_sample": False}
+        cold = pipe(text=messages, generate_kwargs=kwargs)[0]["generated_text"][-1]
+        out = pipe(text=messages, generate_kwargs={**kwargs, CACHE_KWARG: cache})[0]["generated_text"][-1]
+        assert out == cold
+        if turn:
+            assert cache.last_hit_tokens[0] > 0 and cache.last_images.skipped == 1
+        messages = messages + [out, {"role": "user", "content": [{"type": "text", "text": "And the date?"}]}]
+
+
+def test_the_image_chat_benchmark_runs_on_a_tiny_wrapper(capsys):
+    from benchmarks import image_chat
+
+    results = image_chat.main(["--families", "lfm2_vl", "--turns", "2", "--repeats", "1", "--new-tokens", "4",
+                               "--image", "48x32"])
+    (_, _, screenshots), (_, _, one_image) = results
+    assert [r["encoded"] for r in screenshots] == [1, 1] and [r["encoded"] for r in one_image] == [1, 0]
+    assert one_image[1]["hit"] > 0 and one_image[1]["hit_tower"] == 0.0
+    assert "hit tower ms" in capsys.readouterr().out

@@ -23,8 +23,8 @@ from PIL import Image
 from . import VOCAB_SIZE, byte_tokenizer, long_memory_init_, tiny_config
 
 #: Placeholder and delimiter tokens after the byte vocabulary: ``name -> id``.
-VISION_TOKENS = {"<image>": VOCAB_SIZE, "<video>": VOCAB_SIZE + 1, "<|vision_start|>": VOCAB_SIZE + 2,
-                 "<|vision_end|>": VOCAB_SIZE + 3, "<audio>": VOCAB_SIZE + 4}
+VISION_TOKENS = {"<|image_pad|>": VOCAB_SIZE, "<|video_pad|>": VOCAB_SIZE + 1, "<|vision_start|>": VOCAB_SIZE + 2,
+                 "<|vision_end|>": VOCAB_SIZE + 3, "<|audio_pad|>": VOCAB_SIZE + 4}
 IMAGE, VIDEO, START, END, AUDIO = VISION_TOKENS.values()
 #: The vocabulary of every tiny wrapper: bytes, special tokens, the tokens above and a few spare ids.
 VLM_VOCAB_SIZE = VOCAB_SIZE + 10
@@ -147,6 +147,31 @@ def _qwen(images: list[Image.Image]) -> tuple[dict, list[int]]:
                                          min_pixels=(PATCH * MERGE) ** 2, max_pixels=96 * 96)
     out = processor(images=images, return_tensors="pt")
     return dict(out), (out["image_grid_thw"].prod(-1) // MERGE**2).tolist()
+
+
+def qwen_processor():
+    """A ``Qwen3VLProcessor`` for the tiny Qwen3.5 wrappers, made in code: the byte tokenizer with the tokens of
+    :data:`VISION_TOKENS`, transformers' PIL image processor (:func:`image_inputs`' settings) and a chat template
+    whose image parts become ``<|vision_start|><|image_pad|><|vision_end|>`` (the processor expands the pad), as
+    ``pipeline("image-text-to-text")`` needs. Videos are left out (their processor needs torchvision)."""
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    class ImageOnlyQwen3VLProcessor(transformers.Qwen3VLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    tokenizer = byte_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    tokenizer.chat_template = (
+        "{% for message in messages %}<|{{ message['role'] }}|>{% if message['content'] is string %}"
+        "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+        "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+        "</s>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    images = Qwen2VLImageProcessorPil(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2,
+                                      min_pixels=(PATCH * MERGE) ** 2, max_pixels=96 * 96)
+    return ImageOnlyQwen3VLProcessor(images, tokenizer, chat_template=tokenizer.chat_template)
 
 
 def _naflex(images: list[Image.Image]) -> tuple[dict, list[int]]:
