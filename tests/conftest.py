@@ -73,11 +73,12 @@ VERSION_SPECIFIC_MODULES = {
     "test_upstream_mixers", "test_vision", "test_weights",
 }
 VERSION_INDEPENDENT_MODULES = {
-    "test_benchmarks", "test_block_pool", "test_entry_layout", "test_exactness", "test_explain", "test_fuzz",
-    "test_gated_delta", "test_grouped_query_sdpa", "test_hashing", "test_isolation", "test_kda", "test_kernels",
-    "test_kernels_triton", "test_layout", "test_lm_eval", "test_pages", "test_persistence", "test_policy",
-    "test_power", "test_randomized", "test_regressions", "test_remote", "test_remote_trust", "test_remote_units",
-    "test_sizing", "test_space", "test_threads", "test_tier_failover", "test_weights_identity", "test_weights_in_flight", "test_ci_split",
+    "test_benchmarks", "test_block_pool", "test_ci_split", "test_entry_layout", "test_exactness", "test_explain",
+    "test_fuzz", "test_gated_delta", "test_grouped_query_sdpa", "test_hashing", "test_isolation", "test_kda",
+    "test_kernels", "test_kernels_triton", "test_layout", "test_lm_eval", "test_pages", "test_persistence",
+    "test_policy", "test_power", "test_randomized", "test_regressions", "test_remote", "test_remote_trust",
+    "test_remote_units", "test_scale_out", "test_serve_lifecycle", "test_sizing", "test_space", "test_threads",
+    "test_tier_failover", "test_weights_identity", "test_weights_in_flight",
 }
 
 

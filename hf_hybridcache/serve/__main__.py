@@ -53,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cache.add_argument("--remote", default=None, help="redis://... for the shared second tier")
     cache.add_argument("--no-cache", action="store_true",
                        help="no prefix cache and no engine: one plain generate() at a time (the stock baseline)")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="on SIGTERM, seconds the requests in flight may take before they are cut (new ones get "
+                        "a 503 a gateway retries elsewhere); then the tier's writes are flushed and the process exits")
     parser.add_argument("--log-level", default="warning", help="uvicorn's log level")
     return parser.parse_args(argv)
 
@@ -91,20 +94,14 @@ def make_app(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> None:
-    import uvicorn
-
-    from .loading import StartupError
+    from .lifecycle import run
 
     args = parse_args(argv)
     if args.max_model_len is not None and args.max_model_len < 2:
         _exit(f"--max-model-len must be at least 2 (a prompt token and a reply token), got {args.max_model_len}.")
-    try:
-        app = make_app(args)
-    except (StartupError, ValueError) as problem:
-        _exit(str(problem))
-    print(f"hf_hybridcache.serve: {args.served_model_name or args.model} at http://{args.host}:{args.port}/v1 "
-          "(OpenAI API; /health, /metrics)", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    failure = run(args, make_app)  # listens at once, loads in a thread, drains on SIGTERM (serve/lifecycle.py)
+    if failure is not None:
+        _exit(failure)
 
 
 def _exit(message: str) -> None:

@@ -28,7 +28,8 @@ from .completions import CompletionPayloads, prompts_of, refuse_unsupported
 from .health import add_worker_routes
 from .logprobs import TokenTexts, chat_logprobs
 from .metrics import ServerMetrics
-from .prompts import ReplyMemory, chat_prompt_ids
+from .prompts import chat_prompt_ids
+from .reply_tier import reply_memory
 from .schema import APIError, ChatRequest, CompletionRequest
 from .structured import Grammars, structure_of
 
@@ -56,7 +57,7 @@ def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens:
                          f"none), got {default_max_tokens!r}.")
     eos = tokenizer.eos_token_id
     metrics = ServerMetrics(backend, cache)
-    runner = ChoiceRunner(backend, tokenizer, metrics, ReplyMemory(), [] if eos is None else [eos])
+    runner = ChoiceRunner(backend, tokenizer, metrics, reply_memory(cache), [] if eos is None else [eos])
     texts = TokenTexts(tokenizer)
     grammars = Grammars(tokenizer, backend.vocab_size, [] if eos is None else [eos])
 

@@ -17,6 +17,7 @@ The routes follow what SGLang's workers serve, since gateways read them (SMG, th
   ``least_load``, ``cache_aware``'s balancing, overload protection): requests running and waiting, KV usage, the
   tokens the waiting requests bring, generation throughput and the prefix hit rate
   (``WorkerLoadResponse`` in SMG's ``crates/protocols/src/worker.rs``).
+- ``POST /flush_cache``: empties the stored cache, as SGLang's (SMG's ``POST /flush_cache`` calls it on every worker).
 
 The loading and draining phases themselves live in :mod:`~hf_hybridcache.serve.lifecycle`, which shares its
 :class:`~hf_hybridcache.serve.lifecycle.Phase` with these routes through ``app.state.lifecycle``.
@@ -24,6 +25,7 @@ The loading and draining phases themselves live in :mod:`~hf_hybridcache.serve.l
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import datetime
 import time
@@ -91,6 +93,14 @@ def add_worker_routes(app: FastAPI, backend, model_id: str, cache, metrics, toke
     async def loads():
         return load_report(backend, cache, throughput.tokens_per_s())
 
+    @app.post("/flush_cache")
+    async def flush_cache():
+        """SGLang's route, which SMG's ``POST /flush_cache`` calls on every worker: empty the stored cache (the
+        shared tier keeps its entries). Waits for the engine's step in progress."""
+        if cache is not None:
+            await asyncio.to_thread(cache.clear)
+        return {"status": "ok", "flushed": cache is not None}
+
 
 def _model(backend, cache):
     return cache.model if cache is not None else backend.model
@@ -136,8 +146,10 @@ def model_fields(backend, model_id: str, tokenizer) -> dict:
 
 
 def load_report(backend, cache, gen_throughput: float) -> dict:
-    """``/v1/loads``: one rank (``dp_rank_count`` 1). ``token_usage`` is the share of the engine's running KV pages
-    in use (pages a hit shares with the store are the store's, not counted); ``num_waiting_uncached_tokens`` is the
+    """``/v1/loads``: one rank (``dp_rank_count`` 1). ``token_usage`` is the share of the engine's running memory in
+    use: of its KV pages (pages a hit shares with the store are the store's, not counted) or of its state slots (one
+    per running request: a hybrid's recurrent layers), whichever is fuller, since either one full makes new requests
+    wait (SMG's overload protection and KV-pressure term read it); ``num_waiting_uncached_tokens`` is the
     waiting requests' prompt tokens, an upper bound (their hits are looked up at admission); ``cache_hit_rate`` is
     the prefix cache's token hit rate so far."""
     running, waiting = backend.load()
@@ -156,8 +168,8 @@ def load_report(backend, cache, gen_throughput: float) -> dict:
         snapshot.update(
             num_waiting_uncached_tokens=sum(len(r.prompt) for r in list(engine.scheduler.waiting)),
             num_used_tokens=used_pages * block_size, max_total_num_tokens=capacity,
-            token_usage=round(used_pages / limits.max_running_pages, 4),
-            utilization=round(running / limits.max_running_requests, 4),
+            token_usage=max(used_pages / limits.max_running_pages, running / limits.max_running_requests),
+            utilization=running / limits.max_running_requests,
             max_running_requests=limits.max_running_requests,
         )
     else:
