@@ -241,3 +241,11 @@ def test_the_image_chat_benchmark_runs_on_a_tiny_wrapper(capsys):
     assert [r["encoded"] for r in screenshots] == [1, 1] and [r["encoded"] for r in one_image] == [1, 0]
     assert one_image[1]["hit"] > 0 and one_image[1]["hit_tower"] == 0.0
     assert "hit tower ms" in capsys.readouterr().out
+
+
+def test_the_serving_engine_refuses_a_vision_language_wrapper_with_what_to_do():
+    """Images through the engine are not built yet: the wrapper is refused before anything is patched."""
+    model = _model("lfm2_vl")
+    cache = HybridPrefixCache(model)
+    with pytest.raises(ValueError, match="does not serve vision-language wrappers yet"):
+        cache.init_continuous_batching()

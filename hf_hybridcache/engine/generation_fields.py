@@ -37,6 +37,7 @@ import torch
 from transformers import GenerationConfig
 
 from .._compat.continuous_batching import ContinuousBatchingConfig
+from ..multimodal import modalities_of
 from .requests import first_eos_ids
 
 #: Fields the engine applies as ``generate()`` does.
@@ -87,8 +88,15 @@ def engine_generation_config(model, generation_config: GenerationConfig | None) 
     ``generation_config`` filling the fields it leaves unset and ``generate()``'s default ``top_k`` when sampling.
 
     Raises:
-        ValueError: it sets a field the engine does not apply (each one named; see the module's lists).
+        ValueError: it sets a field the engine does not apply (each one named; see the module's lists); the model is
+            a vision-language wrapper, which the engine does not serve yet.
     """
+    if modalities_of(model):
+        raise ValueError(
+            f"The serving engine does not serve vision-language wrappers yet ({type(model).__name__}): their images "
+            "are served through generate() with the cache (docs/images.md). For the engine, load the text decoder "
+            "(AutoModelForCausalLM.from_pretrained(path) for Qwen3.5) and build its own HybridPrefixCache."
+        )
     config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
     if generation_config is not None:
         config.update(**model.generation_config.to_dict(), defaults_only=True)
