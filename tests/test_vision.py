@@ -249,3 +249,63 @@ def test_the_serving_engine_refuses_a_vision_language_wrapper_with_what_to_do():
     cache = HybridPrefixCache(model)
     with pytest.raises(ValueError, match="does not serve vision-language wrappers yet"):
         cache.init_continuous_batching()
+
+
+def _video_prompt(family: str, seed: int, question: str) -> dict:
+    """A prompt with a 4-frame video in Qwen2-VL's layout (two temporal patches of 8 x 12 patches; each frame's
+    placeholders between the delimiters after a timestamp, as Qwen3.5's processor writes them)."""
+    from hf_hybridcache.toy.vision import END, START, VIDEO
+
+    generator = torch.Generator().manual_seed(seed)
+    grid = torch.tensor([[2, 8, 12]])
+    pixels = torch.randn(int(grid.prod()), 3 * 2 * 4 * 4, generator=generator)
+    ids = _ids("<|user|>Watch this clip: ")
+    for frame in range(2):
+        ids += _ids(f"<{frame}.0 seconds>") + [START] + [VIDEO] * (8 * 12 // 4) + [END]
+    input_ids = torch.tensor([ids + _ids(question)])
+    inputs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), pixel_values_videos=pixels,
+                  video_grid_thw=grid)
+    if family.startswith("qwen3_5"):
+        inputs["mm_token_type_ids"] = (input_ids == VIDEO).int() * 2
+    return inputs
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm3_vl"])
+def test_videos_are_keyed_by_their_frames_and_skipped_on_a_hit(family):
+    """A video's placeholders (one run per frame) are keyed by its content like an image's: a second question about
+    it skips it, and another video with the same ids hits no further than the block of its first placeholder."""
+    from hf_hybridcache.toy.vision import VIDEO
+
+    model = _model(family)
+    cache = HybridPrefixCache(model, retention_interval="dense")
+    _check_equal_cold(model, _video_prompt(family, 1, "What happens?"), cache)
+    _check_equal_cold(model, _video_prompt(family, 1, "What happens next?"), cache)
+    assert (cache.last_images.encoded, cache.last_images.skipped) == (0, 1)
+    other = _video_prompt(family, 2, "What happens?")
+    _check_equal_cold(model, other, cache)
+    first = int((other["input_ids"][0] == VIDEO).nonzero()[0])
+    assert 0 < cache.last_hit_tokens[0] <= first // cache.block_size * cache.block_size
+    assert cache.last_images.encoded == 1
+
+
+def _direct_forward_then_text_only(model, family: str):
+    """A direct forward of a prompt with its image over the cache, then generate() of the same ids without the
+    image (the placeholder ids embedded as tokens, as a cold run does): whether that run equals its cold run."""
+    cache = HybridPrefixCache(model, retention_interval="dense")
+    inputs = vlm_inputs(family, ["<|user|>Here is the login page of our app, please look closely: ", toy_image(71),
+                                 "Which button is red?</s>"])
+    with torch.no_grad():
+        model(**inputs, **{CACHE_KWARG: cache}, use_cache=True)
+    text_only = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
+    out, cold = _generate(model, text_only, cache), _generate(model, text_only)
+    return torch.allclose(out.logits[0], cold.logits[0], atol=1e-4)
+
+
+def test_a_forward_that_feeds_an_image_outside_generate_is_not_stored_under_its_ids(monkeypatch):
+    """A direct forward (a decoding loop of its own) feeds placeholder ids whose features the cache has no key for:
+    nothing of it is stored, so a later run of the same ids finds nothing of the image's blocks. With power: without
+    the guard, the text-only run restores the image's states and leaves its cold run."""
+    model = _model("lfm2_vl")
+    assert _direct_forward_then_text_only(model, "lfm2_vl")
+    monkeypatch.setattr(HybridPrefixCache, "placeholder_ids", frozenset())
+    assert not _direct_forward_then_text_only(model, "lfm2_vl")
