@@ -149,7 +149,9 @@ def test_a_cluster_primary_killed_mid_run_costs_no_request_and_no_token(fleet):
     finally:
         gateway.stop()
     assert ended - started > 1.5, "the chats ended before the kill: the test has no power"
-    assert run.errors == 0 and run.equal_to(reference) == 12 * 6
+    assert run.errors == 0, [r for r in run.records if r["error"]]
+    differ = sorted(key for key, text in run.replies.items() if reference.replies.get(key) != text)
+    assert not differ, (differ, (logdir / f"{Path(gateway.log).name}").read_text()[-3000:])
     cluster.wait_ok()
     assert sum(role == "master" for role in cluster.roles().values()) == 3  # its replica was promoted
 
@@ -226,3 +228,21 @@ def test_the_docs_recipe_runs_as_written(tmp_path):
         assert "cached tokens" in done.stdout and "answered by 3 replicas" in done.stdout, done.stdout
     finally:
         os.killpg(process.pid, signal.SIGKILL)
+
+
+def test_the_simulation_gives_the_tier_back_what_split_caches_lose():
+    """benchmarks/scale_sim.py on 4 replicas: one replica's hit rate bounds every policy's; without the tier
+    round_robin loses most of it, with the tier it comes within 0.05; affinity policies keep it without a tier and
+    concentrate the clients of a system prompt (4 prompts over 4 replicas at best); hits follow the cache's rules
+    (a 6-turn chat's last turns restore everything up to the question)."""
+    from benchmarks.scale_sim import simulate, simulate_single
+
+    single = simulate_single(4, systems=4, turns=6)
+    results = {(policy, tier): simulate(policy, 4, tier) for policy in ("round_robin", "cache_aware", "prefix_hash",
+                                                                        "power_of_two") for tier in (False, True)}
+    assert all(r["hit_rate"] <= single["hit_rate"] + 1e-9 for r in results.values())
+    assert results["round_robin", False]["hit_rate"] < single["hit_rate"] - 0.2
+    assert results["round_robin", True]["hit_rate"] > single["hit_rate"] - 0.05
+    assert results["round_robin", True]["request_skew"] == 1.0
+    assert results["cache_aware", False]["hit_rate"] > single["hit_rate"] - 0.01
+    assert 0.8 < single["hit_rate"] < 0.95
