@@ -309,3 +309,28 @@ def test_a_forward_that_feeds_an_image_outside_generate_is_not_stored_under_its_
     assert _direct_forward_then_text_only(model, "lfm2_vl")
     monkeypatch.setattr(HybridPrefixCache, "placeholder_ids", frozenset())
     assert not _direct_forward_then_text_only(model, "lfm2_vl")
+
+
+def _after_a_longer_request(model, family: str) -> float:
+    """A long prompt with a wide image, then a short one with a tall image (its placeholders all before the first
+    prompt's length): the short one's first-step logits against its cold run."""
+    cache = HybridPrefixCache(model)
+    long = vlm_inputs(family, ["<|user|>A long first prompt about a wide screenshot that goes on and on: ",
+                               toy_image(81, 64, 32), "Describe every part of it in detail please.</s><|assistant|>"])
+    short = vlm_inputs(family, ["<|user|>", toy_image(82, 32, 64), "Tall one?</s><|assistant|>"])
+    _generate(model, long, cache, new_tokens=30)
+    out, cold = _generate(model, short, cache), _generate(model, short)
+    return float((out.logits[0] - cold.logits[0]).abs().max())
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_positions_come_from_the_whole_prompt_after_a_longer_request(family, monkeypatch):
+    """generate() computes Qwen3.5's 3D positions and rope_deltas before the request restores anything; the cache
+    reports 0 cached tokens until then. With power: reporting the previous request's length instead makes
+    generate() reuse that request's rope_deltas (no new vision tokens after that length), and the logits move."""
+    from transformers.cache_utils import Cache
+
+    model = _model(family)
+    assert _after_a_longer_request(model, family) < 1e-4
+    monkeypatch.setattr(HybridPrefixCache, "get_seq_length", lambda self, layer_idx=0: Cache.get_seq_length(self))
+    assert _after_a_longer_request(model, family) > 1e-2
