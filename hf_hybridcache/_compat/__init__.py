@@ -9,6 +9,9 @@ Private APIs touched, and why each is needed (transformers 5.23 - 5.24):
   calls ``_prefill``; its request starts here.
 - ``prepare_inputs_for_generation``'s ``next_sequence_length`` (wrapped): assisted decoding's first forward re-feeds
   the whole prompt; after a restore it must feed only the tail, as ``_prefill`` would.
+- ``GenerationMixin._maybe_prepare_encoder_kwargs_for_generation`` (wrapped): a vision-language wrapper's images are
+  encoded there, before the prefill; with the cache they are encoded after the restore instead, only those the hit
+  leaves in the tail, and handed over as ``mm_encoder_outputs`` (:mod:`hf_hybridcache.generate.images`).
 - ``GenerationMixin._get_stopping_criteria`` (wrapped): which rows generate() finished (it feeds them the pad id
   afterwards) is only known to its stopping criteria; a row whose own tokens equal the pad id is not finished.
 - ``PreTrainedModel._is_stateful`` (set per call): ``generate()`` refuses speculative decoding for stateful models;
