@@ -125,11 +125,13 @@ def test_replies_equal_one_replica_and_hit_rates_follow_it(fleet):
 
 
 def test_a_cluster_primary_killed_mid_run_costs_no_request_and_no_token(fleet):
-    """cache_aware keeps each chat on one replica, so its replies' ids are in that replica's memory while the tier is
-    out (a turn that moved would re-encode the previous reply from its text, as any server does without the tier)."""
+    """cache_aware, with its spilling to a less loaded replica off, keeps each chat on one replica, so its replies'
+    ids are in that replica's memory while the tier is out (a turn that moved would re-encode the previous reply from
+    its text, as any server does without the tier: another prompt, which this test does not compare)."""
     logdir, cluster, tiered, solo = fleet
     reference = run_chats(solo.url, seed=2, clients=12, turns=6)
-    gateway = Gateway(logdir, tiered, "cache_aware").start()
+    sticky = ("--balance-abs-threshold", "100000", "--balance-rel-threshold", "100000")
+    gateway = Gateway(logdir, tiered, "cache_aware", sticky).start()
     roles = cluster.roles()
     victim = next(node for node in cluster.nodes if roles.get(node.port) == "master")
 
