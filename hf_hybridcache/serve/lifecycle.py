@@ -200,7 +200,7 @@ def run(args, make_app) -> str | None:
 
     def ready() -> None:
         print(f"hf_hybridcache.serve: {args.served_model_name or args.model} at http://{args.host}:{port}/v1 "
-              "(OpenAI API; /health, /readiness, /liveness, /metrics, /v1/loads)", flush=True)
+              "(OpenAI API; /health, /metrics)", flush=True)
 
     shell = Shell(make_app, args, ready)
     config = uvicorn.Config(shell, log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=5)
