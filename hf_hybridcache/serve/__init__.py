@@ -5,8 +5,9 @@
 Parts: ``loading`` (model and tokenizer), ``prompts`` (chat prompts whose next turn hits on the reply), ``text``
 (detokenizing and stop strings), ``backends`` (the engine, or plain sequential ``generate()``), ``choices`` (one
 request's choices), ``completions`` (``/v1/completions``' prompts, refused fields and payloads), ``logprobs``
-(OpenAI's logprobs shapes), ``metrics`` (Prometheus), ``schema`` (requests and errors), ``app`` (the routes) and
-``__main__`` (the command).
+(OpenAI's logprobs shapes), ``metrics`` (Prometheus), ``schema`` (requests and errors), ``app`` (the routes),
+``health`` (what a gateway reads: probes, server and model info, load), ``lifecycle`` (loading, draining on SIGTERM),
+``reply_tier`` (reply token ids shared by replicas through the tier) and ``__main__`` (the command).
 """
 
 from .app import build_app
