@@ -50,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="the stored cache's budget in bytes (default: the cache's own)")
     cache.add_argument("--eviction", choices=["flop_aware", "lru"], default="flop_aware", help="the eviction policy")
     cache.add_argument("--offload", default=None, help='"cpu" to keep stored entries in host memory')
-    cache.add_argument("--remote", default=None, help="redis://... for the shared second tier")
+    cache.add_argument("--remote", default=None,
+                       help="redis://... for the shared second tier (redis+cluster://host:port,... for a cluster)")
     cache.add_argument("--no-cache", action="store_true",
                        help="no prefix cache and no engine: one plain generate() at a time (the stock baseline)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,

@@ -116,8 +116,10 @@ class Shell:
     async def _while_loading(self, scope, send) -> None:
         if scope["path"] == "/liveness":
             await _send_json(send, 200, {"status": "alive", "phase": self.phase.name})
-        elif scope["path"] in ("/readiness", "/health"):
+        elif scope["path"] == "/readiness":
             await _send_json(send, 503, {"status": "not_ready", "reason": self.phase.name})
+        elif scope["path"] == "/health":  # the shape of serve/health.py's answer while draining
+            await _send_json(send, 503, {"status": self.phase.name, "reason": self.phase.name})
         else:
             await refuse(send, self.phase.name)
 
