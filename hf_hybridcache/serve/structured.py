@@ -11,9 +11,10 @@ streamed ``delta.tool_calls``).
   reply cut by ``max_tokens`` keeps ``"length"`` and the arguments generated so far).
 - ``"auto"`` (OpenAI's default when tools are sent): the reply is free text, or text then calls in the model's own
   format (:mod:`~hf_hybridcache.structured.tool_grammar`: the hermes ``<tool_call>`` JSON of Qwen2.5, Qwen3 and
-  Qwen3-Next, known from the tokenizer's ``response_template`` or its chat template), each call's arguments
-  constrained to its function's schema; read into ``content`` and ``tool_calls`` by
-  :mod:`~hf_hybridcache.serve.tool_calls`. A tokenizer whose format the server does not know gets a 400.
+  Qwen3-Next, or Qwen3.5's ``<function=NAME><parameter=KEY>`` markup, known from the tokenizer's
+  ``response_template`` or its chat template), each call's arguments constrained to its function's schema; read
+  into ``content`` and ``tool_calls`` by :mod:`~hf_hybridcache.serve.tool_calls`. A tokenizer whose format the
+  server does not know gets a 400.
   ``"none"`` generates text as without tools.
 
 Tools are passed to the chat template (``tools=``), so a template that describes them does.
@@ -41,7 +42,7 @@ REQUIRED = object()
 AUTO_REFUSED = (
     "tool_choice 'auto' (OpenAI's default when tools are sent) lets the model write calls in its own format, and "
     "this model's tokenizer has none the server can constrain and parse: its response_template and chat template "
-    f"hold neither {SUPPORTED} (Qwen3.5's <function=...> markup and Gemma 4's <|tool_call> are not supported yet). "
+    f"hold neither {SUPPORTED} (Gemma 4's <|tool_call> is not supported yet). "
     "Send tool_choice 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}, whose replies are "
     "constrained to the tools' schemas, or 'none'."
 )
@@ -137,8 +138,12 @@ async def structure_of(body, grammars: Grammars) -> Structure:
     if choice == "auto":
         if grammars.tool_format is None:
             raise APIError(400, AUTO_REFUSED, param="tool_choice")
-        lark = tool_call_lark(grammars.tool_format, tools, body.parallel_tool_calls is not False)
-        return Structure(await asyncio.to_thread(grammars.lark, lark, "tools"), grammars.tool_format, body.tools)
+        try:
+            lark = tool_call_lark(grammars.tool_format, tools, body.parallel_tool_calls is not False)
+        except ValueError as error:
+            raise APIError(400, str(error), param="tools") from error
+        grammar = await asyncio.to_thread(grammars.lark, lark, "tools")
+        return Structure(grammar, replace(grammars.tool_format, functions=tools), body.tools)
     if choice in (None, "none"):
         schema, param = _response_schema(body.response_format)
         if param is None:

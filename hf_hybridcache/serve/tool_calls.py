@@ -12,10 +12,13 @@ calls so far, the last one's arguments cut), which transformers' parser refuses.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, replace
 
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from ..structured.tool_grammar import is_raw_string
 
 #: A call as the grammars write it, in ``"required"``'s list and in ``"auto"``'s hermes blocks (keys in this order,
 #: ``json.dumps``' separators).
@@ -42,7 +45,8 @@ class Reply:
 
 
 def read_reply(text: str, fmt, final: bool) -> Reply:
-    """Read ``text`` (a reply so far; ``final``: the whole of it) in the format ``fmt``."""
+    """Read ``text`` (a reply so far; ``final``: the whole of it) in the format ``fmt`` (its calls' bodies read by
+    the reader of ``fmt.kind``)."""
     at = text.find(fmt.open)
     if at < 0:
         if final:
@@ -50,22 +54,78 @@ def read_reply(text: str, fmt, final: bool) -> Reply:
         held = next((k for k in range(min(len(fmt.open) - 1, len(text)), 0, -1) if text.endswith(fmt.open[:k])), 0)
         return Reply(text[:len(text) - held].rstrip(), [], False)
     calls, pos, whole = [], at + len(fmt.open), False
-    while text.startswith(CALL_HEAD, pos):
-        mid = text.find(CALL_MID, pos + len(CALL_HEAD))
-        if mid < 0:
+    while True:
+        call, after = _READERS[fmt.kind](text, pos, fmt)
+        if call is None:
             break
-        start = mid + len(CALL_MID)
-        end = value_end(text, start)
-        calls.append(Call(text[pos + len(CALL_HEAD):mid], text[start:end or len(text)], end is not None))
-        if end is None or not text.startswith("}", end):
+        calls.append(call)
+        if after is None:
             break
-        after = end + 1
         if text.startswith(fmt.close + fmt.separator + fmt.open, after):
             pos = after + len(fmt.close + fmt.separator + fmt.open)
             continue
         whole = text.startswith(fmt.close, after)
         break
     return Reply(text[:at].rstrip(), calls, whole)
+
+
+def _json_call(text: str, pos: int, fmt) -> tuple[Call | None, int | None]:
+    """The call at ``pos`` written ``{"name": N, "arguments": A}`` (None until its name is whole), and where it ends
+    (None: not yet)."""
+    if not text.startswith(CALL_HEAD, pos):
+        return None, None
+    mid = text.find(CALL_MID, pos + len(CALL_HEAD))
+    if mid < 0:
+        return None, None
+    start = mid + len(CALL_MID)
+    end = value_end(text, start)
+    call = Call(text[pos + len(CALL_HEAD):mid], text[start:end or len(text)], end is not None)
+    return call, end + 1 if end is not None and text.startswith("}", end) else None
+
+
+_FUNCTION, _PARAMETER = re.compile(r"<function=([^>\n]+)>"), re.compile(r"\s*<parameter=([^>\n]+)>")
+_PARAMETER_END, _FUNCTION_END = "</parameter>", re.compile(r"\s*</function>")
+
+
+def _xml_call(text: str, pos: int, fmt) -> tuple[Call | None, int | None]:
+    """The call at ``pos`` written ``<function=N>`` + ``<parameter=K>\\nVALUE\\n</parameter>`` ... + ``</function>``,
+    its arguments JSON (a string parameter's raw text, trimmed as transformers' ``xml-inline`` parser trims it, as
+    a JSON string; another's value as JSON), streamed as the prefix of the whole: an open string value's text so
+    far (less a tail that may be its closing tag or trimmed whitespace), other values once closed."""
+    head = _FUNCTION.match(text, pos)
+    if head is None:
+        return None, None
+    name, pos, parts = head.group(1), head.end(), []
+    properties = ((fmt.functions or {}).get(head.group(1)) or {}).get("properties") or {}
+    while (parameter := _PARAMETER.match(text, pos)) is not None:
+        key, start = parameter.group(1), parameter.end()
+        end = text.find(_PARAMETER_END, start)
+        if end < 0:
+            if is_raw_string(properties.get(key)):
+                value = text[start:]
+                held = next((k for k in range(min(len(_PARAMETER_END), len(value)), 0, -1)
+                             if value.endswith(_PARAMETER_END[:k])), 0)
+                parts.append(f"{json.dumps(key)}: {json.dumps(value[:len(value) - held].strip())[:-1]}")
+            return Call(name, "{" + ", ".join(parts), False), None
+        parts.append(f"{json.dumps(key)}: {_value(text[start:end].strip(), properties.get(key))}")
+        pos = end + len(_PARAMETER_END)
+    close = _FUNCTION_END.match(text, pos)
+    arguments = "{" + ", ".join(parts)
+    return (Call(name, arguments + "}", True), close.end()) if close else (Call(name, arguments, False), None)
+
+
+def _value(text: str, schema) -> str:
+    """A parameter's value as JSON: a string's raw text; another's JSON (Python's ``True`` / ``False`` / ``None``,
+    which a template's ``| string`` writes, read as JSON's), or its text as a string when it is not JSON."""
+    if not is_raw_string(schema):
+        try:
+            return json.dumps(json.loads({"True": "true", "False": "false", "None": "null"}.get(text, text)))
+        except ValueError:
+            pass
+    return json.dumps(text)
+
+
+_READERS = {"json": _json_call, "xml": _xml_call}
 
 
 def value_end(text: str, start: int) -> int | None:
