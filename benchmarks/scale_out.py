@@ -145,21 +145,18 @@ def fresh(replicas: list[Replica], tier) -> None:
         tier.flushall()
 
 
-async def side_load(replica: Replica, model: str, stop: asyncio.Event, streams: int = 6) -> int:
-    """``streams`` long requests at a time, sent to ``replica`` directly, until ``stop``; how many it sent."""
+async def side_load(replica: Replica, model: str, stop: asyncio.Event, streams: int = 12) -> None:
+    """``streams`` long text completions at a time, sent to ``replica`` directly, until ``stop`` (completions, so the
+    replicas' chat request counters count the gateway's requests alone)."""
     client = openai.AsyncOpenAI(base_url=f"{replica.url}/v1", api_key="unused", max_retries=0, timeout=600)
-    sent = 0
 
     async def one(k: int) -> None:
-        nonlocal sent
         while not stop.is_set():
-            sent += 1
-            await client.chat.completions.create(model=model, max_tokens=96, temperature=0, messages=[
-                {"role": "user", "content": f"side load {k} " * 40}])
+            await client.completions.create(model=model, prompt=f"side load {k} " * 40, max_tokens=96,
+                                            temperature=0)
 
     await asyncio.gather(*(one(k) for k in range(streams)))
     await client.close()
-    return sent
 
 
 async def through(replicas: list[Replica], policy: str, logdir: Path, args, systems, asked, label: str,
@@ -174,10 +171,10 @@ async def through(replicas: list[Replica], policy: str, logdir: Path, args, syst
         run = await chats(gateway.url, args.model, systems, asked, args.max_tokens, label)
     finally:
         stop.set()
-        side_sent = 0 if side is None else (await asyncio.gather(side, return_exceptions=True))[0]
+        if side is not None:
+            await asyncio.gather(side, return_exceptions=True)
         gateway.stop()
     run.per_replica = [after - b for after, b in zip(counted(replicas), before)]
-    run.per_replica[0] -= side_sent if isinstance(side_sent, int) else 0  # the gateway's requests only
     return run
 
 

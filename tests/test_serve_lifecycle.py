@@ -97,6 +97,7 @@ def test_probes_while_loading_then_what_a_gateway_reads(tier):
         load = loads["loads"][0]
         assert load["num_running_reqs"] == 1 and load["max_running_requests"] == 8
         assert 0 < load["num_used_tokens"] <= load["max_total_num_tokens"] and 0 < load["token_usage"] < 1
+        assert 0 < load["num_waiting_uncached_tokens"] <= 400  # the tokens it may still generate
         stream.close()
     finally:
         running.loaded.set()

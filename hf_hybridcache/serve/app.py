@@ -203,7 +203,7 @@ def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens:
         return {"object": "list", "data": [Model(id=model_id, created=0, object="model",
                                                  owned_by="hf_hybridcache").model_dump()]}
 
-    add_worker_routes(app, backend, model_id, cache, metrics, tokenizer)  # probes, server/model info, loads
+    add_worker_routes(app, backend, model_id, cache, tokenizer)  # probes, server/model info, loads
 
     @app.get("/metrics")
     async def scrape():

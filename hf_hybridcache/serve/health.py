@@ -15,7 +15,7 @@ The routes follow what SGLang's workers serve, since gateways read them (SMG, th
   ``generic`` one with a warning.
 - ``GET /v1/loads``: the load, in the schema SMG polls for its load-aware policies (``power_of_two``,
   ``least_load``, ``cache_aware``'s balancing, overload protection): requests running and waiting, KV usage, the
-  tokens the waiting requests bring, generation throughput and the prefix hit rate
+  tokens still to run for the requests it holds and the prefix hit rate
   (``WorkerLoadResponse`` in SMG's ``crates/protocols/src/worker.rs``).
 - ``POST /flush_cache``: empties the stored cache, as SGLang's (SMG's ``POST /flush_cache`` calls it on every worker).
 
@@ -26,9 +26,7 @@ The loading and draining phases themselves live in :mod:`~hf_hybridcache.serve.l
 from __future__ import annotations
 
 import asyncio
-import collections
 import datetime
-import time
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
@@ -36,11 +34,8 @@ from fastapi.responses import JSONResponse
 from .._version import __version__
 from .lifecycle import Phase
 
-#: Seconds of generated tokens that ``gen_throughput`` averages over.
-THROUGHPUT_WINDOW_S = 30.0
 
-
-def add_worker_routes(app: FastAPI, backend, model_id: str, cache, metrics, tokenizer=None) -> None:
+def add_worker_routes(app: FastAPI, backend, model_id: str, cache, tokenizer=None) -> None:
     """Add the probe, info and load routes to ``app`` and give it ``app.state.lifecycle`` (a :class:`Phase`,
     ready unless a :mod:`~hf_hybridcache.serve.lifecycle` runner says otherwise).
 
@@ -49,11 +44,9 @@ def add_worker_routes(app: FastAPI, backend, model_id: str, cache, metrics, toke
             :class:`~hf_hybridcache.serve.backends.SequentialBackend`.
         model_id: the served model name.
         cache: the :class:`~hf_hybridcache.HybridPrefixCache` behind the engine, or None.
-        metrics: the server's :class:`~hf_hybridcache.serve.metrics.ServerMetrics` (generated tokens).
         tokenizer: the served tokenizer (its ``name_or_path`` is reported).
     """
     phase = app.state.lifecycle = Phase()
-    throughput = Throughput(metrics)
 
     def not_ready() -> str | None:
         if phase.name != "ready":
@@ -91,7 +84,7 @@ def add_worker_routes(app: FastAPI, backend, model_id: str, cache, metrics, toke
 
     @app.get("/v1/loads")
     async def loads():
-        return load_report(backend, cache, throughput.tokens_per_s())
+        return load_report(backend, cache)
 
     @app.post("/flush_cache")
     async def flush_cache():
@@ -145,19 +138,23 @@ def model_fields(backend, model_id: str, tokenizer) -> dict:
     }
 
 
-def load_report(backend, cache, gen_throughput: float) -> dict:
+def load_report(backend, cache) -> dict:
     """``/v1/loads``: one rank (``dp_rank_count`` 1). ``token_usage`` is the share of the engine's running memory in
     use: of its KV pages (pages a hit shares with the store are the store's, not counted) or of its state slots (one
     per running request: a hybrid's recurrent layers), whichever is fuller, since either one full makes new requests
-    wait (SMG's overload protection and KV-pressure term read it); ``num_waiting_uncached_tokens`` is the
-    waiting requests' prompt tokens, an upper bound (their hits are looked up at admission); ``cache_hit_rate`` is
-    the prefix cache's token hit rate so far."""
+    wait (SMG's overload protection and KV-pressure term read it); ``num_waiting_uncached_tokens`` is
+    :func:`work_ahead` (hits of waiting requests are looked up at admission, so it counts their whole prompts);
+    ``cache_hit_rate`` is the prefix cache's token hit rate so far. ``gen_throughput`` is 0, which SMG reads as "not
+    reported" and replaces by ``--least-load-default-throughput`` for every replica alike: its expected-wait score
+    divides the work ahead, and 1,024 tokens for each request it sent since its last poll, by this rate, so a
+    realized rate (tokens generated per second) made a lightly used replica look slow and a busy one fast, and sent
+    the busy one more (measured: 41 / 37 / 21 requests with replica 0 the busy one)."""
     running, waiting = backend.load()
     engine = getattr(getattr(backend, "manager", None), "batch_processor", None)
     snapshot = {
         "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting, "num_total_reqs": running + waiting,
         "num_waiting_uncached_tokens": 0, "num_used_tokens": 0, "max_total_num_tokens": 0, "token_usage": 0.0,
-        "gen_throughput": round(gen_throughput, 3),
+        "gen_throughput": 0.0,  # not reported: see below
         "cache_hit_rate": 0.0 if cache is None else round(cache.stats.token_hit_rate, 4),
         "utilization": 0.0, "max_running_requests": 1,
     }
@@ -166,7 +163,7 @@ def load_report(backend, cache, gen_throughput: float) -> dict:
         used_pages = sum(len(r.own_pages) for r in list(engine.scheduler.running))
         capacity = limits.max_running_pages * block_size
         snapshot.update(
-            num_waiting_uncached_tokens=sum(len(r.prompt) for r in list(engine.scheduler.waiting)),
+            num_waiting_uncached_tokens=work_ahead(engine),
             num_used_tokens=used_pages * block_size, max_total_num_tokens=capacity,
             token_usage=max(used_pages / limits.max_running_pages, running / limits.max_running_requests),
             utilization=running / limits.max_running_requests,
@@ -178,19 +175,11 @@ def load_report(backend, cache, gen_throughput: float) -> dict:
     return {"timestamp": stamp, "dp_rank_count": 1, "loads": [snapshot]}
 
 
-class Throughput:
-    """Generated tokens per second over the last :data:`THROUGHPUT_WINDOW_S` seconds, from the server's counter
-    (sampled at each read, so a gateway's polls are the samples)."""
-
-    def __init__(self, metrics, clock=time.monotonic) -> None:
-        self.metrics, self.clock = metrics, clock
-        self.samples: collections.deque[tuple[float, float]] = collections.deque()
-
-    def tokens_per_s(self) -> float:
-        now = self.clock()
-        total = self.metrics.registry.get_sample_value("hf_hybridcache_generation_tokens_total") or 0.0
-        self.samples.append((now, total))
-        while len(self.samples) > 2 and now - self.samples[1][0] >= THROUGHPUT_WINDOW_S:
-            self.samples.popleft()
-        then, before = self.samples[0]
-        return (total - before) / (now - then) if now > then else 0.0
+def work_ahead(engine) -> int:
+    """Tokens the engine still has to run for the requests it holds: the prompt tokens not yet prefilled and the
+    tokens each may still generate, running or waiting. The engine admits while it has slots, so this, not a queue,
+    is what a new request waits behind; over ``gen_throughput`` it is SMG's expected wait."""
+    ahead = 0
+    for request in list(engine.scheduler.running) + list(engine.scheduler.waiting):
+        ahead += max(len(request.prompt) - request.past, 0) + max(request.max_new_tokens - len(request.generated), 0)
+    return ahead
