@@ -33,9 +33,8 @@ from benchmarks.fleet import Gateway, Replica
 from benchmarks.scale_sim import print_simulation
 
 POLICIES = ("round_robin", "cache_aware", "prefix_hash", "power_of_two")
-#: The side-load runs: round_robin, and power_of_two comparing SMG's default expected wait (queued tokens over the
-#: generation rate: our engine queues nothing while it has slots, and a busier replica generates faster) and the
-#: requests running and waiting that /v1/loads reports.
+#: The side-load runs: round_robin, and power_of_two with SMG's default metric (the expected wait: the work ahead that
+#: /v1/loads reports, over one rate for all) and with its "requests" metric.
 SKEW_RUNS = (("round_robin", ()), ("power_of_two", ()), ("power_of_two", ("--power-of-two-load-metric", "requests")))
 REQUESTS_METRIC = 'hf_hybridcache_requests_total{endpoint="/v1/chat/completions",status="200"}'
 TOPICS = ("billing", "shipping", "returns", "warranty", "accounts", "privacy", "repairs", "orders")
