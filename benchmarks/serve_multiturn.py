@@ -24,25 +24,18 @@ import argparse
 import asyncio
 import contextlib
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-import httpx
 import openai
+
+from benchmarks.servers import free_port, server_process, usage_counts
 
 SYSTEM = ("You are the support assistant of a small bookshop. You answer questions about opening hours, orders, "
           "returns, gift cards and events. Keep answers short and friendly, and ask for the order number when a "
           "question is about a specific order. ")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -50,29 +43,25 @@ def serving(model_dir: str, extra: list[str]):
     """A ``python -m hf_hybridcache.serve`` process on a free port; yields its base URL."""
     port = free_port()
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    process = subprocess.Popen([sys.executable, "-m", "hf_hybridcache.serve", "--model", model_dir, "--port",
-                                str(port), "--served-model-name", "bench", *extra], env=env)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 300
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            if process.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"the server {extra} did not start")
-            time.sleep(0.2)
+    with server_process([sys.executable, "-m", "hf_hybridcache.serve", "--model", model_dir, "--port", str(port),
+                         "--served-model-name", "bench", *extra], url, env):
         yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
 
 
-async def conversation(client, index: int, level: int, turns: int, max_tokens: int, system: str) -> list[dict]:
+def english_question(level: int, index: int, turn: int) -> str:
+    """The user message of turn ``turn`` of client ``index`` at ``level`` clients."""
+    return (f"[{level}/{index}] Question {turn}: where is my order {1000 * index + turn}, and when do you open on "
+            f"day {turn}?")
+
+
+async def conversation(client, index: int, level: int, turns: int, max_tokens: int, system: str,
+                       question=english_question) -> list[dict]:
+    """Client ``index`` of ``level``'s chat: ``turns`` user messages (``question(level, index, turn)``), each sent
+    when the previous reply has streamed in; a record per turn."""
     messages, record = [{"role": "system", "content": system}], []
     for turn in range(turns):
-        messages.append({"role": "user", "content": f"[{level}/{index}] Question {turn}: where is my order "
-                                                    f"{1000 * index + turn}, and when do you open on day {turn}?"})
+        messages.append({"role": "user", "content": question(level, index, turn)})
         sent, first, text, usage = time.perf_counter(), None, "", None
         stream = await client.chat.completions.create(model="bench", messages=list(messages), max_tokens=max_tokens,
                                                       temperature=0, stream=True,
@@ -84,17 +73,19 @@ async def conversation(client, index: int, level: int, turns: int, max_tokens: i
                 if first is None and (choice.delta.content or choice.finish_reason):
                     first = time.perf_counter()
                 text += choice.delta.content or ""
-        record.append({"ttft": first - sent, "prompt": usage.prompt_tokens,
-                       "hit": usage.prompt_tokens_details.cached_tokens, "completion": usage.completion_tokens,
-                       "text": text})
+        record.append({"ttft": first - sent, **usage_counts(usage), "text": text})
         messages.append({"role": "assistant", "content": text})
     return record
 
 
-async def run_level(url: str, clients: int, turns: int, max_tokens: int, system: str) -> tuple[float, list]:
-    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=3600) as client:
+async def run_level(url: str, clients: int, turns: int, max_tokens: int, system: str, question=english_question,
+                    http_client=None) -> tuple[float, list]:
+    """``clients`` conversations at once; the wall time and each one's records. ``http_client``: the ``openai``
+    client's ``httpx.AsyncClient`` (default: its own, which keeps connections alive)."""
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=3600,
+                                  http_client=http_client) as client:
         started = time.perf_counter()
-        records = await asyncio.gather(*(conversation(client, i, clients, turns, max_tokens, system)
+        records = await asyncio.gather(*(conversation(client, i, clients, turns, max_tokens, system, question)
                                          for i in range(clients)))
         return time.perf_counter() - started, records
 
