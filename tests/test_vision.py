@@ -243,14 +243,6 @@ def test_the_image_chat_benchmark_runs_on_a_tiny_wrapper(capsys):
     assert "hit tower ms" in capsys.readouterr().out
 
 
-def test_the_serving_engine_refuses_a_vision_language_wrapper_with_what_to_do():
-    """Images through the engine are not built yet: the wrapper is refused before anything is patched."""
-    model = _model("lfm2_vl")
-    cache = HybridPrefixCache(model)
-    with pytest.raises(ValueError, match="does not serve vision-language wrappers yet"):
-        cache.init_continuous_batching()
-
-
 def _video_prompt(family: str, seed: int, question: str) -> dict:
     """A prompt with a 4-frame video in Qwen2-VL's layout (two temporal patches of 8 x 12 patches; each frame's
     placeholders between the delimiters after a timestamp, as Qwen3.5's processor writes them)."""

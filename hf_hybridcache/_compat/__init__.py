@@ -12,6 +12,8 @@ Private APIs touched, and why each is needed (transformers 5.23 - 5.24):
 - ``GenerationMixin._maybe_prepare_encoder_kwargs_for_generation`` (wrapped): a vision-language wrapper's images are
   encoded there, before the prefill; with the cache they are encoded after the restore instead, only those the hit
   leaves in the tail, and handed over as ``mm_encoder_outputs`` (:mod:`hf_hybridcache.generate.images`).
+- ``Qwen3_5Model.get_rope_index`` (and Qwen3.5-MoE's): the engine gives each request with images the 3D rotary
+  positions a cold ``generate()`` computes from its whole prompt (:mod:`.multimodal`).
 - ``GenerationMixin._get_stopping_criteria`` (wrapped): which rows generate() finished (it feeds them the pad id
   afterwards) is only known to its stopping criteria; a row whose own tokens equal the pad id is not finished.
 - ``PreTrainedModel._is_stateful`` (set per call): ``generate()`` refuses speculative decoding for stateful models;

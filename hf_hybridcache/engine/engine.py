@@ -20,6 +20,8 @@ import torch
 
 from .._compat.continuous_batching import RequestStatus
 from ..core import Row
+from ..multimodal import placeholder_ids
+from . import images
 from .inflight import InflightPrefixes
 from .isolation import Probes, forwards, probe_after
 from .limits import EngineLimits
@@ -79,6 +81,7 @@ class Engine:
         self.probes, self.steps, self.forwards = Probes(), 0, 0
         self.peak_running_pages = self.peak_batch_tokens = 0
         self.flushing = False  # the manager is stopping: reply replays run without their grace period
+        self.placeholders = placeholder_ids(cache.model)  # a vision-language wrapper's image placeholder ids
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -87,7 +90,7 @@ class Engine:
         that prompt's own prefill stores the reply as a prefill computes it."""
         if not request.replay_of:
             for replay in [r for r in self.scheduler.waiting if r.replay_of and r.salt == request.salt]:
-                if request.prompt[: len(replay.prompt)] == replay.prompt:
+                if request.key_tokens[: len(replay.prompt)] == replay.key_tokens:
                     self.scheduler.remove(replay)
         self.scheduler.waiting.append(request)
 
@@ -164,12 +167,14 @@ class Engine:
         self.peak_batch_tokens = max(self.peak_batch_tokens, sum(len(s.tokens) for s in segments))
         self.steps += 1
         changed = refused
-        for group in forwards(segments):  # one forward per probe group: a raise touches only its requests
+        # One forward per probe group (a raise touches only its requests), and apart from images what feeds a
+        # placeholder id without its image.
+        for group in (part for probe in forwards(segments) for part in images.split_forwards(probe, self.placeholders)):
             plan = StepPlan(group, self.tables, self.block_size)
             cache = StepCache(plan, self.spec, self.slots, self.pages)
             self.forwards += 1
             try:
-                tokens, logprobs = self.runner.run(plan, cache)
+                tokens, logprobs = self.runner.run(plan, cache, images.forward_inputs(plan))
             except Exception as error:  # noqa: BLE001 - a failed forward fails its requests, never the engine
                 changed += self._step_failed(group, error)
             else:
@@ -212,10 +217,11 @@ class Engine:
         for segment in plan.segments:
             request = segment.request
             request.past, request.fresh, request.probe = segment.end, False, probe_after(request, segment.end)
-            store_segment(self.core, segment, self.slots)
+            store_segment(self.core, segment, self.slots, self.placeholders)
             self.scores.settle(segment)
             if request.past >= len(request.prompt):
                 self.inflight.leave(request)
+                request.features = None  # its images' rows fed every placeholder
                 if request.replay_of:  # stored as a prefill computes it: done, nothing to deliver
                     self.core.count_replayed_reply_tokens(len(request.prompt) - request.hit_tokens)
                     self.finish(request, RequestStatus.FINISHED)
@@ -231,22 +237,12 @@ class Engine:
                 request.timestamps.append(now)
             request.status = RequestStatus.DECODING
             if token in request.eos_token_ids or len(request.generated) >= request.max_new_tokens:
-                replay = self._replay_of(request) if options.replay_replies else None
+                replay = replay_request(self.core, request) if options.replay_replies else None
                 self.finish(request, RequestStatus.FINISHED)
                 if replay is not None:
                     self.add(replay)
             changed.append(request)
         return changed
-
-    def _replay_of(self, request: EngineRequest) -> EngineRequest | None:
-        """The replay request that stores ``request``'s reply (:func:`~.storing.replay_request`), or None when there is
-        nothing to store (its tokens' blocks and checkpoint are stored already: the same reply again)."""
-        replay = replay_request(request, self.block_size)
-        if replay is None:
-            return None
-        with self.core.store_lock:
-            stored = self.core.store.find(replay.prompt, request.row.root, tail_tokens=0).hit_tokens
-        return None if stored == len(replay.prompt) else replay
 
     def _step_failed(self, segments: list[Segment], error: Exception) -> list[EngineRequest]:
         """A forward raised: a request that ran alone in it fails; several that ran together are preempted, put first
@@ -271,7 +267,7 @@ class Engine:
         (the model changed dtype or devices since the cache was built; returned by the next :meth:`step`)."""
         if self._in_grace(request):
             return False
-        core, tokens, bs = self.core, request.tokens, self.block_size
+        core, tokens, bs = self.core, request.key_tokens, self.block_size
         try:
             core.check_model(self.cache.model)
         except ValueError as error:
@@ -313,6 +309,21 @@ class Engine:
             request.hit_tokens = hit.hit_tokens
         request.status = RequestStatus.PREFILLING
         self.inflight.claim(request, hit.hit_tokens)
+        return self._encode_images(request)
+
+    def _encode_images(self, request: EngineRequest) -> bool:
+        """Encode the images the admitted ``request``'s hit leaves in its tail (:func:`~.images.encode`); a tower that
+        raises fails the request alone (returned by the next :meth:`step`)."""
+        counters: dict = {}
+        try:
+            images.encode(request, request.past, counters)
+        except Exception as error:  # noqa: BLE001 - bad pixel inputs fail their request, never the engine
+            self.finish(request, RequestStatus.FAILED, f"Encoding the images failed: {type(error).__name__}: {error}")
+            self._refused.append(request)
+            return False
+        with self.core.store_lock:
+            for name, value in counters.items():
+                self.core.counters[name] = self.core.counters.get(name, 0) + value
         return True
 
     def preempt(self, request: EngineRequest) -> None:

@@ -37,7 +37,6 @@ import torch
 from transformers import GenerationConfig
 
 from .._compat.continuous_batching import ContinuousBatchingConfig
-from ..multimodal import modalities_of
 from .requests import first_eos_ids
 
 #: Fields the engine applies as ``generate()`` does.
@@ -88,15 +87,8 @@ def engine_generation_config(model, generation_config: GenerationConfig | None) 
     ``generation_config`` filling the fields it leaves unset and ``generate()``'s default ``top_k`` when sampling.
 
     Raises:
-        ValueError: it sets a field the engine does not apply (each one named; see the module's lists); the model is
-            a vision-language wrapper, which the engine does not serve yet.
+        ValueError: it sets a field the engine does not apply (each one named; see the module's lists).
     """
-    if modalities_of(model):
-        raise ValueError(
-            f"The serving engine does not serve vision-language wrappers yet ({type(model).__name__}): their images "
-            "are served through generate() with the cache (docs/images.md). For the engine, load the text decoder "
-            "(AutoModelForCausalLM.from_pretrained(path) for Qwen3.5) and build its own HybridPrefixCache."
-        )
     config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
     if generation_config is not None:
         config.update(**model.generation_config.to_dict(), defaults_only=True)
@@ -181,7 +173,8 @@ class EosFloor:
         min_length = 0 if config.min_new_tokens is not None else config.min_length or 0
         if not (min_new_tokens or min_length):
             return None
-        return cls(min_new_tokens, min_length, first_eos_ids(config.eos_token_id, model.config.eos_token_id))
+        eos = first_eos_ids(config.eos_token_id, model.config.get_text_config().eos_token_id)
+        return cls(min_new_tokens, min_length, eos)
 
     def apply(self, logits: torch.Tensor, requests: list) -> torch.Tensor:
         """``logits`` ``[M, V]`` float32 of ``requests`` (one :class:`~hf_hybridcache.engine.requests.EngineRequest`

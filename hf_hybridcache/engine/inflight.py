@@ -27,8 +27,8 @@ class InflightPrefixes:
         return bool(self.owners)
 
     def hash_chain(self, request: EngineRequest, root: BlockHash) -> None:
-        """Hash the full blocks of ``request``'s tokens under ``root`` (once per root and length)."""
-        tokens, bs = request.tokens, self.block_size
+        """Hash the full blocks of ``request``'s token keys under ``root`` (once per root and length)."""
+        tokens, bs = request.key_tokens, self.block_size
         if (request.root, len(request.chain_hashes or ())) != (root, len(tokens) // bs):
             request.root, request.chain_hashes = root, chain_hashes(root, tokens, bs)
 

@@ -19,7 +19,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -31,12 +31,11 @@ from .._compat.engine_attention import install_router
 from .engine import Engine
 from .grouping import wrap_stateful_modules
 from .limits import EngineLimits
-from .generation_fields import EosFloor, batching_config, engine_generation_config, new_tokens
-from .grammar import grammar_error
+from .generation_fields import EosFloor, batching_config, engine_generation_config
+from .intake import new_requests
 from .outputs import OutputRouter
-from .requests import EngineRequest, first_eos_ids, validation_error
+from .requests import EngineRequest
 from .runner import StepRunner
-from .scoring import request_error
 
 logger = logging.getLogger("hf_hybridcache")
 
@@ -180,6 +179,7 @@ class ContinuousBatchingManager:
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
         grammar=None,
+        images: Mapping[str, torch.Tensor] | None = None,
         **logit_processor_kwargs,
     ) -> str | None:
         """Queue a request; returns its id (None when the manager is stopping or dead, as transformers').
@@ -198,43 +198,30 @@ class ContinuousBatchingManager:
                 beside it (``num_return_sequences`` children: ``seed + 1``, ...). None: the shared generator.
             logprobs, prompt_logprobs: score its generated / prompt tokens, with this many alternatives (0-20 / 0-5).
             grammar: a :class:`~hf_hybridcache.structured.Grammar` its output (each sequence's) follows, or None.
+            images: for a vision-language wrapper, what its processor returns for this one prompt besides
+                ``input_ids`` / ``attention_mask`` (``processor(text=..., images=..., return_tensors="pt")``):
+                ``pixel_values`` + ``image_grid_thw`` (Qwen3.5, LFM3-VL, Inkling 2), ``pixel_values`` +
+                ``spatial_shapes`` + ``pixel_attention_mask`` (LFM2-VL), ``pixel_values`` + ``image_grid_hw``
+                (Nemotron-H Omni), ``pixel_values`` (Inkling); ``mm_token_type_ids`` is taken and recomputed. The
+                prompt is then looked up and stored by its images' content (:mod:`~hf_hybridcache.engine.images`).
             logit_processor_kwargs: per-request ``temperature``, ``top_k``, ``top_p`` (with
                 ``ContinuousBatchingConfig(per_request_processors=True)`` and the processor enabled in the
                 generation config).
 
-        An invalid request (empty prompt, ids outside the vocabulary, over the limits, bad sampling kwargs) is not
-        queued: its output, with ``status=FAILED`` and ``error`` saying what to fix, is delivered at once.
+        An invalid request (empty prompt, ids outside the vocabulary, over the limits, bad sampling kwargs, image
+        placeholders and pixel inputs that disagree, inputs the cache cannot key such as audio) is not queued: its
+        output, with ``status=FAILED`` and ``error`` saying what to fix, is delivered at once.
         """
         if self.background_thread_status.fatal_error is not None or self._stop_mode is not None:
             logger.warning("The continuous batching manager is stopping or stopped; the request is dropped.")
             return None
         request_id = f"req_{next(self._ids)}" if request_id is None else request_id
-        prompt = input_ids.reshape(-1).tolist() if isinstance(input_ids, torch.Tensor) else input_ids
-        max_new_tokens, error = new_tokens(self.generation_config, prompt, max_new_tokens)
-        salt = cache_salt if cache_salt is not None else self.salt
-        error = error or validation_error(prompt, max_new_tokens, self.model.get_input_embeddings().num_embeddings,
-                                          self.limits.max_request_tokens, salt, seed, self.num_return_sequences)
-        error = error or request_error(logprobs, prompt_logprobs)
-        eos = first_eos_ids(eos_token_id, self.generation_config.eos_token_id, self.model.config.eos_token_id)
-        error = error or grammar_error(grammar, eos, EosFloor.of(self.model, self.generation_config),
-                                       self.model.get_input_embeddings().num_embeddings)
-        if error is None:
-            try:
-                self.processors.check_kwargs(logit_processor_kwargs)
-            except (TypeError, ValueError) as problem:
-                error = f"Invalid sampling arguments: {problem}"
-        ids = [f"{request_id}__child#{k}" for k in range(self.num_return_sequences - 1)] + [request_id]
-        requests = [  # the parent (last) keeps the seed, child k gets seed + k + 1
-            EngineRequest(rid, list(prompt) if error is None else [], max_new_tokens, eos,
-                          dict(logit_processor_kwargs), seed=None if error or seed is None else seed + (k + 1) % len(ids),
-                          salt=salt, streaming=streaming, record_timestamps=record_timestamps, score_generated=logprobs,
-                          score_prompt=prompt_logprobs, timestamps=[] if record_timestamps else None,
-                          grammar=None if error or grammar is None else grammar.matcher())
-            for k, rid in enumerate(ids)
-        ]
-        if error is not None:
-            for request in requests:
-                request.status, request.error = RequestStatus.FAILED, error
+        requests = new_requests(
+            self, input_ids, request_id, max_new_tokens, streaming=streaming, record_timestamps=record_timestamps,
+            eos_token_id=eos_token_id, cache_salt=cache_salt, seed=seed, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, grammar=grammar, images=images, sampling=logit_processor_kwargs,
+        )
+        if requests[-1].error is not None:
             self._router.deliver([r.to_output() for r in requests])
             return request_id
         for request in requests:
@@ -243,14 +230,16 @@ class ContinuousBatchingManager:
         return request_id
 
     def add_requests(self, inputs: list, max_new_tokens: int | None = None, streaming: bool = False,
-                     record_timestamps: bool = False, **logit_processor_kwargs) -> list[str]:
-        """:meth:`add_request` for each prompt of ``inputs``; returns their ids in order. The loop takes them in
-        one go, so requests sent together start in the same step (equal chunks form one group)."""
+                     record_timestamps: bool = False, images: list | None = None, **logit_processor_kwargs) -> list[str]:
+        """:meth:`add_request` for each prompt of ``inputs`` (with ``images[i]`` when given, one entry or None per
+        prompt); returns their ids in order. The loop takes them in one go, so requests sent together start in the
+        same step (equal chunks form one group)."""
+        images = [None] * len(inputs) if images is None else images
         with self._intake:
             return [
                 self.add_request(ids, max_new_tokens=max_new_tokens, streaming=streaming,
-                                 record_timestamps=record_timestamps, **logit_processor_kwargs)
-                for ids in inputs
+                                 record_timestamps=record_timestamps, images=prompt_images, **logit_processor_kwargs)
+                for ids, prompt_images in zip(inputs, images, strict=True)
             ]
 
     def cancel_request(self, request_id: str) -> None:

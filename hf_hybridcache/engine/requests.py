@@ -71,6 +71,10 @@ class EngineRequest:
             it runs again as one prefill to store them as a prefill computes them
             (:mod:`~hf_hybridcache.generate.reply_replay`; its checkpoints are kept as that request's would be); it
             samples nothing and is never delivered. 0: a user's request.
+        images: its images (a :class:`~hf_hybridcache.engine.images.RequestImages`: items, token keys, 3D rotary
+            positions), or None for a text prompt.
+        features: its images' feature rows while its prompt runs (a :class:`~hf_hybridcache.engine.images.Features`),
+            else None.
     """
 
     request_id: str
@@ -111,11 +115,22 @@ class EngineRequest:
     prompt_scores: list = field(default_factory=list)
     token_scores: list = field(default_factory=list)
     grammar: GrammarMatcher | None = field(default=None, repr=False)
+    images: object | None = field(default=None, repr=False)
+    features: object | None = field(default=None, repr=False)
 
     @property
     def tokens(self) -> list[int]:
         """The tokens the model must have seen (or been fed) to continue: the prompt, then every generated token."""
         return self.prompt + self.generated
+
+    @property
+    def key_tokens(self) -> list[int]:
+        """What it is looked up, stored and shared in flight by: :attr:`tokens` with each image's placeholder ids
+        replaced by its token keys (:mod:`~hf_hybridcache.multimodal.prompt`)."""
+        if self.images is None:
+            return self.tokens
+        keys = self.images.keys
+        return keys + self.tokens[len(keys) :]
 
     @property
     def retention_prompt_tokens(self) -> int:

@@ -58,10 +58,12 @@ class StepRunner:
             self.generator.seed()
 
     @torch.no_grad()
-    def run(self, plan: StepPlan, cache: StepCache) -> tuple[list[int], list[float] | None]:
-        """The tokens sampled for ``plan.sampled`` (and their log-probabilities when asked). Raises whatever the
-        forward raises; the caller fails or retries the step's requests."""
-        kwargs = {_compat.CACHE_KWARG: cache}
+    def run(self, plan: StepPlan, cache: StepCache, inputs: dict | None = None) -> tuple[list[int], list[float] | None]:
+        """The tokens sampled for ``plan.sampled`` (and their log-probabilities when asked); ``inputs``: the forward's
+        image inputs (:func:`~hf_hybridcache.engine.images.forward_inputs`: ``mm_encoder_outputs``, 3D
+        ``position_ids``). Raises whatever the forward raises; the caller fails or retries the step's requests."""
+        kwargs = {_compat.CACHE_KWARG: cache, **(inputs or {})}
+        position_ids = kwargs.pop("position_ids", plan.position_ids)
         kept = scoring.kept_logits(plan)  # a request scoring its prompt: the logits of those positions too
         if kept is not None:
             kwargs["logits_to_keep"] = kept.index.to(self.device)
@@ -72,7 +74,7 @@ class StepRunner:
         with cache.pages.in_use(), _compat.package_forward():
             out = self.model(
                 input_ids=plan.input_ids.to(self.device),
-                position_ids=plan.position_ids.to(self.device),
+                position_ids=position_ids.to(self.device),
                 attention_mask=_NoMasks(),
                 use_cache=True,
                 **kwargs,

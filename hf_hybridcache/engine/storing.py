@@ -38,16 +38,22 @@ def emit_positions(segment: Segment, options: CacheOptions) -> tuple[int, ...]:
     return tuple(sorted(b - start for b in checkpoint_plan(segment, options).wanted if b < end))
 
 
-def store_segment(core: CacheCore, segment: Segment, slots: StateSlots) -> None:
-    """Store what ``segment``'s chunk completed (after the step's forward succeeded). With ``replay_replies`` (bf16,
-    fp16) nothing past a request's first decode step is stored: a decode step rounds differently from a prefill
-    there (:mod:`~hf_hybridcache.generate.reply_replay`); the engine stores the reply from a replay request when the
-    request finishes (:func:`replay_request`)."""
+def store_segment(core: CacheCore, segment: Segment, slots: StateSlots, placeholders: frozenset[int] = frozenset()
+                  ) -> None:
+    """Store what ``segment``'s chunk completed (after the step's forward succeeded), under its request's token keys.
+    With ``replay_replies`` (bf16, fp16) nothing past a request's first decode step is stored: a decode step rounds
+    differently from a prefill there (:mod:`~hf_hybridcache.generate.reply_replay`); the engine stores the reply from
+    a replay request when the request finishes (:func:`replay_request`). A chunk that feeds one of ``placeholders``
+    (a vision-language wrapper's placeholder ids) without its image (a sampled one) ends the request's storing: its
+    states hold a token whose content no key names."""
     request, options = segment.request, core.options
     row = request.row
     if segment.is_decode and options.replay_replies and row.prefill_tokens is None:
         row.prefill_tokens = len(row.token_ids)
-    row.token_ids.extend(segment.tokens)
+    keys = request.key_tokens[segment.past : segment.end]
+    row.token_ids.extend(keys)
+    if placeholders and not placeholders.isdisjoint(keys):
+        row.storing = False
     blocks_before = len(row.block_ids)
     core.store_pages(row, lambda index: request.pages[index])
     for index in range(blocks_before, len(row.block_ids)):
@@ -65,15 +71,19 @@ def store_segment(core: CacheCore, segment: Segment, slots: StateSlots) -> None:
             core.count_divergence_checkpoint()
 
 
-def replay_request(request: EngineRequest, block_size: int) -> EngineRequest | None:
+def replay_request(core: CacheCore, request: EngineRequest) -> EngineRequest | None:
     """The reply replay of ``request``, which just finished and stored nothing past its first decode step
-    (``replay_replies``): a hidden request whose prompt is the tokens it fed up to their last block boundary, so that
-    its prefill stores the reply's blocks and the decode-end checkpoint as a prefill computes them (as
-    :func:`~hf_hybridcache.generate.reply_replay.replay_replies` does after ``generate()``). None when no block boundary
-    was reached past the first decode step, or the request stored nothing."""
-    row = request.row
+    (``replay_replies``): a hidden request whose prompt is the tokens it fed up to their last block boundary (with
+    its images, so that it is keyed as the request was), so that its prefill stores the reply's blocks and the
+    decode-end checkpoint as a prefill computes them (as :func:`~hf_hybridcache.generate.reply_replay.replay_replies`
+    does after ``generate()``). None when no block boundary was reached past the first decode step, the request
+    stored nothing, or its tokens' blocks and checkpoint are stored already (the same reply again)."""
+    row, block_size = request.row, core.options.block_size
     if request.replay_of or row is None or replay_start(row, block_size) is None:
         return None
     end = last_boundary(len(row.token_ids), block_size)
-    return EngineRequest(f"{request.request_id}__replay", row.token_ids[:end], max_new_tokens=1, salt=request.salt,
-                         counted=True, replay_of=len(request.prompt))
+    replay = EngineRequest(f"{request.request_id}__replay", request.tokens[:end], max_new_tokens=1, salt=request.salt,
+                           counted=True, replay_of=len(request.prompt), images=request.images)
+    with core.store_lock:
+        stored = core.store.find(replay.key_tokens, row.root, tail_tokens=0).hit_tokens
+    return None if stored == end else replay
