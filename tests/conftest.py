@@ -68,9 +68,9 @@ VERSION_SPECIFIC_MODULES = {
     "test_engine_generation_fields", "test_engine_isolation", "test_engine_scoring", "test_engine_serving",
     "test_errors", "test_examples", "test_families", "test_generate_features", "test_hit_in_place",
     "test_kernel_notices", "test_linear_families", "test_mamba2", "test_quickstart", "test_readme",
-    "test_reduced_precision", "test_serve", "test_serve_completions", "test_serve_startup", "test_sliding",
-    "test_speculative", "test_split_kv", "test_structured", "test_structured_engine", "test_tool_auto",
-    "test_upstream_mixers", "test_vision", "test_weights",
+    "test_reduced_precision", "test_serve", "test_serve_completions", "test_serve_images", "test_serve_startup",
+    "test_sliding", "test_speculative", "test_split_kv", "test_structured", "test_structured_engine",
+    "test_tool_auto", "test_upstream_mixers", "test_vision", "test_weights",
 }
 VERSION_INDEPENDENT_MODULES = {
     "test_benchmarks", "test_block_pool", "test_ci_split", "test_entry_layout", "test_exactness", "test_explain",

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from .images import ImageLimits
 from .loading import DTYPES
 
 
@@ -43,6 +44,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: what the model's positions and the memory allow)")
     parser.add_argument("--max-running-requests", type=int, default=32, help="requests in one engine batch at most")
     parser.add_argument("--max-batch-tokens", type=int, default=512, help="tokens in one engine step at most")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="let from_pretrained run code the checkpoint ships (its auto_map: a custom processor)")
+    images = parser.add_argument_group("images (a vision-language checkpoint's chat image parts)")
+    images.add_argument("--max-image-bytes", type=int, default=ImageLimits.max_image_bytes,
+                        help="an image part's encoded size at most, in bytes; over it a 400")
+    images.add_argument("--allow-remote-images", action="store_true",
+                        help="fetch http(s) image URLs (off: only data: URLs are taken, a remote URL is a 400)")
+    images.add_argument("--image-fetch-timeout", type=float, default=ImageLimits.fetch_timeout_s,
+                        help="seconds a remote image's whole download may take (--allow-remote-images)")
     cache = parser.add_argument_group("prefix cache (HybridPrefixCache's options)")
     cache.add_argument("--block-size", type=int, default=16, help="tokens per stored KV block")
     cache.add_argument("--retention-interval", type=_retention, default=0, help='"dense", 0 or a multiple of tokens')
@@ -69,15 +79,23 @@ def make_app(args: argparse.Namespace):
         ValueError: an option the model or the memory refuses (an empty ``--api-key``, ``--max-model-len`` too long).
     """
     from .. import HybridPrefixCache
+    from ..multimodal import modalities_of
     from .app import build_app
     from .auth import API_KEY_ENV, RequireAPIKey
     from .backends import EngineBackend, SequentialBackend
-    from .loading import load
+    from .image_chat import ImageChat
+    from .loading import load, load_processor
 
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     if api_key is not None and not api_key:
         raise ValueError("--api-key must not be empty; omit it to serve without a key.")
-    model, tokenizer = load(args.model, args.dtype, args.device_map, args.tokenizer)
+    model, tokenizer = load(args.model, args.dtype, args.device_map, args.tokenizer, args.trust_remote_code)
+    vision = None
+    if modalities_of(model):  # a vision-language wrapper: its processor renders every chat
+        processor = load_processor(args.tokenizer or args.model, "--model" if args.tokenizer is None else "--tokenizer",
+                                   args.trust_remote_code)
+        limits = ImageLimits(args.max_image_bytes, args.allow_remote_images, args.image_fetch_timeout)
+        vision, tokenizer = ImageChat(processor, limits), processor.tokenizer
     eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     name = args.served_model_name or args.model
     cache = None
@@ -88,7 +106,7 @@ def make_app(args: argparse.Namespace):
         cache = HybridPrefixCache(model, args.block_size, args.retention_interval, args.max_cache_bytes,
                                   eviction=args.eviction, offload=args.offload, remote=args.remote)
         backend = EngineBackend(cache, eos, args.max_running_requests, args.max_batch_tokens, args.max_model_len)
-    app = build_app(backend, tokenizer, name, cache, args.max_tokens)
+    app = build_app(backend, tokenizer, name, cache, args.max_tokens, vision)
     if api_key:
         app.add_middleware(RequireAPIKey, api_key=api_key)
     return app

@@ -12,6 +12,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,6 +27,7 @@ from .chat_fields import refuse_unsupported_chat
 from .choices import ChoiceRunner, Job, Piece, choice_offsets
 from .completions import CompletionPayloads, prompts_of, refuse_unsupported
 from .health import add_worker_routes
+from .image_chat import refuse_images
 from .logprobs import TokenTexts, chat_logprobs
 from .metrics import ServerMetrics
 from .prompts import chat_prompt_ids
@@ -39,7 +41,7 @@ SALT_HEADER = "x-tenant-id"
 COMPLETION_MAX_TOKENS = 16
 
 
-def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens: int = 256) -> FastAPI:
+def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens: int = 256, vision=None) -> FastAPI:
     """The app serving ``backend`` (an :class:`~hf_hybridcache.serve.backends.EngineBackend` or
     :class:`~hf_hybridcache.serve.backends.SequentialBackend`, started and stopped with the app).
 
@@ -48,6 +50,8 @@ def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens:
         model_id: the one model name requests must ask for.
         cache: the :class:`~hf_hybridcache.HybridPrefixCache` behind ``backend`` (its stats go to ``/metrics``).
         default_max_tokens: a chat request's ``max_tokens`` when it sends none (capped by the room left).
+        vision: the :class:`~hf_hybridcache.serve.image_chat.ImageChat` of a vision-language wrapper (its processor
+            renders every chat), or None: the model takes text only, and image parts are a 400.
 
     Raises:
         ValueError: ``default_max_tokens`` is not a positive int.
@@ -80,8 +84,9 @@ def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, problem: RequestValidationError):
-        first = problem.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        errors = problem.errors()  # a union (a message's content) reports each branch: skip the string one
+        first = next((e for e in errors if tuple(e.get("loc", ()))[-1:] != ("str",)), errors[0])
+        where = ".".join(str(p) for p in first.get("loc", ())[1:] if "[" not in str(p)) or None
         if first.get("type") == "json_invalid":  # loc names a character offset, not a field
             message, where = f"The body is not valid JSON ({first.get('msg')}); send a JSON object.", None
         elif tuple(first.get("loc", ())) == ("body",):
@@ -119,19 +124,27 @@ def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens:
     async def chat(body: ChatRequest, request: Request):
         refuse_unsupported_chat(body)
         structure = await structure_of(body, grammars)  # response_format, tools, tool_choice
-        messages = [m.for_template() for m in body.messages]
         salt = request.headers.get(SALT_HEADER) or body.user
-        try:
-            prompt_ids = chat_prompt_ids(tokenizer, messages, runner.memory, salt, **structure.template_kwargs)
-        except Exception as problem:  # a template that refuses the conversation (roles out of order, say)
-            raise APIError(400, f"The chat template cannot render these messages: {problem}", param="messages")
+        prompt_ids, images, images_key = await chat_prompt(body, salt, structure.template_kwargs)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         job = job_for(body, prompt_ids, request, max_tokens, default_max_tokens, remember=True, logprobs=logprobs,
                       grammar=structure.grammar)
+        job = replace(job, images=images, images_key=images_key)
         return await respond([job], body, structure.payloads(chat_payloads(body.model, logprobs, texts)), request)
+
+    async def chat_prompt(body: ChatRequest, salt: str | None, template_kwargs: dict):
+        """A chat's prompt ids, image inputs (None: a text prompt) and images key (the reply memory's)."""
+        if vision is not None:
+            return await vision.prompt(body.messages, runner.memory, salt, template_kwargs)
+        refuse_images(body.messages, model_id)
+        messages = [m.for_template() for m in body.messages]
+        try:
+            return chat_prompt_ids(tokenizer, messages, runner.memory, salt, **template_kwargs), None, b""
+        except Exception as problem:  # a template that refuses the conversation (roles out of order, say)
+            raise APIError(400, f"The chat template cannot render these messages: {problem}", param="messages")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -1,8 +1,10 @@
 """Where tokens come from: the continuous-batching engine over the prefix cache, or (the stock baseline of
 ``benchmarks/serve_multiturn.py``) one plain ``generate()`` at a time without any cache.
 
-Both expose ``stream(prompt_ids, sampling, salt)``, an async iterator of :class:`Progress` (all generated ids so far,
-after every token); closing it early (a client that went away) cancels the request and frees its place.
+Both expose ``stream(prompt_ids, sampling, salt, images)``, an async iterator of :class:`Progress` (all generated ids
+so far, after every token); closing it early (a client that went away) cancels the request and frees its place.
+``images`` (None: a text prompt) is what a vision-language wrapper's processor returns for the prompt besides its
+ids (:mod:`~hf_hybridcache.serve.image_chat`).
 """
 
 from __future__ import annotations
@@ -111,7 +113,8 @@ class EngineBackend:
         """Requests running and waiting now."""
         return self.manager.num_running, self.manager.num_waiting
 
-    async def stream(self, prompt_ids: list[int], sampling: Sampling, salt: str | None) -> AsyncIterator[Progress]:
+    async def stream(self, prompt_ids: list[int], sampling: Sampling, salt: str | None,
+                     images: dict | None = None) -> AsyncIterator[Progress]:
         queue: asyncio.Queue = asyncio.Queue()
         request_id = f"serve-{next(self._ids)}"
         if sampling.greedy:
@@ -119,6 +122,8 @@ class EngineBackend:
         else:
             kwargs = {"temperature": float(sampling.temperature), "top_k": self.vocab_size,
                       "top_p": float(sampling.top_p)}
+        if images is not None:
+            kwargs["images"] = images
         added = self.manager.add_request(prompt_ids, request_id=request_id, max_new_tokens=sampling.max_tokens,
                                          streaming=True, eos_token_id=self.eos_token_ids, cache_salt=salt,
                                          seed=None if sampling.greedy else sampling.seed, logprobs=sampling.logprobs,
@@ -164,11 +169,12 @@ class SequentialBackend:
     def load(self) -> tuple[int, int]:
         return self.running, self.waiting
 
-    async def stream(self, prompt_ids: list[int], sampling: Sampling, salt: str | None) -> AsyncIterator[Progress]:
+    async def stream(self, prompt_ids: list[int], sampling: Sampling, salt: str | None,
+                     images: dict | None = None) -> AsyncIterator[Progress]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         cancelled = threading.Event()
-        future = loop.run_in_executor(None, self._generate, prompt_ids, sampling, queue, loop, cancelled)
+        future = loop.run_in_executor(None, self._generate, prompt_ids, sampling, queue, loop, cancelled, images)
         tokens: list[int] = []
         try:
             while True:
@@ -186,7 +192,7 @@ class SequentialBackend:
         finally:
             cancelled.set()
 
-    def _generate(self, prompt_ids, sampling: Sampling, queue, loop, cancelled: threading.Event) -> None:
+    def _generate(self, prompt_ids, sampling: Sampling, queue, loop, cancelled: threading.Event, images) -> None:
         streamer = _TokenStreamer(queue, loop)
         self.waiting += 1
         try:
@@ -202,12 +208,13 @@ class SequentialBackend:
                     sample["logits_processor"] = [GrammarLogitsProcessor(sampling.grammar)]
                 device = self.model.get_input_embeddings().weight.device
                 ids = torch.tensor([prompt_ids], device=device)
+                images = {name: tensor.to(device) for name, tensor in (images or {}).items()}
                 # Without a mask generate() masks every pad token id in the prompt, and a model can generate one
                 # that the next turn sends back.
                 self.model.generate(
                     ids, attention_mask=torch.ones_like(ids), max_new_tokens=sampling.max_tokens,
                     do_sample=not sampling.greedy, eos_token_id=self.eos_token_ids, pad_token_id=0,
-                    streamer=streamer, stopping_criteria=[_Cancelled(cancelled)], **sample,
+                    streamer=streamer, stopping_criteria=[_Cancelled(cancelled)], **sample, **images,
                 )
         finally:
             self.running = 0

@@ -40,6 +40,8 @@ class Job:
     salt: str | None
     n: int = 1
     remember: bool = False  # keep the reply's ids (chat: the next turn sends the reply back)
+    images: dict | None = None  # the prompt's image inputs (serve/image_chat.py), None for a text prompt
+    images_key: bytes = b""  # what names the prompt's images in the reply memory
 
 
 class ChoiceRunner:
@@ -94,7 +96,7 @@ class ChoiceRunner:
                 yield piece
             return
         text = TextStream(self.tokenizer, job.stop)
-        stream = self.backend.stream(job.prompt_ids, sampling, job.salt)
+        stream = self.backend.stream(job.prompt_ids, sampling, job.salt, job.images)
         last, seen, given, prompt_given = arrived, 0, 0, False
 
         def piece(delta: str, finish: str | None = None, end: int | None = None) -> Piece:
@@ -126,7 +128,8 @@ class ChoiceRunner:
                     ids = progress.token_ids
                     ended = bool(ids) and ids[-1] in self.eos_token_ids
                     if job.remember:
-                        self.memory.remember(job.salt, job.prompt_ids, text.sent, ids[:-1] if ended else ids)
+                        self.memory.remember(job.salt, job.prompt_ids, text.sent, ids[:-1] if ended else ids,
+                                             job.images_key)
                     yield piece(delta, "stop" if ended else "length", len(ids) - 1 if ended else None)
                     return
                 if delta:
@@ -136,7 +139,7 @@ class ChoiceRunner:
 
     async def _scored(self, job: Job, sampling: Sampling, index: int) -> AsyncIterator[Piece]:
         """The one piece of a choice that scores its prompt and generates nothing (``max_tokens`` 0)."""
-        stream = self.backend.stream(job.prompt_ids, sampling, job.salt)
+        stream = self.backend.stream(job.prompt_ids, sampling, job.salt, job.images)
         try:
             async for progress in stream:
                 if progress.error is not None:

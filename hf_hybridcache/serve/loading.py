@@ -1,5 +1,7 @@
 """What the server serves: a model and its tokenizer, from ``toy:FAMILY`` (the package's seeded tiny model of that
-family with the byte tokenizer and its chat template, no download) or a path / hub id (``from_pretrained``)."""
+family with the byte tokenizer and its chat template, no download) or a path / hub id (``from_pretrained``); for a
+vision-language wrapper (``model_type`` of :data:`~hf_hybridcache.multimodal.WRAPPERS`) the wrapper itself
+(``AutoModelForImageTextToText``) and its processor (``AutoProcessor``), whose tokenizer is the tokenizer."""
 
 from __future__ import annotations
 
@@ -22,8 +24,10 @@ class StartupError(Exception):
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
-def load(model_id: str, dtype: str = "auto", device_map: str | None = None, tokenizer_id: str | None = None):
-    """The ``(model, tokenizer)`` for ``model_id`` in eval mode.
+def load(model_id: str, dtype: str = "auto", device_map: str | None = None, tokenizer_id: str | None = None,
+         trust_remote_code: bool = False):
+    """The ``(model, tokenizer)`` for ``model_id`` in eval mode (a vision-language wrapper: the wrapper itself; its
+    processor: :func:`load_processor`).
 
     Args:
         model_id: ``toy:FAMILY`` (a family of :data:`~hf_hybridcache.toy.configs.TINY_CONFIGS`, seed 0, long-memory
@@ -32,6 +36,7 @@ def load(model_id: str, dtype: str = "auto", device_map: str | None = None, toke
         device_map: accelerate's ``device_map`` for ``from_pretrained`` (``"auto"``, ``"cpu"``, ``"cuda:0"``); for a toy
             model, the device it is moved to.
         tokenizer_id: the tokenizer's local path or hub id (None: ``model_id``'s).
+        trust_remote_code: let ``from_pretrained`` run code the folder or repository ships (its ``auto_map``).
 
     Raises:
         ValueError: an unknown dtype or toy family.
@@ -48,17 +53,39 @@ def load(model_id: str, dtype: str = "auto", device_map: str | None = None, toke
         if device_map not in (None, "auto"):
             model = model.to(device_map)
         return model, byte_tokenizer()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+    from ..multimodal import WRAPPERS
 
     tokenizer_id = model_id if tokenizer_id is None else tokenizer_id
     _check_source(model_id, "--model", needs_tokenizer=tokenizer_id == model_id)
     if tokenizer_id != model_id:
         _check_source(tokenizer_id, "--tokenizer", needs_tokenizer=True)
     flag = "--model" if tokenizer_id == model_id else "--tokenizer"
-    tokenizer = _loaded(AutoTokenizer.from_pretrained, tokenizer_id, "tokenizer", flag)
-    model = _loaded(AutoModelForCausalLM.from_pretrained, model_id, "model", "--model", dtype=DTYPES[dtype],
-                    device_map=device_map)
+    remote = {"trust_remote_code": True} if trust_remote_code else {}
+    config = _loaded(AutoConfig.from_pretrained, model_id, "config", "--model", **remote)
+    tokenizer = _loaded(AutoTokenizer.from_pretrained, tokenizer_id, "tokenizer", flag, **remote)
+    auto = AutoModelForImageTextToText if config.model_type in WRAPPERS else AutoModelForCausalLM
+    model = _loaded(auto.from_pretrained, model_id, "model", "--model", dtype=DTYPES[dtype], device_map=device_map,
+                    **remote)
     return model.eval(), tokenizer
+
+
+def load_processor(source: str, flag: str = "--model", trust_remote_code: bool = False):
+    """The processor (``AutoProcessor``) of a vision-language checkpoint at ``source``.
+
+    Raises:
+        StartupError: it cannot be loaded, or what loads is not a processor that takes images (a folder without a
+            processor config gives its tokenizer).
+    """
+    from transformers import AutoProcessor
+
+    remote = {"trust_remote_code": True} if trust_remote_code else {}
+    processor = _loaded(AutoProcessor.from_pretrained, source, "processor", flag, **remote)
+    if getattr(processor, "image_processor", None) is None or getattr(processor, "image_token", None) is None:
+        raise StartupError(f"{flag} {source}: AutoProcessor gave a {type(processor).__name__}, not a processor that "
+                           "takes images; save the checkpoint's processor there (processor.save_pretrained).")
+    return processor
 
 
 def _is_local(source: str) -> bool:
@@ -83,5 +110,8 @@ def _loaded(load_fn, source: str, what: str, flag: str, **kwargs):
         return load_fn(source, **kwargs)
     except (OSError, ValueError) as problem:
         first = str(problem).strip().splitlines()[0] if str(problem).strip() else type(problem).__name__
+        if "trust_remote_code" in str(problem):
+            raise StartupError(f"{flag} {source}: the {what} ships code of its own (its auto_map); read it, then "
+                               "pass --trust-remote-code to run it.") from None
         where = "the folder" if _is_local(source) else "the Hugging Face Hub (offline, or no such repository?)"
         raise StartupError(f"{flag} {source}: the {what} could not be loaded from {where}: {first}") from None

@@ -40,19 +40,20 @@ class SharedReplyMemory(ReplyMemory):
         self.cache, self.tier = cache, cache.remote
         self._secret = cache.remote.config.secret
 
-    def remember(self, salt: str | None, prompt_ids: list[int], text: str, token_ids: list[int]) -> None:
-        super().remember(salt, prompt_ids, text, token_ids)
-        key = self._key(salt, prompt_ids, text)
+    def remember(self, salt: str | None, prompt_ids: list[int], text: str, token_ids: list[int],
+                 images: bytes = b"") -> None:
+        super().remember(salt, prompt_ids, text, token_ids, images)
+        key = self._key(salt, prompt_ids, text, images)
         payload = array("q", token_ids).tobytes()
         # Written before the reply's last piece is sent (not queued): the client's next turn, which may reach
         # another replica at once, finds it. One round trip, skipped while the tier's breaker is open.
         self.tier.client.write([(key, self._mac(key, payload) + payload)])
 
-    def lookup(self, salt: str | None, prompt_ids: list[int], text: str) -> list[int] | None:
-        ids = super().lookup(salt, prompt_ids, text)
+    def lookup(self, salt: str | None, prompt_ids: list[int], text: str, images: bytes = b"") -> list[int] | None:
+        ids = super().lookup(salt, prompt_ids, text, images)
         if ids is not None:
             return ids
-        key = self._key(salt, prompt_ids, text)
+        key = self._key(salt, prompt_ids, text, images)
         values = self.tier.client.get([key])
         if not values or values[0] is None:
             return None
@@ -61,13 +62,15 @@ class SharedReplyMemory(ReplyMemory):
         if not hmac.compare_digest(mac, self._mac(key, payload)) or len(payload) % 8:
             return None
         ids = array("q", payload).tolist()
-        super().remember(salt, prompt_ids, text, ids)
+        super().remember(salt, prompt_ids, text, ids, images)
         return ids
 
-    def _key(self, salt: str | None, prompt_ids: list[int], text: str) -> str:
+    def _key(self, salt: str | None, prompt_ids: list[int], text: str, images: bytes) -> str:
         digest = hashlib.sha256(bytes(self.cache.core.root(salt)))
         digest.update(array("q", prompt_ids).tobytes())
         digest.update(text.encode("utf-8", "surrogatepass"))
+        if images:  # the prompt's images (a text prompt's key is as it was)
+            digest.update(b"|images|" + images)
         return f"{self.tier.codec.namespace}:reply:{digest.hexdigest()}"
 
     def _mac(self, key: str, payload: bytes) -> bytes:

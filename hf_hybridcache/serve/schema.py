@@ -3,7 +3,7 @@ OpenAI's JSON shape. Responses are the ``openai`` package's own types, as ``tran
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -26,25 +26,50 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    """``url``: a ``data:image/...;base64,...`` URL, or an ``http(s)://`` one (``--allow-remote-images``);
+    ``detail``: accepted, no effect (the processor decides the resolution). See :mod:`~hf_hybridcache.serve.images`."""
+
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[Part] | None = None
     tool_calls: list[dict] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool's result: the call it answers
     name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text for part in self.content if isinstance(part, TextPart))
         return self.content or ""
 
-    def for_template(self) -> dict:
-        """The message as chat templates take it: role and content, and the tool fields it has."""
+    def images(self) -> list[ImageURL]:
+        """The message's image parts, in order."""
+        return [p.image_url for p in self.content if isinstance(p, ImagePart)] if isinstance(self.content, list) else []
+
+    def for_template(self, with_images: bool = False) -> dict:
+        """The message as chat templates take it: role and content, and the tool fields it has. ``with_images``: a
+        message with image parts keeps its parts, each image as ``{"type": "image"}`` (a processor's chat template)."""
         extra = {key: value for key, value in (("tool_calls", self.tool_calls), ("tool_call_id", self.tool_call_id),
                                                ("name", self.name)) if value is not None}
-        return {"role": self.role, "content": self.text(), **extra}
+        content = self.text()
+        if with_images and self.images():
+            content = [{"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
+                       for p in self.content]
+        return {"role": self.role, "content": content, **extra}
 
 
 class StreamOptions(BaseModel):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import transformers
 from PIL import Image
 
 from . import VOCAB_SIZE, byte_tokenizer, long_memory_init_, tiny_config
@@ -149,17 +150,19 @@ def _qwen(images: list[Image.Image]) -> tuple[dict, list[int]]:
     return dict(out), (out["image_grid_thw"].prod(-1) // MERGE**2).tolist()
 
 
-def qwen_processor():
+class ImageOnlyQwen3VLProcessor(transformers.Qwen3VLProcessor):
+    """Qwen3-VL's processor without its video processor (which needs torchvision): images only."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+
+def qwen_processor() -> ImageOnlyQwen3VLProcessor:
     """A ``Qwen3VLProcessor`` for the tiny Qwen3.5 wrappers, made in code: the byte tokenizer with the tokens of
     :data:`VISION_TOKENS`, transformers' PIL image processor (:func:`image_inputs`' settings) and a chat template
     whose image parts become ``<|vision_start|><|image_pad|><|vision_end|>`` (the processor expands the pad), as
     ``pipeline("image-text-to-text")`` needs. Videos are left out (their processor needs torchvision)."""
-    import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    class ImageOnlyQwen3VLProcessor(transformers.Qwen3VLProcessor):
-        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
     tokenizer = byte_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
@@ -172,6 +175,38 @@ def qwen_processor():
     images = Qwen2VLImageProcessorPil(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2,
                                       min_pixels=(PATCH * MERGE) ** 2, max_pixels=96 * 96)
     return ImageOnlyQwen3VLProcessor(images, tokenizer, chat_template=tokenizer.chat_template)
+
+
+#: The module a saved tiny wrapper's folder ships its processor in (``AutoProcessor`` finds it through ``auto_map``).
+PROCESSOR_MODULE = "processing_image_only"
+
+
+def save_vlm(path, family: str = "qwen3_5", seed: int = 0) -> torch.nn.Module:
+    """Save the tiny ``family`` wrapper (Qwen3.5 or Qwen3.5-MoE: a processor made in code exists for those) and its
+    processor to the folder ``path`` as a checkpoint is published: ``AutoModelForImageTextToText`` and, with
+    ``trust_remote_code=True`` (the processor's class ships in the folder), ``AutoProcessor`` load them. Returns the
+    model.
+
+    Raises:
+        ValueError: no processor is made in code for ``family``.
+    """
+    import inspect
+    import json
+    from pathlib import Path
+
+    if family not in TINY_WRAPPERS or not TINY_WRAPPERS[family].config_class.startswith("Qwen3_5"):
+        raise ValueError(f"save_vlm makes a processor for the Qwen3.5 wrappers only, not {family!r}.")
+    folder = Path(path)
+    model = build_vlm(family, seed)
+    model.save_pretrained(folder)
+    qwen_processor().save_pretrained(folder)
+    source = inspect.getsource(ImageOnlyQwen3VLProcessor)
+    (folder / f"{PROCESSOR_MODULE}.py").write_text(f"import transformers\n\n\n{source}", encoding="utf-8")
+    config_path = folder / "processor_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["auto_map"] = {"AutoProcessor": f"{PROCESSOR_MODULE}.{ImageOnlyQwen3VLProcessor.__name__}"}
+    config_path.write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return model
 
 
 def _naflex(images: list[Image.Image]) -> tuple[dict, list[int]]:

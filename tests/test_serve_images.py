@@ -1,0 +1,279 @@
+"""Images in chat messages through the real ``openai`` client against a server on a loopback port (issue 34), serving a
+tiny Qwen3.5 wrapper saved as a checkpoint is published (``hf_hybridcache.toy.vision.save_vlm``: weights, and a
+processor made in code that ``AutoProcessor`` loads with ``--trust-remote-code``): a base64 image chat equals a solo
+greedy ``generate()`` of the processor's own prompt; the second turn about the same image reports cached tokens past
+the image; 8 clients at once with different images and questions equal their solo runs; PNG, JPEG and WebP data
+URLs, ``detail`` accepted; every bad image part is a 400 that says what is wrong, and the server keeps serving;
+remote URLs refused without ``--allow-remote-images`` and fetched with it (a loopback HTTP server), within the size
+and time limits.
+"""
+
+import asyncio
+import base64
+import io
+import re
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from test_serve import Server
+
+from hf_hybridcache.serve import ReplyMemory, SequentialBackend, build_app
+from hf_hybridcache.serve.__main__ import make_app, parse_args
+from hf_hybridcache.serve.image_chat import image_prompt
+from hf_hybridcache.serve.loading import load, load_processor
+from hf_hybridcache.toy import build_model, byte_tokenizer
+from hf_hybridcache.toy.vision import IMAGE, save_vlm, toy_image
+
+MODEL = "toy-qwen3_5-vl"
+MAX_TOKENS = 6
+#: The server's --max-image-bytes: the toy images take about 5 KB as PNG, a 160 x 160 noise PNG about 77 KB.
+LIMIT = 32 * 1024
+
+
+def data_url(image, kind: str = "PNG") -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format=kind)
+    return f"data:image/{kind.lower()};base64,{base64.b64encode(buffer.getvalue()).decode()}"
+
+
+def user(text: str, *urls: str, detail: str | None = None) -> dict:
+    parts = [{"type": "image_url", "image_url": {"url": url, **({"detail": detail} if detail else {})}}
+             for url in urls]
+    return {"role": "user", "content": [*parts, {"type": "text", "text": text}]}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vlm") / "qwen3_5"
+    save_vlm(path, "qwen3_5", seed=0)
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(folder):
+    args = parse_args(["--model", str(folder), "--trust-remote-code", "--served-model-name", MODEL,
+                       "--max-image-bytes", str(LIMIT), "--max-running-requests", "8", "--max-batch-tokens", "1024"])
+    server = Server(make_app(args))
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def solo(folder):
+    """Greedy generate() without a cache on the same checkpoint, on the prompt the processor gives."""
+    model, _ = load(str(folder), trust_remote_code=True)
+    processor = load_processor(str(folder), trust_remote_code=True)
+
+    def run(messages: list[dict], images: list, memory: ReplyMemory) -> tuple[str, list[int]]:
+        ids, inputs, key = image_prompt(processor, messages, images, memory)
+        prompt = torch.tensor([ids])
+        with torch.no_grad():
+            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), **inputs, max_new_tokens=MAX_TOKENS,
+                                 do_sample=False, eos_token_id=processor.tokenizer.eos_token_id, pad_token_id=0)
+        reply = out[0, len(ids):].tolist()
+        text = processor.tokenizer.decode(reply, skip_special_tokens=True)
+        ended = reply[-1:] == [processor.tokenizer.eos_token_id]
+        memory.remember(None, ids, text, reply[:-1] if ended else reply, key)
+        return text, ids
+
+    run.processor = processor
+    return run
+
+
+def template_form(message: dict) -> dict:
+    """A chat message as the processor's template takes it (image parts as ``{"type": "image"}``)."""
+    if isinstance(message["content"], str):
+        return message
+    return {"role": message["role"], "content": [{"type": "image"} if p["type"] == "image_url" else p
+                                                 for p in message["content"]]}
+
+
+def test_an_image_chat_equals_its_solo_run_and_the_second_turn_hits_past_the_image(served, solo):
+    client, image = served.client(), toy_image(5)
+    messages = [user("What is on this screen?", data_url(image))]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    memory = ReplyMemory()
+    expected, ids = solo([template_form(m) for m in messages], [image], memory)
+    # The prompt is the processor's own (its chat template with the image, then the processor).
+    reference = solo.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text":
+                                                                          "What is on this screen?"}]}],
+        add_generation_prompt=True, tokenize=True, return_dict=True)
+    assert reference["input_ids"][0] == ids and ids.count(IMAGE) == 24
+    assert first.choices[0].message.content == expected and first.usage.prompt_tokens == len(ids)
+    messages += [{"role": "assistant", "content": expected}, user("And what colour is the box?")]
+    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    expected, second_ids = solo([template_form(m) for m in messages], [image], memory)
+    assert second.choices[0].message.content == expected and second.usage.prompt_tokens == len(second_ids)
+    last_placeholder = max(i for i, t in enumerate(second_ids) if t == IMAGE)
+    assert second.usage.prompt_tokens_details.cached_tokens > last_placeholder
+
+
+def test_another_image_with_the_same_question_is_another_reply_and_no_hit_past_it(served, solo):
+    """Power of the tests above: the image reaches the reply (two images, same ids, different replies), and equal ids
+    with another image do not hit past the image's first block."""
+    client = served.client()
+    replies, hits = [], []
+    for seed in (11, 12):
+        reply = client.chat.completions.create(model=MODEL, messages=[user("Describe it.", data_url(toy_image(seed)))],
+                                               max_tokens=MAX_TOKENS, temperature=0)
+        replies.append(reply.choices[0].message.content)
+        hits.append(reply.usage.prompt_tokens_details.cached_tokens)
+    assert replies[0] != replies[1]
+    ids = solo.processor.apply_chat_template([{"role": "user", "content": [{"type": "image", "image": toy_image(12)},
+                                                                            {"type": "text", "text": "Describe it."}]}],
+                                             add_generation_prompt=True, tokenize=True)[0]
+    assert hits[1] <= ids.index(IMAGE)
+
+
+async def _chat(client, index: int) -> list[tuple[str, int, int]]:
+    image = toy_image(100 + index, width=32 + 16 * (index % 3))
+    messages, record = [user(f"Client {index}: what is in the picture?", data_url(image))], []
+    for turn in range(2):
+        reply = await client.chat.completions.create(model=MODEL, messages=list(messages), max_tokens=MAX_TOKENS,
+                                                     temperature=0)
+        content = reply.choices[0].message.content
+        record.append((content, reply.usage.prompt_tokens, reply.usage.prompt_tokens_details.cached_tokens))
+        messages += [{"role": "assistant", "content": content}, user(f"Client {index}, question {turn + 1}: why?")]
+    return record, messages, image
+
+
+def test_eight_clients_at_once_with_their_own_images_equal_their_solo_runs(served, solo):
+    async def everyone():
+        async with openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0) as client:
+            return await asyncio.gather(*(_chat(client, i) for i in range(8)))
+
+    for index, (record, messages, image) in enumerate(asyncio.run(everyone())):
+        memory, asked = ReplyMemory(), []
+        for turn, (content, prompt_tokens, cached) in enumerate(record):
+            asked = [template_form(m) for m in messages[: 2 * turn + 1]]
+            expected, ids = solo(asked, [image], memory)
+            assert (content, prompt_tokens) == (expected, len(ids)), (index, turn)
+            if turn:  # the first turn's prompt and reply, image included
+                assert cached > max(i for i, t in enumerate(ids) if t == IMAGE), (index, cached)
+
+
+@pytest.mark.parametrize("kind", ["JPEG", "WEBP"])
+def test_jpeg_and_webp_parts_and_detail_are_taken(served, solo, kind):
+    from PIL import Image
+
+    url = data_url(toy_image(31), kind)
+    decoded = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")  # lossy: as sent
+    expected, _ = solo([template_form(user("Read it.", url))], [decoded], ReplyMemory())
+    for detail in (None, "low", "high", "auto"):
+        reply = served.client().chat.completions.create(model=MODEL, messages=[user("Read it.", url, detail=detail)],
+                                                        max_tokens=MAX_TOKENS, temperature=0)
+        assert reply.choices[0].message.content == expected, detail
+
+
+def _noise_png(side: int) -> str:
+    from PIL import Image
+
+    generator = torch.Generator().manual_seed(0)
+    pixels = torch.randint(0, 256, (side, side, 3), dtype=torch.uint8, generator=generator)
+    return data_url(Image.fromarray(pixels.numpy()))
+
+
+#: Bad image parts: (message, what the 400 says, the param it names).
+BAD_PARTS = {
+    "bad base64": (user("x", "data:image/png;base64,@@not base64@@"), "not valid base64", "content[0].image_url.url"),
+    "not an image": (user("x", "data:image/png;base64," + base64.b64encode(b"hello there").decode()),
+                     "not an image", "content[0].image_url.url"),
+    "not an image type": (user("x", "data:text/plain;base64,aGVsbG8="), "not an image", "content[0].image_url.url"),
+    "no base64": (user("x", "data:image/png,rawbytes"), "base64", "content[0].image_url.url"),
+    "too large": (user("x", _noise_png(160)), "--max-image-bytes", "content[0].image_url.url"),
+    "remote off": (user("x", "http://127.0.0.1:9/cat.png"), "--allow-remote-images", "content[0].image_url.url"),
+    "other scheme": (user("x", "ftp://example.com/cat.png"), "data: URL", "content[0].image_url.url"),
+    "in an assistant message": ({"role": "assistant", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(toy_image(1))}}]}, "user messages only", "image_url"),
+    "bad detail": (user("x", data_url(toy_image(1)), detail="ultra"), "detail", None),
+}
+
+
+def test_every_bad_image_part_is_a_400_that_says_what_and_where(served, solo):
+    with httpx.Client(base_url=served.url) as http:
+        for name, (message, says, param) in BAD_PARTS.items():
+            messages = [message] if message["role"] == "user" else [user("hi"), message, user("and?")]
+            response = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages})
+            error = response.json()["error"]
+            assert response.status_code == 400 and says in error["message"], (name, error)
+            assert param is None or param in (error["param"] or ""), (name, error)
+    image = toy_image(7)  # the server still serves images
+    expected, _ = solo([template_form(user("Still there?", data_url(image)))], [image], ReplyMemory())
+    reply = served.client().chat.completions.create(model=MODEL, messages=[user("Still there?", data_url(image))],
+                                                    max_tokens=MAX_TOKENS, temperature=0)
+    assert reply.choices[0].message.content == expected
+
+
+def test_a_text_only_model_refuses_image_parts_with_a_400():
+    model, tokenizer = build_model("jamba", seed=0), byte_tokenizer()
+    server = Server(build_app(SequentialBackend(model, [tokenizer.eos_token_id]), tokenizer, "toy:jamba"))
+    try:
+        with pytest.raises(openai.BadRequestError, match="takes text only") as refused:
+            server.client().chat.completions.create(model="toy:jamba", messages=[user("hi", data_url(toy_image(1)))],
+                                                    max_tokens=2)
+        assert refused.value.body["param"] == "messages[0].content[0].image_url.url"
+        text = server.client().chat.completions.create(model="toy:jamba", messages=[user("hi")], max_tokens=2)
+        assert text.choices[0].finish_reason in ("stop", "length")
+    finally:
+        server.close()
+
+
+class Images(BaseHTTPRequestHandler):
+    """Loopback image host: ``/cat.png`` (a toy PNG), ``/big.png`` (over the limit, no Content-Length), ``/slow.png``
+    (its body after 3 s), anything else 404."""
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        if self.path not in ("/cat.png", "/big.png", "/slow.png"):
+            self.send_error(404)
+            return
+        body = base64.b64decode((_noise_png(160) if self.path == "/big.png" else data_url(toy_image(9))).split(",")[1])
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.end_headers()
+        if self.path == "/slow.png":
+            time.sleep(3)
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_remote_urls_are_fetched_only_with_the_flag_within_size_and_time(folder, solo):
+    host = ThreadingHTTPServer(("127.0.0.1", 0), Images)
+    threading.Thread(target=host.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{host.server_address[1]}"
+    args = parse_args(["--model", str(folder), "--trust-remote-code", "--served-model-name", MODEL, "--no-cache",
+                       "--allow-remote-images", "--max-image-bytes", str(LIMIT), "--image-fetch-timeout", "1"])
+    server = Server(make_app(args))
+    try:
+        client = server.client()
+        image = toy_image(9)
+        expected, _ = solo([template_form(user("Fetched?", data_url(image)))], [image], ReplyMemory())
+        reply = client.chat.completions.create(model=MODEL, messages=[user("Fetched?", f"{base}/cat.png")],
+                                               max_tokens=MAX_TOKENS, temperature=0)
+        assert reply.choices[0].message.content == expected
+        for path, says in (("/big.png", "--max-image-bytes"), ("/slow.png", "within 1 s"), ("/none.png", "HTTP 404")):
+            started = time.perf_counter()
+            with pytest.raises(openai.BadRequestError, match=says):
+                client.chat.completions.create(model=MODEL, messages=[user("x", f"{base}{path}")], max_tokens=2)
+            assert time.perf_counter() - started < 2.5, path  # the slow one is cut at the limit, not at 3 s
+    finally:
+        server.close()
+        host.shutdown()
+
+
+def test_the_docs_image_chat_runs_as_written(served, capsys):
+    """docs/serving.md's client example, against this module's server: the second turn restores the image."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text[text.index("## Images") :], re.S).group(1)
+    code = code.replace("http://127.0.0.1:8000", served.url).replace('"./toy-qwen3_5-vl"', repr(MODEL))
+    exec(compile(code, "docs/serving.md", "exec"), {})
+    prompt_tokens, cached = map(int, capsys.readouterr().out.split())
+    assert 24 < cached < prompt_tokens  # past the image's 24 placeholders
