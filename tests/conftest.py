@@ -66,6 +66,7 @@ _COLD_MODELS: dict[str, torch.nn.Module] = {}
 VERSION_SPECIFIC_MODULES = {
     "test_batches", "test_continuation", "test_devices", "test_engine_faults", "test_engine_families",
     "test_engine_generation_fields", "test_engine_isolation", "test_engine_scoring", "test_engine_serving",
+    "test_engine_vision",
     "test_errors", "test_examples", "test_families", "test_generate_features", "test_hit_in_place",
     "test_kernel_notices", "test_linear_families", "test_mamba2", "test_quickstart", "test_readme",
     "test_reduced_precision", "test_serve", "test_serve_completions", "test_serve_images", "test_serve_startup",

@@ -88,7 +88,8 @@ def request_images(model, prompt: list[int], images) -> tuple[RequestImages | No
     built = ImagePrompt.build(model, ids, inputs)
     if built is None:
         return None, ("The prompt's image placeholder tokens and the pixel inputs disagree (a different number of "
-                      "images or of placeholders per image); pass the input_ids and pixel inputs of one processor call.")
+                      "images or of placeholders per image); pass the input_ids and pixel inputs of one processor "
+                      "call.")
     covered = {p for item in built.items for p in item.positions}
     stray = sorted({t for p, t in enumerate(prompt) if t in placeholders and p not in covered})
     if stray:

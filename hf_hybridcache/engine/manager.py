@@ -230,7 +230,8 @@ class ContinuousBatchingManager:
         return request_id
 
     def add_requests(self, inputs: list, max_new_tokens: int | None = None, streaming: bool = False,
-                     record_timestamps: bool = False, images: list | None = None, **logit_processor_kwargs) -> list[str]:
+                     record_timestamps: bool = False, images: list | None = None,
+                     **logit_processor_kwargs) -> list[str]:
         """:meth:`add_request` for each prompt of ``inputs`` (with ``images[i]`` when given, one entry or None per
         prompt); returns their ids in order. The loop takes them in one go, so requests sent together start in the
         same step (equal chunks form one group)."""
