@@ -229,7 +229,7 @@ class Images(BaseHTTPRequestHandler):
     """Loopback image host: ``/cat.png`` (a toy PNG), ``/big.png`` (over the limit, no Content-Length), ``/slow.png``
     (its body after 3 s), anything else 404."""
 
-    def do_GET(self):  # noqa: N802 - http.server's name
+    def do_GET(self):
         if self.path not in ("/cat.png", "/big.png", "/slow.png"):
             self.send_error(404)
             return

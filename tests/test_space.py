@@ -67,13 +67,28 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def app_url(tmp_path_factory):
     """``python examples/space/app.py --port N`` in a subprocess; the URL it prints once it serves."""
+    yield from _serving(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def vision_url(tmp_path_factory):
+    """The app with ``--vision`` (the built-in vision-language model), as :func:`app_url`."""
+    yield from _serving(tmp_path_factory, "--vision")
+
+
+def _serving(tmp_path_factory, *args: str):
+    """``python examples/space/app.py --port N *args`` in a subprocess: yields its URL once it serves, then stops it."""
     _need("gradio")
     port = _free_port()
     log_path = tmp_path_factory.mktemp("space") / "app.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "GRADIO_ANALYTICS_ENABLED": "False"}
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [sys.executable, str(APP), "--port", str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+            [sys.executable, str(APP), "--port", str(port), *args],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -161,12 +176,18 @@ def _open(context, url: str):
     return page
 
 
-def test_browser_chat_shows_the_cache_at_work(app_url, tmp_path):
+def _browser():
+    """Playwright's sync API, once /usr/bin/chromium is there (in CI both must be; elsewhere the test skips)."""
     sync_api = _need("playwright.sync_api")
     if not Path(CHROMIUM).exists():
         if os.environ.get("CI"):
             pytest.fail(f"{CHROMIUM} is missing: .ci/run installs it with apt-get")
         pytest.skip(f"needs {CHROMIUM}: apt-get install chromium")
+    return sync_api
+
+
+def test_browser_chat_shows_the_cache_at_work(app_url, tmp_path):
+    sync_api = _browser()
 
     with sync_api.sync_playwright() as playwright:
         context = playwright.chromium.launch_persistent_context(
@@ -235,6 +256,39 @@ def test_browser_chat_shows_the_cache_at_work(app_url, tmp_path):
             context.close()
 
 
+def test_browser_image_chat_skips_the_encoder_on_the_second_question(vision_url, tmp_path):
+    """With ``--vision``, an image uploaded from the page: the first turn encodes it, the second question about it
+    restores the chat past the image and encodes nothing (images skipped 1, encoder 0 ms); both equal cold runs."""
+    sync_api = _browser()
+    from hf_hybridcache.toy.vision import toy_image
+
+    picture = tmp_path / "screen.png"
+    toy_image(3, width=96, height=64).save(picture)
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
+        try:
+            context = browser.new_context(viewport={"width": 1440, "height": 1100})
+            context.route("**/*", lambda route: route.continue_() if _is_loopback(route.request.url) else route.abort())
+            page = _open(context, vision_url)
+            page.locator("#msg input[type=file]").set_input_files(str(picture))
+            page.locator("#msg img").first.wait_for(timeout=30_000)  # the upload's preview: it reached the server
+            _send(page, "What is on this screen?")
+            first = _wait_turns(page, 1)[0]
+            _send(page, "And what colour is the box?")
+            rows = _wait_turns(page, 2)
+            second = rows[1]
+            shown_images = page.locator("#chatbot img").count()
+            panel = page.locator("#cache-panel [data-stat='images skipped']").inner_text()
+        finally:
+            browser.close()
+    assert [row["identical to cold"] for row in rows] == ["yes", "yes"], rows
+    assert (first["images encoded"], first["images skipped"]) == ("1", "0") and float(first["encoder (ms)"]) > 0
+    assert (second["images encoded"], second["images skipped"], second["encoder (ms)"]) == ("0", "1", "0.0"), rows
+    # The image lies inside the first prompt: the second turn restores at least that prompt's blocks.
+    assert int(second["hit tokens"]) >= int(first["prompt tokens"]) // BLOCK_SIZE * BLOCK_SIZE > 0, rows
+    assert shown_images >= 1 and panel.startswith("1 "), (shown_images, panel)
+
+
 def _words_broken_across_lines(page, selector: str) -> list[str]:
     """The words of the elements matching ``selector`` whose letters lie on more than one line."""
     return page.evaluate(
@@ -271,11 +325,7 @@ def test_empty_reply_and_how_it_works_text():
 def test_three_browser_sessions_chat_at_once(app_url, tmp_path):
     """Three pages send at the same moment: the engine runs their turns in the same steps, and each page's reply is
     the one its prompt gets alone, from greedy ``generate()`` without a cache in this process."""
-    sync_api = _need("playwright.sync_api")
-    if not Path(CHROMIUM).exists():
-        if os.environ.get("CI"):
-            pytest.fail(f"{CHROMIUM} is missing: .ci/run installs it with apt-get")
-        pytest.skip(f"needs {CHROMIUM}: apt-get install chromium")
+    sync_api = _browser()
     app = _app_module()
     reference = app.ChatEngine.builtin()
     messages = [

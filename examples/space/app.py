@@ -12,12 +12,19 @@ Run it with one command (it prints the URL, http://127.0.0.1:7860 by default)::
     pip install -e ".[demo]"
     python examples/space/app.py                          # the built-in random Jamba-shaped model, no downloads
     python examples/space/app.py --model-id ai21labs/Jamba-tiny-dev   # a real checkpoint (needs a hub)
+    python examples/space/app.py --vision                 # a built-in random vision-language model: images
 
 Several browser sessions share the one cache (a second user with the same system prompt gets a hit on their first
 turn); each session keeps its own chat history. Their turns run at the same time: the engine packs the requests of
 every session into the same forward steps (up to ``--max-running-requests`` at once, 8 by default; Gradio's queue
 holds the rest), and each turn shows its own hit and how many requests ran with it. The "compare" run is a plain
 ``generate()`` without the cache, beside the engine.
+
+With a vision-language model (``--vision``: a built-in random Qwen3.5-shaped wrapper; or ``--model-id`` of a Qwen3.5,
+LFM2-VL, ... checkpoint) a message can carry an image. The cache keys the image's placeholder tokens by its content,
+so the next question about the same image restores the prompt, image included, and the vision encoder does not run
+for it: each turn shows the images encoded and skipped and the encoder's time (``cache.stats``: ``images_skipped``,
+``vision_encoder_seconds``).
 """
 
 from __future__ import annotations
@@ -111,7 +118,9 @@ class CacheSettings:
 class TurnStats:
     """Numbers of one chat turn. TTFT is measured from queueing the request to its first new token, in ms;
     ``reason`` and ``detail`` say why the hit is that long (:class:`~hf_hybridcache.core.explain.HitReport`);
-    ``requests_at_once`` is the most requests the engine ran in one step while this turn ran (this one included)."""
+    ``requests_at_once`` is the most requests the engine ran in one step while this turn ran (this one included).
+    ``images`` is the prompt's images; ``images_encoded`` / ``images_skipped`` and ``encoder_ms`` are what the cache's
+    image counters moved by while this turn ran (other sessions' turns at the same time count there too)."""
 
     prompt_tokens: int
     hit_tokens: int
@@ -123,6 +132,10 @@ class TurnStats:
     reason: str = ""
     detail: str = ""
     requests_at_once: int = 1
+    images: int = 0
+    images_encoded: int = 0
+    images_skipped: int = 0
+    encoder_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -165,6 +178,7 @@ class ChatEngine:
         max_new_tokens: int = 48,
         suppress_tokens=None,
         max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS,
+        processor=None,
     ) -> None:
         if tokenizer.chat_template is None:
             raise ValueError(
@@ -174,6 +188,13 @@ class ChatEngine:
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be at least 1, got {max_running_requests}.")
         self.model, self.tokenizer, self.name = model, tokenizer, name
+        # A vision-language wrapper's processor: it renders chats with images (hf_hybridcache.serve.image_chat), and
+        # the reply memory splices each reply's generated ids into the next prompt, keyed by the prompt's images.
+        self.processor, self.memory = processor, None
+        if processor is not None:
+            from hf_hybridcache.serve.prompts import ReplyMemory
+
+            self.memory = ReplyMemory()
         self.generation_kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False)
         if suppress_tokens:
             self.generation_kwargs["suppress_tokens"] = list(suppress_tokens)
@@ -201,27 +222,53 @@ class ChatEngine:
         return cls(model, tokenizer, name, max_new_tokens, suppress, max_running_requests)
 
     @classmethod
+    def builtin_vision(
+        cls, max_new_tokens: int = 48, max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
+    ) -> ChatEngine:
+        """The built-in random Qwen3.5-shaped vision-language wrapper (a gated delta net decoder and a two-layer
+        vision tower) with its processor made in code (``hf_hybridcache.toy.vision``): no downloads."""
+        from hf_hybridcache.toy.vision import build_vlm, qwen_processor
+
+        processor = qwen_processor()
+        tokenizer = processor.tokenizer
+        allowed = {tokenizer.convert_tokens_to_ids(tokenizer.tokenize(ch))[0] for ch in BUILTIN_ALPHABET}
+        allowed.add(tokenizer.eos_token_id)
+        model = build_vlm("qwen3_5", seed=0)
+        suppress = [i for i in range(model.config.text_config.vocab_size) if i not in allowed]
+        params = sum(p.numel() for p in model.parameters()) / 1e6
+        name = f"built-in random Qwen3.5-shaped vision-language model ({params:.2f}M params)"
+        return cls(model, tokenizer, name, max_new_tokens, suppress, max_running_requests, processor)
+
+    @classmethod
     def from_pretrained(
         cls, model_id: str, max_new_tokens: int = 48, max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
     ) -> ChatEngine:
         """A hub checkpoint or a local ``save_pretrained`` folder (bf16 on a GPU, fp32 on CPU; SDPA attention, which
-        the engine needs).
+        the engine needs). A vision-language checkpoint (Qwen3.5, LFM2-VL, ...) is loaded as published, the wrapper
+        with its processor, and its chat takes images.
 
         Raises:
             ValueError: the model type is not supported by hf_hybridcache, or the tokenizer has no chat template.
         """
-        tokenizer = AutoTokenizer.from_pretrained(model_id)
+        from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+        from hf_hybridcache.multimodal import WRAPPERS
+
+        vision = AutoConfig.from_pretrained(model_id).model_type in WRAPPERS
+        processor = AutoProcessor.from_pretrained(model_id) if vision else None
+        tokenizer = processor.tokenizer if vision else AutoTokenizer.from_pretrained(model_id)
         on_gpu = torch.cuda.is_available()
-        model = AutoModelForCausalLM.from_pretrained(
+        model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(
             model_id, dtype=torch.bfloat16 if on_gpu else torch.float32, attn_implementation="sdpa"
         )
-        if model.config.model_type not in supported_model_types():
+        if model.config.model_type not in supported_model_types() and not vision:
             raise ValueError(
                 f"{model_id!r} is a {model.config.model_type!r} model; hf_hybridcache supports "
                 f"{', '.join(supported_model_types())}. Pick a checkpoint of one of those."
             )
         model = model.to("cuda" if on_gpu else "cpu").eval()
-        return cls(model, tokenizer, model_id, max_new_tokens, max_running_requests=max_running_requests)
+        return cls(model, tokenizer, model_id, max_new_tokens, max_running_requests=max_running_requests,
+                   processor=processor)
 
     @staticmethod
     def eviction_choices() -> list[str]:
@@ -231,8 +278,8 @@ class ChatEngine:
     def warm_up(self) -> None:
         """One short ``generate()`` without the cache, so that one-time costs (lazy inits, first calls of each op)
         do not land in the first visitor's TTFT."""
-        ids = self.prompt_ids([{"role": "user", "content": "warm up"}])
-        self.model.generate(ids, **{**self.generation_kwargs, "max_new_tokens": 2})
+        ids, images, _ = self.prompt_inputs([{"role": "user", "content": "warm up"}])
+        self.model.generate(ids, **{**self.generation_kwargs, "max_new_tokens": 2}, **(images or {}))
 
     # ------------------------------------------------------------------ the shared cache and its engine
 
@@ -287,12 +334,34 @@ class ChatEngine:
         )
         return encoded["input_ids"].to(self.model.device)
 
-    def _generate_cold(self, ids: torch.Tensor) -> tuple[torch.Tensor, float]:
+    def prompt_inputs(self, messages: list[dict]) -> tuple[torch.Tensor, dict | None, bytes]:
+        """``(token ids [1, L], image inputs or None, images key)`` of the chat so far plus the assistant prefix.
+
+        Without a processor: :meth:`prompt_ids`. With one, a user message's ``images`` (file paths) go before its text,
+        and the processor's chat template and the processor make the ids and the pixel inputs; the previous replies'
+        generated ids are spliced in from the reply memory (``hf_hybridcache.serve.image_chat.image_prompt``)."""
+        if self.processor is None:
+            return self.prompt_ids(messages), None, b""
+        from PIL import Image
+
+        from hf_hybridcache.serve.image_chat import image_prompt
+
+        chat, images = [], []
+        for m in messages:
+            paths = m.get("images") or []
+            images += [Image.open(path).convert("RGB") for path in paths]
+            parts = [{"type": "image"} for _ in paths] + [{"type": "text", "text": m["content"]}]
+            chat.append({"role": m["role"], "content": parts if paths else m["content"]})
+        ids, inputs, key = image_prompt(self.processor, chat, images, self.memory)
+        inputs = {name: tensor.to(self.model.device) for name, tensor in inputs.items()} if images else None
+        return torch.tensor([ids], device=self.model.device), inputs, key
+
+    def _generate_cold(self, ids: torch.Tensor, images: dict | None = None) -> tuple[torch.Tensor, float]:
         """The same prompt through a plain ``generate()`` without the cache: its new ids and TTFT in ms."""
         streamer = TimedStreamer(self.tokenizer)
         start = time.perf_counter()
         try:
-            sequences = self.model.generate(ids, streamer=streamer, **self.generation_kwargs)
+            sequences = self.model.generate(ids, streamer=streamer, **self.generation_kwargs, **(images or {}))
         finally:
             streamer.end()  # a second end() after generate's own is harmless
         return sequences[0, ids.shape[1] :], 1000 * ((streamer.first_token_time or time.perf_counter()) - start)
@@ -306,15 +375,17 @@ class ChatEngine:
         Raises:
             ValueError: the engine refused the request (it says what to do), or the cache was cleared meanwhile.
         """
-        ids = self.prompt_ids(messages)
-        _, manager = self._serving(settings)
+        ids, images, images_key = self.prompt_inputs(messages)
+        cache, manager = self._serving(settings)
         request_id = f"chat-{next(self._request_ids)}"
         start, first_token_time, at_once, output = time.perf_counter(), None, 1, None
+        before = cache.stats
         manager.add_request(
             ids[0].tolist(),
             request_id=request_id,
             streaming=True,
             max_new_tokens=self.generation_kwargs["max_new_tokens"],
+            **({} if images is None else {"images": images}),
         )
         try:
             for output in manager.request_id_iter(request_id):
@@ -340,7 +411,10 @@ class ChatEngine:
         if reply_ids and reply_ids[-1] == self.tokenizer.eos_token_id:
             reply_ids.pop()  # the template writes the end of the reply itself
         token_ids = ids[0].tolist() + reply_ids
+        if self.memory is not None:
+            self.memory.remember(None, ids[0].tolist(), text, reply_ids, images_key)
         prompt_tokens, hit_tokens, report = ids.shape[1], output.hit_tokens, output.hit_report
+        after = cache.stats
         turn = TurnStats(
             prompt_tokens,
             hit_tokens,
@@ -350,10 +424,14 @@ class ChatEngine:
             reason=report.reason,
             detail=report.detail,
             requests_at_once=at_once,
+            images=sum(len(m.get("images") or []) for m in messages),
+            images_encoded=after.images_encoded - before.images_encoded,
+            images_skipped=after.images_skipped - before.images_skipped,
+            encoder_ms=1000 * (after.vision_encoder_seconds - before.vision_encoder_seconds),
         )
         if compare:
             yield ChatUpdate(text, "running the same prompt without the cache")
-            cold_ids, cold_ttft_ms = self._generate_cold(ids)
+            cold_ids, cold_ttft_ms = self._generate_cold(ids, images)
             same = torch.equal(cold_ids.cpu(), new_ids)
             turn = TurnStats(**{**asdict(turn), "cold_ttft_ms": cold_ttft_ms, "identical_to_cold": same})
         yield ChatUpdate(text, "", turn, token_ids)
@@ -396,6 +474,12 @@ class ChatEngine:
             ),
             ("settings", f"retention {settings.retention_interval}, eviction {settings.eviction}"),
         ]
+        if self.processor is not None:  # the vision encoder's work, and what hits spared it
+            rows[5:5] = [
+                ("images skipped", f"{s.images_skipped} (inside a hit: not encoded again)"),
+                ("images encoded", f"{s.images_encoded}, vision encoder {1000 * s.vision_encoder_seconds:.1f} ms in "
+                 f"{s.vision_encoder_calls} calls"),
+            ]
         table = "".join(f"<tr><th>{k}</th><td data-stat='{k}'>{v}</td></tr>" for k, v in rows)
         bar = (
             "<div style='background:#e5e7eb;border-radius:4px;height:10px;margin:4px 0 8px'>"
@@ -427,6 +511,11 @@ def _badge(turn: TurnStats) -> str:
     if turn.cold_ttft_ms is not None:
         same = "identical to cold ✓" if turn.identical_to_cold else "DIFFERS from cold ✗"
         text += f" (without cache {turn.cold_ttft_ms:.0f} ms) · {same}"
+    if turn.images:
+        text += (
+            f" · 🖼 {turn.images_skipped} image(s) skipped, {turn.images_encoded} encoded "
+            f"(vision encoder {turn.encoder_ms:.1f} ms)"
+        )
     return text
 
 
@@ -436,9 +525,10 @@ EMPTY_REPLY = "_(empty reply: the model's first token was its end-of-sequence to
 
 def render_chat(conversation: list[dict], turns: list[TurnStats], pending: ChatUpdate | None = None) -> list[dict]:
     """Chatbot messages: each reply followed by a collapsed box whose title holds the turn's numbers; an empty reply
-    says so (:data:`EMPTY_REPLY`) instead of showing an empty bubble."""
+    says so (:data:`EMPTY_REPLY`) instead of showing an empty bubble; a message's images are shown before its text."""
     shown: list[dict] = []
     for i, message in enumerate(conversation):
+        shown += [{"role": message["role"], "content": {"path": path}} for path in message.get("images") or []]
         empty = message["role"] == "assistant" and not message["content"].strip()
         shown.append({"role": message["role"], "content": EMPTY_REPLY if empty else message["content"]})
         turn_index = i // 2
@@ -459,13 +549,16 @@ def render_chat(conversation: list[dict], turns: list[TurnStats], pending: ChatU
     return shown
 
 
-def turns_markdown(turns: list[TurnStats]) -> str:
+def turns_markdown(turns: list[TurnStats], vision: bool = False) -> str:
+    """The session's turns as a Markdown table (``vision``: with the images skipped and encoded, and the vision
+    encoder's time, in ms)."""
     if not turns:
         return "_No turns yet in this session._"
+    images = (" images skipped | images encoded | encoder (ms) |", "---:|---:|---:|") if vision else ("", "")
     lines = [
         "| # | prompt tokens | hit tokens | why | replayed tokens | TTFT (ms) | requests at once "
-        "| TTFT without cache (ms) | identical to cold |",
-        "|---:|---:|---:|:---|---:|---:|---:|---:|:---:|",
+        "| TTFT without cache (ms) | identical to cold |" + images[0],
+        "|---:|---:|---:|:---|---:|---:|---:|---:|:---:|" + images[1],
     ]
     for i, t in enumerate(turns, 1):
         cold = "–" if t.cold_ttft_ms is None else f"{t.cold_ttft_ms:.0f}"
@@ -481,6 +574,8 @@ def turns_markdown(turns: list[TurnStats]) -> str:
             cold,
             same,
         ]
+        if vision:
+            cells += [t.images_skipped, t.images_encoded, f"{t.encoder_ms:.1f}"]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
@@ -517,12 +612,18 @@ BUILTIN_NOTE = (
     "The built-in model has **random weights: its replies are gibberish, by design** (no downloads; letters only). "
     "Run the app with `--model-id` for a real checkpoint."
 )
+VISION_NOTE = (
+    " This model reads images: attach one to a message, then ask a second question about it. The second turn "
+    "restores the image with the rest of the chat, so the vision encoder does not run for it (the columns images "
+    "skipped, images encoded and encoder time)."
+)
 
 
 def build_demo(engine: ChatEngine) -> gr.Blocks:
     """The Gradio app around ``engine``. Chat turns run ``engine.max_running_requests`` at once (Gradio's queue holds
     the others); clearing the cache waits for its own slot."""
     is_builtin = "suppress_tokens" in engine.generation_kwargs
+    vision = engine.processor is not None  # the message box takes an image (a MultimodalTextbox)
 
     def settings_updates():
         locked = engine.settings
@@ -539,15 +640,19 @@ def build_demo(engine: ChatEngine) -> gr.Blocks:
         return [engine.panel_html(), engine.hit_plot(), *settings_updates()]
 
     def send(message, system_prompt, compare, retention, eviction, budget, conversation, turns):
+        files = []
+        if isinstance(message, dict):  # the MultimodalTextbox: {"text": ..., "files": [paths]}
+            files = [f if isinstance(f, str) else f["path"] for f in message.get("files") or []]
+            message = message.get("text")
         message = (message or "").strip()
-        if not message:
+        if not message and not files:
             raise gr.Error("Type a message first.")
         settings = CacheSettings.from_ui(retention, eviction, budget)
-        asked = conversation + [{"role": "user", "content": message}]
+        asked = conversation + [{"role": "user", "content": message, **({"images": files} if files else {})}]
         messages = ([{"role": "system", "content": system_prompt}] if (system_prompt or "").strip() else []) + asked
         yield {
             chatbot: render_chat(asked, turns, ChatUpdate("", "waiting for the model")),
-            msg: "",
+            msg: None if vision else "",
             system: gr.update(interactive=False),
         }
         try:
@@ -561,7 +666,7 @@ def build_demo(engine: ChatEngine) -> gr.Blocks:
                     chatbot: render_chat(conversation, turns),
                     state_conversation: conversation,
                     state_turns: turns,
-                    turns_md: turns_markdown(turns),
+                    turns_md: turns_markdown(turns, vision),
                     last_turn: asdict(update.turn),
                     **dict(zip(panel, panel_outputs())),
                 }
@@ -569,7 +674,7 @@ def build_demo(engine: ChatEngine) -> gr.Blocks:
             raise gr.Error(str(error)) from error
 
     def new_chat():
-        return [], [], [], turns_markdown([]), None, gr.update(interactive=True)
+        return [], [], [], turns_markdown([], vision), None, gr.update(interactive=True)
 
     def clear_cache():
         engine.clear_cache()
@@ -580,7 +685,9 @@ def build_demo(engine: ChatEngine) -> gr.Blocks:
         state_turns = gr.State([])
         gr.Markdown(
             INTRO.format(
-                name=engine.name, model_note=BUILTIN_NOTE if is_builtin else "", max_running=engine.max_running_requests
+                name=engine.name,
+                model_note=(BUILTIN_NOTE if is_builtin else "") + (VISION_NOTE if vision else ""),
+                max_running=engine.max_running_requests,
             )
         )
         with gr.Tab("Chat"), gr.Row():
@@ -597,16 +704,26 @@ def build_demo(engine: ChatEngine) -> gr.Blocks:
                     buttons=["copy_all"],
                 )
                 with gr.Row():
-                    msg = gr.Textbox(
-                        placeholder="Type a message and press Enter", show_label=False, scale=5, elem_id="msg"
-                    )
+                    if vision:
+                        msg = gr.MultimodalTextbox(
+                            placeholder="Type a message, attach an image (the clip), press Enter",
+                            file_types=["image"],
+                            show_label=False,
+                            scale=5,
+                            elem_id="msg",
+                            submit_btn=False,
+                        )
+                    else:
+                        msg = gr.Textbox(
+                            placeholder="Type a message and press Enter", show_label=False, scale=5, elem_id="msg"
+                        )
                     send_btn = gr.Button("Send", variant="primary", scale=1, elem_id="send")
                 with gr.Row():
                     compare = gr.Checkbox(
                         False, label="compare: also run without the cache (TTFT, same output)", elem_id="compare"
                     )
                     new_btn = gr.Button("New chat", size="sm", elem_id="new-chat")
-                turns_md = gr.Markdown(turns_markdown([]), elem_id="turns")
+                turns_md = gr.Markdown(turns_markdown([], vision), elem_id="turns")
                 with gr.Accordion("Last turn (raw numbers)", open=False):
                     last_turn = gr.JSON(label="last turn", elem_id="last-turn")
             with gr.Column(scale=2):
@@ -678,9 +795,17 @@ def main(argv: list[str] | None = None) -> None:
         default=DEFAULT_MAX_RUNNING_REQUESTS,
         help="chat turns the engine runs at once (Gradio's queue holds the others)",
     )
+    parser.add_argument(
+        "--vision",
+        action="store_true",
+        default=os.environ.get("VISION") == "1",
+        help="the built-in random vision-language model: messages take an image (default: $VISION=1)",
+    )
     args = parser.parse_args(argv)
     if args.model_id:
         engine = ChatEngine.from_pretrained(args.model_id, args.max_new_tokens, args.max_running_requests)
+    elif args.vision:
+        engine = ChatEngine.builtin_vision(args.max_new_tokens, args.max_running_requests)
     else:
         engine = ChatEngine.builtin(args.max_new_tokens, args.max_running_requests)
     engine.warm_up()
