@@ -118,13 +118,32 @@ def _init_continuous_batching(model, generation_config=None, continuous_batching
     return vars(model)[_FACTORY_ATTR](owner, generation_config, continuous_batching_config)
 
 
-def _generate_batch(model, inputs, generation_config=None, *args, **kwargs):
+class PromptWithImages(list):
+    """A prompt's token ids (a ``list``, as transformers' ``generate_batch`` hands its inputs on to the manager's
+    ``add_requests``) that carries the prompt's images (``images``: what the model's processor returns besides
+    ``input_ids``), for a vision-language wrapper's ``generate_batch(inputs, images=[...])``."""
+
+    def __init__(self, ids, images) -> None:
+        super().__init__(ids)
+        self.images = images
+
+
+def _generate_batch(model, inputs, generation_config=None, *args, images=None, **kwargs):
     """transformers' ``generate_batch`` with the ``GenerationConfig`` fields of ``kwargs`` (``max_new_tokens``,
-    ``min_new_tokens``, ``repetition_penalty``, ...) set on a copy of ``generation_config`` (the model's when None).
+    ``min_new_tokens``, ``repetition_penalty``, ...) set on a copy of ``generation_config`` (the model's when None),
+    and ``images``, one entry (a ``{name: tensor}`` mapping, or None) per prompt, carried to the manager with the
+    prompts (:class:`PromptWithImages`).
 
     Raises:
-        ValueError: a keyword that is neither a ``GenerationConfig`` field nor a ``generate_batch`` parameter.
+        ValueError: a keyword that is neither a ``GenerationConfig`` field nor a ``generate_batch`` parameter;
+            ``images`` whose length is not the number of prompts.
     """
+    if images is not None:
+        if len(images) != len(inputs):
+            raise ValueError(f"generate_batch got {len(images)} images entries for {len(inputs)} prompts; pass one "
+                             "entry (the processor's outputs for that prompt, or None) per prompt.")
+        inputs = [PromptWithImages(ids.reshape(-1).tolist() if isinstance(ids, torch.Tensor) else ids, entry)
+                  for ids, entry in zip(inputs, images)]
     method = type(model).generate_batch
     fields = {name: kwargs.pop(name) for name in list(kwargs) if name in GenerationConfig().to_dict()}
     unknown = sorted(set(kwargs) - set(inspect.signature(method).parameters))
@@ -184,6 +203,12 @@ def _forward_signature(function: Callable) -> inspect.Signature:
     engine step binds its call)."""
     signature = inspect.signature(function)
     return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
+def takes_group_arguments(module: torch.nn.Module) -> bool:
+    """Whether ``module.forward`` has a parameter of :data:`GROUP_ARGUMENTS` (its calls are then bound by name)."""
+    parameters = _forward_signature(type(module).forward).parameters
+    return any(name in parameters for name in GROUP_ARGUMENTS)
 
 
 def reads_absolute_positions(module: torch.nn.Module) -> bool:

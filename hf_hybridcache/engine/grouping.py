@@ -31,6 +31,7 @@ from .._compat.continuous_batching import (
     cache_parameter,
     group_argument,
     reads_absolute_positions,
+    takes_group_arguments,
     wrap_instance_forward,
 )
 from .._compat.engine_attention import group_attention
@@ -39,6 +40,7 @@ from .views import StepCache
 
 _INNER = "_hf_hybridcache_engine_inner"
 _POSITIONAL = "_hf_hybridcache_engine_positional"
+_BINDS = "_hf_hybridcache_engine_binds"
 
 
 def wrap_stateful_modules(model: torch.nn.Module) -> int:
@@ -48,6 +50,7 @@ def wrap_stateful_modules(model: torch.nn.Module) -> int:
         for module in _outermost_stateful(layer):
             if id(module) not in wrapped and wrap_instance_forward(module, _INNER, _grouped_forward):
                 vars(module)[_POSITIONAL] = reads_absolute_positions(module)
+                vars(module)[_BINDS] = takes_group_arguments(module)
             wrapped.add(id(module))
     return len(wrapped)
 
@@ -65,13 +68,18 @@ def _grouped_forward(module, *args, **kwargs):
     step = next((v for v in (*args, *kwargs.values()) if isinstance(v, StepCache)), None)
     if step is None:
         return inner(*args, **kwargs)
-    bound = bind_call(module, args, kwargs)
+    # Binding the call by name (inspect) costs about 10 us a call: only modules that take a group argument need it.
+    bound = bind_call(module, args, kwargs) if vars(module)[_BINDS] else None
     outputs = []
     for group in step.plan.groups:
         parts = group.split_by_past() if group.is_decode and vars(module)[_POSITIONAL] else [group]
         for part in parts:
             view = step.view(part)
-            call_args, call_kwargs = _for_group(module, bound, step, view, part)
+            if bound is None:
+                call_args = tuple(_cut(value, step, view, part) for value in args)
+                call_kwargs = {name: _cut(value, step, view, part) for name, value in kwargs.items()}
+            else:
+                call_args, call_kwargs = _for_group(module, bound, step, view, part)
             with group_attention(view):
                 out = inner(*call_args, **call_kwargs)
             view.write_back()
@@ -109,6 +117,8 @@ def _pack(outputs: list[tuple[Group, object]]):
     """The groups' outputs as one packed output (``[G, T, hidden]`` tensors concatenated to ``[1, N, hidden]``)."""
     first = outputs[0][1]
     if isinstance(first, torch.Tensor):
+        if len(outputs) == 1 and _is_tokens(first, outputs[0][0]):
+            return first.reshape(1, -1, first.shape[-1])  # one group: a view, not a copy
         if all(_is_tokens(out, group) for group, out in outputs):
             return torch.cat([out.reshape(1, -1, out.shape[-1]) for _, out in outputs], dim=1)
         return None

@@ -10,7 +10,9 @@ Upstream code mirrored: :func:`_forward_from_state` copies the full-sequence pat
 calls are bit-identical. A fresh prompt that reaches a block boundary wants checkpoints, so it runs the copy: its
 outputs and states equal upstream's bit for bit under the ``"reference"`` kernel backend, and within fp32 round-off
 (about 3e-7 on the tiny test models) under the default CPU scan, which reassociates the recurrence
-(tests/test_upstream_mixers.py).
+(tests/test_upstream_mixers.py). Decode steps over a cached state run :func:`_decode_step`, upstream's single-token
+branch with the fused state updates of :mod:`hf_hybridcache.kernels.state_update` (fp32 round-off from upstream's;
+upstream's own branch in reduced precision and under the ``"reference"`` backend).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from .. import _compat
 from ..config import MambaLayerSpec, ModelStateSpec, TensorSpec
 from ..kernels import selective_scan
+from ..kernels.state_update import causal_conv1d_update, selective_state_update
 from .base import ModelSupport, attention_layer_spec
 from .mamba1 import KERNELS, apply_padding_mask, causal_conv, conv_states_at, patch_mixers
 
@@ -82,8 +85,53 @@ def _forward_from_state(mixer, hidden_states, cache, attention_mask, ssm_state, 
     return mixer.out_proj(y.transpose(1, 2).to(dtype))
 
 
+@_compat.force_accelerate_hooks(["conv1d", "dt_proj"])
+def _decode_step(mixer, hidden_states, cache, attention_mask):
+    """The single-token path of ``JambaMambaMixer.forward`` (``modeling_jamba.py``, transformers 5.23.0) on
+    ``hidden_states`` ``[B, 1, hidden]``, in place on the cached conv and SSM states; None (the original forward runs)
+    when the cache holds no state yet, for a quantized model (whose ``dt_proj`` upstream calls as a module) and in
+    reduced precision, where the reassociated products would round differently from upstream's decode (bf16
+    replies must equal transformers' own decode token for token).
+
+    Kept as upstream: the padding masks, the projections, the dt/B/C RMS norms, ``dt_proj``'s weight without its bias
+    (which enters the state update as ``dt_bias``), ``D`` and the ``silu(gate)`` gate. Changed: the tokens stay 2D
+    ``[B, I]`` (no transposes), upstream's ``causal_conv1d_update`` / ``mamba_selective_state_update`` torch fallbacks
+    become :func:`~hf_hybridcache.kernels.state_update.causal_conv1d_update` /
+    :func:`~hf_hybridcache.kernels.state_update.selective_state_update`, equal within fp32 round-off.
+    """
+    conv_state = cache.get_conv_state(mixer.layer_idx)
+    ssm_state = cache.get_recurrent_state(mixer.layer_idx)
+    if conv_state is None or ssm_state is None or hasattr(mixer.config, "_is_quantized"):
+        return None
+    if hidden_states.dtype != torch.float32 or mixer.in_proj.weight.dtype != torch.float32:
+        return None
+    dtype = hidden_states.dtype
+    hidden_states = apply_padding_mask(hidden_states, attention_mask)
+    x, gate = mixer.in_proj(hidden_states)[:, 0].chunk(2, dim=-1)
+    x = causal_conv1d_update(x, conv_state, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.activation)
+    if attention_mask is not None:
+        x = apply_padding_mask(x[:, None], attention_mask)[:, 0]
+    time_step, B, C = torch.split(
+        mixer.x_proj(x), [mixer.time_step_rank, mixer.ssm_state_size, mixer.ssm_state_size], dim=-1
+    )
+    time_step = torch.nn.functional.linear(mixer.dt_layernorm(time_step), mixer.dt_proj.weight)
+    y = selective_state_update(
+        ssm_state,
+        x,
+        time_step,
+        -torch.exp(mixer.A_log.float()),
+        mixer.b_layernorm(B),
+        mixer.c_layernorm(C),
+        mixer.D,
+        z=gate,
+        dt_bias=mixer.dt_proj.bias.float() if mixer.dt_proj.bias is not None else None,
+        dt_softplus=True,
+    )
+    return mixer.out_proj(y[:, None].to(dtype))
+
+
 def install(model: torch.nn.Module) -> None:
-    patch_mixers(model, MIXER_CLASS, _forward_from_state)
+    patch_mixers(model, MIXER_CLASS, _forward_from_state, _decode_step)
 
 
 def state_spec(model: torch.nn.Module, block_size: int) -> ModelStateSpec:

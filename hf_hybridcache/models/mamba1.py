@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from .. import _compat
+from ..kernels import get_backend
 
 #: What the Mamba-1 families tell :meth:`~hf_hybridcache.models.base.ModelSupport.explain_kernels`: the patched mixer's
 #: own causal conv and scan (:func:`causal_conv`, :func:`~hf_hybridcache.kernels.selective_scan`) replace upstream's.
@@ -27,29 +28,47 @@ KERNELS = dict(
     kernel_packages=("mamba-ssm", "causal-conv1d"),
 )
 
+#: ``(mixer, hidden_states [B, 1, hidden], cache, attention_mask [B, 1] or None) -> mixer output [B, 1, hidden]``, or
+#: None when the cache holds no state yet (the original forward runs then): the mixer's single-token step, in place on
+#: the cached states.
+DecodeStep = Callable[..., torch.Tensor | None]
+
 #: ``(mixer, hidden_states [B, T, hidden], cache, attention_mask [B, T] or None, ssm_state or None, positions)
 #: -> mixer output [B, T, hidden]``: the mixer's full-sequence path, starting from ``ssm_state`` (the cached SSM state,
 #: None for zeros) and handing the states after ``positions`` tokens to ``cache.capture_states``.
 ForwardFromState = Callable[..., torch.Tensor]
 
 
-def patch_mixers(model: torch.nn.Module, mixer_class: str, forward_from_state: ForwardFromState) -> None:
+def patch_mixers(
+    model: torch.nn.Module, mixer_class: str, forward_from_state: ForwardFromState, decode_step: DecodeStep | None = None
+) -> None:
     """Patch every ``mixer_class`` module of ``model`` (this instance only, idempotent).
 
     The patched mixer runs ``forward_from_state`` on multi-token forwards over a cached state or with checkpoints
-    wanted; everything else (no cache, decode steps, past recording, a fresh prefill with no checkpoint wanted) goes to
-    the original forward, bit-identical to the unpatched model. Decode steps (``seq_len == 1``) take upstream's
-    recurrent branch, which already continues from the cached state.
+    wanted, and ``decode_step`` (when given) on single-token forwards over a cached state; everything else (no cache,
+    past recording, a fresh prefill with no checkpoint wanted, decode steps under the ``"reference"`` kernel backend)
+    goes to the original forward, bit-identical to the unpatched model. Without ``decode_step``, decode steps take
+    upstream's recurrent branch, which already continues from the cached state.
     """
     for module in model.modules():
         if type(module).__name__ == mixer_class:
-            _compat.patch_instance_forward(module, functools.partial(_continuing_forward, forward_from_state))
+            _compat.patch_instance_forward(
+                module, functools.partial(_continuing_forward, forward_from_state, decode_step)
+            )
 
 
-def _continuing_forward(forward_from_state: ForwardFromState, mixer, original: Callable, *args, **kwargs):
+def _continuing_forward(
+    forward_from_state: ForwardFromState, decode_step: DecodeStep | None, mixer, original: Callable, *args, **kwargs
+):
     hidden_states, cache, attention_mask = _compat.split_mixer_call(args, kwargs)
     seq_len = hidden_states.shape[1]
-    if cache is None or seq_len == 1 or cache.is_recording_past(mixer.layer_idx):
+    if cache is None or cache.is_recording_past(mixer.layer_idx):
+        return original(*args, **kwargs)
+    if seq_len == 1:
+        if decode_step is not None and get_backend() != "reference":
+            out = decode_step(mixer, hidden_states, cache, attention_mask)
+            if out is not None:
+                return out
         return original(*args, **kwargs)
     ssm_state = cache.get_recurrent_state(mixer.layer_idx)
     positions = checkpoint_positions(cache, seq_len)

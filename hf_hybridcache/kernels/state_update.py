@@ -1,0 +1,185 @@
+"""Single-token state updates of the recurrent mixers (one decode step), in place on the cached states.
+
+A decode step runs each mixer on one token per row: the conv window rolls by one input and the recurrent state takes
+one step of its recurrence. transformers' torch fallbacks for these steps (``causal_conv1d_update`` and
+``mamba_selective_state_update`` in ``transformers/models/jamba/modeling_jamba.py``, 5.23.0) are written for any
+number of tokens and dtypes: a depthwise ``conv1d`` (on CPU a oneDNN convolution whose setup costs about 0.1 ms per
+call, far more than its arithmetic) and a chain of dtype conversions around each elementwise op. At decode sizes a
+step's time is that per-op overhead, so the fast paths here are the same arithmetic in the fewest torch ops, with no
+Python loop over rows or channels and no host-device synchronization:
+
+- :func:`causal_conv1d_update` / :func:`causal_conv1d_update_ref`: the conv window ``[B, C, W]`` rolls in the new
+  input and the output is the window's dot product with the weight (the ``causal_conv1d_update`` of Dao's
+  ``causal-conv1d`` package, single-token form);
+- :func:`selective_state_update` / :func:`selective_state_update_ref`: Mamba-1's selective state update (Gu & Dao,
+  "Mamba", 2023; ``selective_state_update`` of ``mamba_ssm/ops/triton/selective_state_update.py``):
+  ``dA = exp(dt * A)``, ``h = dA * h + dt * B * x``, ``y = C . h + D * x``, gated by ``silu(z)``.
+
+Each ``*_ref`` mirrors transformers' torch fallback operation for operation; the fast twin reassociates a product
+(``(dt * x) * B`` for ``(dt * B) * x``) and sums the conv window in another order, so the two agree within fp32
+round-off (tests/test_state_update.py). :func:`causal_conv1d_update` and :func:`selective_state_update` dispatch:
+the reference under the ``"reference"`` backend (:mod:`~hf_hybridcache.kernels.backend`), the fast torch path
+otherwise (no Triton twin: one decode token is a handful of elementwise ops, which a GPU runs as a few launches).
+
+Shapes: B rows (requests), C conv channels, W conv width, I channels (``intermediate_size``), N state size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+from . import backend
+
+
+def causal_conv1d_update_ref(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """One token of a depthwise causal conv: ``causal_conv1d_update`` (``modeling_jamba.py``, transformers 5.23.0),
+    copied, for one token.
+
+    Args:
+        x: the new conv inputs ``[B, C]``.
+        conv_state: the last ``W`` inputs ``[B, C, W]``; updated in place (the oldest input leaves, ``x`` enters).
+        weight: ``[C, W]``; bias: ``[C]`` or None; activation: a transformers activation name (``"silu"``) or None.
+
+    Returns:
+        ``[B, C]`` in ``x``'s dtype.
+    """
+    hidden_states = x.unsqueeze(-1)
+    state_len = conv_state.shape[-1]
+    hidden_states_new = torch.cat([conv_state, hidden_states], dim=-1).to(weight.dtype)
+    conv_state.copy_(hidden_states_new[:, :, -state_len:])
+    out = F.conv1d(hidden_states_new, weight.unsqueeze(1), bias, padding=0, groups=x.shape[1])
+    out = out[:, :, -1:]
+    if activation is not None:
+        out = ACT2FN[activation](out)
+    return out[..., 0].to(x.dtype)
+
+
+def causal_conv1d_update_fast(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """:func:`causal_conv1d_update_ref` as a roll and a dot product (no ``conv1d``); same arguments and result."""
+    window = torch.cat([conv_state[..., 1:], x.unsqueeze(-1).to(conv_state.dtype)], dim=-1)
+    conv_state.copy_(window)
+    out = (window.to(weight.dtype) * weight).sum(-1)
+    if bias is not None:
+        out = out + bias
+    if activation is not None:
+        out = ACT2FN[activation](out)
+    return out.to(x.dtype)
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """One token of a depthwise causal conv, in place on ``conv_state``: :func:`causal_conv1d_update_fast`, or
+    :func:`causal_conv1d_update_ref` under the ``"reference"`` backend (see there for the arguments)."""
+    if backend.resolve(x.device) == "reference":
+        return causal_conv1d_update_ref(x, conv_state, weight, bias, activation)
+    return causal_conv1d_update_fast(x, conv_state, weight, bias, activation)
+
+
+def selective_state_update_ref(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+) -> torch.Tensor:
+    """One token of Mamba-1's selective scan: ``mamba_selective_state_update`` (``modeling_jamba.py``,
+    transformers 5.23.0), copied.
+
+    Args:
+        state: the SSM state ``[B, I, N]`` (float32 in every supported model); updated in place.
+        x: the conv output ``[B, I]``; dt: the time steps before ``dt_bias`` and softplus ``[B, I]``.
+        A: ``[I, N]`` (negative); B, C: ``[B, N]``; D: ``[I]`` or None; z: the gate ``[B, I]`` or None;
+        dt_bias: ``[I]`` or None; dt_softplus: pass ``dt + dt_bias`` through softplus.
+
+    Returns:
+        ``y`` ``[B, I]`` in ``x``'s dtype: ``(C . h + D * x) * silu(z)`` with ``h`` the updated state.
+    """
+    input_dtype = x.dtype
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    dA = torch.exp(dt.float()[..., None] * A.float()).to(device=state.device)
+    dB = dt.float()[..., None] * B.float()[:, None, :]
+    dBx = dB * x.float()[..., None]
+    ssm_state = state.float() * dA + dBx
+    state.copy_(ssm_state.to(state.dtype))
+    out = torch.matmul(ssm_state.to(C.dtype), C.unsqueeze(-1)).squeeze(-1)
+    if D is not None:
+        out = out + x * D
+    if z is not None:
+        out = out * F.silu(z)
+    return out.to(input_dtype)
+
+
+def selective_state_update_fast(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+) -> torch.Tensor:
+    """:func:`selective_state_update_ref` in place on a float32 ``state``, in the fewest ops; same arguments and
+    result."""
+    assert state.dtype == torch.float32, f"the SSM state is kept in float32, not {state.dtype}"
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    dt = dt.float()
+    dA = torch.exp(dt.unsqueeze(-1) * A)
+    state.mul_(dA).addcmul_((dt * x.float()).unsqueeze(-1), B.float().unsqueeze(1))
+    out = torch.bmm(state.to(C.dtype), C.unsqueeze(-1)).squeeze(-1)
+    if D is not None:
+        out = torch.addcmul(out, x, D)
+    if z is not None:
+        out = out * F.silu(z)
+    return out.to(x.dtype)
+
+
+def selective_state_update(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+) -> torch.Tensor:
+    """Mamba-1's selective state update for one token, in place on ``state``: :func:`selective_state_update_fast`,
+    or :func:`selective_state_update_ref` under the ``"reference"`` backend (see there for the arguments)."""
+    if backend.resolve(x.device) == "reference" or state.dtype != torch.float32:
+        return selective_state_update_ref(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
+    return selective_state_update_fast(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
