@@ -260,3 +260,19 @@ def test_a_sampled_placeholder_id_runs_beside_images_without_a_failed_forward(fa
         with torch.no_grad():
             cold = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, suppress_tokens=suppress)
         assert output.generated_tokens == cold[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def test_generate_batch_takes_one_images_entry_per_prompt():
+    """``model.generate_batch(inputs, images=[...])`` carries each prompt's images to its request (None: a text
+    prompt); a list of another length is refused."""
+    model = _model("lfm2_vl")
+    cache = HybridPrefixCache(model)  # noqa: F841 - the model's engine serves this cache while it lives
+    inputs = [vlm_inputs("lfm2_vl", _prompts()[name]) for name in ("same_1", "other_image", "text")]
+    ids, images = zip(*(_split(prompt_inputs) for prompt_inputs in inputs))
+    images = [entry or None for entry in images]
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False)
+    outputs = list(model.generate_batch(list(ids), generation_config=config, images=images).values())
+    assert [output.generated_tokens for output in outputs] == [_cold(model, i, NEW_TOKENS)[0] for i in inputs]
+    assert outputs[1].hit_tokens <= _image_block_start(inputs[1])
+    with pytest.raises(ValueError, match="one entry"):
+        model.generate_batch(list(ids), generation_config=config, images=images[:2])

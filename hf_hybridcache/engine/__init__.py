@@ -1,12 +1,13 @@
 """Continuous batching for hybrid models with prefix reuse: many requests served at once in packed steps, sharing
 the :class:`~hf_hybridcache.HybridPrefixCache`'s store with ``generate()``.
 
-Parts, one job each: ``limits`` (memory bounds), ``requests`` (a request and its running state), ``scheduler``
-(which tokens each step feeds), ``slots`` (running requests' recurrent states), ``plan`` (the packed layout of a
-step), ``views`` (the caches the model sees in a step), ``grouping`` (stateful modules run per group), ``runner``
-(the forward and sampling), ``storing`` (what a step stores), ``isolation`` (finding the request that makes a
-forward raise), ``engine`` (admission, steps, results), ``outputs`` (where outputs go) and ``manager``
-(transformers' continuous-batching API, a loop thread).
+Parts, one job each: ``limits`` (memory bounds), ``requests`` (a request and its running state), ``intake`` (what
+``add_request`` checks and makes), ``images`` (a vision-language wrapper's images: keys, encoding, rows per forward,
+3D positions), ``scheduler`` (which tokens each step feeds), ``slots`` (running requests' recurrent states), ``plan``
+(the packed layout of a step), ``views`` (the caches the model sees in a step), ``grouping`` (stateful modules run
+per group), ``runner`` (the forward and sampling), ``storing`` (what a step stores), ``isolation`` (finding the
+request that makes a forward raise), ``engine`` (admission, steps, results), ``outputs`` (where outputs go) and
+``manager`` (transformers' continuous-batching API, a loop thread).
 """
 
 from .limits import EngineLimits

@@ -233,9 +233,10 @@ class ContinuousBatchingManager:
                      record_timestamps: bool = False, images: list | None = None,
                      **logit_processor_kwargs) -> list[str]:
         """:meth:`add_request` for each prompt of ``inputs`` (with ``images[i]`` when given, one entry or None per
-        prompt); returns their ids in order. The loop takes them in one go, so requests sent together start in the
-        same step (equal chunks form one group)."""
-        images = [None] * len(inputs) if images is None else images
+        prompt, else a prompt's own ``images`` as ``generate_batch(inputs, images=...)`` hands them on); returns
+        their ids in order. The loop takes them in one go, so requests sent together start in the same step (equal
+        chunks form one group)."""
+        images = [getattr(ids, "images", None) for ids in inputs] if images is None else images
         with self._intake:
             return [
                 self.add_request(ids, max_new_tokens=max_new_tokens, streaming=streaming,
