@@ -104,7 +104,13 @@ def request_images(model, prompt: list[int], images) -> tuple[RequestImages | No
 
 def encode(request, hit_tokens: int, counters: dict) -> None:
     """Encode ``request``'s images that reach past its ``hit_tokens`` (unless rows encoded from an earlier hit are
-    kept) and add what was encoded and skipped to ``counters`` (the core's, under its store lock)."""
+    kept) and add what was encoded and skipped to ``counters`` (the engine adds them to the core's under its store
+    lock). A preempted request whose rows are gone counts its next admission's encoding and skipping again, as a
+    second ``generate()`` call would.
+
+    Raises:
+        whatever the wrapper's feature method raises (the engine fails the request).
+    """
     images = request.images
     kept = request.features
     if images is None or (kept is not None and kept.hit_tokens <= hit_tokens):
@@ -124,11 +130,6 @@ def encode(request, hit_tokens: int, counters: dict) -> None:
     for name, value in (("images_encoded", new.encoded), ("images_skipped", new.skipped),
                         ("vision_encoder_calls", new.encoder_calls), ("vision_encoder_seconds", new.encoder_seconds)):
         counters[name] = counters.get(name, 0) + value
-
-
-def done_with_features(request) -> None:
-    """``request`` fed its whole prompt: its feature rows are not needed again."""
-    request.features = None
 
 
 def _segment_rows(segment: Segment) -> dict[str, tuple[torch.Tensor, bool]]:
