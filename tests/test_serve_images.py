@@ -80,6 +80,7 @@ def solo(folder):
         text = processor.tokenizer.decode(reply, skip_special_tokens=True)
         ended = reply[-1:] == [processor.tokenizer.eos_token_id]
         memory.remember(None, ids, text, reply[:-1] if ended else reply, key)
+        run.reply = reply[:-1] if ended else reply
         return text, ids
 
     run.processor = processor
@@ -107,9 +108,11 @@ def test_an_image_chat_equals_its_solo_run_and_the_second_turn_hits_past_the_ima
         add_generation_prompt=True, tokenize=True, return_dict=True)
     assert reference["input_ids"][0] == ids and ids.count(IMAGE) == 24
     assert first.choices[0].message.content == expected and first.usage.prompt_tokens == len(ids)
+    reply = solo.reply
     messages += [{"role": "assistant", "content": expected}, user("And what colour is the box?")]
     second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
     expected, second_ids = solo([template_form(m) for m in messages], [image], memory)
+    assert second_ids[: len(ids) + len(reply)] == ids + reply  # the reply as generated, not re-encoded
     assert second.choices[0].message.content == expected and second.usage.prompt_tokens == len(second_ids)
     last_placeholder = max(i for i, t in enumerate(second_ids) if t == IMAGE)
     assert second.usage.prompt_tokens_details.cached_tokens > last_placeholder
@@ -130,6 +133,43 @@ def test_another_image_with_the_same_question_is_another_reply_and_no_hit_past_i
                                                                             {"type": "text", "text": "Describe it."}]}],
                                              add_generation_prompt=True, tokenize=True)[0]
     assert hits[1] <= ids.index(IMAGE)
+
+
+def test_a_new_image_in_a_later_turn_equals_its_solo_run_whole_and_streamed(served, solo):
+    """Images in two user messages (the second after a remembered reply): the prompt's pieces each get their own
+    image, the turn equals its solo run, streamed too, and hits past the first image."""
+    client, first_image, second_image = served.client(), toy_image(21), toy_image(22, width=64)
+    messages = [user("Look at this one.", data_url(first_image))]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    memory = ReplyMemory()
+    solo([template_form(m) for m in messages], [first_image], memory)
+    messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                 user("Now compare it with this one.", data_url(second_image))]
+    expected, ids = solo([template_form(m) for m in messages], [first_image, second_image], memory)
+    # The pieces' pixel tensors, concatenated, are the processor's for both images at once.
+    _, inputs, _ = image_prompt(solo.processor, [template_form(m) for m in messages], [first_image, second_image])
+    whole = solo.processor(text=solo.processor.image_token * 2, images=[first_image, second_image],
+                           return_tensors="pt")
+    assert all(torch.equal(inputs[name], whole[name]) for name in ("pixel_values", "image_grid_thw"))
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    usage = chunks[-1].usage
+    placeholders = [i for i, t in enumerate(ids) if t == IMAGE]
+    assert usage.prompt_tokens == len(ids) and len(placeholders) == 24 + 32
+    assert placeholders[23] < usage.prompt_tokens_details.cached_tokens <= placeholders[24]  # past the first only
+
+
+def test_the_reply_memory_keys_replies_by_their_images(solo):
+    """Equal prompt ids and reply text after another image are another reply: its ids are not spliced in."""
+    first = [template_form(user("Which one?", data_url(toy_image(41))))]
+    ids, _, key = image_prompt(solo.processor, first, [toy_image(41)])
+    memory, generated = ReplyMemory(), [65, 66, 67]  # ids that "same" does not encode to
+    memory.remember(None, ids, "same", generated, key)
+    chat = [*first, {"role": "assistant", "content": "same"}, {"role": "user", "content": "Why?"}]
+    for seed, spliced in ((41, True), (42, False)):  # image 42 has the size, so the ids, of image 41
+        prompt, _, _ = image_prompt(solo.processor, chat, [toy_image(seed)], memory)
+        assert (prompt[len(ids) : len(ids) + 3] == generated) is spliced, seed
 
 
 async def _chat(client, index: int) -> list[tuple[str, int, int]]:
