@@ -4,7 +4,8 @@ step against the unpatched mixer's.
 
 Power: dropping the ``D * x`` skip from ``selective_state_update_fast``, or summing the conv window over the old
 window (before the new input rolls in), fails the agreement tests; a decode step that leaves the SSM state untouched
-fails the Jamba test (checked by hand when this test was written)."""
+fails the Jamba test; dropping beta from gated_delta_step_fast fails 7 tests; a decode step that leaves the routed
+functions unrouted fails the Qwen3.5 and LFM2 counts (each checked by hand when this test was written)."""
 
 import pytest
 import torch
@@ -72,22 +73,49 @@ def test_dispatch_picks_the_fast_path_and_the_reference_when_asked(monkeypatch):
     assert calls == ["causal_conv1d_update_fast", "causal_conv1d_update_ref"]
 
 
-def test_jamba_decode_steps_follow_the_unpatched_model(monkeypatch):
-    """generate() through the cache runs the patched decode step (counted); every step's logits follow the unpatched
-    model's (transformers' own single-token branch) within fp32 round-off, and the tokens are equal."""
-    cold = build_model("jamba", seed=0)
-    model = build_model("jamba", seed=0)
+@pytest.mark.parametrize("heads", [(2, 2), (2, 4), (1, 3)], ids=["Hk2-Hv2", "Hk2-Hv4", "Hk1-Hv3"])
+@pytest.mark.parametrize("l2norm", [True, False], ids=["l2norm", "raw"])
+def test_gated_delta_step_fast_equals_the_token_by_token_rule(heads, l2norm):
+    num_k_heads, num_v_heads = heads
+    g = torch.Generator().manual_seed(num_k_heads * 10 + num_v_heads)
+    query, key = _randn(g, 3, 1, num_k_heads, 8), _randn(g, 3, 1, num_k_heads, 8)
+    value = _randn(g, 3, 1, num_v_heads, 5)
+    decay, beta = -torch.rand(3, 1, num_v_heads, generator=g), torch.rand(3, 1, num_v_heads, generator=g)
+    state = _randn(g, 3, num_v_heads, 8, 5)
+    before = state.clone()
+    ref, ref_state, _ = kernels.recurrent_gated_delta_rule(query, key, value, decay, beta, state, True, l2norm)
+    fast, fast_state = state_update.gated_delta_step_fast(query, key, value, decay, beta, state, l2norm)
+    torch.testing.assert_close(fast, ref, **FP32)
+    torch.testing.assert_close(fast_state, ref_state, **FP32)
+    assert torch.equal(state, before)  # the cached state is left as it was
+
+
+#: family -> (module holding the fused function it calls, that function's name, decode calls per step and layer).
+DECODE_PATHS = {
+    "jamba": (jamba, "selective_state_update"),
+    "qwen3_5_text": (state_update, "gated_delta_step_fast"),
+    "lfm2": (state_update, "causal_conv1d_update_fast"),
+}
+
+
+@pytest.mark.parametrize("family", list(DECODE_PATHS))
+def test_decode_steps_follow_the_unpatched_model(family, monkeypatch):
+    """generate() through the cache runs the fused decode step (counted: once per decode step and recurrent layer);
+    every step's logits follow the unpatched model's (transformers' own single-token branch) within 1e-4 and the
+    tokens are equal."""
+    cold = build_model(family, seed=0)
+    model = build_model(family, seed=0)
     cache = HybridPrefixCache(model)
-    steps = []
-    original = jamba.selective_state_update
-    monkeypatch.setattr(jamba, "selective_state_update", lambda *a, **k: steps.append(1) or original(*a, **k))
+    module, name = DECODE_PATHS[family]
+    calls = []
+    original = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or original(*a, **k))
     ids = random_ids(21, seed=5)
     kwargs = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False, "output_logits": True,
               "return_dict_in_generate": True}
     out = model.generate(ids, **{CACHE_KWARG: cache}, **kwargs)
     ref = cold.generate(ids, **kwargs)
-    mamba_layers = len(cache.spec.mamba)
-    assert len(steps) == 7 * mamba_layers  # every decode step of every Mamba layer
+    assert len(calls) == 7 * len(cache.spec.mamba)  # every decode step of every recurrent layer
     assert torch.equal(out.sequences, ref.sequences)
     for got, want in zip(out.logits, ref.logits):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)

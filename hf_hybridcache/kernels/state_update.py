@@ -13,7 +13,10 @@ Python loop over rows or channels and no host-device synchronization:
   ``causal-conv1d`` package, single-token form);
 - :func:`selective_state_update` / :func:`selective_state_update_ref`: Mamba-1's selective state update (Gu & Dao,
   "Mamba", 2023; ``selective_state_update`` of ``mamba_ssm/ops/triton/selective_state_update.py``):
-  ``dA = exp(dt * A)``, ``h = dA * h + dt * B * x``, ``y = C . h + D * x``, gated by ``silu(z)``.
+  ``dA = exp(dt * A)``, ``h = dA * h + dt * B * x``, ``y = C . h + D * x``, gated by ``silu(z)``;
+- :func:`gated_delta_step`: one token of the gated delta rule (Yang et al., "Gated Delta Networks", ICLR 2025),
+  ``S = exp(g) S``, ``S += k (beta (v - k^T S))^T``, ``o = q^T S`` per value head, whose reference is the
+  token-by-token :func:`~hf_hybridcache.kernels.recurrent_gated_delta_rule` (transformers' torch path, copied).
 
 Each ``*_ref`` mirrors transformers' torch fallback operation for operation; the fast twin reassociates a product
 (``(dt * x) * B`` for ``(dt * B) * x``) and sums the conv window in another order, so the two agree within fp32
@@ -21,7 +24,8 @@ round-off (tests/test_state_update.py). :func:`causal_conv1d_update` and :func:`
 the reference under the ``"reference"`` backend (:mod:`~hf_hybridcache.kernels.backend`), the fast torch path
 otherwise (no Triton twin: one decode token is a handful of elementwise ops, which a GPU runs as a few launches).
 
-Shapes: B rows (requests), C conv channels, W conv width, I channels (``intermediate_size``), N state size.
+Shapes: B rows (requests), C conv channels, W conv width, I channels (``intermediate_size``), N state size; for the
+gated delta rule Hk query/key heads, Hv value heads (a multiple of Hk), Dk / Dv their head dims.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from . import backend
+from .gated_delta import l2norm, recurrent_gated_delta_rule
 
 
 def causal_conv1d_update_ref(
@@ -183,3 +188,57 @@ def selective_state_update(
     if backend.resolve(x.device) == "reference" or state.dtype != torch.float32:
         return selective_state_update_ref(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
     return selective_state_update_fast(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
+
+
+def gated_delta_step_fast(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of :func:`~hf_hybridcache.kernels.recurrent_gated_delta_rule` with a final state, as two batched
+    matrix products per head instead of broadcast-and-sum; ``initial_state`` is left as it was (the new state is a
+    new tensor, as upstream's).
+
+    Args:
+        query, key: ``[B, 1, Hk, Dk]``; value: ``[B, 1, Hv, Dv]``; g (log decay), beta: ``[B, 1, Hv]``;
+        initial_state: ``[B, Hv, Dk, Dv]`` float32; use_qk_l2norm_in_kernel: L2-normalize q and k first.
+
+    Returns:
+        ``(out [B, 1, Hv, Dv] in query's dtype, final state [B, Hv, Dk, Dv] float32)``.
+    """
+    num_k_heads, num_v_heads = key.shape[2], value.shape[2]
+    q, k, v = (x[:, 0].float() for x in (query, key, value))
+    if num_k_heads != num_v_heads:
+        q = q.repeat_interleave(num_v_heads // num_k_heads, dim=1)
+        k = k.repeat_interleave(num_v_heads // num_k_heads, dim=1)
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q, dim=-1, eps=1e-6), l2norm(k, dim=-1, eps=1e-6)
+    q = q / (q.shape[-1] ** 0.5)
+    state = initial_state.float() * g[:, 0].float().exp()[..., None, None]
+    kv_mem = torch.matmul(k.unsqueeze(-2), state).squeeze(-2)  # [B, Hv, Dv]
+    delta = (v - kv_mem) * beta[:, 0].float().unsqueeze(-1)
+    state.addcmul_(k.unsqueeze(-1), delta.unsqueeze(-2))
+    out = torch.matmul(q.unsqueeze(-2), state)  # [B, Hv, 1, Dv]
+    return out.transpose(1, 2).to(query.dtype), state
+
+
+def gated_delta_step(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the gated delta rule: :func:`gated_delta_step_fast`, or the token-by-token reference under the
+    ``"reference"`` backend (see :func:`gated_delta_step_fast` for the arguments and returns)."""
+    if backend.resolve(query.device) == "reference":
+        out, state, _ = recurrent_gated_delta_rule(query, key, value, g, beta, initial_state, True,
+                                                   use_qk_l2norm_in_kernel)
+        return out, state
+    return gated_delta_step_fast(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel)

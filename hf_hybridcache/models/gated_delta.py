@@ -26,4 +26,5 @@ def gdn_recurrent_shape(mixer) -> tuple[int, int, int]:
 
 
 def gdn_variant(mixer_class: str, attention_class: str) -> LinearVariant:
-    return LinearVariant(mixer_class, attention_class, gdn_conv_shape, gdn_recurrent_shape, (GDN_KERNEL,))
+    return LinearVariant(mixer_class, attention_class, gdn_conv_shape, gdn_recurrent_shape, (GDN_KERNEL,),
+                         decode_functions=("causal_conv1d_update", "torch_recurrent_gated_delta_rule"))

@@ -12,13 +12,20 @@ from __future__ import annotations
 
 from .linear_attention import LinearVariant, linear_attention_support
 
+#: The single-token conv update the short-conv mixers call on a decode step, fused in fp32 decode steps.
+_DECODE = ("causal_conv1d_update",)
+
 
 def short_conv_shape(mixer) -> tuple[int, int]:
     return mixer.conv.in_channels, mixer.conv_kernel_size
 
 
-LFM2 = linear_attention_support(("lfm2",), LinearVariant("Lfm2ShortConv", "Lfm2Attention", short_conv_shape))
-LFM2_MOE = linear_attention_support(
-    ("lfm2_moe",), LinearVariant("Lfm2MoeShortConv", "Lfm2MoeAttention", short_conv_shape)
+LFM2 = linear_attention_support(
+    ("lfm2",), LinearVariant("Lfm2ShortConv", "Lfm2Attention", short_conv_shape, decode_functions=_DECODE)
 )
-LFM3 = linear_attention_support(("lfm3",), LinearVariant("Lfm3ShortConv", "Lfm3Attention", short_conv_shape))
+LFM2_MOE = linear_attention_support(
+    ("lfm2_moe",), LinearVariant("Lfm2MoeShortConv", "Lfm2MoeAttention", short_conv_shape, decode_functions=_DECODE)
+)
+LFM3 = linear_attention_support(
+    ("lfm3",), LinearVariant("Lfm3ShortConv", "Lfm3Attention", short_conv_shape, decode_functions=_DECODE)
+)
