@@ -31,8 +31,9 @@ from .._compat.multimodal import decode_positions, rope_positions
 from ..multimodal import UNKEYED_INPUTS, ImagePrompt, modalities_of, placeholder_ids
 from .plan import Segment, StepPlan
 
-#: Inputs a processor returns beside the pixel inputs that the engine recomputes from the ids (so it takes them).
-_DERIVED = ("mm_token_type_ids", "input_ids", "attention_mask")
+#: Inputs a processor returns beside the pixel inputs that the engine takes and recomputes from the ids (token
+#: types) or does without (the prompt is unpadded).
+_DERIVED = ("mm_token_type_ids", "token_type_ids", "input_ids", "attention_mask")
 
 
 @dataclass(eq=False)
