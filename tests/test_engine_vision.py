@@ -128,13 +128,18 @@ def _serve(family: str) -> tuple[dict, dict, dict]:
 
 
 def _invalid_requests(family: str, inputs: dict) -> dict:
-    """``{request id: (ids, images, what its error says)}``: placeholders and pixels that disagree, placeholders
+    """``{request id: (ids, images, what its error says)}``: placeholders and pixels that disagree, pixels without
+    their grid, pixel rows the tower cannot take (its error, at admission or in a forward of its own), placeholders
     without images, and an input the cache does not key (audio where the wrapper takes it)."""
     ids, images = _split(inputs)
     cut = ids[: ids.index(IMAGE)] + ids[ids.index(IMAGE) + 1 :]  # one placeholder fewer than the pixels describe
     unkeyed = UNKEYED_INPUTS.get(family, ("input_features",))[0]
+    grid = next((name for name in images if name not in ("pixel_values", "mm_token_type_ids")), None)
+    narrow = {**images, "pixel_values": images["pixel_values"][..., :-1]}  # rows the tower cannot take
     return {
         "bad_count": (cut, images, "disagree"),
+        "no_grid": (ids, {"pixel_values": images["pixel_values"]}, f"needs {grid}") if grid else (ids, narrow, ""),
+        "bad_pixels": (ids, narrow, ""),
         "no_images": (ids, None, "no images were passed"),
         "audio": (ids, {**images, unkeyed: torch.zeros(1, 4)}, "does not serve" if family in UNKEYED_INPUTS
                   else "Unknown image inputs"),

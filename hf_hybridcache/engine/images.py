@@ -86,7 +86,15 @@ def request_images(model, prompt: list[int], images) -> tuple[RequestImages | No
         return None, f"Unknown image inputs {', '.join(unknown)}; accepted: {', '.join(sorted(accepted))}."
     ids = torch.tensor([prompt])
     inputs = {name: value for name, value in images.items() if name in accepted}
-    built = ImagePrompt.build(model, ids, inputs)
+    missing = [f"{m.pixels} needs {m.grid}" for m in modalities
+               if m.pixels in inputs and m.grid is not None and m.grid not in inputs]
+    if missing:
+        return None, f"Incomplete image inputs: {'; '.join(missing)} (pass every input the processor returned)."
+    try:
+        built = ImagePrompt.build(model, ids, inputs)
+    except (IndexError, RuntimeError, TypeError, ValueError) as error:
+        return None, (f"The image inputs could not be read ({type(error).__name__}: {error}); pass them as the "
+                      "processor returns them.")
     if built is None:
         return None, ("The prompt's image placeholder tokens and the pixel inputs disagree (a different number of "
                       "images or of placeholders per image); pass the input_ids and pixel inputs of one processor "
