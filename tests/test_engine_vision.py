@@ -13,6 +13,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.core import check_store
+from hf_hybridcache.engine import EngineLimits
 from hf_hybridcache.multimodal import UNKEYED_INPUTS, Item
 from hf_hybridcache.toy import VOCAB_SIZE
 from hf_hybridcache.toy.vision import (
@@ -281,3 +282,28 @@ def test_generate_batch_takes_one_images_entry_per_prompt():
     assert outputs[1].hit_tokens <= _image_block_start(inputs[1])
     with pytest.raises(ValueError, match="one entry"):
         model.generate_batch(list(ids), generation_config=config, images=images[:2])
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "inkling_mm_model"])
+def test_chunked_prefill_feeds_each_chunk_its_own_rows_and_encodes_once(family):
+    """Prompts cut into 16-token chunks (``max_batch_tokens=20``) across their images equal their cold runs; each
+    request's image is encoded once, not per chunk (power: handing a chunk every row of its image, or encoding per
+    chunk, fails this)."""
+    model = _model(family)
+    cache = HybridPrefixCache(model)
+    inputs = [vlm_inputs(family, _prompts()[name]) for name in ("same_1", "other_image", "text")]
+    manager = cache.init_continuous_batching(GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False),
+                                             ContinuousBatchingConfig(return_logprobs=True),
+                                             limits=EngineLimits(max_batch_tokens=20))
+    tower = TowerCalls(model)
+    manager.start()
+    try:
+        ids, images = zip(*(_split(prompt_inputs) for prompt_inputs in inputs))
+        request_ids = manager.add_requests(list(ids), images=[entry or None for entry in images])
+        outputs = dict(zip(("same_1", "other_image", "text"), (_final(manager, rid) for rid in request_ids)))
+    finally:
+        manager.stop()
+        tower.close()
+    _check_equal_cold(family, outputs, dict(zip(outputs, inputs)))
+    assert manager.batch_processor.steps > len(ids[0]) // 20  # the prompts ran in chunks
+    assert tower.calls == cache.stats.vision_encoder_calls == 2 and cache.stats.images_encoded == 2
