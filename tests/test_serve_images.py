@@ -110,7 +110,11 @@ def test_an_image_chat_equals_its_solo_run_and_the_second_turn_hits_past_the_ima
     assert first.choices[0].message.content == expected and first.usage.prompt_tokens == len(ids)
     reply = solo.reply
     messages += [{"role": "assistant", "content": expected}, user("And what colour is the box?")]
+    before = served.metrics()
     second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    grew = {name: value - before[name] for name, value in served.metrics().items() if "_cache_images" in name}
+    # The hit holds the image: the vision tower does not run for it.
+    assert grew == {"hf_hybridcache_cache_images_encoded_total": 0, "hf_hybridcache_cache_images_skipped_total": 1}
     expected, second_ids = solo([template_form(m) for m in messages], [image], memory)
     assert second_ids[: len(ids) + len(reply)] == ids + reply  # the reply as generated, not re-encoded
     assert second.choices[0].message.content == expected and second.usage.prompt_tokens == len(second_ids)
@@ -170,6 +174,28 @@ def test_the_reply_memory_keys_replies_by_their_images(solo):
     for seed, spliced in ((41, True), (42, False)):  # image 42 has the size, so the ids, of image 41
         prompt, _, _ = image_prompt(solo.processor, chat, [toy_image(seed)], memory)
         assert (prompt[len(ids) : len(ids) + 3] == generated) is spliced, seed
+
+
+def test_replicas_share_reply_ids_by_their_images_through_the_tier():
+    """Behind a gateway the next turn may reach another replica: it finds the reply's ids in the tier under the same
+    prompt, text and images, and not under other images (a text prompt's key is the one it had)."""
+    from redis_server import RedisServer, require_redis
+
+    from hf_hybridcache import HybridPrefixCache
+    from hf_hybridcache.serve.reply_tier import reply_memory
+
+    require_redis()
+    server = RedisServer().start()
+    try:
+        writer, reader = (reply_memory(HybridPrefixCache(build_model("jamba", seed=0), remote=server.url))
+                          for _ in range(2))
+        writer.remember(None, [1, 2, 3], "reply", [9, 8], b"image a")
+        writer.remember(None, [1, 2, 3], "reply", [5])
+        assert reader.lookup(None, [1, 2, 3], "reply", b"image a") == [9, 8]
+        assert reader.lookup(None, [1, 2, 3], "reply", b"image b") is None
+        assert reader.lookup(None, [1, 2, 3], "reply") == [5]
+    finally:
+        server.stop()
 
 
 async def _chat(client, index: int) -> list[tuple[str, int, int]]:

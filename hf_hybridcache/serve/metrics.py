@@ -17,6 +17,7 @@ CACHE_COUNTERS = (
     "evicted_kv_blocks", "evicted_checkpoints", "divergence_checkpoints", "replayed_reply_tokens", "remote_hit_tokens",
     "remote_bytes_read", "remote_bytes_written", "remote_round_trips", "remote_errors", "remote_dropped_writes",
     "remote_corrupt_entries", "remote_removed_entries", "remote_recomputed_tokens",
+    "images_encoded", "images_skipped", "vision_encoder_calls", "vision_encoder_seconds",  # a vision-language wrapper
 )
 CACHE_GAUGES = ("stored_bytes", "kv_bytes", "checkpoint_bytes", "max_cache_bytes", "kv_blocks", "checkpoints")
 
