@@ -129,8 +129,8 @@ class EngineRequest:
         replaced by its token keys (:mod:`~hf_hybridcache.multimodal.prompt`)."""
         if self.images is None:
             return self.tokens
-        keys = self.images.keys
-        return keys + self.tokens[len(keys) :]
+        tokens, keys = self.tokens, self.images.keys
+        return keys[: len(tokens)] + tokens[len(keys) :]
 
     @property
     def retention_prompt_tokens(self) -> int:
