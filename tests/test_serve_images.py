@@ -23,9 +23,8 @@ import pytest
 import torch
 from test_serve import Server
 
-from hf_hybridcache.serve import ReplyMemory, SequentialBackend, build_app
+from hf_hybridcache.serve import ReplyMemory, SequentialBackend, build_app, image_prompt
 from hf_hybridcache.serve.__main__ import make_app, parse_args
-from hf_hybridcache.serve.image_chat import image_prompt
 from hf_hybridcache.serve.loading import load, load_processor
 from hf_hybridcache.toy import build_model, byte_tokenizer
 from hf_hybridcache.toy.vision import IMAGE, save_vlm, toy_image

@@ -192,7 +192,7 @@ class ChatEngine:
         # the reply memory splices each reply's generated ids into the next prompt, keyed by the prompt's images.
         self.processor, self.memory = processor, None
         if processor is not None:
-            from hf_hybridcache.serve.prompts import ReplyMemory
+            from hf_hybridcache.serve import ReplyMemory
 
             self.memory = ReplyMemory()
         self.generation_kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False)
@@ -344,7 +344,7 @@ class ChatEngine:
             return self.prompt_ids(messages), None, b""
         from PIL import Image
 
-        from hf_hybridcache.serve.image_chat import image_prompt
+        from hf_hybridcache.serve import image_prompt
 
         chat, images = [], []
         for m in messages:
