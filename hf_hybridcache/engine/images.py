@@ -158,7 +158,7 @@ def split_forwards(segments: list[Segment], placeholders: frozenset[int]) -> lis
     placeholder id without its image (a sampled one) run in a forward of their own, without images."""
     if not placeholders or not any(_segment_rows(s) for s in segments):
         return [segments]
-    stray = [s for s in segments if not placeholders.isdisjoint(s.request.key_tokens[s.past : s.end])]
+    stray = [s for s in segments if not placeholders.isdisjoint(s.request.keys_of(s.past, s.tokens))]
     rest = [s for s in segments if s not in stray]
     return [group for group in (rest, stray) if group]
 

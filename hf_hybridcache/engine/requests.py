@@ -132,6 +132,14 @@ class EngineRequest:
         tokens, keys = self.tokens, self.images.keys
         return keys[: len(tokens)] + tokens[len(keys) :]
 
+    def keys_of(self, start: int, tokens: list[int]) -> list[int]:
+        """The token keys of ``tokens``, fed from position ``start`` on (``key_tokens[start : start + len(tokens)]``
+        without building the whole list)."""
+        if self.images is None:
+            return tokens
+        keys = self.images.keys[start : start + len(tokens)]
+        return keys + tokens[len(keys) :]
+
     @property
     def retention_prompt_tokens(self) -> int:
         """The prompt length its checkpoints are retained by (a replay's: the replayed request's)."""

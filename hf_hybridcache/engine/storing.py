@@ -50,7 +50,7 @@ def store_segment(core: CacheCore, segment: Segment, slots: StateSlots, placehol
     row = request.row
     if segment.is_decode and options.replay_replies and row.prefill_tokens is None:
         row.prefill_tokens = len(row.token_ids)
-    keys = request.key_tokens[segment.past : segment.end]
+    keys = request.keys_of(segment.past, segment.tokens)
     row.token_ids.extend(keys)
     if placeholders and not placeholders.isdisjoint(keys):
         row.storing = False
