@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from .._compat.multimodal import decode_positions, rope_positions
-from ..multimodal import UNKEYED_INPUTS, ImagePrompt, modalities_of, placeholder_ids
+from ..multimodal import UNKEYED_INPUTS, ImagePrompt, ImageReport, modalities_of, placeholder_ids
 from .plan import Segment, StepPlan
 
 #: Inputs a processor returns beside the pixel inputs that the engine takes and recomputes from the ids (token
@@ -41,7 +41,7 @@ class RequestImages:
     """What a request's images are to the engine (shared by a request and its reply replay; read-only).
 
     Attributes:
-        prompt: its items and pixel inputs (on the model's device).
+        prompt: its items and pixel inputs (where they were given; copied to the model's device to be encoded).
         keys: the token keys of its first ``len(keys)`` tokens (the prompt it was added with).
         positions: Qwen3.5's 3D rotary positions ``[3, len(keys)]`` int64 (CPU) of that prompt, or None.
     """
@@ -106,8 +106,6 @@ def request_images(model, prompt: list[int], images) -> tuple[RequestImages | No
                       "stands for (a video, audio, or an image whose pixel inputs were not passed).")
     grids = {name: value.cpu() for name, value in inputs.items() if name.endswith("grid_thw")}
     positions = rope_positions(model, ids, grids) if built.items else None
-    device = next(model.parameters()).device
-    built.inputs = {name: value.to(device) for name, value in built.inputs.items()}
     return RequestImages(built, built.keys(ids)[0].tolist(), positions), None
 
 
@@ -124,8 +122,10 @@ def encode(request, hit_tokens: int, counters: dict) -> None:
     kept = request.features
     if images is None or (kept is not None and kept.hit_tokens <= hit_tokens):
         return
-    prompt = images.prompt
-    report, prompt.report = prompt.report, type(prompt.report)(items=len(prompt.items))
+    prompt = images.prompt  # its inputs stay where they were given; the tower gets a copy on its device
+    device = next(prompt.model.parameters()).device
+    prompt = replace(prompt, inputs={name: value.to(device) for name, value in prompt.inputs.items()},
+                     report=ImageReport(items=len(prompt.items)))
     outputs = prompt.encode(hit_tokens)
     rows = {}
     for name, output in outputs.items():
@@ -135,7 +135,7 @@ def encode(request, hit_tokens: int, counters: dict) -> None:
                      if p >= hit_tokens]
         rows[name] = (positions, flat, not isinstance(pooled, torch.Tensor))
     request.features = Features(hit_tokens, rows)
-    new, prompt.report = prompt.report, report
+    new = prompt.report
     for name, value in (("images_encoded", new.encoded), ("images_skipped", new.skipped),
                         ("vision_encoder_calls", new.encoder_calls), ("vision_encoder_seconds", new.encoder_seconds)):
         counters[name] = counters.get(name, 0) + value
