@@ -390,6 +390,27 @@ def test_engine_loads_a_saved_checkpoint_and_chats(tmp_path):
     assert engine.cache.stats.requests == 2
 
 
+def test_engine_loads_a_saved_vision_language_checkpoint_and_skips_the_image_on_the_second_question(tmp_path):
+    """A wrapper saved with its processor (``save_vlm``) loads as published; an image question, then a second one
+    about the same image: both equal cold, and the second restores the image without encoding it."""
+    app = _app_module()
+    from hf_hybridcache.toy.vision import save_vlm, toy_image
+
+    save_vlm(tmp_path / "vlm", "qwen3_5", seed=0)
+    toy_image(4, width=64, height=48).save(tmp_path / "screen.png")
+    engine = app.ChatEngine.from_pretrained(str(tmp_path / "vlm"), max_new_tokens=8, trust_remote_code=True)
+    settings = app.CacheSettings()
+    messages = [{"role": "user", "content": "What is this?", "images": [str(tmp_path / "screen.png")]}]
+    first = list(engine.chat(messages, settings, compare=True))[-1]
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Why?"}]
+    second = list(engine.chat(messages, settings, compare=True))[-1].turn
+    engine.clear_cache()
+    assert first.turn.identical_to_cold and second.identical_to_cold
+    assert (first.turn.images_encoded, first.turn.images_skipped) == (1, 0)
+    assert (second.images_encoded, second.images_skipped, second.encoder_ms) == (0, 1, 0.0)
+    assert second.hit_tokens >= first.turn.prompt_tokens // BLOCK_SIZE * BLOCK_SIZE > 0
+
+
 def test_engine_refuses_an_unsupported_checkpoint(tmp_path):
     app = _app_module()
     from transformers import LlamaConfig, LlamaForCausalLM

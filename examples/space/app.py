@@ -241,11 +241,16 @@ class ChatEngine:
 
     @classmethod
     def from_pretrained(
-        cls, model_id: str, max_new_tokens: int = 48, max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
+        cls,
+        model_id: str,
+        max_new_tokens: int = 48,
+        max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS,
+        trust_remote_code: bool = False,
     ) -> ChatEngine:
         """A hub checkpoint or a local ``save_pretrained`` folder (bf16 on a GPU, fp32 on CPU; SDPA attention, which
         the engine needs). A vision-language checkpoint (Qwen3.5, LFM2-VL, ...) is loaded as published, the wrapper
-        with its processor, and its chat takes images.
+        with its processor, and its chat takes images; ``trust_remote_code``: let the processor's own code run (a
+        folder that ships it, as ``hf_hybridcache.toy.vision.save_vlm`` writes).
 
         Raises:
             ValueError: the model type is not supported by hf_hybridcache, or the tokenizer has no chat template.
@@ -255,7 +260,7 @@ class ChatEngine:
         from hf_hybridcache.multimodal import WRAPPERS
 
         vision = AutoConfig.from_pretrained(model_id).model_type in WRAPPERS
-        processor = AutoProcessor.from_pretrained(model_id) if vision else None
+        processor = AutoProcessor.from_pretrained(model_id, trust_remote_code=trust_remote_code) if vision else None
         tokenizer = processor.tokenizer if vision else AutoTokenizer.from_pretrained(model_id)
         on_gpu = torch.cuda.is_available()
         model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(
@@ -801,9 +806,16 @@ def main(argv: list[str] | None = None) -> None:
         default=os.environ.get("VISION") == "1",
         help="the built-in random vision-language model: messages take an image (default: $VISION=1)",
     )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let a --model-id checkpoint run the code it ships (a vision-language checkpoint's own processor)",
+    )
     args = parser.parse_args(argv)
     if args.model_id:
-        engine = ChatEngine.from_pretrained(args.model_id, args.max_new_tokens, args.max_running_requests)
+        engine = ChatEngine.from_pretrained(
+            args.model_id, args.max_new_tokens, args.max_running_requests, args.trust_remote_code
+        )
     elif args.vision:
         engine = ChatEngine.builtin_vision(args.max_new_tokens, args.max_running_requests)
     else:
