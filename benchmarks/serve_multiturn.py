@@ -73,7 +73,7 @@ async def conversation(client, index: int, level: int, turns: int, max_tokens: i
                 if first is None and (choice.delta.content or choice.finish_reason):
                     first = time.perf_counter()
                 text += choice.delta.content or ""
-        record.append({"ttft": first - sent, **usage_counts(usage), "text": text})
+        record.append({"ttft": first - sent, **usage_counts(usage), "text": text, "messages": list(messages)})
         messages.append({"role": "assistant", "content": text})
     return record
 

@@ -56,7 +56,7 @@ def no_keepalive_client() -> httpx.AsyncClient:
 async def streamed_completion(client, prompt: str, max_tokens: int, model: str = "bench") -> dict:
     """One greedy ``/v1/completions`` request, streamed, with the ``openai`` client: ``ttft`` (request sent to the
     first chunk with text, seconds), ``prompt`` / ``hit`` / ``completion`` tokens from the usage chunk and the
-    ``text``."""
+    ``text`` (and the ``prompt_text``)."""
     sent, first, text, usage = time.perf_counter(), None, "", None
     stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                              stream=True, stream_options={"include_usage": True})
@@ -67,7 +67,7 @@ async def streamed_completion(client, prompt: str, max_tokens: int, model: str =
             if first is None and (choice.text or choice.finish_reason):
                 first = time.perf_counter()
             text += choice.text or ""
-    return {"ttft": first - sent, **usage_counts(usage), "text": text}
+    return {"ttft": first - sent, **usage_counts(usage), "text": text, "prompt_text": prompt}
 
 
 def usage_counts(usage) -> dict:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import random
 import statistics
@@ -141,17 +142,30 @@ def run_workload(workload: Workload, url: str, texts: Texts, args) -> dict:
         result = summary(wall, records, args.turns)
         return {"tokens_per_s": result["tokens_per_s"], "first_ttft": result["ttft_p50"][0],
                 "ttft_later": result["ttft_p50_later"], "texts": result["texts"],
-                "first_prompt_tokens": records[0][0]["prompt"]}
+                "sent": [[x["messages"] for x in r] for r in records], "first_prompt_tokens": records[0][0]["prompt"]}
     if workload.name.startswith("shared"):
         prefix = texts("prefix", args.prefix_tokens)
         asyncio.run(_completions(url, [prefix + texts("seen before", args.question_tokens)], 1))
         prompts = [prefix + texts(f"own {i}", args.question_tokens) for i in range(workload.slots)]
         wall, records = asyncio.run(_completions(url, prompts, args.max_tokens))
         return {"tokens_per_s": sum(r["completion"] for r in records) / wall,
-                "ttft_p50": statistics.median(r["ttft"] for r in records), "texts": [[r["text"] for r in records]]}
+                "ttft_p50": statistics.median(r["ttft"] for r in records), "texts": [[r["text"]] for r in records],
+                "sent": [[r["prompt_text"]] for r in records]}
     asyncio.run(_completions(url, [texts("warm-up", 16)], 1))
     _, (record,) = asyncio.run(_completions(url, [texts("cold", args.prefill_tokens)], 1))
     return {"prefill_per_s": record["prompt"] / record["ttft"], "prefill_tokens": record["prompt"]}
+
+
+def top2_gap(model, tokenizer, text: str) -> float:
+    """The gap between the model's two largest next-token logits after ``text``."""
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        top2 = model(ids).logits[0, -1].float().topk(2).values
+    return float(top2[0] - top2[1])
+
+
+def _first_difference(ours: str, theirs: str) -> int:
+    return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
 
 
 def agreement(model, tokenizer, paths: dict, texts: Texts, args, log) -> list[dict]:
@@ -164,15 +178,23 @@ def agreement(model, tokenizer, paths: dict, texts: Texts, args, log) -> list[di
             replies[server] = [asyncio.run(_completions(url, [p], args.agree_tokens))[1][0]["text"] for p in prompts]
     rows = []
     for prompt, ours, theirs in zip(prompts, *replies.values()):
-        same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-        row = {"prompt_tokens": len(prompt), "equal": same, "of": len(ours), "gap": None}
-        if ours != theirs:
-            ids = tokenizer(prompt + ours[:same], add_special_tokens=False, return_tensors="pt")["input_ids"]
-            with torch.no_grad():
-                top2 = model(ids).logits[0, -1].float().topk(2).values
-            row["gap"] = float(top2[0] - top2[1])
-        rows.append(row)
+        same = _first_difference(ours, theirs)
+        gap = None if ours == theirs else top2_gap(model, tokenizer, prompt + ours[:same])
+        rows.append({"prompt_tokens": len(prompt), "equal": same, "of": len(ours), "gap": gap})
     return rows
+
+
+def reply_gaps(model, tokenizer, ours: dict, theirs: dict, limit: int = 4) -> list[float]:
+    """The top-2 logit gaps where the replies of a workload's clients first differ (at most ``limit``): each client's
+    first differing turn had the same prompt on both servers."""
+    gaps = []
+    for sent, mine, other in zip(ours["sent"], ours["texts"], theirs["texts"]):
+        turn = next((t for t, (a, b) in enumerate(zip(mine, other)) if a != b), None)
+        if turn is not None and len(gaps) < limit:
+            prompt = sent[turn] if isinstance(sent[turn], str) else tokenizer.apply_chat_template(
+                sent[turn], tokenize=False, add_generation_prompt=True)
+            gaps.append(top2_gap(model, tokenizer, prompt + mine[turn][:_first_difference(mine[turn], other[turn])]))
+    return gaps
 
 
 def run_rounds(paths: dict, texts: Texts, args, log) -> dict:
@@ -215,7 +237,9 @@ def ratio_rows(results: dict) -> list[dict]:
     return rows
 
 
-def print_results(results: dict, args, description: str) -> None:
+def print_results(results: dict, args, description: str, gap=None) -> None:
+    """The ratio table, then per workload whether the replies of round 1 were equal; ``gap(ours, theirs)``: the top-2
+    logit gaps where they differ (:func:`reply_gaps`)."""
     print(f"\nvs_llama_cpp: {description}, float32, {args.rounds} interleaved rounds, medians; max_tokens "
           f"{args.max_tokens}, greedy, streamed\n")
     print("| workload | metric | hf_hybridcache | llama-server | ratio (ours / llama-server) | per round | favours |")
@@ -225,10 +249,13 @@ def print_results(results: dict, args, description: str) -> None:
         print(f"| {row['workload']} | {row['metric']} | {row['ours']:.2f} | {row['theirs']:.2f} | {row['ratio']:.2f}x "
               f"| {per_round} | {row['favours']} |")
     for name, by_server in results.items():
-        first = by_server["hf_hybridcache"][0]
+        first, theirs = by_server["hf_hybridcache"][0], by_server["llama-server"][0]
         if "texts" in first:
-            print(f"- {name}: replies equal between the servers (round 1): "
-                  f"{differing(first['texts'], by_server['llama-server'][0]['texts'])}")
+            equal = differing(first["texts"], theirs["texts"])
+            if gap is not None and equal != "yes":
+                gaps = [f"{g:.1e}" + (" (near-tie)" if g < NEAR_TIE else "") for g in gap(first, theirs)]
+                equal += f"; top-2 logit gap at the first differences: {', '.join(gaps)}"
+            print(f"- {name}: replies equal between the servers (round 1): {equal}")
         for key in ("first_prompt_tokens", "prefill_tokens"):
             if key in first:
                 print(f"- {name}: {key.replace('_', ' ')} {first[key]}")
@@ -254,6 +281,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "here unless --llama-server sits in a llama.cpp build tree)")
     parser.add_argument("--work-dir", help="the saved model, the GGUF and the servers' log (default: a temp dir)")
     parser.add_argument("--seed", type=int, default=0, help="of the texts")
+    parser.add_argument("--json", help="also write every round's metrics and replies to this file")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
@@ -286,7 +314,9 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"\nGreedy agreement, {description}, {args.agree_tokens} tokens per prompt:")
             print_agreement(agreement(model, tokenizer, paths, texts, args, log))
         results = run_rounds(paths, texts, args, log)
-        print_results(results, args, description)
+        print_results(results, args, description, lambda ours, theirs: reply_gaps(model, tokenizer, ours, theirs))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"description": description, "args": vars(args), "results": results}))
         return results
 
 

@@ -81,7 +81,7 @@ def test_every_workload_runs_against_our_server(saved):
     assert chat["first_prompt_tokens"] == 64 and len(chat["texts"]) == 8
     assert all(len(reply) == 3 for replies in chat["texts"] for reply in replies)  # no reply ends early
     assert chat["tokens_per_s"] > 0 and chat["first_ttft"] > 0 and chat["ttft_later"] > 0
-    assert len(shared["texts"][0]) == 8 and shared["tokens_per_s"] > 0 and shared["ttft_p50"] > 0
+    assert len(shared["texts"]) == 8 and shared["tokens_per_s"] > 0 and shared["ttft_p50"] > 0
     assert prefill["prefill_tokens"] == 80 and prefill["prefill_per_s"] > 0
 
 
@@ -121,3 +121,17 @@ def test_against_llama_server(tmp_path, capsys):
                        "--prefill-tokens", "128", "--agree-prompts", "8", "64", "--agree-tokens", "8"])
     out = capsys.readouterr().out
     assert "| 8 | " in out and "| 6-turn chat, 1 client | tokens/s |" in out and "| cold prefill, one prompt |" in out
+
+
+def test_reply_gaps_are_taken_where_each_client_first_differs(saved):
+    """A chat client and a completion client whose replies differ: the gap is the model's top-2 logit gap after the
+    prompt (the chat template rendered for a chat) and the common start of the reply."""
+    model, path = saved
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    a, b, c = llama_cpp.text_alphabet(tokenizer)[:3]
+    messages = [{"role": "user", "content": a + b}]
+    ours = {"sent": [[messages, messages], [a * 5]], "texts": [[a, b + a + c], [c + c]]}
+    theirs = {"texts": [[a, b + b + c], [c + c]]}
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert vs_llama_cpp.reply_gaps(model, tokenizer, ours, theirs) == [
+        vs_llama_cpp.top2_gap(model, tokenizer, rendered + b)]
