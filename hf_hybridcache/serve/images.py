@@ -59,14 +59,15 @@ async def load_image(url: str, limits: ImageLimits, param: str):
             image of :data:`FORMATS`, an image over ``limits.max_image_bytes``, a download that fails or takes
             longer than ``limits.fetch_timeout_s``.
     """
+    # Decoding runs in a thread: a large image would hold the event loop (every other request's stream) meanwhile.
     if url.startswith("data:"):
-        return open_image(_decoded(url, limits, param), limits, param)
+        return await asyncio.to_thread(lambda: open_image(_decoded(url, limits, param), limits, param))
     if url.startswith(("http://", "https://")):
         if not limits.allow_remote:
             raise APIError(400, f"{param}: remote image URLs are off on this server; send the image inline as a "
                            "data: URL (data:image/png;base64,...), or start the server with --allow-remote-images.",
                            param=param)
-        return open_image(await _fetched(url, limits, param), limits, param)
+        return await asyncio.to_thread(open_image, await _fetched(url, limits, param), limits, param)
     raise APIError(400, f"{param}: an image URL must be a data: URL with base64 data (data:image/png;base64,...) or, "
                    f"with --allow-remote-images, an http(s) URL; got {url[:40]!r}.", param=param)
 
