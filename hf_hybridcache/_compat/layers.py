@@ -9,6 +9,8 @@ A sliding-window layer (``is_sliding``; transformers 5.23 ``cache_utils.py``) ke
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
@@ -24,8 +26,36 @@ DYNAMIC_LAYER_FIELDS = ("keys", "values", "is_initialized")
 
 
 def new_live_layers(config) -> list:
-    """Fresh per-layer cache objects, exactly as ``DynamicCache(config=...)`` builds them for this model."""
-    return DynamicCache(config=config.get_text_config(decoder=True)).layers
+    """Fresh per-layer cache objects, exactly as ``DynamicCache(config=...)`` builds them for this model, followed by
+    the cache layers of the loop passes after the first (:func:`loop_cache_layers`), which upstream's forward would
+    append itself when it finds ``num_hidden_layers`` layers."""
+    layers = DynamicCache(config=config.get_text_config(decoder=True)).layers
+    return layers + [copy.deepcopy(layers[decoder_idx]) for decoder_idx in loop_cache_layers(config).values()]
+
+
+def loop_cache_layers(config) -> dict[int, int]:
+    """``{cache layer idx: decoder layer idx}`` of the cache layers that looped decoder layers use in their passes
+    after the first (empty for a model without loops).
+
+    Inkling 2 Loop (``inkling2_loop_text``, transformers 5.24 ``modeling_inkling2_loop.py``) runs decoder layers
+    ``[loop_layer_index_start, loop_layer_index_end)`` ``loop_num_passes`` times; pass ``p >= 1`` calls them with
+    ``cache_offset = num_hidden_layers + (p - 1) * num_loop_layers - loop_layer_index_start``, so decoder layer ``i``
+    keeps that pass's KV and conv windows in cache layer ``i + cache_offset``, after the model's own layers. Its
+    forward appends deep copies of the loop layers' cache layers when the cache holds ``num_hidden_layers`` of them.
+    """
+    text = config.get_text_config(decoder=True)
+    passes = getattr(text, "loop_num_passes", 1)
+    if passes <= 1:
+        return {}
+    start, end = text.loop_layer_index_start, text.loop_layer_index_end
+    first = text.num_hidden_layers
+    return {first + (p - 1) * (end - start) + i - start: i for p in range(1, passes) for i in range(start, end)}
+
+
+def cache_layer_offset(kwargs: dict) -> int:
+    """What a looped layer's module adds to its ``layer_idx`` to find the cache layer of this call (its
+    ``cache_offset`` keyword, 0 in a first pass and in every model without loops)."""
+    return kwargs.get("cache_offset") or 0
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:

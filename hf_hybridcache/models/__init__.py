@@ -7,6 +7,7 @@ from .base import ModelSupport
 from .falcon_h1 import SUPPORT as _FALCON_H1
 from .granitemoehybrid import SUPPORT as _GRANITEMOEHYBRID
 from .inkling import INKLING2 as _INKLING2
+from .inkling import INKLING2_LOOP as _INKLING2_LOOP
 from .inkling import SUPPORT as _INKLING
 from .jamba import SUPPORT as _JAMBA
 from .kimi_delta import BAILING_HYBRID as _BAILING_HYBRID
@@ -77,4 +78,5 @@ register(_KIMI_LINEAR)
 register(_BAILING_HYBRID)
 register(_INKLING)
 register(_INKLING2)
+register(_INKLING2_LOOP)
 register(_ZAYA)

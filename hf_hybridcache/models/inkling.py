@@ -14,13 +14,29 @@ mix layers at one position and keep no state. Upstream continues exactly from a 
 5.24 its key and value projections and their short convs sit in ``Inkling2KeyValueProjection`` modules (``k_proj``
 with a ``linear`` and an ``sconv`` inside); the mixers and their cache calls are the same. Upstream:
 ``transformers/models/inkling/modeling_inkling.py``, ``models/inkling2/modeling_inkling2.py`` (5.23.0, 5.24.0).
+
+Inkling 2 Loop (``inkling2_loop_text``, new in transformers 5.24: ``models/inkling2_loop/modeling_inkling2_loop.py``)
+is Inkling 2 whose decoder layers ``[loop_layer_index_start, loop_layer_index_end)`` run ``loop_num_passes`` times,
+each pass after the first restarting from the hidden states before the loop with messages from the previous pass.
+Its mixers and attention are Inkling 2's; each pass after the first calls them with a ``cache_offset`` that puts its
+KV and conv windows in cache layers of its own, after the model's ``num_hidden_layers``
+(:func:`hf_hybridcache._compat.loop_cache_layers`). Its spec is Inkling 2's plus those cache layers: a checkpoint
+holds the four windows of every cache layer, the loop passes' included, and a KV block the keys and values of every
+cache layer. Upstream continues exactly from a cache (checked on the tiny model, 3 passes: one forward over a
+prefix then the rest against one forward over everything, 1.3e-6 on the logits in float32).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 
-from .linear_attention import LinearVariant, linear_attention_support
+from .. import _compat
+from ..config import ModelStateSpec
+from .base import ModelSupport
+from .linear_attention import LinearVariant, install_mixers, linear_attention_support, state_spec
 
 
 def short_conv_shape(mixer) -> tuple[int, int]:
@@ -53,4 +69,32 @@ INKLING2 = linear_attention_support(
         state_idx_attr="conv_idx",
         conv_dtype=_float32,
     ),
+)
+
+
+_LOOP_VARIANT = LinearVariant(
+    ("Inkling2LoopShortConvolution", "Inkling2LoopDynamicShortConvolution"),
+    ("Inkling2LoopSlidingAttention", "Inkling2LoopFullAttention"),
+    short_conv_shape,
+    state_idx_attr="conv_idx",
+    conv_dtype=_float32,
+)
+
+
+def loop_state_spec(model: torch.nn.Module, block_size: int) -> ModelStateSpec:
+    """Inkling 2's spec of the decoder layers, followed by the same layers' KV and conv windows once more for every
+    cache layer a loop pass after the first keeps (:func:`hf_hybridcache._compat.loop_cache_layers`)."""
+    spec = state_spec(model, block_size, _LOOP_VARIANT)
+    extra = _compat.loop_cache_layers(model.config)
+    attention = [dataclasses.replace(a, layer_idx=cache_idx)
+                 for cache_idx, decoder_idx in extra.items() for a in spec.attention if a.layer_idx == decoder_idx]
+    linear = [dataclasses.replace(m, layer_idx=cache_idx)
+              for cache_idx, decoder_idx in extra.items() for m in spec.mamba if m.layer_idx == decoder_idx]
+    return ModelStateSpec(spec.attention + tuple(attention), spec.mamba + tuple(linear), block_size)
+
+
+INKLING2_LOOP = ModelSupport(
+    model_types=("inkling2_loop_text",),
+    install=functools.partial(install_mixers, variant=_LOOP_VARIANT),
+    state_spec=loop_state_spec,
 )

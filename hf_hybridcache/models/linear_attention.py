@@ -202,7 +202,8 @@ DECODE_ROUTERS = {
 def _emitting_forward(variant: LinearVariant, mixer, original, *args, **kwargs):
     hidden_states, cache, _ = _compat.split_mixer_call(args, kwargs)
     seq_len = hidden_states.shape[1]
-    if cache is None or cache.is_recording_past(mixer.layer_idx):
+    layer_idx = mixer.layer_idx + _compat.cache_layer_offset(kwargs)  # a loop pass's own cache layer (Inkling 2 Loop)
+    if cache is None or cache.is_recording_past(layer_idx):
         return original(*args, **kwargs)
     if seq_len == 1:
         if not variant.decode_functions or hidden_states.dtype != torch.float32 or get_backend() == "reference":
@@ -215,7 +216,7 @@ def _emitting_forward(variant: LinearVariant, mixer, original, *args, **kwargs):
     positions = checkpoint_positions(cache, seq_len)
     if not positions:
         return original(*args, **kwargs)
-    key = state_key(mixer.layer_idx, variant.state_idx(mixer))
+    key = state_key(layer_idx, variant.state_idx(mixer))
     with emission.emitting(key, positions) as emitted:
         out = original(*args, **kwargs)
     assert emitted.conv is not None, f"{variant.mixer_class} did not hand its conv inputs to update_conv_state"

@@ -9,7 +9,8 @@ Granite 4 Vision (``granite4_vision``) is not among them: its decoder (``granite
 from __future__ import annotations
 
 #: ``model_type`` of the wrappers served; the family of each is its text config's ``model_type``.
-VISION_WRAPPERS = ("qwen3_5", "qwen3_5_moe", "lfm2_vl", "lfm3_vl", "nemotron_h_omni", "inkling_mm_model", "inkling2")
+VISION_WRAPPERS = ("qwen3_5", "qwen3_5_moe", "lfm2_vl", "lfm3_vl", "nemotron_h_omni", "inkling_mm_model", "inkling2",
+                   "inkling2_loop")
 
 
 def decoder_model_type(config) -> str:

@@ -6,7 +6,7 @@ video, or for LFM2-VL one tile), or for Inkling, whose tower encodes every patch
 one run of consecutive placeholder tokens. Item ``k``'s placeholders are the placeholder tokens of its modality that
 follow item ``k - 1``'s, in prompt order, as every wrapper's ``masked_scatter`` fills them. Upstream:
 ``transformers/models/{qwen3_5, qwen3_5_moe, lfm2_vl, lfm3_vl, nemotron_h_omni, inkling, inkling2}/modeling_*.py``
-(5.23.0, 5.24.0).
+(5.23.0, 5.24.0) and ``models/inkling2_loop/modeling_inkling2_loop.py`` (5.24.0: Inkling 2's image inputs).
 """
 
 from __future__ import annotations
@@ -86,6 +86,7 @@ WRAPPERS: dict[str, tuple[Modality, ...]] = {
                                  _quartered),),
     "inkling_mm_model": (Modality("image", "image_token_id", "pixel_values"),),
     "inkling2": (Modality("image", "image_token_id", "pixel_values", "image_grid_thw", (), _products, _products),),
+    "inkling2_loop": (Modality("image", "image_token_id", "pixel_values", "image_grid_thw", (), _products, _products),),
 }
 
 #: Inputs of a wrapper that the cache does not key blocks by: a call holding one runs without reuse (its

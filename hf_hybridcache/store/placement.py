@@ -63,9 +63,11 @@ class Placement:
 
 def layer_devices(model: torch.nn.Module, layer_indices) -> dict[int, torch.device]:
     """``{layer idx: device}``: where decoder layer ``i`` computes (its accelerate execution device, else the device
-    of its weights), for each of ``layer_indices``."""
+    of its weights), for each of ``layer_indices``; a loop pass's own cache layer is on its decoder layer's device
+    (:func:`hf_hybridcache._compat.loop_cache_layers`)."""
     layers = _compat.decoder_layers(model)
-    return {idx: _compat.execution_device(layers[idx]) or model.device for idx in layer_indices}
+    owners = _compat.loop_cache_layers(model.config)
+    return {idx: _compat.execution_device(layers[owners.get(idx, idx)]) or model.device for idx in layer_indices}
 
 
 def synchronize(devices) -> None:

@@ -7,6 +7,7 @@ broken restore could go unnoticed.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import math
 
@@ -14,7 +15,15 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from .configs import COMMON, TINY_CONFIGS
+from .configs import _INKLING, COMMON, TINY_CONFIGS
+
+#: Inkling 2 Loop is new in transformers 5.24: its tiny config exists where the installed transformers has it (its
+#: tests skip on 5.23 with that reason). Six Inkling 2 layers whose layers 2-3 (one sliding, one full) run three
+#: times, so the cache holds 6 + 2 * 2 layers; attention residual blocks of two layers.
+if importlib.util.find_spec("transformers.models.inkling2_loop") is not None:
+    TINY_CONFIGS["inkling2_loop_text"] = ("Inkling2LoopTextConfig", dict(
+        _INKLING, num_hidden_layers=6, layer_types=["hybrid_sliding", "hybrid"] * 3, n_layers_per_attn_res_block=2,
+        loop_layer_index_start=2, loop_layer_index_end=4, loop_num_passes=3, loop_gate_rank=8))
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
 #: Byte-level vocabulary: the special tokens, then one token per byte.

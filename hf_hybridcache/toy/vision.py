@@ -21,7 +21,7 @@ import torch
 import transformers
 from PIL import Image
 
-from . import VOCAB_SIZE, byte_tokenizer, long_memory_init_, tiny_config
+from . import TINY_CONFIGS, VOCAB_SIZE, byte_tokenizer, long_memory_init_, tiny_config
 
 #: Placeholder and delimiter tokens after the byte vocabulary: ``name -> id``.
 VISION_TOKENS = {"<|image_pad|>": VOCAB_SIZE, "<|video_pad|>": VOCAB_SIZE + 1, "<|vision_start|>": VOCAB_SIZE + 2,
@@ -92,6 +92,13 @@ TINY_WRAPPERS = {
              image_token_id=IMAGE),
         "inkling2"),
 }
+#: Inkling 2 Loop's wrapper (transformers >= 5.24, where its tiny decoder config exists): Inkling 2's tower and layout.
+if "inkling2_loop_text" in TINY_CONFIGS:
+    TINY_WRAPPERS["inkling2_loop"] = TinyWrapper(
+        "Inkling2LoopConfig", "inkling2_loop_text",
+        dict(TINY_WRAPPERS["inkling2"].settings, vision_config=dict(TINY_WRAPPERS["inkling2"].settings["vision_config"],
+                                                                    model_type="inkling2_vision")),
+        "inkling2")
 
 
 def tiny_vlm_config(family: str = "qwen3_5"):
