@@ -10,7 +10,8 @@
   (``checkpoint_positions`` / ``capture_states``, the conv capture of :mod:`~hf_hybridcache.models.emission`), as
   :class:`~hf_hybridcache.generate.live_cache.LiveCache` answers them for ``generate()``.
 
-A view gathers its rows' states from the slots on first use and writes them back once the module returns; an
+A view gathers its rows' states from the slots on first use (views of the slots when the rows' slots are consecutive,
+so a decode step's in-place update lands there) and writes them back once the module returns; an
 attention ``update`` writes the new keys and values into the rows' own pages and returns every key the rows' queries
 read, gathered from the pool in the group's layout (:class:`~hf_hybridcache.engine.plan.Layout`), whose masks the
 routed attention function applies (:mod:`hf_hybridcache._compat.engine_attention`).
@@ -69,7 +70,8 @@ class GroupView:
 
     def __init__(self, step: StepCache, group: Group) -> None:
         self.step, self.group = step, group
-        self._states: dict[StateKey, list] = {}  # key -> [conv [G, C, W], ssm [G, ...], has_state]
+        self._states: dict[StateKey, list] = {}  # key -> [conv [G, C, W], ssm [G, ...], has_state, conv0, ssm0]
+        self._run: slice | None | bool = False  # not computed yet
         self.last_layer: int | None = None
 
     # ------------------------------------------------------------------ recurrent and conv states
@@ -77,11 +79,22 @@ class GroupView:
     def _state(self, layer_idx: int, state_idx: int) -> list:
         key = state_key(layer_idx, state_idx)
         if key not in self._states:
-            slots = self.step.slots
-            index = self.group.on("slots", self.group.slots, slots.conv[key].device)
-            conv, ssm = slots.conv[key].index_select(0, index), slots.ssm[key].index_select(0, index)
-            self._states[key] = [conv, ssm, not self.group.fresh]
+            slots, run = self.step.slots, self._slot_run()
+            if run is not None:  # views of the slots: an in-place update (a decode step's) needs no copy back
+                conv, ssm = slots.conv[key][run], slots.ssm[key][run]
+            else:
+                index = self.group.on("slots", self.group.slots, slots.conv[key].device)
+                conv, ssm = slots.conv[key].index_select(0, index), slots.ssm[key].index_select(0, index)
+            self._states[key] = [conv, ssm, not self.group.fresh, conv, ssm]  # the last two: as handed out
         return self._states[key]
+
+    def _slot_run(self) -> slice | None:
+        """The rows' slots as one slice when they are consecutive in row order (one request always is), else None."""
+        if self._run is False:
+            first, rows = self.group.segments[0].request.slot, self.group.segments
+            consecutive = all(s.request.slot == first + i for i, s in enumerate(rows))
+            self._run = slice(first, first + len(rows)) if consecutive else None
+        return self._run
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         if layer_idx is None:
@@ -89,11 +102,11 @@ class GroupView:
         return self._state(layer_idx, state_idx or 0)[2]
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        conv, _, has = self._state(layer_idx, state_idx)
+        conv, _, has = self._state(layer_idx, state_idx)[:3]
         return conv if has else None
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        _, ssm, has = self._state(layer_idx, state_idx)
+        _, ssm, has = self._state(layer_idx, state_idx)[:3]
         return ssm if has and ssm.numel() else None
 
     def update_conv_state(self, conv_inputs: torch.Tensor, layer_idx: int, state_idx: int = 0, conv_kernel_size=None,
@@ -101,7 +114,7 @@ class GroupView:
         """``LinearAttentionLayer.update_conv_state``: returns the window before the call + ``conv_inputs``
         ``[G, C, T]`` (zero-padded to ``W`` on a fresh prefill) and keeps the last ``W`` inputs."""
         state = self._state(layer_idx, state_idx)
-        conv, _, has = state
+        conv, _, has = state[:3]
         width = conv_kernel_size or conv.shape[-1]
         emitted = emission.active()
         if emitted is not None and emitted.key == state_key(layer_idx, state_idx) and emitted.conv is None:
@@ -139,10 +152,16 @@ class GroupView:
                     segment.captured.setdefault(segment.past + t, {})[key] = tuple(x.clone() for x in pair) if copy else pair
 
     def write_back(self) -> None:
-        """Copy the states the module changed back into the rows' slots."""
-        slots = self.step.slots
-        for key, (conv, ssm, has) in self._states.items():
+        """Copy the states the module changed back into the rows' slots (none when it updated slot views in place)."""
+        slots, run = self.step.slots, self._slot_run()
+        for key, (conv, ssm, has, given_conv, given_ssm) in self._states.items():
             if not has:
+                continue
+            if run is not None:
+                if conv is not given_conv:
+                    slots.conv[key][run].copy_(conv)
+                if ssm.numel() and ssm is not given_ssm:
+                    slots.ssm[key][run].copy_(ssm)
                 continue
             index = self.group.on("slots", self.group.slots, slots.conv[key].device)
             slots.conv[key].index_copy_(0, index, conv.to(slots.conv[key].dtype))
