@@ -14,18 +14,22 @@ thread, no server) until every request decodes; then ``--steps`` decode steps ar
 - **other**: the step's time outside all of these (its Python bookkeeping).
 
 ``stock generate()`` is the same model's ``generate()`` without any cache on the same number of equal-length prompts
-(a padded batch), its decode time per step: the bar an engine step must meet.
+(a padded batch), its decode time per step: the bar an engine step must meet. With ``--rounds R`` the engine and
+stock runs alternate R times; the table shows the median step of each and the median of the per-round ratios (the
+phases are averaged over the rounds), so that a machine shared with other work moves both sides alike.
 
 Run (``OMP_WAIT_POLICY=PASSIVE`` as for every timing run)::
 
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.step_profile                         # toy shapes, quick
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.step_profile --models jamba:small qwen3_5_text:0.8b:8 lfm2:350m
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.step_profile --running 1 --rounds 5   # medians of 5 A/B rounds
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import statistics
 import time
 
 import torch
@@ -109,8 +113,9 @@ def build(spec: str) -> tuple[torch.nn.Module, str]:
     return model, description
 
 
-def profile_engine(model, running: int, steps: int, clock: Clock) -> tuple[float, int]:
-    """Mean seconds per decode step of ``running`` requests, and the steps timed."""
+def profile_engine(model, running: int, steps: int, clock: Clock, keep: bool = False) -> tuple[float, int]:
+    """Mean seconds per decode step of ``running`` requests, and the steps timed (``keep``: add to the clock's phases
+    instead of starting them afresh)."""
     cache = HybridPrefixCache(model)
     limits = EngineLimits(max_running_requests=max(running, 1), max_batch_tokens=max(512, running * 2))
     manager = cache.init_continuous_batching(limits=limits)  # installs the engine's attention routing
@@ -126,7 +131,8 @@ def profile_engine(model, running: int, steps: int, clock: Clock) -> tuple[float
             engine.step()  # prefill every request first
         for _ in range(3):
             engine.step()  # warm up the decode path
-        clock.spent.clear()
+        if not keep:
+            clock.spent.clear()
         clock.on = True
         start = time.perf_counter()
         for _ in range(steps):
@@ -159,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--running", nargs="+", type=int, default=[1, 8, 32], help="requests decoding at once")
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed per run")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--rounds", type=int, default=1, help="alternating engine / stock runs (medians shown)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -173,24 +180,31 @@ def main(argv: list[str] | None = None) -> None:
         clock.wrap(StepRunner, "_sample", "sampling")
         clock.wrap(Engine, "_settle", "store")
         clock.hook_layers(model)
-        columns, stock = {}, {}
+        columns, stock, ratios = {}, {}, {}
         for running in args.running:
-            per_step, _ = profile_engine(model, running, args.steps, clock)
-            spent = {phase: seconds / args.steps for phase, seconds in clock.spent.items()}
+            clock.spent.clear()
+            engine_steps, stock_steps = [], []
+            for _ in range(args.rounds):
+                engine_steps.append(profile_engine(model, running, args.steps, clock, keep=True)[0])
+                stock_steps.append(stock_decode(model, running, args.steps))
+            per_step = statistics.median(engine_steps)
+            spent = {phase: seconds / args.steps / args.rounds for phase, seconds in clock.spent.items()}
             runner = spent.pop("runner", 0.0)
             layers = sum(v for k, v in spent.items() if k.startswith("forward: "))
             spent["forward: rest"] = runner - spent.get("sampling", 0.0) - layers
-            spent["other"] = per_step - sum(spent.values())
+            spent["other"] = statistics.mean(engine_steps) - sum(spent.values())
             columns[running] = (per_step, spent)
-            stock[running] = stock_decode(model, running, args.steps)
+            stock[running] = statistics.median(stock_steps)
+            ratios[running] = statistics.median(e / s for e, s in zip(engine_steps, stock_steps))
         clock.restore()
-        _print(description, args, columns, stock)
+        _print(description, args, columns, stock, ratios)
 
 
-def _print(description: str, args, columns: dict, stock: dict) -> None:
+def _print(description: str, args, columns: dict, stock: dict, ratios: dict) -> None:
     first = columns[args.running[0]][1]
     phases = sorted({p for _, spent in columns.values() for p in spent}, key=lambda p: -first.get(p, 0))
-    print(f"\n### {description}: ms per decode step ({torch.get_num_threads()} threads, {args.steps} steps)\n")
+    rounds = f", median of {args.rounds} rounds" if args.rounds > 1 else ""
+    print(f"\n### {description}: ms per decode step ({torch.get_num_threads()} threads, {args.steps} steps{rounds})\n")
     print("| phase | " + " | ".join(f"{n} running" for n in args.running) + " |")
     print("|---|" + "---:|" * len(args.running))
     for phase in phases:
@@ -199,7 +213,7 @@ def _print(description: str, args, columns: dict, stock: dict) -> None:
         print(f"| {phase} | " + " | ".join(cells) + " |")
     print("| **engine step** | " + " | ".join(f"**{columns[n][0] * 1e3:.2f}**" for n in args.running) + " |")
     print("| stock generate() decode step | " + " | ".join(f"{stock[n] * 1e3:.2f}" for n in args.running) + " |")
-    print("| engine / stock | " + " | ".join(f"{columns[n][0] / stock[n]:.2f}x" for n in args.running) + " |")
+    print("| engine / stock | " + " | ".join(f"{ratios[n]:.2f}x" for n in args.running) + " |")
 
 
 if __name__ == "__main__":
