@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from conftest import greedy, random_ids
+from conftest import FAMILIES, and_inkling2_loop, greedy, random_ids
 from engine_scenarios import GREEDY, alone, alone_logprobs, config, finals, ids
 from transformers import ContinuousBatchingConfig
 
@@ -15,6 +15,12 @@ from hf_hybridcache.core import check_store
 from hf_hybridcache.toy import build_model
 
 SHARED = ids(40, seed=900)
+
+
+@pytest.fixture(params=and_inkling2_loop(FAMILIES))
+def family(request):
+    """Every family of the exactness suite, and Inkling 2 Loop (transformers >= 5.24)."""
+    return request.param
 
 
 def test_requests_arriving_at_different_times_match_each_alone(model, cold_model):

@@ -9,6 +9,7 @@ alone with a sentence that says what is wrong, and the engine keeps serving."""
 
 import pytest
 import torch
+from conftest import and_inkling2_loop
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from hf_hybridcache import HybridPrefixCache
@@ -26,7 +27,7 @@ from hf_hybridcache.toy.vision import (
     vlm_inputs,
 )
 
-FAMILIES = sorted(TINY_WRAPPERS)
+FAMILIES = and_inkling2_loop(sorted(TINY_WRAPPERS), "inkling2_loop")  # Inkling 2 Loop's: transformers >= 5.24
 NEW_TOKENS = 8
 SYSTEM = "<|system|>You describe screenshots.</s><|user|>"
 _MODELS: dict[str, torch.nn.Module] = {}

@@ -6,8 +6,10 @@ import torch
 import torch.nn.functional as F
 from conftest import (
     CCA_FAMILIES,
+    FAMILIES,
     MAMBA1_FAMILIES,
     SHORT_CONV_FAMILIES,
+    and_inkling2_loop,
     assert_matches_cold,
     cold_states,
     greedy,
@@ -20,7 +22,13 @@ from hf_hybridcache.models import support_for
 from hf_hybridcache.toy import build_model
 
 #: Families whose short convs keep their window in float32 in every model dtype (Inkling computes them in float32).
-FLOAT32_CONV_FAMILIES = ["inkling_text", "inkling2_text"]
+FLOAT32_CONV_FAMILIES = ["inkling_text", "inkling2_text", "inkling2_loop_text"]
+
+
+@pytest.fixture(params=and_inkling2_loop(FAMILIES))
+def family(request):
+    """Every family of the exactness suite, and Inkling 2 Loop (transformers >= 5.24)."""
+    return request.param
 
 
 def test_bf16_checkpoints_keep_the_live_dtypes_and_tokens_match(family):
@@ -42,7 +50,7 @@ def test_bf16_checkpoints_keep_the_live_dtypes_and_tokens_match(family):
         layer = live.layers[m.layer_idx]
         recurrent = layer.recurrent_states[m.state_idx]
         if recurrent is None:  # a short conv: no recurrent state, an empty float32 stand-in in the store
-            assert family in SHORT_CONV_FAMILIES and m.ssm.num_bytes == 0
+            assert family in [*SHORT_CONV_FAMILIES, "inkling2_loop_text"] and m.ssm.num_bytes == 0
             recurrent = torch.empty(0)
         live_dtypes = (layer.conv_states[m.state_idx].dtype, recurrent.dtype)
         conv_dtype = torch.float32 if family in FLOAT32_CONV_FAMILIES else torch.bfloat16

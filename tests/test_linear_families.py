@@ -12,6 +12,7 @@ from conftest import (
     KDA_FAMILIES,
     LINEAR_FAMILIES,
     SHORT_CONV_FAMILIES,
+    and_inkling2_loop,
     assert_matches_cold,
     cold_states,
     random_ids,
@@ -28,10 +29,10 @@ def _logits(model, ids):
         return model(ids).logits
 
 
-ATTENTION_FED_CONV_FAMILIES = CCA_FAMILIES + ["inkling_text", "inkling2_text"]
+ATTENTION_FED_CONV_FAMILIES = CCA_FAMILIES + ["inkling_text", "inkling2_text", "inkling2_loop_text"]
 
 
-@pytest.mark.parametrize("family", LINEAR_FAMILIES)
+@pytest.mark.parametrize("family", and_inkling2_loop(LINEAR_FAMILIES))
 def test_states_at_every_boundary_of_one_prefill_equal_cold_prefills(family, model, cold_model):
     """Dense retention: one 150-token prefill hands over the state at each of its 9 block boundaries; restoring any of
     them equals a cold forward of that prefix (within fp32 round-off)."""
@@ -57,7 +58,7 @@ def test_states_at_every_boundary_of_one_prefill_equal_cold_prefills(family, mod
                     torch.testing.assert_close(live.conv_states[i], cold.conv_states[i], rtol=0, atol=1e-5,
                                                msg=lambda text, hit=hit, layer=m.layer_idx: f"{text} (conv window at {hit}, "
                                                f"layer {layer})")
-                if family in SHORT_CONV_FAMILIES:
+                if family in [*SHORT_CONV_FAMILIES, "inkling2_loop_text"]:
                     assert live.recurrent_states[i] is None and cold.recurrent_states[i] is None
                 else:
                     torch.testing.assert_close(live.recurrent_states[i], cold.recurrent_states[i], rtol=0, atol=1e-5)

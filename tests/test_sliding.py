@@ -6,13 +6,13 @@ window from the stored blocks. These tests go through the public API and check t
 
 import pytest
 import torch
-from conftest import SLIDING_FAMILIES, assert_matches_cold, assert_restored_states_match, random_ids
+from conftest import SLIDING_FAMILIES, and_inkling2_loop, assert_matches_cold, assert_restored_states_match, random_ids
 
 import hf_hybridcache._compat as compat
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.store.kv_store import KVStore
 
-pytestmark = pytest.mark.parametrize("family", SLIDING_FAMILIES)
+pytestmark = pytest.mark.parametrize("family", and_inkling2_loop(SLIDING_FAMILIES))
 
 
 def _warm(model, cold_model, length=100):
@@ -24,7 +24,9 @@ def _warm(model, cold_model, length=100):
 
 INKLING_WINDOWS = {0: 24, 1: None, 2: 24, 3: None}  # sliding and full layers alternate (ZAYA too)
 WINDOWS = {"lfm3": {1: 24, 2: None}, "inkling_text": INKLING_WINDOWS, "inkling2_text": INKLING_WINDOWS,
-           "zaya": INKLING_WINDOWS}
+           "zaya": INKLING_WINDOWS,
+           # 6 decoder layers, then cache layers 6-9 of the loop passes of layers 2 (sliding) and 3 (full)
+           "inkling2_loop_text": {idx: None if idx % 2 else 24 for idx in range(10)}}
 
 
 def test_the_spec_names_the_sliding_layers(model, family):

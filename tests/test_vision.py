@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from conftest import and_inkling2_loop
 
 from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
 from hf_hybridcache.multimodal import ImagePrompt
@@ -24,7 +25,7 @@ from hf_hybridcache.toy.vision import (
     vlm_inputs,
 )
 
-FAMILIES = sorted(TINY_WRAPPERS)
+FAMILIES = and_inkling2_loop(sorted(TINY_WRAPPERS), "inkling2_loop")  # Inkling 2 Loop's: transformers >= 5.24
 NEW_TOKENS = 6
 _MODELS: dict[str, torch.nn.Module] = {}
 

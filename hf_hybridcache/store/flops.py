@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import _compat
 from ..config import ModelStateSpec
 
 #: Operations per SSM state element and token of a selective scan (exp of the step, decay, input, readout).
@@ -65,7 +66,10 @@ class FlopModel:
         """Count the model's per-token weights and state sizes (works on a model built on the meta device)."""
         config = model.config.get_text_config(decoder=True)
         top_k = getattr(config, "num_experts_per_tok", None) or 1
-        weights = sum(_weights_per_token(layer, top_k) for layer in _decoder_layers(model, config))
+        layers = _decoder_layers(model, config)
+        # A looped layer (Inkling 2 Loop) multiplies its weights once per pass.
+        passes = [*range(len(layers)), *_compat.loop_cache_layers(model.config).values()]
+        weights = sum(_weights_per_token(layers[idx], top_k) for idx in passes)
         state_elements = sum(_numel(m.ssm.shape) for m in spec.mamba)
         heads = config.num_attention_heads
         per_key = sum(2 * heads * (a.head_dim + a.value_head_dim) for a in spec.attention if a.sliding_window is None)
