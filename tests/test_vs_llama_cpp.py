@@ -135,3 +135,5 @@ def test_reply_gaps_are_taken_where_each_client_first_differs(saved):
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert vs_llama_cpp.reply_gaps(model, tokenizer, ours, theirs) == [
         vs_llama_cpp.top2_gap(model, tokenizer, rendered + b)]
+    assert vs_llama_cpp.shown_gap((1e-3, 4.0)) == "1.0e-03 of 4.00 (near-tie)"
+    assert vs_llama_cpp.shown_gap((1e-2, 4.0)) == "1.0e-02 of 4.00"
