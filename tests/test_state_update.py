@@ -90,9 +90,30 @@ def test_gated_delta_step_fast_equals_the_token_by_token_rule(heads, l2norm):
     assert torch.equal(state, before)  # the cached state is left as it was
 
 
+@pytest.mark.parametrize("shape", [(1, 4, 3, 1, 5), (2, 4, 3, 2, 5), (3, 6, 2, 3, 4)], ids=lambda v: str(v))
+def test_mamba2_state_update_fast_equals_reference(shape):
+    """Arguments as the Mamba-2 mixers pass them (dt, A, D and dt_bias expanded over the head's channels)."""
+    rows, heads, head_dim, groups, state_size = shape
+    g = torch.Generator().manual_seed(sum(shape))
+    state, x = _randn(g, rows, heads, head_dim, state_size), _randn(g, rows, heads, head_dim)
+    dt = _randn(g, rows, heads, 1).expand(-1, -1, head_dim)
+    A = (-torch.exp(_randn(g, heads)))[:, None, None].expand(-1, head_dim, state_size)
+    B, C = _randn(g, rows, groups, state_size), _randn(g, rows, groups, state_size)
+    D, dt_bias = (_randn(g, heads)[:, None].expand(-1, head_dim) for _ in range(2))
+    z = _randn(g, rows, heads, head_dim)
+    ref_state, fast_state = state.clone(), state.clone()
+    ref = state_update.mamba2_state_update_ref(ref_state, x, dt, A, B, C, D, dt_bias, True, z)
+    fast = state_update.mamba2_state_update_fast(fast_state, x, dt, A, B, C, D, dt_bias, True, z)
+    torch.testing.assert_close(fast, ref, **FP32)
+    torch.testing.assert_close(fast_state, ref_state, **FP32)
+    assert not torch.allclose(ref_state, state)
+
+
 #: family -> (module holding the fused function it calls, that function's name, decode calls per step and layer).
 DECODE_PATHS = {
     "jamba": (jamba, "selective_state_update"),
+    "bamba": (state_update, "mamba2_state_update_fast"),
+    "granitemoehybrid": (state_update, "mamba2_state_update_fast"),
     "qwen3_5_text": (state_update, "gated_delta_step_fast"),
     "lfm2": (state_update, "causal_conv1d_update_fast"),
 }

@@ -14,6 +14,9 @@ Python loop over rows or channels and no host-device synchronization:
 - :func:`selective_state_update` / :func:`selective_state_update_ref`: Mamba-1's selective state update (Gu & Dao,
   "Mamba", 2023; ``selective_state_update`` of ``mamba_ssm/ops/triton/selective_state_update.py``):
   ``dA = exp(dt * A)``, ``h = dA * h + dt * B * x``, ``y = C . h + D * x``, gated by ``silu(z)``;
+- :func:`mamba2_state_update` / :func:`mamba2_state_update_ref`: Mamba-2's (Dao & Gu, "Transformers are SSMs",
+  2024) per-head form of the same update, a scalar ``A`` and ``dt`` per head and ``B`` / ``C`` shared by the heads of
+  a group (``mamba2_selective_state_update`` of ``modeling_bamba.py``, 5.23.0);
 - :func:`gated_delta_step`: one token of the gated delta rule (Yang et al., "Gated Delta Networks", ICLR 2025),
   ``S = exp(g) S``, ``S += k (beta (v - k^T S))^T``, ``o = q^T S`` per value head, whose reference is the
   token-by-token :func:`~hf_hybridcache.kernels.recurrent_gated_delta_rule` (transformers' torch path, copied).
@@ -25,7 +28,7 @@ the reference under the ``"reference"`` backend (:mod:`~hf_hybridcache.kernels.b
 otherwise (no Triton twin: one decode token is a handful of elementwise ops, which a GPU runs as a few launches).
 
 Shapes: B rows (requests), C conv channels, W conv width, I channels (``intermediate_size``), N state size; for the
-gated delta rule Hk query/key heads, Hv value heads (a multiple of Hk), Dk / Dv their head dims.
+Mamba-2 H heads of P channels in G groups; for the gated delta rule Hk query/key heads, Hv value heads (a multiple of Hk), Dk / Dv their head dims.
 """
 
 from __future__ import annotations
@@ -242,3 +245,105 @@ def gated_delta_step(
                                                    use_qk_l2norm_in_kernel)
         return out, state
     return gated_delta_step_fast(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel)
+
+
+def mamba2_state_update_ref(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    z: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One token of Mamba-2's scan: ``mamba2_selective_state_update`` (``modeling_bamba.py``, transformers 5.23.0;
+    the other Mamba-2 families hold the same function), copied, arguments as upstream passes them.
+
+    Args:
+        state: ``[B, H, P, N]`` float32, updated in place; x: ``[B, H, P]``; dt: ``[B, H, P]`` (one value per head,
+        expanded over P); A: ``[H, P, N]`` (expanded); B, C: ``[B, G, N]``; D, dt_bias: ``[H, P]`` or None;
+        z: ``[B, H, P]`` or None; dt_softplus: pass ``dt + dt_bias`` through softplus.
+
+    Returns:
+        ``[B, H, P]`` in ``x``'s dtype.
+    """
+    batch_size, num_heads, head_dim = x.shape
+    num_groups, state_size = B.shape[1], B.shape[-1]
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    dt = dt[..., None]
+    dA = torch.exp(dt.float() * A.float()).to(device=state.device)
+    B = B.reshape(batch_size, num_groups, 1, state_size)
+    B = B.expand(batch_size, num_groups, num_heads // num_groups, state_size).contiguous()
+    B = B.reshape(batch_size, num_heads, 1, state_size)
+    dBx = (dt * B * x[..., None]).to(device=state.device)
+    ssm_states = state * dA + dBx
+    state.copy_(ssm_states.to(state.dtype))
+    C = C.reshape(batch_size, num_groups, 1, state_size)
+    C = C.expand(batch_size, num_groups, num_heads // num_groups, state_size).contiguous()
+    C = C.reshape(batch_size, num_heads, state_size)
+    ssm_states = ssm_states.to(device=C.device, dtype=C.dtype)
+    out = torch.bmm(ssm_states.view(batch_size * num_heads, head_dim, state_size),
+                    C.view(batch_size * num_heads, state_size, 1))
+    out = out.view(batch_size, num_heads, head_dim)
+    if D is not None:
+        out = (out + x * D).to(out.dtype)
+    if z is not None:
+        out = out * F.silu(z)
+    return out.to(x.dtype)
+
+
+def mamba2_state_update_fast(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    z: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`mamba2_state_update_ref` in place on a float32 ``state`` in the fewest ops (the groups' ``B`` / ``C``
+    repeated to the heads once, no copies of the expanded ``A``); same arguments and result."""
+    assert state.dtype == torch.float32, f"the SSM state is kept in float32, not {state.dtype}"
+    repeats = x.shape[1] // B.shape[1]
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    dt = dt.float()
+    B = B.float().repeat_interleave(repeats, dim=1)  # [B, H, N]
+    C = C.float().repeat_interleave(repeats, dim=1)
+    state.mul_(torch.exp(dt.unsqueeze(-1) * A)).addcmul_((dt * x.float()).unsqueeze(-1), B.unsqueeze(2))
+    out = torch.matmul(state, C.unsqueeze(-1)).squeeze(-1)  # [B, H, P]
+    if D is not None:
+        out = torch.addcmul(out, x.float(), D.float())
+    if z is not None:
+        out = out * F.silu(z)
+    return out.to(x.dtype)
+
+
+def mamba2_state_update(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    z: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Mamba-2's single-token state update, in place on ``state``: :func:`mamba2_state_update_fast`, or
+    :func:`mamba2_state_update_ref` under the ``"reference"`` backend (see there for the arguments)."""
+    if backend.resolve(x.device) == "reference" or state.dtype != torch.float32:
+        return mamba2_state_update_ref(state, x, dt, A, B, C, D, dt_bias, dt_softplus, z)
+    return mamba2_state_update_fast(state, x, dt, A, B, C, D, dt_bias, dt_softplus, z)

@@ -23,12 +23,10 @@ A family file is a :class:`LinearVariant` handed to :func:`linear_attention_supp
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import importlib.util
 import inspect
 import itertools
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,9 +34,7 @@ import torch
 
 from .. import _compat
 from ..config import AttentionLayerSpec, MambaLayerSpec, ModelStateSpec, TensorSpec, state_key
-from ..kernels import get_backend
-from ..kernels.state_update import causal_conv1d_update, gated_delta_step
-from . import emission
+from . import emission, fused_decode
 from .base import ModelSupport, attention_layer_spec
 from .mamba1 import checkpoint_positions
 
@@ -95,7 +91,7 @@ class LinearVariant:
             weight (a conv run in float32 in a bf16 model: Inkling, Ling); None: the conv weight's dtype.
         decode_functions: module-level single-token functions the mixer calls on a decode step
             (``causal_conv1d_update``, ``torch_recurrent_gated_delta_rule``), routed to the fused state updates of
-            :mod:`hf_hybridcache.kernels.state_update` inside this package's fp32 decode steps (:data:`DECODE_ROUTERS`).
+            :mod:`hf_hybridcache.kernels.state_update` inside this package's fp32 decode steps (:mod:`hf_hybridcache.models.fused_decode`).
     """
 
     mixer_class: str | tuple[str, ...]
@@ -158,47 +154,6 @@ def _piecewise(kernel: RecurrenceKernel, original: Callable, positions, args: tu
     return torch.cat(outputs, dim=1), state if kwargs.get("output_final_state") else None, states
 
 
-#: True inside a single-token mixer call of this package over a cache, in float32, outside the ``"reference"``
-#: backend: the routed decode functions run the fused state updates then (in reduced precision the reassociated
-#: products would round differently from transformers' own decode).
-_FUSED_DECODE: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_hybridcache_fused_decode", default=False)
-
-
-def _conv_update_router(original: Callable, *args, **kwargs):
-    """``causal_conv1d_update(hidden_states [B, C, 1], conv_state [B, C, W], weight [C, W], bias, activation)`` of
-    transformers' modeling files, as :func:`~hf_hybridcache.kernels.state_update.causal_conv1d_update` in a fused
-    decode step."""
-    if _FUSED_DECODE.get():
-        call = dict(zip(_CONV_UPDATE_PARAMETERS, args), **kwargs)
-        if call.keys() <= set(_CONV_UPDATE_PARAMETERS) and "weight" in call and call["hidden_states"].shape[-1] == 1:
-            out = causal_conv1d_update(call["hidden_states"][..., 0], call["conv_state"], call["weight"],
-                                       call.get("bias"), call.get("activation"))
-            return out.unsqueeze(-1)
-    return original(*args, **kwargs)
-
-
-_CONV_UPDATE_PARAMETERS = ("hidden_states", "conv_state", "weight", "bias", "activation")
-
-
-def _gated_delta_step_router(original: Callable, query, key, value, *args, **kwargs):
-    """``torch_recurrent_gated_delta_rule(query, key, value, g=, beta=, initial_state=, output_final_state=,
-    use_qk_l2norm_in_kernel=, cu_seqlens=)`` as :func:`~hf_hybridcache.kernels.state_update.gated_delta_step` for
-    one token over a cached state in a fused decode step."""
-    if (_FUSED_DECODE.get() and not args and query.shape[1] == 1 and kwargs.get("initial_state") is not None
-            and kwargs.get("cu_seqlens") is None):
-        out, state = gated_delta_step(query, key, value, kwargs["g"], kwargs["beta"], kwargs["initial_state"],
-                                      kwargs.get("use_qk_l2norm_in_kernel", False))
-        return out, state if kwargs.get("output_final_state") else None
-    return original(query, key, value, *args, **kwargs)
-
-
-#: Routers of :attr:`LinearVariant.decode_functions`, by function name.
-DECODE_ROUTERS = {
-    "causal_conv1d_update": _conv_update_router,
-    "torch_recurrent_gated_delta_rule": _gated_delta_step_router,
-}
-
-
 def _emitting_forward(variant: LinearVariant, mixer, original, *args, **kwargs):
     hidden_states, cache, _ = _compat.split_mixer_call(args, kwargs)
     seq_len = hidden_states.shape[1]
@@ -206,13 +161,10 @@ def _emitting_forward(variant: LinearVariant, mixer, original, *args, **kwargs):
     if cache is None or cache.is_recording_past(layer_idx):
         return original(*args, **kwargs)
     if seq_len == 1:
-        if not variant.decode_functions or hidden_states.dtype != torch.float32 or get_backend() == "reference":
+        if not variant.decode_functions or not fused_decode.wanted(hidden_states, cache):
             return original(*args, **kwargs)
-        token = _FUSED_DECODE.set(True)
-        try:
+        with fused_decode.fused():
             return original(*args, **kwargs)
-        finally:
-            _FUSED_DECODE.reset(token)
     positions = checkpoint_positions(cache, seq_len)
     if not positions:
         return original(*args, **kwargs)
@@ -239,9 +191,7 @@ def install_mixers(model: torch.nn.Module, variant: LinearVariant) -> None:
                 _compat.route_module_function(
                     type(module).__module__, kernel.function, functools.partial(route_recurrence, kernel)
                 )
-            for name in variant.decode_functions:
-                if hasattr(sys.modules[type(module).__module__], name):  # absent: the mixer runs it another way
-                    _compat.route_module_function(type(module).__module__, name, DECODE_ROUTERS[name])
+            fused_decode.route(type(module).__module__, variant.decode_functions)
 
 
 def linear_layer_spec(layer_idx: int, mixer, variant: LinearVariant) -> MambaLayerSpec:

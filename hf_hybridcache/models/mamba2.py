@@ -35,6 +35,7 @@ from transformers.activations import ACT2FN
 from .. import _compat
 from ..config import MambaLayerSpec, ModelStateSpec, TensorSpec
 from ..kernels import mamba2_chunk_scan
+from . import fused_decode
 from .base import ModelSupport, attention_layer_spec
 from .mamba1 import apply_padding_mask, checkpoint_positions, conv_states_at
 
@@ -146,12 +147,21 @@ def _forward_with_checkpoints(
 def _checkpointing_forward(variant: Mamba2Variant, mixer, original, *args, **kwargs):
     hidden_states, cache, attention_mask = _compat.split_mixer_call(args, kwargs)
     seq_len = hidden_states.shape[1]
-    if cache is None or seq_len == 1 or mixer.training or cache.is_recording_past(mixer.layer_idx):
+    if cache is None or mixer.training or cache.is_recording_past(mixer.layer_idx):
         return original(*args, **kwargs)
+    if seq_len == 1:
+        if not fused_decode.wanted(hidden_states, cache):
+            return original(*args, **kwargs)
+        with fused_decode.fused():  # upstream's single-token branch over the fused state updates
+            return original(*args, **kwargs)
     positions = checkpoint_positions(cache, seq_len)
     if not positions:
         return original(*args, **kwargs)
     return _forward_with_checkpoints(mixer, variant, hidden_states, cache, attention_mask, positions)
+
+
+#: The single-token functions the Mamba-2 mixers call on a decode step (:mod:`hf_hybridcache.models.fused_decode`).
+DECODE_FUNCTIONS = ("causal_conv1d_update", "mamba2_selective_state_update")
 
 
 def install_mixers(model: torch.nn.Module, variant: Mamba2Variant) -> None:
@@ -159,6 +169,7 @@ def install_mixers(model: torch.nn.Module, variant: Mamba2Variant) -> None:
     for module in model.modules():
         if type(module).__name__ == variant.mixer_class:
             _compat.patch_instance_forward(module, functools.partial(_checkpointing_forward, variant))
+            fused_decode.route(type(module).__module__, DECODE_FUNCTIONS)
 
 
 def mamba_layer_spec(layer_idx: int, mixer) -> MambaLayerSpec:
