@@ -6,7 +6,7 @@ windows and KV."""
 
 import pytest
 import torch
-from conftest import CACHE_KWARG, assert_matches_cold, cold_states, needs_inkling2_loop, random_ids
+from conftest import assert_matches_cold, cold_states, needs_inkling2_loop, random_ids
 from test_exactness import (  # noqa: F401  (collected here: every exactness scenario, both eviction policies)
     eviction,
     test_divergence_admission_makes_a_shared_trunk_reusable,
@@ -26,7 +26,7 @@ from test_power import (  # noqa: F401
     test_zeroing_the_state_changes_the_logits_clearly,
 )
 
-from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
 from hf_hybridcache.config import split_state_key
 from hf_hybridcache.store.checkpoints import CheckpointStore
 from hf_hybridcache.store.kv_store import KVStore

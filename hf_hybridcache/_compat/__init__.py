@@ -24,6 +24,10 @@ Private APIs touched, and why each is needed (transformers 5.23 - 5.24):
   draft token sets their state; there is no public setter.
 - The mixer call convention ``(hidden_states, cache_params | cache, attention_mask)``: the patched mixers read the
   cache they are given; the kwarg was renamed after 5.23.
+- Inkling 2 Loop's loop fields (``loop_layer_index_start``, ``loop_layer_index_end``, ``loop_num_passes``) and the
+  ``cache_offset`` keyword its looped layers' modules take (5.24): its passes after the first keep their states in
+  cache layers after the model's own, which its forward appends when the cache holds ``num_hidden_layers`` layers;
+  the live layers are built with them (:func:`.layers.loop_cache_layers`).
 - The module-level recurrence kernels of the linear-attention modeling files (``torch_chunk_gated_delta_rule`` and
   kin), rebound once in their module to a router that passes every call through unchanged except inside this
   package's own patched mixer calls, where it also returns the recurrent states at block boundaries.
