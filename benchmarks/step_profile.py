@@ -16,13 +16,16 @@ thread, no server) until every request decodes; then ``--steps`` decode steps ar
 ``stock generate()`` is the same model's ``generate()`` without any cache on the same number of equal-length prompts
 (a padded batch), its decode time per step: the bar an engine step must meet. With ``--rounds R`` the engine and
 stock runs alternate R times; the table shows the median step of each and the median of the per-round ratios (the
-phases are averaged over the rounds), so that a machine shared with other work moves both sides alike.
+phases are averaged over the rounds), so that a machine shared with other work moves both sides alike. ``--clock
+cpu`` times with the process's CPU time instead of the wall clock: with ``--threads 1`` it leaves out the time the
+process waited for a core that other work held, which on a shared machine is most of the noise.
 
 Run (``OMP_WAIT_POLICY=PASSIVE`` as for every timing run)::
 
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.step_profile                         # toy shapes, quick
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.step_profile --models jamba:small qwen3_5_text:0.8b:8 lfm2:350m
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.step_profile --running 1 --rounds 5   # medians of 5 A/B rounds
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.step_profile --threads 1 --clock cpu --rounds 5   # a shared machine
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ from hf_hybridcache.engine.runner import StepRunner
 from hf_hybridcache.toy import build_model
 
 PROMPT_TOKENS = 64
+#: ``--clock``: seconds as the wall clock or the process's CPU time counts them.
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+_now = time.perf_counter
 
 
 class Clock:
@@ -59,12 +65,12 @@ class Clock:
         original = getattr(owner, name)
 
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = _now()
             try:
                 return original(*args, **kwargs)
             finally:
                 if self.on:
-                    self.spent[phase] += time.perf_counter() - start
+                    self.spent[phase] += _now() - start
 
         setattr(owner, name, timed)
         self._undo.append(lambda: setattr(owner, name, original))
@@ -77,11 +83,11 @@ class Clock:
                 kind = _kind(child)
 
                 def before(module, args, kind=kind):
-                    starts[id(module)] = time.perf_counter()
+                    starts[id(module)] = _now()
 
                 def after(module, args, output, kind=kind):
                     if self.on and id(module) in starts:
-                        self.spent[f"forward: {kind}"] += time.perf_counter() - starts.pop(id(module))
+                        self.spent[f"forward: {kind}"] += _now() - starts.pop(id(module))
 
                 handles = (child.register_forward_pre_hook(before), child.register_forward_hook(after))
                 self._undo.extend(handle.remove for handle in handles)
@@ -134,10 +140,10 @@ def profile_engine(model, running: int, steps: int, clock: Clock, keep: bool = F
         if not keep:
             clock.spent.clear()
         clock.on = True
-        start = time.perf_counter()
+        start = _now()
         for _ in range(steps):
             engine.step()
-        total = time.perf_counter() - start
+        total = _now() - start
         clock.on = False
     engine.close()
     return total / steps, steps
@@ -149,12 +155,12 @@ def stock_decode(model, batch: int, steps: int) -> float:
     ids = torch.randint(6, vocab, (batch, PROMPT_TOKENS), generator=torch.Generator().manual_seed(7))
     kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
     with torch.no_grad():
-        start = time.perf_counter()
+        start = _now()
         model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
-        prefill = time.perf_counter() - start
-        start = time.perf_counter()
+        prefill = _now() - start
+        start = _now()
         model.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, **kwargs)
-        return (time.perf_counter() - start - prefill) / steps
+        return (_now() - start - prefill) / steps
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -166,7 +172,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed per run")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--rounds", type=int, default=1, help="alternating engine / stock runs (medians shown)")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="wall clock or process CPU time")
     args = parser.parse_args(argv)
+    global _now
+    _now = CLOCKS[args.clock]
     if args.threads:
         torch.set_num_threads(args.threads)
     for spec in args.models:
@@ -204,7 +213,9 @@ def _print(description: str, args, columns: dict, stock: dict, ratios: dict) -> 
     first = columns[args.running[0]][1]
     phases = sorted({p for _, spent in columns.values() for p in spent}, key=lambda p: -first.get(p, 0))
     rounds = f", median of {args.rounds} rounds" if args.rounds > 1 else ""
-    print(f"\n### {description}: ms per decode step ({torch.get_num_threads()} threads, {args.steps} steps{rounds})\n")
+    clock = ", CPU time" if args.clock == "cpu" else ""
+    print(f"\n### {description}: ms per decode step ({torch.get_num_threads()} threads, {args.steps} steps{rounds}"
+          f"{clock})\n")
     print("| phase | " + " | ".join(f"{n} running" for n in args.running) + " |")
     print("|---|" + "---:|" * len(args.running))
     for phase in phases:
