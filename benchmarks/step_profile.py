@@ -14,7 +14,8 @@ thread, no server) until every request decodes; then ``--steps`` decode steps ar
 - **other**: the step's time outside all of these (its Python bookkeeping).
 
 ``stock generate()`` is the same model's ``generate()`` without any cache on the same number of equal-length prompts
-(a padded batch), its decode time per step: the bar an engine step must meet. With ``--rounds R`` the engine and
+(a padded batch), its decode time per step: the bar an engine step must meet. It runs on a copy of the model taken
+before the engine patches it, so it is transformers' code alone. With ``--rounds R`` the engine and
 stock runs alternate R times; the table shows the median step of each and the median of the per-round ratios (the
 phases are averaged over the rounds), so that a machine shared with other work moves both sides alike. ``--clock
 cpu`` times with the process's CPU time instead of the wall clock: with ``--threads 1`` it leaves out the time the
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import statistics
 import time
 
@@ -188,14 +190,16 @@ def main(argv: list[str] | None = None) -> None:
         clock.wrap(StepRunner, "run", "runner")
         clock.wrap(StepRunner, "_sample", "sampling")
         clock.wrap(Engine, "_settle", "store")
+        stock_model = copy.deepcopy(model)  # unpatched: transformers' own forward and decode
         clock.hook_layers(model)
+        clock.hook_layers(stock_model)
         columns, stock, ratios = {}, {}, {}
         for running in args.running:
             clock.spent.clear()
             engine_steps, stock_steps = [], []
             for _ in range(args.rounds):
                 engine_steps.append(profile_engine(model, running, args.steps, clock, keep=True)[0])
-                stock_steps.append(stock_decode(model, running, args.steps))
+                stock_steps.append(stock_decode(stock_model, running, args.steps))
             per_step = statistics.median(engine_steps)
             spent = {phase: seconds / args.steps / args.rounds for phase, seconds in clock.spent.items()}
             runner = spent.pop("runner", 0.0)

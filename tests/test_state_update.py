@@ -123,7 +123,7 @@ DECODE_PATHS = {
 def test_decode_steps_follow_the_unpatched_model(family, monkeypatch):
     """generate() through the cache runs the fused decode step (counted: once per decode step and recurrent layer);
     every step's logits follow the unpatched model's (transformers' own single-token branch) within 1e-4 and the
-    tokens are equal."""
+    tokens are equal. The patched model without the cache runs upstream's decode, bit-identical."""
     cold = build_model(family, seed=0)
     model = build_model(family, seed=0)
     cache = HybridPrefixCache(model)
@@ -137,6 +137,10 @@ def test_decode_steps_follow_the_unpatched_model(family, monkeypatch):
     out = model.generate(ids, **{CACHE_KWARG: cache}, **kwargs)
     ref = cold.generate(ids, **kwargs)
     assert len(calls) == 7 * len(cache.spec.mamba)  # every decode step of every recurrent layer
+    plain = model.generate(ids, **kwargs)  # the patched model with transformers' own cache: upstream's decode
+    assert len(calls) == 7 * len(cache.spec.mamba)
+    for got, want in zip(plain.logits, ref.logits):
+        assert torch.equal(got, want)
     assert torch.equal(out.sequences, ref.sequences)
     for got, want in zip(out.logits, ref.logits):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)

@@ -27,9 +27,12 @@ _FUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_hybridcache_fu
 
 
 def wanted(hidden_states: torch.Tensor, cache) -> bool:
-    """Whether a mixer call on ``hidden_states`` ``[B, T, hidden]`` over ``cache`` runs its decode fused."""
-    return (cache is not None and hidden_states.shape[1] == 1 and hidden_states.dtype == torch.float32
-            and get_backend() != "reference")
+    """Whether a mixer call on ``hidden_states`` ``[B, T, hidden]`` over ``cache`` runs its decode fused: one token
+    in float32 over one of this package's caches (the engine's group views, ``generate()``'s live cache: they answer
+    ``checkpoint_positions``; another cache runs transformers' own decode, bit-identical), outside the
+    ``"reference"`` backend."""
+    return (hidden_states.shape[1] == 1 and hasattr(cache, "checkpoint_positions")
+            and hidden_states.dtype == torch.float32 and get_backend() != "reference")
 
 
 @contextlib.contextmanager

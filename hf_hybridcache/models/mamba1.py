@@ -45,7 +45,8 @@ def patch_mixers(
     """Patch every ``mixer_class`` module of ``model`` (this instance only, idempotent).
 
     The patched mixer runs ``forward_from_state`` on multi-token forwards over a cached state or with checkpoints
-    wanted, and ``decode_step`` (when given) on single-token forwards over a cached state; everything else (no cache,
+    wanted, and ``decode_step`` (when given) on single-token forwards over one of this package's caches holding a
+    state; everything else (no cache or another cache on a decode step,
     past recording, a fresh prefill with no checkpoint wanted, decode steps under the ``"reference"`` kernel backend)
     goes to the original forward, bit-identical to the unpatched model. Without ``decode_step``, decode steps take
     upstream's recurrent branch, which already continues from the cached state.
@@ -65,7 +66,8 @@ def _continuing_forward(
     if cache is None or cache.is_recording_past(mixer.layer_idx):
         return original(*args, **kwargs)
     if seq_len == 1:
-        if decode_step is not None and get_backend() != "reference":
+        # Only over this package's caches (they answer checkpoint_positions): another cache runs upstream's decode.
+        if decode_step is not None and hasattr(cache, "checkpoint_positions") and get_backend() != "reference":
             out = decode_step(mixer, hidden_states, cache, attention_mask)
             if out is not None:
                 return out
