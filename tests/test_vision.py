@@ -159,6 +159,22 @@ def test_power_keys_that_ignore_the_image_hit_past_it_and_change_the_reply(famil
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_an_image_hits_when_a_later_larger_image_joins_its_prompt(family):
+    """An image's key does not depend on the other images of its prompt: a processor pads LFM2-VL's tiles to the
+    longest one of the call, and a digest over the padded rows made the same image miss once a larger image followed
+    it (LFM2-VL: hit 0 instead of past the image's 52nd position; fails without the unpadded digest)."""
+    model = _model(family)
+    cache = HybridPrefixCache(model)
+    first = ["<|system|>You describe screenshots.</s><|user|>", toy_image(61), "What is on it?</s><|assistant|>"]
+    alone = vlm_inputs(family, first)
+    _check_equal_cold(model, alone, cache)
+    second = vlm_inputs(family, first + ["Menus.</s><|user|>", toy_image(62, 96, 64), "And now?</s><|assistant|>"])
+    _check_equal_cold(model, second, cache)
+    assert cache.last_hit_tokens[0] > int((alone["input_ids"][0] == IMAGE).nonzero()[-1])
+    assert (cache.last_images.encoded, cache.last_images.skipped) == (1, 1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_a_hit_that_ends_inside_an_image_encodes_it_and_equals_a_cold_run(family):
     """Prompt A's last checkpoint below its end lies inside its image; prompt B shares A up to the image's end and
     then differs: B restores into the image, encodes it and hands the model only its rows after the hit."""

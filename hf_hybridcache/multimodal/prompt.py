@@ -183,11 +183,23 @@ def _modality_items(model, modality: Modality, ids: list[int], kwargs: dict) -> 
         return None
     items, start = [], 0
     for index, (chunk, count) in enumerate(zip(pixels.split(pixel_rows), feature_rows)):
-        tensors = [(modality.pixels, chunk), (modality.grid, grid[index])]
-        tensors += [(name, kwargs[name][index]) for name in modality.per_item if kwargs.get(name) is not None]
+        per_item = {name: kwargs[name][index] for name in modality.per_item if kwargs.get(name) is not None}
+        chunk, per_item = _unpadded(modality, chunk, per_item)
+        tensors = [(modality.pixels, chunk), (modality.grid, grid[index]), *per_item.items()]
         items.append(Item(modality, index, _digest(modality, tensors), tuple(positions[start : start + count])))
         start += count
     return items
+
+
+def _unpadded(modality: Modality, chunk: torch.Tensor, per_item: dict) -> tuple[torch.Tensor, dict]:
+    """An item's pixel rows ``[1, L, ...]`` and padding mask ``[L]`` cut after its last real row (the padding to the
+    call's longest item, which the tower masks out), so that its digest names its own pixels only."""
+    mask = per_item.get(modality.padding_mask) if modality.padding_mask else None
+    if mask is None:
+        return chunk, per_item
+    real = mask.nonzero()
+    length = int(real[-1, 0]) + 1 if len(real) else 0
+    return chunk[:, :length], {**per_item, modality.padding_mask: mask[:length]}
 
 
 def _select(modality: Modality, inputs: dict, items: list[Item], indices: list[int], config) -> dict:

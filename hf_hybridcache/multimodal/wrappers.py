@@ -29,6 +29,9 @@ class Modality:
         per_item: other keyword arguments with one row per item.
         pixel_rows: ``(grid [N, k], config) -> rows of `pixels` per item`` (None: one row per placeholder token).
         feature_rows: ``(grid [N, k], config) -> placeholder tokens per item`` (None: the runs' lengths).
+        padding_mask: the keyword argument (one of ``per_item``) whose row marks an item's real pixel rows along
+            dim 1 of its ``pixels``, padded past them to the longest item of the call (LFM2-VL's tiles): the digest
+            reads only up to its last real row, so an item's key does not depend on the other items beside it.
     """
 
     name: str
@@ -38,6 +41,7 @@ class Modality:
     per_item: tuple[str, ...] = ()
     pixel_rows: Callable[[torch.Tensor, object], list[int]] | None = None
     feature_rows: Callable[[torch.Tensor, object], list[int]] | None = None
+    padding_mask: str | None = None
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -81,7 +85,7 @@ WRAPPERS: dict[str, tuple[Modality, ...]] = {
     "qwen3_5_moe": _qwen_like(),
     "lfm3_vl": _qwen_like(),
     "lfm2_vl": (Modality("image", "image_token_id", "pixel_values", "spatial_shapes", ("pixel_attention_mask",),
-                         _one_each, _downsampled),),
+                         _one_each, _downsampled, "pixel_attention_mask"),),
     "nemotron_h_omni": (Modality("image", "image_token_id", "pixel_values", "image_grid_hw", (), _products,
                                  _quartered),),
     "inkling_mm_model": (Modality("image", "image_token_id", "pixel_values"),),
