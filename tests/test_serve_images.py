@@ -175,6 +175,21 @@ def test_the_reply_memory_keys_replies_by_their_images(solo):
         assert (prompt[len(ids) : len(ids) + 3] == generated) is spliced, seed
 
 
+def test_a_reply_that_holds_a_placeholder_id_is_not_spliced_into_the_next_turn(solo):
+    """A reply whose generated ids hold an image or video placeholder id (the tiny model samples them) is taken from
+    its text: spliced in, the id stood for an image the request does not hold, and the next turn failed with a 500
+    (the engine refuses the prompt; --no-cache's generate() raised TypeError). Fails without the filter."""
+    first = [template_form(user("Which one?", data_url(toy_image(43))))]
+    ids, _, key = image_prompt(solo.processor, first, [toy_image(43)])
+    video = solo.processor.tokenizer.convert_tokens_to_ids(solo.processor.video_token)
+    memory = ReplyMemory()
+    memory.remember(None, ids, "ok", [111, 107, video], key)  # decoded without the special token: "ok"
+    chat = [*first, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "Why?"}]
+    prompt, _, _ = image_prompt(solo.processor, chat, [toy_image(43)], memory)
+    assert video not in prompt and IMAGE not in prompt[len(ids) :]
+    assert prompt == image_prompt(solo.processor, chat, [toy_image(43)])[0]  # as without the memory
+
+
 def test_replicas_share_reply_ids_by_their_images_through_the_tier():
     """Behind a gateway the next turn may reach another replica: it finds the reply's ids in the tier under the same
     prompt, text and images, and not under other images (a text prompt's key is the one it had)."""

@@ -116,6 +116,8 @@ def image_prompt(processor, messages: list[dict], images: list, memory=None, sal
             processor refused the conversation.
     """
     pieces = ImagePieces(processor, images)
+    if memory is not None:
+        memory = _WithoutPlaceholders(memory, _placeholder_ids(processor))
     ids = spliced_prompt(pieces, messages, memory, salt, **template_kwargs)
     if pieces.used != len(images):
         raise ValueError(f"The chat template wrote {pieces.used} image tokens for {len(images)} images.")
@@ -126,6 +128,26 @@ def image_prompt(processor, messages: list[dict], images: list, memory=None, sal
     if any("mm_token_type_ids" in out for out in pieces.outputs):
         inputs["mm_token_type_ids"] = torch.tensor(processor.create_mm_token_type_ids([ids]), dtype=torch.long)
     return ids, inputs, pieces.images_key()
+
+
+def _placeholder_ids(processor) -> frozenset[int]:
+    """The ids of the processor's image, video and audio placeholder tokens."""
+    tokens = [getattr(processor, f"{kind}_token", None) for kind in ("image", "video", "audio")]
+    ids = processor.tokenizer.convert_tokens_to_ids([t for t in tokens if isinstance(t, str)])
+    return frozenset(i for i in ids if isinstance(i, int) and i != processor.tokenizer.unk_token_id)
+
+
+class _WithoutPlaceholders:
+    """A reply memory whose replies holding a placeholder id are not spliced in: such an id stands for content the
+    request does not hold (the engine refuses the prompt, transformers fails on it), so the reply is encoded from its
+    text, as the client sent it back (the model sampled the id; its text skips it)."""
+
+    def __init__(self, memory, placeholders: frozenset[int]) -> None:
+        self.memory, self.placeholders = memory, placeholders
+
+    def lookup(self, *args) -> list[int] | None:
+        ids = self.memory.lookup(*args)
+        return None if ids is None or not self.placeholders.isdisjoint(ids) else ids
 
 
 def _merged(outputs: list[dict]) -> dict[str, torch.Tensor] | None:
