@@ -291,6 +291,17 @@ def test_every_bad_image_part_is_a_400_that_says_what_and_where(served, solo):
     assert reply.choices[0].message.content == expected
 
 
+def test_a_completions_prompt_with_a_placeholder_token_is_a_400_and_the_server_keeps_serving(served):
+    """/v1/completions takes text: a prompt holding the image placeholder (as text or as an id) was a 500 from the
+    engine ('no images were passed'); now a 400 naming the token (fails without the check: InternalServerError)."""
+    client = served.client()
+    for prompt in ("Describe <|image_pad|> please", [72, 105, IMAGE]):
+        with pytest.raises(openai.BadRequestError, match="placeholder token '<\\|image_pad\\|>'"):
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model=MODEL, prompt="Describe it", max_tokens=2, temperature=0)
+    assert again.choices[0].finish_reason == "length"
+
+
 def test_a_text_only_model_refuses_image_parts_with_a_400():
     model, tokenizer = build_model("jamba", seed=0), byte_tokenizer()
     server = Server(build_app(SequentialBackend(model, [tokenizer.eos_token_id]), tokenizer, "toy:jamba"))

@@ -150,6 +150,8 @@ def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens:
     async def completions(body: CompletionRequest, request: Request):
         refuse_unsupported(body)
         prompts = prompts_of(body, tokenizer, backend.vocab_size)
+        if vision is not None:
+            vision.refuse_placeholders([ids for ids, _ in prompts])
         scored = body.logprobs if body.echo else None
         jobs = [job_for(body, ids, request, body.max_tokens, COMPLETION_MAX_TOKENS, False, body.logprobs, scored)
                 for ids, _ in prompts]

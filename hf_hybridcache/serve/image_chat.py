@@ -171,6 +171,22 @@ class ImageChat:
                              "processor (AutoProcessor.from_pretrained).")
         self.processor, self.limits = processor, limits or ImageLimits()
 
+    def refuse_placeholders(self, prompts: list[list[int]]) -> None:
+        """A 400 when a ``/v1/completions`` prompt (token ids) holds an image, video or audio placeholder id: it
+        would stand for content the request cannot carry (the engine refuses such a prompt).
+
+        Raises:
+            APIError: 400 naming the first such id.
+        """
+        placeholders = _placeholder_ids(self.processor)
+        for ids in prompts:
+            found = sorted(placeholders.intersection(ids))
+            if found:
+                token = self.processor.tokenizer.convert_ids_to_tokens(found[0])
+                raise APIError(400, f"The prompt holds the placeholder token {token!r} (id {found[0]}), which stands "
+                               "for an image, video or audio input; /v1/completions takes text only: send images as "
+                               "image_url parts to /v1/chat/completions, or drop the token.", param="prompt")
+
     async def prompt(self, messages: list[Message], memory, salt: str | None,
                      template_kwargs: dict) -> tuple[list[int], dict[str, torch.Tensor] | None, bytes]:
         """``(prompt ids, image inputs or None without images, images key)`` of a chat request's ``messages``.
