@@ -271,7 +271,7 @@ BAD_PARTS = {
     "remote off": (user("x", "http://127.0.0.1:9/cat.png"), "--allow-remote-images", "content[0].image_url.url"),
     "other scheme": (user("x", "ftp://example.com/cat.png"), "data: URL", "content[0].image_url.url"),
     "in an assistant message": ({"role": "assistant", "content": [
-        {"type": "image_url", "image_url": {"url": data_url(toy_image(1))}}]}, "user messages only", "image_url"),
+        {"type": "image_url", "image_url": {"url": data_url(toy_image(1))}}]}, "not in an assistant message", "image_url"),
     "bad detail": (user("x", data_url(toy_image(1)), detail="ultra"), "detail", None),
 }
 

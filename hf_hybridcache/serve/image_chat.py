@@ -39,7 +39,8 @@ def image_parts(messages: list[Message]) -> list[tuple[str, str]]:
                 continue
             param = f"messages[{i}].content[{j}].image_url"
             if message.role != "user":
-                raise APIError(400, f"{param}: image parts are taken in user messages only, not in a "
+                article = "an" if message.role[:1] in "aeiou" else "a"
+                raise APIError(400, f"{param}: image parts are taken in user messages only, not in {article} "
                                f"{message.role} message.", param=param)
             parts.append((f"{param}.url", part.image_url.url))
     return parts
