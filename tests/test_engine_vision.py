@@ -285,6 +285,22 @@ def test_generate_batch_takes_one_images_entry_per_prompt():
         model.generate_batch(list(ids), generation_config=config, images=images[:2])
 
 
+def test_an_lfm2_vl_image_hits_in_the_engine_when_a_larger_image_joins_its_prompt():
+    """The engine keys a request's images as generate() does: an LFM2-VL tile's padding to the longest tile of its
+    prompt is not part of its key, so a prompt that adds a larger image after it hits past it (fails without the
+    unpadded digest: its hit stops before the image)."""
+    model = _model("lfm2_vl")
+    cache = HybridPrefixCache(model)  # noqa: F841 - the model's engine serves this cache while it lives
+    first = ["<|system|>You describe screenshots.</s><|user|>", toy_image(61), "What is on it?</s><|assistant|>"]
+    inputs = [vlm_inputs("lfm2_vl", first),
+              vlm_inputs("lfm2_vl", first + ["Menus.</s><|user|>", toy_image(62, 96, 64), "And now?</s>"])]
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False)
+    outputs = [next(iter(model.generate_batch([ids], generation_config=config, images=[images]).values()))
+               for ids, images in map(_split, inputs)]
+    assert [output.generated_tokens for output in outputs] == [_cold(model, i, NEW_TOKENS)[0] for i in inputs]
+    assert outputs[1].hit_tokens > int((inputs[0]["input_ids"][0] == IMAGE).nonzero()[-1])
+
+
 @pytest.mark.parametrize("family", ["qwen3_5", "inkling_mm_model"])
 def test_chunked_prefill_feeds_each_chunk_its_own_rows_and_encodes_once(family):
     """Prompts cut into 16-token chunks (``max_batch_tokens=20``) across their images equal their cold runs; each
