@@ -70,7 +70,11 @@ def test_fallback_notices_are_dropped_where_the_package_scan_stands_in_and_one_l
     assert out["construction"].count(line) == 1, out["construction"]
     assert "`pip install mamba-ssm causal-conv1d` speeds up those" in out["construction"]
     assert [k for k in STAND_INS if _notice(k) in out["cached"]] == [], out["cached"]
-    # Decode steps run upstream's recurrent step: its notices are true and stay.
-    assert _notice("selective_state_update") in out["cached"] and _notice("causal_conv1d_update") in out["cached"]
-    if "stock" in phases:
+    # float32 decode steps over the cache run the package's fused single-token update (kernels/state_update.py), so
+    # upstream's recurrent step and its notices never run there; the line says so.
+    assert "float32 decode steps run hf_hybridcache's fused single-token update" in out["construction"]
+    assert _notice("selective_state_update") not in out["cached"], out["cached"]
+    assert _notice("causal_conv1d_update") not in out["cached"], out["cached"]
+    if "stock" in phases:  # without the cache upstream's kernels run, and their notices are true and stay
         assert _notice("selective_scan_fn") in out["stock"] and _notice("causal_conv1d_fn") in out["stock"]
+        assert _notice("selective_state_update") in out["stock"] and _notice("causal_conv1d_update") in out["stock"]

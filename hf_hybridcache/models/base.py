@@ -59,7 +59,8 @@ class ModelSupport:
         logger.log(
             logging.WARNING if missing else logging.INFO,
             f"hf_hybridcache: {type(model).__name__} on {device.type}: {self.scan} ({fast}) in place of transformers' "
-            f"{named}; decode steps and the other prefills run transformers' own kernels ({stock}). On CUDA, `pip install "
+            f"{named}; float32 decode steps run hf_hybridcache's fused single-token update, the other decode steps and "
+            f"prefills transformers' own kernels ({stock}). On CUDA, `pip install "
             f"{' '.join(self.kernel_packages)}` speeds up those; hf_hybridcache's scan does not use them.",
         )
 
