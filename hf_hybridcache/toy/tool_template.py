@@ -84,22 +84,23 @@ QWEN3_5_RESPONSE_TEMPLATE = {
 }
 
 
+def _tool_tokenizer(chat_template: str, response_template: dict | None):
+    """The byte tokenizer with ``chat_template`` and, unless None, ``response_template``."""
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = chat_template
+    if response_template is not None:
+        tokenizer.response_template = response_template
+    return tokenizer
+
+
 def qwen3_5_tool_tokenizer(response_template: bool = True):
     """The byte tokenizer with :data:`QWEN3_5_CHAT_TEMPLATE`, and :data:`QWEN3_5_RESPONSE_TEMPLATE` as its
     ``response_template`` (False: none, as Qwen3.5 checkpoints ship; the format is then read from the chat template)."""
-    tokenizer = byte_tokenizer()
-    tokenizer.chat_template = QWEN3_5_CHAT_TEMPLATE
-    if response_template:
-        tokenizer.response_template = QWEN3_5_RESPONSE_TEMPLATE
-    return tokenizer
+    return _tool_tokenizer(QWEN3_5_CHAT_TEMPLATE, QWEN3_5_RESPONSE_TEMPLATE if response_template else None)
 
 
 def hermes_tool_tokenizer(response_template: bool = True):
     """The byte tokenizer with :data:`HERMES_CHAT_TEMPLATE`, and :data:`HERMES_RESPONSE_TEMPLATE` as its
     ``response_template`` (False: none, as most Qwen checkpoints ship; the format is then read from the chat
     template)."""
-    tokenizer = byte_tokenizer()
-    tokenizer.chat_template = HERMES_CHAT_TEMPLATE
-    if response_template:
-        tokenizer.response_template = HERMES_RESPONSE_TEMPLATE
-    return tokenizer
+    return _tool_tokenizer(HERMES_CHAT_TEMPLATE, HERMES_RESPONSE_TEMPLATE if response_template else None)
