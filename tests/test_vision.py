@@ -253,11 +253,12 @@ def test_the_image_chat_benchmark_runs_on_a_tiny_wrapper(capsys):
     from benchmarks import image_chat
 
     results = image_chat.main(["--families", "lfm2_vl", "--turns", "2", "--repeats", "1", "--new-tokens", "4",
-                               "--image", "48x32"])
+                               "--image", "48x32", "--size", "tiny"])
     (_, _, screenshots), (_, _, one_image) = results
     assert [r["encoded"] for r in screenshots] == [1, 1] and [r["encoded"] for r in one_image] == [1, 0]
     assert one_image[1]["hit"] > 0 and one_image[1]["hit_tower"] == 0.0
-    assert "hit tower ms" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "hit tower ms" in out and "margin ms" in out and "of 2 turns after the first" in out
 
 
 def _video_prompt(family: str, seed: int, question: str) -> dict:
@@ -343,3 +344,19 @@ def test_qwen3_5_positions_come_from_the_whole_prompt_after_a_longer_request(fam
     assert _after_a_longer_request(model, family) < 1e-4
     monkeypatch.setattr(HybridPrefixCache, "get_seq_length", lambda self, layer_idx=0: Cache.get_seq_length(self))
     assert _after_a_longer_request(model, family) > 1e-2
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_realistic_size_keeps_the_prompt(family):
+    from hf_hybridcache.toy.vision import build_vlm, vision_tower, vlm_inputs
+
+    tiny, realistic = build_vlm(family), build_vlm(family, size="realistic")
+    size = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    grown = 1 if family == "inkling_mm_model" else 10  # its tower's shape is fixed by its patch layout
+    assert size(vision_tower(realistic)) >= grown * size(vision_tower(tiny))
+    assert size(realistic) - size(vision_tower(realistic)) > 2 * (size(tiny) - size(vision_tower(tiny)))
+    inputs = vlm_inputs(family, ["<|user|>", toy_image(3, 48, 32), "What is it?"])
+    with torch.no_grad():
+        assert realistic(**inputs).logits.shape == tiny(**inputs).logits.shape
+    with pytest.raises(ValueError, match="realistic"):
+        build_vlm(family, size="huge")

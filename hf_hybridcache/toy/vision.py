@@ -50,6 +50,9 @@ class TinyWrapper:
     layout: str
     wrap: tuple[int, int] | None = (START, END)
     text_overrides: tuple = ()
+    #: False where the tower's width is fixed by its patch layout (Inkling's stack of projections, already the
+    #: slowest tower here): :data:`SIZES` leaves it as it is.
+    resizable_tower: bool = True
 
 
 TINY_WRAPPERS = {
@@ -83,7 +86,7 @@ TINY_WRAPPERS = {
         dict(vision_config=dict(patch_size=PATCH, temporal_patch_size=2, hidden_size=32, num_hidden_layers=4),
              audio_config=dict(n_mel_bins=8, mel_vocab_size=16), image_token_id=IMAGE, audio_token_id=AUDIO,
              image_bos_token_id=START),
-        "inkling", wrap=(START, None)),
+        "inkling", wrap=(START, None), resizable_tower=False),
     "inkling2": TinyWrapper(
         "Inkling2Config", "inkling2_text",
         dict(vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, patch_size=PATCH,
@@ -101,27 +104,63 @@ if "inkling2_loop_text" in TINY_CONFIGS:
         "inkling2")
 
 
-def tiny_vlm_config(family: str = "qwen3_5"):
-    """The config of the tiny ``family`` wrapper (a key of :data:`TINY_WRAPPERS`).
+#: Model sizes: ``"tiny"`` (the test shapes: a tower of 2-4 layers of width 32, a few ms per image on a CPU, and the
+#: decoder of :data:`~hf_hybridcache.toy.configs.TINY_CONFIGS`, width 64) and ``"realistic"`` for benchmarks (a tower of
+#: 6 layers of width 128, MLP 512: tens to hundreds of ms per image on a CPU; a decoder of width 256, dense MLP 1024,
+#: whose prefill costs more than a forward's fixed Python overhead, as a real decoder's does). Layer patterns, patch
+#: size, merge and placeholder counts stay, so prompts are the same at every size.
+SIZES = {"tiny": None, "realistic": dict(tower_layers=6, tower_width=128, decoder_width=256)}
+
+
+def _sized(spec: TinyWrapper, size: str) -> tuple[dict, dict]:
+    """The text config overrides and wrapper settings of ``spec`` at ``SIZES[size]``."""
+    if size not in SIZES:
+        raise ValueError(f"No model size {size!r}; available: {', '.join(SIZES)}.")
+    shape, settings = SIZES[size], spec.settings
+    if shape is None:
+        return {}, settings
+    width = shape["decoder_width"]
+    vision = dict(settings["vision_config"])
+    if spec.resizable_tower:
+        vision["hidden_size"] = shape["tower_width"]
+        for key in ("depth", "num_hidden_layers"):
+            if key in vision:
+                vision[key] = shape["tower_layers"]
+        if "intermediate_size" in vision:
+            vision["intermediate_size"] = 4 * shape["tower_width"]
+    for key in ("out_hidden_size", "text_hidden_size"):  # the tower's output is the decoder's width
+        if key in vision:
+            vision[key] = width
+    sized = dict(settings, vision_config=vision)
+    if "vision_hidden_size" in settings and spec.resizable_tower:  # Nemotron-H Omni's projector reads it here
+        sized["vision_hidden_size"] = shape["tower_width"]
+    return dict(hidden_size=width, intermediate_size=4 * width), sized
+
+
+def tiny_vlm_config(family: str = "qwen3_5", size: str = "tiny"):
+    """The config of the tiny ``family`` wrapper (a key of :data:`TINY_WRAPPERS`) at ``size`` (:data:`SIZES`).
 
     Raises:
-        ValueError: no tiny wrapper for ``family``.
+        ValueError: no tiny wrapper for ``family``, or no size ``size``.
     """
     if family not in TINY_WRAPPERS:
         raise ValueError(f"No tiny wrapper {family!r}; available: {', '.join(sorted(TINY_WRAPPERS))}.")
     import transformers
 
     spec = TINY_WRAPPERS[family]
+    text_sizes, settings = _sized(spec, size)
     text = tiny_config(spec.text_family, vocab_size=VLM_VOCAB_SIZE, unpadded_vocab_size=VLM_VOCAB_SIZE,
-                       **dict(spec.text_overrides)).to_dict()
-    return getattr(transformers, spec.config_class)(text_config=text, **spec.settings)
+                       **dict(spec.text_overrides), **text_sizes).to_dict()
+    return getattr(transformers, spec.config_class)(text_config=text, **settings)
 
 
-def build_vlm(family: str = "qwen3_5", seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A seeded random-init tiny ``family`` wrapper in eval mode, with the long-memory init of its decoder."""
+def build_vlm(family: str = "qwen3_5", seed: int = 0, dtype: torch.dtype = torch.float32,
+              size: str = "tiny") -> torch.nn.Module:
+    """A seeded random-init ``family`` wrapper at ``size`` (:data:`SIZES`) in eval mode, with the long-memory init of
+    its decoder."""
     from transformers import AutoModelForImageTextToText
 
-    config = tiny_vlm_config(family)
+    config = tiny_vlm_config(family, size)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config)
     long_memory_init_(model)
