@@ -19,7 +19,7 @@ from .config import DEFAULT_MAX_CACHE_BYTES, CacheOptions
 from .core import CacheCore, HitReport, WeightsTracker, load_cache, save_cache
 from .generate import HOOKS, LiveCache, LiveState, explain_call, lifecycle, replays_by_default
 from .hashing import hash_seed, model_identity
-from .models import support_for
+from .models import decode_linear, support_for
 from .remote import RemoteTier, remote_config
 from .remote import attach as attach_remote
 from .stats import PrefixCacheStats
@@ -98,6 +98,7 @@ class HybridPrefixCache(LiveCache):
         placement = Placement(devices, offload)
         self.model = model
         support.install(model)
+        decode_linear.install(model)
         support.explain_kernels(model, devices.values())
         _compat.install_hooks(model, HOOKS)
         super().__init__(layers=_compat.new_live_layers(model.config))

@@ -62,7 +62,7 @@ from .accelerate import (
     patch_instance_forward,
     weight_tensors,
 )
-from .attention import package_forward
+from .attention import in_package_forward, package_forward
 from .continuous_batching import install_manager_hook
 from .generation import (
     CACHE_KWARG,
@@ -112,6 +112,7 @@ __all__ = [
     "force_accelerate_hooks",
     "get_kv",
     "get_linear_state",
+    "in_package_forward",
     "install_hooks",
     "loop_cache_layers",
     "install_manager_hook",

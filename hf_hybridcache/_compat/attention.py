@@ -43,6 +43,11 @@ def route_grouped_query_sdpa() -> None:
         route_module_function(_SDPA_MODULE, "use_gqa_in_sdpa", _use_gqa_router)
 
 
+def in_package_forward() -> bool:
+    """Whether this thread runs inside :func:`package_forward` (a forward with this package's cache)."""
+    return _IN_PACKAGE_FORWARD.get()
+
+
 @contextlib.contextmanager
 def package_forward():
     """Marks a forward that runs with this package's cache (see the module docstring)."""

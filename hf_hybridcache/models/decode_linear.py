@@ -1,0 +1,106 @@
+"""Decode steps' linear layers and eager experts through :func:`~hf_hybridcache.kernels.decode_linear.decode_linear`.
+
+:func:`install` routes, on one model instance, the forward of
+
+- every ``nn.Linear`` whose weight :func:`~hf_hybridcache.kernels.decode_linear.qualifies` at one token (a projection
+  from the hidden size up: MLP gate and up projections, the LM head; a toy model's small layers are left alone), and
+- every experts module whose eager forward is transformers' common loop over the hit experts (the forward of
+  ``JambaExperts``, ``Qwen3_5MoeExperts``, ``Qwen3NextExperts`` and kin, compared by source; stored as 3D
+  ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``), set to the eager, ``grouped_mm`` or ``batched_mm``
+  implementation (``batched_mm`` copies the hit experts' weights per token; ``grouped_mm`` on CPU is a loop too),
+
+so that inside this package's forwards (the engine's steps, ``generate()`` over a ``HybridPrefixCache``), without
+grad, at most :data:`~hf_hybridcache.kernels.decode_linear.MAX_ROWS` tokens in float32 on CPU, they run the batched
+form; everywhere else (another cache or none, prefill, bf16, CUDA, training) transformers' own forward, unchanged.
+The experts' decode loop is the eager one, op for op, with the gate and up projections batched: the same experts in
+the same order, the same ``index_add_`` into zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from .. import _compat
+from ..kernels.decode_linear import MAX_ROWS, decode_linear, weight_qualifies
+
+
+def _in_decode(hidden_states: torch.Tensor) -> bool:
+    return (_compat.in_package_forward() and not torch.is_grad_enabled() and hidden_states.dtype == torch.float32
+            and hidden_states.device.type == "cpu" and hidden_states.numel() <= MAX_ROWS * hidden_states.shape[-1])
+
+
+def _linear_forward(module: torch.nn.Linear, original, hidden_states: torch.Tensor) -> torch.Tensor:
+    if _in_decode(hidden_states):
+        return decode_linear(hidden_states, module.weight, module.bias)
+    return original(hidden_states)
+
+
+#: The experts implementations of transformers the decode loop stands in for: the same sum over the hit experts
+#: (``grouped_mm``, the default of models built from a config, and ``batched_mm`` run it as other kernels).
+_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
+
+
+@functools.cache
+def _eager_template() -> str:
+    from transformers.models.jamba.modeling_jamba import JambaExperts
+
+    return inspect.getsource(JambaExperts.forward.__wrapped__)
+
+
+def _is_common_eager(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is an experts module whose eager forward is the common loop (compared by source) over 3D
+    weights without bias, transposition or post-expert norm, set to one of :data:`_IMPLEMENTATIONS`."""
+    forward = getattr(type(module).forward, "__wrapped__", None)
+    config = getattr(module, "config", None)
+    if forward is None or getattr(config, "_experts_implementation", None) not in _IMPLEMENTATIONS:
+        return False
+    layout = (getattr(module, "has_gate", False), getattr(module, "has_bias", True),
+              getattr(module, "is_transposed", True), getattr(module, "is_concatenated", False),
+              getattr(module, "has_post_expert_norm", True))
+    weights = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if layout != (True, False, False, True, False) or not all(isinstance(w, torch.Tensor) and w.dim() == 3
+                                                              for w in weights):
+        return False
+    try:
+        return inspect.getsource(forward) == _eager_template()
+    except (OSError, TypeError):
+        return False
+
+
+def _experts_forward(module, original, hidden_states, top_k_index, top_k_weights):
+    """transformers' eager experts loop (``JambaExperts.forward``) with the gate and up projections batched."""
+    if not _in_decode(hidden_states) or module.config._experts_implementation not in _IMPLEMENTATIONS:
+        return original(hidden_states, top_k_index, top_k_weights)
+    final_hidden_states = torch.zeros_like(hidden_states)
+    expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=module.num_experts + 1).permute(2, 1, 0)
+    for expert_idx in sorted(set(top_k_index.flatten().tolist())):  # the hit experts, ascending, as nonzero() gives
+        if expert_idx == module.num_experts:
+            continue
+        top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+        current_state = hidden_states[token_idx]
+        gate, up = decode_linear(current_state, module.gate_up_proj[expert_idx]).chunk(2, dim=-1)
+        current_hidden_states = module.act_fn(gate) * up
+        current_hidden_states = torch.nn.functional.linear(current_hidden_states, module.down_proj[expert_idx])
+        current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
+        final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
+    return final_hidden_states
+
+
+def install(model: torch.nn.Module) -> int:
+    """Route the linear layers and eager experts of ``model`` whose weights (an expert's gate and up projection)
+    :func:`~hf_hybridcache.kernels.decode_linear.weight_qualifies` (idempotent); returns how many modules were routed
+    now. A module accelerate offloads (weights on the meta device) or one already patched is left alone; dtype and
+    device are checked at each call."""
+    routed = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if type(module) is torch.nn.Linear and isinstance(weight, torch.Tensor):
+            if weight.device.type != "meta" and weight_qualifies(tuple(weight.shape)):
+                routed += _compat.patch_instance_forward(module, _linear_forward)
+        elif (_is_common_eager(module) and module.gate_up_proj.device.type != "meta"
+              and weight_qualifies(tuple(module.gate_up_proj.shape[1:]))):
+            routed += _compat.patch_instance_forward(module, _experts_forward)
+    return routed
