@@ -5,7 +5,8 @@ experts are wide enough to be routed decoding with the cache (generate and the e
 
 Power (each checked by hand when this test was written): grouping the weight's rows in another order than the output
 (``permute(2, 1, 0)``) fails the kernel, routing and exactness tests; an experts loop that skips the routing weights
-fails the experts test and the generate / engine ones; routing outside the package's forwards fails
+fails the experts test and the generate / engine ones; a one-token loop that keeps only the last expert fails the
+one-token test; routing outside the package's forwards fails
 ``test_outside_the_package_forward_nothing_changes``."""
 
 import copy
@@ -103,6 +104,20 @@ def test_the_experts_decode_loop_equals_transformers_forward(wide):
             routed = experts(hidden, index, weights)
     torch.testing.assert_close(routed, expected, **FP32)
     assert not torch.equal(routed, torch.zeros_like(routed))
+
+
+def test_one_tokens_experts_equal_transformers_forward(wide):
+    """The one-token path (no mask, no index_add_): every expert of the top-k, in ascending order, weighted."""
+    model, _ = wide
+    experts = [m for m in model.modules() if type(m).__name__ == "JambaExperts"][0]
+    hidden = torch.randn(1, 64, generator=torch.Generator().manual_seed(6))
+    for index, weights in (([[1, 0]], [[0.7, 0.2]]), ([[0, 1]], [[0.4, 0.9]]), ([[1]], [[1.3]])):
+        index, weights = torch.tensor(index), torch.tensor(weights)
+        with torch.no_grad():
+            expected = experts._hf_hybridcache_original_forward(hidden, index, weights)
+            with _compat.package_forward():
+                routed = experts(hidden, index, weights)
+        torch.testing.assert_close(routed, expected, **FP32)
 
 
 def _counting(monkeypatch):
