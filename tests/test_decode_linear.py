@@ -174,3 +174,33 @@ def test_the_benchmark_runs(capsys):
     assert len(rows) == len(bench.SHAPES) and all(r["linear_ms"] > 0 and r["batched_ms"] > 0 for r in rows)
     assert [r["routed"] for r in rows][:3] == [True, False, True]
     assert "speed-up" in capsys.readouterr().out
+
+
+def test_engine_decode_steps_run_small_ops_on_one_thread_and_wide_reads_on_all(wide, monkeypatch):
+    """decode_threads: inside an engine decode step the mixers see one intra-op thread, the wide weights' reads all of
+    them, and the count is given back after the step."""
+    model, stock = wide
+    seen = {"small": set(), "wide": set()}
+    original = decode_linear.decode_linear
+
+    def counted(x, weight, bias=None):
+        seen["wide"].add(torch.get_num_threads())
+        return original(x, weight, bias)
+
+    monkeypatch.setattr(decode_linear, "decode_linear", counted)
+    mixer = [m for m in model.modules() if type(m).__name__ == "JambaMambaMixer"][0]
+    hook = mixer.register_forward_pre_hook(
+        lambda module, args, kwargs: seen["small"].add((args or (kwargs["hidden_states"],))[0].shape[1] == 1
+                                                       and torch.get_num_threads()), with_kwargs=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cache = HybridPrefixCache(model)  # noqa: F841 (kept alive: the engine is the cache's)
+        prompt = random_ids(30, seed=41)[0].tolist()
+        out = model.generate_batch([prompt], generation_config=config(max_new_tokens=5))["req_0"]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+        hook.remove()
+    assert out.generated_tokens == alone(stock, prompt, 5)
+    assert seen["wide"] == {2} and 1 in seen["small"] and 2 not in seen["small"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .. import _compat
+from ..models.decode_linear import decode_threads
 from .._compat.continuous_batching import processor_args
 from . import grammar, scoring
 from .generation_fields import EosFloor
@@ -71,7 +72,7 @@ class StepRunner:
             kwargs["logits_to_keep"] = 1  # a step of mid-prompt chunks only: nothing is sampled
         else:
             kwargs["logits_to_keep"] = plan.logits_index.to(self.device)
-        with cache.pages.in_use(), _compat.package_forward():
+        with cache.pages.in_use(), _compat.package_forward(), decode_threads(self.model, plan.input_ids.numel()):
             out = self.model(
                 input_ids=plan.input_ids.to(self.device),
                 position_ids=position_ids.to(self.device),

@@ -18,13 +18,60 @@ the same order, the same ``index_add_`` into zeros.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import inspect
+from collections.abc import Iterator
 
 import torch
 
 from .. import _compat
 from ..kernels.decode_linear import MAX_ROWS, decode_linear, weight_qualifies
+
+
+#: The intra-op thread count a decode forward under :func:`decode_threads` gives back to its wide weights' reads.
+_WIDE_THREADS: contextvars.ContextVar[int | None] = contextvars.ContextVar("hf_hybridcache_wide_threads", default=None)
+
+
+@contextlib.contextmanager
+def decode_threads(model: torch.nn.Module, num_tokens: int) -> Iterator[None]:
+    """Run a decode forward of ``num_tokens`` tokens (at most
+    :data:`~hf_hybridcache.kernels.decode_linear.MAX_ROWS`) of a float32 CPU model on one intra-op thread, its wide
+    weights' reads (:func:`_wide`) on all of them.
+
+    A decode step is a few hundred small ops (norms, the mixers' state updates, the router, attention over one query);
+    with ``OMP_WAIT_POLICY=PASSIVE`` every one of them that torch parallelizes wakes the sleeping threads, which costs
+    more than the op: an ``exp`` of 8,192 values takes 65-90 us on two threads, 5-11 us on one. The weight reads,
+    bound by memory bandwidth, keep every thread. The thread count changes no result of these ops (each output
+    element is computed by one thread either way); float32 only, so reduced precision stays bit-identical to stock."""
+    threads = torch.get_num_threads()
+    if (threads == 1 or num_tokens > MAX_ROWS or _WIDE_THREADS.get() is not None
+            or getattr(model, "dtype", None) != torch.float32 or getattr(model, "device", None) is None
+            or model.device.type != "cpu"):
+        yield
+        return
+    token = _WIDE_THREADS.set(threads)
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        _WIDE_THREADS.reset(token)
+
+
+@contextlib.contextmanager
+def _wide() -> Iterator[None]:
+    """All the threads :func:`decode_threads` took away, for one wide weight's read."""
+    threads = _WIDE_THREADS.get()
+    if threads is None:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(1)
 
 
 def _in_decode(hidden_states: torch.Tensor) -> bool:
@@ -34,7 +81,8 @@ def _in_decode(hidden_states: torch.Tensor) -> bool:
 
 def _linear_forward(module: torch.nn.Linear, original, hidden_states: torch.Tensor) -> torch.Tensor:
     if _in_decode(hidden_states):
-        return decode_linear(hidden_states, module.weight, module.bias)
+        with _wide():
+            return decode_linear(hidden_states, module.weight, module.bias)
     return original(hidden_states)
 
 
@@ -75,7 +123,8 @@ def _experts_forward(module, original, hidden_states, top_k_index, top_k_weights
     if not _in_decode(hidden_states) or module.config._experts_implementation not in _IMPLEMENTATIONS:
         return original(hidden_states, top_k_index, top_k_weights)
     if hidden_states.shape[0] == 1:
-        return _one_token_experts(module, hidden_states, top_k_index, top_k_weights)
+        with _wide():
+            return _one_token_experts(module, hidden_states, top_k_index, top_k_weights)
     final_hidden_states = torch.zeros_like(hidden_states)
     expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=module.num_experts + 1).permute(2, 1, 0)
     for expert_idx in sorted(set(top_k_index.flatten().tolist())):  # the hit experts, ascending, as nonzero() gives
@@ -83,9 +132,10 @@ def _experts_forward(module, original, hidden_states, top_k_index, top_k_weights
             continue
         top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
         current_state = hidden_states[token_idx]
-        gate, up = decode_linear(current_state, module.gate_up_proj[expert_idx]).chunk(2, dim=-1)
-        current_hidden_states = module.act_fn(gate) * up
-        current_hidden_states = torch.nn.functional.linear(current_hidden_states, module.down_proj[expert_idx])
+        with _wide():
+            gate, up = decode_linear(current_state, module.gate_up_proj[expert_idx]).chunk(2, dim=-1)
+            current_hidden_states = module.act_fn(gate) * up
+            current_hidden_states = torch.nn.functional.linear(current_hidden_states, module.down_proj[expert_idx])
         current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
         final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
     return final_hidden_states
