@@ -177,6 +177,17 @@ def logits_processors(model, generation_config: GenerationConfig, config: Contin
     )
 
 
+#: transformers' continuous-batching warpers that keep the argmax of the logits at top-k 1 (and positive temperature).
+_ORDER_KEEPING = ("ContinuousBatchingTemperatureLogitsWarper", "ContinuousBatchingTopKLogitsWarper",
+                  "ContinuousBatchingTopPLogitsWarper")
+
+
+def warpers_only(processors: ContinuousBatchingLogitsProcessorList) -> bool:
+    """Whether ``processors`` holds only transformers' temperature, top-k and top-p warpers (none that moves the
+    argmax, such as a repetition penalty)."""
+    return all(type(p).__name__ in _ORDER_KEEPING for p in processors.logits_processor)
+
+
 def processor_args(processors: ContinuousBatchingLogitsProcessorList, kwargs: list[dict]) -> torch.Tensor:
     """The per-request argument tensor ``[num tensors, len(kwargs)]`` int32 of ``processors`` for rows whose
     logits-processor kwargs are ``kwargs`` (one dict per row, in row order)."""
