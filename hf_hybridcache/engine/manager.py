@@ -135,7 +135,8 @@ class ContinuousBatchingManager:
         self.batch_processor = Engine(self.cache, self.limits, runner)
         self.background_thread_status = ThreadStatus()
         self._stop_mode = None
-        self._thread = threading.Thread(target=self._run, name="hf_hybridcache-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(torch.get_num_threads(),), name="hf_hybridcache-engine",
+                                        daemon=True)
         self._thread.start()
 
     def stop(self, block: bool = True, timeout: float | None = None, keep_for_next_session: bool = False,
@@ -290,7 +291,10 @@ class ContinuousBatchingManager:
 
     # ------------------------------------------------------------------ the loop
 
-    def _run(self) -> None:
+    def _run(self, threads: int) -> None:
+        # The starting thread's intra-op thread count, set here: left to torch's lazy per-thread start, this thread's
+        # first prefill could run its matrix products on one thread (a 1,024-token prefill at half speed).
+        torch.set_num_threads(threads)
         engine = self.batch_processor
         error: BaseException | None = None
         try:
