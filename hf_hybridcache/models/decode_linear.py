@@ -133,12 +133,17 @@ def _experts_forward(module, original, hidden_states, top_k_index, top_k_weights
         top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
         current_state = hidden_states[token_idx]
         with _wide():
-            gate, up = decode_linear(current_state, module.gate_up_proj[expert_idx]).chunk(2, dim=-1)
-            current_hidden_states = module.act_fn(gate) * up
-            current_hidden_states = torch.nn.functional.linear(current_hidden_states, module.down_proj[expert_idx])
+            current_hidden_states = _expert_mlp(module, expert_idx, current_state)
         current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
         final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
     return final_hidden_states
+
+
+def _expert_mlp(module, expert_idx: int, states: torch.Tensor) -> torch.Tensor:
+    """One expert's gated MLP on ``states`` ``[n, H]`` as the eager loop computes it, its gate and up projection
+    batched (:func:`~hf_hybridcache.kernels.decode_linear.decode_linear`); returns ``[n, H]``."""
+    gate, up = decode_linear(states, module.gate_up_proj[expert_idx]).chunk(2, dim=-1)
+    return torch.nn.functional.linear(module.act_fn(gate) * up, module.down_proj[expert_idx])
 
 
 def install(model: torch.nn.Module) -> int:
@@ -168,10 +173,7 @@ def _one_token_experts(module, hidden_states, top_k_index, top_k_weights):
         expert_idx = experts[k]
         if expert_idx == module.num_experts:
             continue
-        gate, up = decode_linear(hidden_states, module.gate_up_proj[expert_idx]).chunk(2, dim=-1)
-        current_hidden_states = module.act_fn(gate) * up
-        current_hidden_states = torch.nn.functional.linear(current_hidden_states, module.down_proj[expert_idx])
-        current_hidden_states = current_hidden_states * top_k_weights[0, k, None]
+        current_hidden_states = _expert_mlp(module, expert_idx, hidden_states) * top_k_weights[0, k, None]
         current_hidden_states = current_hidden_states.to(hidden_states.dtype)
         final_hidden_states = (current_hidden_states if final_hidden_states is None
                                else final_hidden_states + current_hidden_states)
