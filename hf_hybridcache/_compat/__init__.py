@@ -77,6 +77,7 @@ from .kernel_notices import quiet_kernel_notices
 from .layers import (
     DYNAMIC_LAYER_FIELDS,
     conv_state_before_update,
+    count_decode_token,
     append_kv_in_room,
     cache_layer_offset,
     crop_kv,
@@ -103,6 +104,7 @@ __all__ = [
     "allow_speculative_decoding",
     "check_version",
     "conv_state_before_update",
+    "count_decode_token",
     "append_kv_in_room",
     "cache_layer_offset",
     "crop_kv",

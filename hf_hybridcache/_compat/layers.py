@@ -152,6 +152,20 @@ def crop_kv(layer, num_tokens: int) -> None:
     layer.values = layer.values[..., :-num_tokens, :]
 
 
+#: The token count a transformers 5.25 ``LinearAttentionLayer`` keeps (a 0-d long tensor): ``update_conv_state`` adds a
+#: forward's tokens, ``increase_count`` one decode token, ``crop`` subtracts; absent before 5.25.
+LINEAR_TOKEN_COUNT = "cumulative_length_linear"
+
+
+def count_decode_token(cache, layer_idx: int, state_idx: int = 0) -> None:
+    """Count one token on a linear layer whose conv state a decode step updated in place without
+    ``update_conv_state`` (what upstream's ``causal_conv1d_forward`` does through ``cache.increase_count`` on 5.25;
+    nothing before 5.25, whose layers do not count)."""
+    increase = getattr(cache, "increase_count", None)
+    if increase is not None:
+        increase(layer_idx, state_idx)
+
+
 def get_linear_state(layer, state_idx: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Live (conv state ``[B, C, W]``, recurrent state) of a Mamba / linear-attention / short-conv layer, or None
     before its first update. A short conv has no recurrent state: an empty float32 ``[B, 0]`` stands in for it."""
@@ -172,15 +186,20 @@ def conv_state_before_update(
     return previous, conv_kernel_size or layer.conv_kernel_size[state_idx]
 
 
-def set_linear_state(layer, conv: torch.Tensor, ssm: torch.Tensor, state_idx: int = 0) -> None:
-    """Make a fresh Mamba layer hold ``conv``/``ssm`` (taken over, not copied) and say that a state exists, so the
-    mixer continues from it instead of treating the next tokens as a fresh prefill.
+def set_linear_state(layer, conv: torch.Tensor, ssm: torch.Tensor, state_idx: int, num_tokens: int) -> None:
+    """Make a fresh Mamba layer hold ``conv``/``ssm`` (taken over, not copied), the state after ``num_tokens``
+    tokens, and say that a state exists, so the mixer continues from it instead of treating the next tokens as a
+    fresh prefill.
 
-    Sets the fields ``LinearAttentionLayer.lazy_initialization`` sets (5.23 - 5.24: ``dtype``, ``device``,
+    Sets the fields ``LinearAttentionLayer.lazy_initialization`` sets (5.23 - 5.25: ``dtype``, ``device``,
     ``conv_kernel_size``, the states and their ``is_*_initialized`` flags) without the zero states it allocates,
-    which a restore would overwrite at once: on a GDN model they are as many bytes as the checkpoint itself."""
+    which a restore would overwrite at once: on a GDN model they are as many bytes as the checkpoint itself. On
+    transformers 5.25 a linear layer also counts its own tokens (``cumulative_length_linear``, which
+    ``Cache.get_seq_length()`` reads where layer 0 is a linear layer): the count becomes ``num_tokens``."""
     if layer.device is None:
         layer.dtype, layer.device = conv.dtype, conv.device
+    if state_idx == 0 and hasattr(layer, LINEAR_TOKEN_COUNT):  # 5.25: the count update_conv_state keeps
+        setattr(layer, LINEAR_TOKEN_COUNT, torch.tensor(num_tokens, dtype=torch.long, device=conv.device))
     layer.conv_kernel_size[state_idx] = conv.shape[-1]
     layer.conv_states[state_idx] = conv
     layer.is_conv_states_initialized[state_idx] = True

@@ -6,7 +6,7 @@
   modules call (``update``, ``get_conv_state`` / ``update_conv_state``, ``get_recurrent_state`` /
   ``update_recurrent_state``, ``has_previous_state``, ``get_mask_sizes``, ``get_query_offset``), answered from the
   rows' state slots and the page pool with the semantics of transformers' ``LinearAttentionLayer`` and
-  ``DynamicLayer`` (``cache_utils.py``, 5.23 - 5.24), plus the package's checkpoint protocol
+  ``DynamicLayer`` (``cache_utils.py``, 5.23 - 5.25), plus the package's checkpoint protocol
   (``checkpoint_positions`` / ``capture_states``, the conv capture of :mod:`~hf_hybridcache.models.emission`), as
   :class:`~hf_hybridcache.generate.live_cache.LiveCache` answers them for ``generate()``.
 
@@ -53,6 +53,9 @@ class StepCache(Cache):
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        return 0
 
     def update(self, *args, **kwargs):
         raise AssertionError("a stateful module ran on the packed step without its group view (not wrapped)")
@@ -135,6 +138,14 @@ class GroupView:
 
     def is_recording_past(self, layer_idx: int = 0) -> bool:
         return False
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """0: transformers 5.25's mixers keep no per-token states for its own rollback in an engine step."""
+        return 0
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """A decode step's in-place conv update (transformers 5.25 counts it on its linear layers); the engine's
+        positions come from its plan, so there is nothing to count."""
 
     # ------------------------------------------------------------------ the package's checkpoint protocol
 

@@ -112,4 +112,4 @@ def _assemble(cache, row_layers: list[list], consumed: int) -> None:
                          torch.zeros(1, *m.ssm.shape, dtype=m.ssm.dtype, device=device))
             convs.append(state[0])
             ssms.append(state[1])
-        _compat.set_linear_state(cache.layers[m.layer_idx], torch.cat(convs), torch.cat(ssms), m.state_idx)
+        _compat.set_linear_state(cache.layers[m.layer_idx], torch.cat(convs), torch.cat(ssms), m.state_idx, consumed)

@@ -50,7 +50,7 @@ def restore_row(cache, token_ids: list[int], tail_tokens: int | None = None, dec
             _compat.set_kv(cache.layers[attn.layer_idx], keys, values, hit.hit_tokens, owns_room=full)
         for key, (conv, ssm) in store.checkpoint_copy(hit.block_ids[-1]).items():
             layer_idx, state_idx = split_state_key(key)
-            _compat.set_linear_state(cache.layers[layer_idx], conv, ssm, state_idx)
+            _compat.set_linear_state(cache.layers[layer_idx], conv, ssm, state_idx, hit.hit_tokens)
         core.pin(hit.block_ids)
     row.block_ids, row.block_hashes = list(hit.block_ids), list(hit.block_hashes)
     return row
@@ -252,7 +252,7 @@ class LiveRequest:
                 _compat.crop_kv(layer, num_tokens)
         for key, (conv, ssm) in states.items():
             layer_idx, state_idx = split_state_key(key)
-            _compat.set_linear_state(cache.layers[layer_idx], conv.clone(), ssm.clone(), state_idx)
+            _compat.set_linear_state(cache.layers[layer_idx], conv.clone(), ssm.clone(), state_idx, keep)
         row = self.rows[0]
         del row.token_ids[keep:]
         full_blocks = keep // cache.options.block_size

@@ -88,8 +88,9 @@ class LiveCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """0 while a ``generate()`` call has not begun its request, as for a fresh cache: ``generate()`` computes
         positions before its prefill, and Qwen3.5's 3D positions and ``rope_deltas`` must come from the whole prompt,
-        never from the layers of the view's previous request."""
-        return 0 if self.live.awaiting_request else super().get_seq_length(layer_idx)
+        never from the layers of the view's previous request. An ``int`` on every version (transformers 5.25's
+        linear layers answer a 0-d tensor)."""
+        return 0 if self.live.awaiting_request else int(super().get_seq_length(layer_idx))
 
     def _check_owner(self) -> None:
         if self.live.request is None or not self.live.request.in_forward:
@@ -151,14 +152,22 @@ class LiveCache(Cache):
 
     # ------------------------------------------------------------------ speculative decoding: roll back rejected tokens
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs) -> None:
         """Called by transformers before assisted / prompt-lookup decoding: from now on every forward of the request
         keeps the state after each of its tokens, so :meth:`crop` can roll rejected draft tokens back exactly (the
-        per-token states of vLLM's Mamba speculative decoding)."""
+        per-token states of vLLM's Mamba speculative decoding). ``recurrent_states_to_keep`` (transformers 5.25: how
+        many of the last tokens' states its own layers would record) is not needed: the request keeps the state after
+        every token past its prompt, whatever the draft length, and its layers record nothing
+        (:meth:`get_recurrent_states_to_keep` stays 0, so upstream mixers split no scan for it)."""
         if self.live.awaiting_request:  # assisted decoding asks before its request begins
             self.live.rollback_next_request = True
         elif self.live.request is not None:
             self.live.request.rollback = True
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """0: no layer records states for transformers' own rollback (5.25 mixers split their scan by this count);
+        the request keeps its per-token states itself (:meth:`activate_past_recording`)."""
+        return 0
 
     @property
     def is_croppable(self) -> bool:

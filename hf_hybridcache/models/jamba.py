@@ -109,6 +109,7 @@ def _decode_step(mixer, hidden_states, cache, attention_mask):
     hidden_states = apply_padding_mask(hidden_states, attention_mask)
     x, gate = mixer.in_proj(hidden_states)[:, 0].chunk(2, dim=-1)
     x = causal_conv1d_update(x, conv_state, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.activation)
+    _compat.count_decode_token(cache, mixer.layer_idx)
     if attention_mask is not None:
         x = apply_padding_mask(x[:, None], attention_mask)[:, 0]
     time_step, B, C = torch.split(
