@@ -1,8 +1,11 @@
 """Quickstart: a support desk whose long system prompt is reused across generate() calls.
 
 Builds a small Jamba-shaped model in code (seeded, long-memory init, byte-level tokenizer; no downloads) or loads a
-real checkpoint with ``--model``, runs the same requests without and with one HybridPrefixCache, and prints per
-request the prompt tokens, the hit, TTFT without vs with the cache and whether the generated tokens are identical.
+real checkpoint with ``--model``, runs the same requests three times: through transformers alone (the reference
+outputs), cold (through the same patched model with an emptied cache, so every request is a miss: the baseline
+TTFT) and with one HybridPrefixCache kept across requests. It prints per request the prompt tokens, the hit, the
+cold and cached TTFT, the largest first-step logit difference of the cached run from the reference, and whether the
+cached run is exact (identical tokens, and in float32 those logits within 1e-4: docs/exactness.md).
 
     python examples/quickstart.py                       # built-in model, ~4k-token system prompt, 6 questions
     python examples/quickstart.py --model ai21labs/AI21-Jamba-Mini-1.5 --new-tokens 32
@@ -14,6 +17,7 @@ import argparse
 import os
 import random
 import time
+from typing import NamedTuple
 
 # On a shared, oversubscribed CPU, OpenMP threads that spin at barriers stall every small torch op (set before torch
 # loads OpenMP; the same setting as benchmarks/ttft.py).
@@ -26,6 +30,10 @@ from transformers.generation.streamers import BaseStreamer
 from hf_hybridcache import CACHE_KWARG, DEFAULT_MAX_CACHE_BYTES, HybridPrefixCache, supported_model_types
 from hf_hybridcache.config import CacheOptions
 from hf_hybridcache.toy import TINY_CONFIGS, build_model, byte_tokenizer
+
+#: The bound on a cached run's first-step logits against a cold run that the package states, per dtype
+#: (docs/exactness.md); other dtypes are judged by their tokens alone.
+LOGIT_TOLERANCE = {torch.float32: 1e-4}
 
 #: Families the built-in model can take: those with a tiny config that the installed transformers serves.
 FAMILIES = sorted(set(TINY_CONFIGS) & set(supported_model_types()))
@@ -99,12 +107,67 @@ def _retention(text: str) -> int | str:
     return value
 
 
-def _generate(model, ids, new_tokens, cache=None):
+class Run(NamedTuple):
+    """One greedy ``generate()``: its new tokens ``[1, new_tokens]``, the logits of its first step (the prompt's
+    last position) ``[1, V]`` in the model's dtype, and its time to first token."""
+
+    tokens: torch.Tensor
+    first_logits: torch.Tensor
+    ttft_seconds: float
+
+
+def _generate(model, ids, new_tokens, cache=None) -> Run:
     timer = _FirstTokenTimer()
     kwargs = {CACHE_KWARG: cache} if cache is not None else {}
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, streamer=timer, **kwargs)
-    return out[:, ids.shape[1] :], timer.ttft_seconds
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, streamer=timer, output_logits=True,
+                             return_dict_in_generate=True, **kwargs)
+    return Run(out.sequences[:, ids.shape[1] :], out.logits[0], timer.ttft_seconds)
+
+
+def _cold_runs(model, prompts, args) -> list[Run]:
+    """Misses by construction, the TTFT baseline: each prompt through the same patched model and kernels as a cached
+    request, into a cache emptied first (it stores the same checkpoints as a miss of the kept cache)."""
+    emptied = HybridPrefixCache(model, block_size=args.block_size, retention_interval=args.retention)
+    runs = []
+    for ids in tqdm(prompts, desc="cold", unit="req"):
+        emptied.clear()
+        runs.append(_generate(model, ids, args.new_tokens, emptied))
+    emptied.clear()
+    return runs
+
+
+def _cached_rows(model, prompts, args, reference: list[Run], cold: list[Run]) -> tuple[list[dict], HybridPrefixCache]:
+    """Each prompt through one kept cache, compared with transformers alone (tokens, first-step logits) and timed
+    against its cold run."""
+    cache = HybridPrefixCache(model, block_size=args.block_size, retention_interval=args.retention)
+    tolerance = LOGIT_TOLERANCE.get(model.dtype)
+    rows = []
+    for ids, ref, cold_run in tqdm(list(zip(prompts, reference, cold)), desc="with the cache", unit="req"):
+        run = _generate(model, ids, args.new_tokens, cache)
+        identical = torch.equal(run.tokens, ref.tokens)
+        dlogit = (run.first_logits.float() - ref.first_logits.float()).abs().max().item()
+        rows.append(dict(prompt=ids.shape[1], hit=cache.last_hit_tokens[0], ttft_cold=cold_run.ttft_seconds,
+                         ttft_cached=run.ttft_seconds, identical=identical, max_abs_dlogit=dlogit,
+                         exact=identical and (tolerance is None or dlogit <= tolerance)))
+    return rows, cache
+
+
+def _print_table(rows: list[dict], reference: list[Run], args, dtype: torch.dtype) -> None:
+    print(f"{'request':>7} {'prompt':>7} {'hit':>6} {'replayed':>8} {'TTFT cold':>10} {'TTFT cached':>12} "
+          f"{'speed-up':>8} {'max|dlogit|':>11} {'exact':>5}")
+    for i, r in enumerate(rows, 1):
+        print(f"{i:>7} {r['prompt']:>7} {r['hit']:>6} {r['prompt'] - r['hit']:>8} {r['ttft_cold'] * 1e3:>7.0f} ms "
+              f"{r['ttft_cached'] * 1e3:>9.0f} ms {r['ttft_cold'] / r['ttft_cached']:>7.1f}x "
+              f"{r['max_abs_dlogit']:>11.1e} {r['exact']!s:>5}")
+    tolerance = LOGIT_TOLERANCE.get(dtype)
+    bound = f" and max|dlogit| <= {tolerance:.0e}" if tolerance else f" (tokens only: no logit bound stated in {dtype})"
+    stock = [run.ttft_seconds * 1e3 for run in reference]
+    print(f"TTFT cold: the same model through an emptied cache (a miss, as request 1 is); speed-up = cold / cached.\n"
+          f"max|dlogit|: the first generated token's logits (the prompt's last position), cached run against "
+          f"transformers' generate() without the package; exact: the {args.new_tokens} tokens identical{bound}.\n"
+          f"transformers without the package took {min(stock):.0f}-{max(stock):.0f} ms to the first token: its own "
+          f"kernels, where a cold request above runs the package's.")
 
 
 def load(args):
@@ -149,21 +212,13 @@ def main(argv: list[str] | None = None) -> dict:
         tokenizer(f"{system}\n\nCustomer: {q}\nAssistant:", return_tensors="pt").input_ids
         for q in (QUESTIONS * (args.questions // len(QUESTIONS) + 1))[: args.questions]
     ]
-    cold = [_generate(model, ids, args.new_tokens) for ids in tqdm(prompts, desc="without the cache", unit="req")]
-    cache = HybridPrefixCache(model, block_size=args.block_size, retention_interval=retention)
-    rows = []
-    for ids, (cold_tokens, cold_ttft) in tqdm(list(zip(prompts, cold)), desc="with the cache", unit="req"):
-        tokens, ttft = _generate(model, ids, args.new_tokens, cache)
-        rows.append(dict(prompt=ids.shape[1], hit=cache.last_hit_tokens[0], ttft_cold=cold_ttft, ttft_cached=ttft,
-                         identical=torch.equal(tokens, cold_tokens)))
+    reference = [_generate(model, ids, args.new_tokens) for ids in tqdm(prompts, desc="transformers alone", unit="req")]
+    cold = _cold_runs(model, prompts, args)  # before the kept cache: a model's continuous batching uses the last built
+    rows, cache = _cached_rows(model, prompts, args, reference, cold)
 
-    print(f"model: {args.model or f'built-in {args.family} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params)'}"
-          f", block_size={args.block_size}, retention_interval={retention!r}")
-    print(f"{'request':>7} {'prompt':>7} {'hit':>6} {'replayed':>8} {'TTFT no cache':>14} {'TTFT cached':>12} "
-          f"{'speed-up':>8} {'identical':>9}")
-    for i, r in enumerate(rows, 1):
-        print(f"{i:>7} {r['prompt']:>7} {r['hit']:>6} {r['prompt'] - r['hit']:>8} {r['ttft_cold'] * 1e3:>11.0f} ms "
-              f"{r['ttft_cached'] * 1e3:>9.0f} ms {r['ttft_cold'] / r['ttft_cached']:>7.1f}x {r['identical']!s:>9}")
+    size = f"built-in {args.family} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params)"
+    print(f"model: {args.model or size}, {model.dtype}, block_size={args.block_size}, retention_interval={retention!r}")
+    _print_table(rows, reference, args, model.dtype)
     stats = cache.stats
     print(f"stats: {stats}")
     print(f"token hit rate {stats.token_hit_rate:.1%}, stored {stats.stored_bytes / 2**20:.1f} MiB of "
