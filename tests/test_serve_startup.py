@@ -1,9 +1,12 @@
 """Starting the server: every startup mistake is one line on stderr and exit status 2 (no traceback), ``--help``
 shows every default, ``--tokenizer`` loads a tokenizer from elsewhere, and ``--max-model-len`` bounds a request
-(a 400 ``context_length_exceeded`` through the ``openai`` client)."""
+(a 400 ``context_length_exceeded`` through the ``openai`` client). Every server here listens on a free loopback port
+(``--port 0``), so a server of the user's on the default port 8000 changes nothing."""
 
+import contextlib
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +32,7 @@ def folders(tmp_path_factory):
 def _startup_error(capsys, monkeypatch, *argv: str) -> str:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(SystemExit) as stopped:
-        main(list(argv))
+        main([*argv, "--port", "0"])
     assert stopped.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("hf_hybridcache.serve: error: "), err
@@ -53,11 +56,21 @@ def test_each_startup_mistake_is_one_line_and_exit_2(folders, capsys, monkeypatc
 
 def test_the_command_itself_prints_one_line_without_a_traceback(folders):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "hf_hybridcache.serve", "--model", str(folders / "model")],
-                          capture_output=True, text=True, env=env, timeout=300)
+    command = [sys.executable, "-m", "hf_hybridcache.serve", "--model", str(folders / "model"), "--port", "0"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]
+
+
+def test_a_server_on_the_default_port_changes_no_startup_error(folders, capsys, monkeypatch):
+    """Port 8000 held by someone else (bound here when it is free): the mistakes are still the ones reported."""
+    with socket.socket() as held:
+        with contextlib.suppress(OSError):  # taken already: by the user's own server, the case this test is about
+            held.bind(("127.0.0.1", 8000))
+            held.listen()
+        assert "holds no tokenizer" in _startup_error(capsys, monkeypatch, "--model", str(folders / "model"))
+        assert "No tiny config" in _startup_error(capsys, monkeypatch, "--model", "toy:nothing")
 
 
 def test_help_shows_every_default(capsys):
