@@ -121,5 +121,5 @@ def test_requests_a_grammar_cannot_run_are_refused_with_a_sentence():
 
 def test_a_missing_llguidance_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "llguidance", None)
-    with pytest.raises(ImportError, match=r"pip install 'hf_hybridcache\[structured\]'"):
+    with pytest.raises(ImportError, match=r"pip install 'llguidance>=1.0,<2' \(or pip install -e '\.\[structured\]'"):
         GrammarCompiler(byte_tokenizer())

@@ -1,5 +1,5 @@
-"""A shared second tier behind the local store: Redis or Valkey through redis-py (``pip install
-'hf_hybridcache[redis]'``), so several processes and machines serving one model share their prefixes.
+"""A shared second tier behind the local store: Redis or Valkey through redis-py (``pip install redis``, or
+``pip install -e '.[redis]'`` in a clone), so several processes and machines serving one model share their prefixes.
 
 Modules, one job each: ``config`` (what ``remote=`` accepts; the client), ``client`` (pipelined operations, circuit
 breaker, counters), ``codec`` (keys and self-verifying safetensors values, signed under a secret), ``namespace`` (the hash seed caches of one

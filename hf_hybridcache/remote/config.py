@@ -25,7 +25,7 @@ SECRET_ENV = "HF_HYBRIDCACHE_REMOTE_SECRET"
 #: URL schemes of a cluster: the client discovers every node and its slots from the nodes named.
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 
-_NO_REDIS = "HybridPrefixCache(remote=...) needs redis-py: pip install 'hf_hybridcache[redis]' (or pip install redis)."
+_NO_REDIS = "HybridPrefixCache(remote=...) needs redis-py: pip install redis (or pip install -e '.[redis]' in a clone)."
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def make_client(config: RemoteConfig):
     decides when to try again); a given client is used as it is.
 
     Raises:
-        ImportError: redis-py is not installed (``pip install 'hf_hybridcache[redis]'``).
+        ImportError: redis-py is not installed (``pip install redis``).
     """
     if not isinstance(config.target, str):
         return config.target

@@ -1,6 +1,6 @@
 """Structured output: text constrained to a grammar (a JSON schema, any JSON object, a Lark grammar, a regular
 expression) by masking the logits of the tokens it does not allow, with llguidance
-(``pip install 'hf_hybridcache[structured]'``).
+(``pip install -e '.[structured]'`` in a clone of the repository).
 
 Used three ways: per request in the engine (``manager.add_request(ids, grammar=compiler.json_schema(schema))``,
 masks of a step's rows with a grammar, :mod:`~hf_hybridcache.engine.grammar`), by the server's ``response_format``

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-#: What to install when llguidance is missing.
-EXTRA = "pip install 'hf_hybridcache[structured]'"
+#: What to install when llguidance is missing (hf_hybridcache is not on PyPI: its extras install from a clone).
+EXTRA = "pip install 'llguidance>=1.0,<2' (or pip install -e '.[structured]' in a clone of hf_hybridcache)"
 
 #: JSON as the grammars write it: the separators of ``json.dumps`` and no other whitespace. A grammar that lets
 #: whitespace be free lets a weak model fill its budget with spaces and never close the JSON.

@@ -76,7 +76,7 @@ class JSONSchemaLogitsProcessor(GrammarLogitsProcessor):
         vocab_size: the model's logits width when it differs from ``len(tokenizer)`` (padded embeddings).
 
     Raises:
-        ImportError: llguidance is missing (``pip install 'hf_hybridcache[structured]'``).
+        ImportError: llguidance is missing (``pip install 'llguidance>=1.0,<2'``).
         ValueError: the schema does not compile.
     """
 
