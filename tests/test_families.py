@@ -11,13 +11,17 @@ from conftest import (
     SHORT_CONV_FAMILIES,
     and_inkling2_loop,
     assert_matches_cold,
+    assert_restored_states_match,
     cold_states,
     greedy,
     random_ids,
 )
 from transformers import AutoModelForCausalLM
+from transformers.cache_utils import LinearAttentionLayer
 
+import hf_hybridcache._compat as compat
 from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache._compat import new_live_layers
 from hf_hybridcache.models import support_for
 from hf_hybridcache.toy import build_model
 
@@ -98,3 +102,37 @@ def test_long_memory_init_reaches_every_mamba1_mixer(family, model):
         torch.testing.assert_close(F.softplus(dt_bias), torch.full_like(dt_bias, 0.2), rtol=0, atol=1e-6)
         if hasattr(mixer, "x_proj_weight"):  # Zamba: B and C without a norm need a larger projection
             assert 0.25 < mixer.x_proj_weight.std().item() < 0.35
+
+
+#: transformers 5.25's linear cache layers count their own tokens (``cumulative_length_linear``), and
+#: ``Cache.get_seq_length()`` reads layer 0; earlier versions count nothing there.
+needs_counting_linear_layers = pytest.mark.skipif(
+    not hasattr(LinearAttentionLayer(), "cumulative_length_linear"),
+    reason="needs transformers >= 5.25 (linear cache layers count their tokens from 5.25 on): run it with 5.25",
+)
+
+
+@needs_counting_linear_layers
+def test_a_restore_that_forgets_the_linear_token_count_fails_the_check(family, model, cold_model, monkeypatch):
+    """A restore that writes the right states but leaves the linear layers' token count at 0 (as a restore written
+    for 5.24 did): the state check catches it in every family, and where cache layer 0 is a linear layer (its count
+    is what ``get_seq_length()`` answers, so ``generate()`` re-feeds the whole prompt over the restored state) the
+    cold comparison does too."""
+    cache = HybridPrefixCache(model)
+    ids = random_ids(70, seed=78)
+    assert_matches_cold(model, cold_model, cache, ids)
+    original = compat.set_linear_state
+
+    def forgetful(layer, conv, ssm, state_idx, num_tokens):
+        original(layer, conv, ssm, state_idx, num_tokens)
+        layer.cumulative_length_linear = torch.tensor(0)
+
+    monkeypatch.setattr(compat, "set_linear_state", forgetful)
+    with pytest.raises(AssertionError):
+        assert_restored_states_match(cache, cold_model, ids, 64)
+    if type(new_live_layers(model.config)[0]) is LinearAttentionLayer:
+        with pytest.raises(AssertionError, match="differ from the cold run|not close"):
+            assert_matches_cold(model, cold_model, cache, ids)
+    monkeypatch.undo()
+    assert_matches_cold(model, cold_model, cache, ids)
+    assert cache.last_hit_tokens == [64]

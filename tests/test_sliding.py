@@ -6,7 +6,9 @@ window from the stored blocks. These tests go through the public API and check t
 
 import pytest
 import torch
+import transformers
 from conftest import SLIDING_FAMILIES, and_inkling2_loop, assert_matches_cold, assert_restored_states_match, random_ids
+from packaging.version import Version
 
 import hf_hybridcache._compat as compat
 from hf_hybridcache import HybridPrefixCache
@@ -81,8 +83,9 @@ def test_a_broken_window_fails_the_check(model, cold_model, monkeypatch, how):
 
 
 def test_a_window_that_forgets_the_cumulative_length_fails_the_check(model, cold_model, monkeypatch):
-    """A sliding layer restored with the right KV but counting only the tokens it holds (as a full layer would)
-    builds its mask at the wrong offset."""
+    """A sliding layer restored with the right KV but counting only the tokens it holds (as a full layer would): its
+    length is wrong on every version, and on transformers 5.23 - 5.24 it builds its mask at the wrong offset (5.25
+    takes the query offset from the same count, so whether the mask's pattern survives depends on the family)."""
     cache, ids = _warm(model, cold_model)
     original = compat.set_kv
 
@@ -92,6 +95,10 @@ def test_a_window_that_forgets_the_cumulative_length_fails_the_check(model, cold
             layer.cumulative_length = layer.keys.shape[-2]
 
     monkeypatch.setattr(compat, "set_kv", forgetful)
+    with pytest.raises(AssertionError):
+        assert_restored_states_match(cache, cold_model, ids, 96)
+    if Version(transformers.__version__) >= Version("5.25.0"):
+        return
     with pytest.raises(AssertionError, match="differ from the cold run|not close"):
         assert_matches_cold(model, cold_model, cache, ids)
 

@@ -2,11 +2,13 @@
 
 import pytest
 import torch
+import transformers
 from conftest import assert_matches_cold, random_ids
+from packaging.version import Version
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
-from hf_hybridcache.toy import VOCAB_SIZE
+from hf_hybridcache.toy import VOCAB_SIZE, build_model
 
 
 def repetitive_prompt(seed: int) -> torch.Tensor:
@@ -96,3 +98,29 @@ def test_prompt_lookup_with_padding_inside_the_prompt(model, cold_model, crop_ca
     assert torch.equal(out, cold_model.generate(ids, **kwargs))
     assert cache.last_hit_tokens == [0] and cache.stats.kv_blocks == 0
     assert any(n < 0 for n in crop_calls)
+
+
+#: transformers lets a hybrid (stateful) model draft for assisted decoding from 5.25 on: its cache layers record
+#: per-token states and roll rejected drafts back; 5.23 - 5.24 cannot crop a recurrent state.
+needs_hybrid_assistants = pytest.mark.skipif(
+    Version(transformers.__version__) < Version("5.25.0"),
+    reason="needs transformers >= 5.25 (hybrid assistant models are new there): run it with transformers 5.25",
+)
+
+
+@needs_hybrid_assistants
+@pytest.mark.parametrize("assistant_family", ["jamba", "qwen3_5_text"])
+def test_hybrid_assistant_model_equals_greedy(model, cold_model, crop_calls, assistant_family):
+    """A hybrid assistant drafts with transformers' own rollback in its own cache while the target's HybridPrefixCache
+    restores the prefix and rolls the target's rejected drafts back: greedy tokens equal a cold run, hits are kept."""
+    assistant = build_model(assistant_family, seed=7)
+    cache = HybridPrefixCache(model)
+    ids = random_ids(50, seed=321)
+    assert_matches_cold(model, cold_model, cache, ids)
+    reference = cold_model.generate(ids, max_new_tokens=16, do_sample=False)
+    for _ in range(2):
+        out = model.generate(ids, **{CACHE_KWARG: cache}, max_new_tokens=16, do_sample=False,
+                             assistant_model=assistant)
+        assert torch.equal(out, reference)
+        assert cache.last_hit_tokens == [48]
+    assert any(n < 0 for n in crop_calls), "no draft token was rejected: the rollback path did not run"
