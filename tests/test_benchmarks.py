@@ -212,3 +212,16 @@ def test_step_profile_splits_a_step_on_a_toy_model(capsys):
     out = capsys.readouterr().out
     for row in ("| forward: Mamba mixer |", "| forward: attention |", "| sampling |", "| store |", "| engine / stock |"):
         assert row in out, out
+
+
+def test_speculative_multiturn_runs_and_every_turn_equals_greedy(capsys):
+    """``speculative_multiturn.py``: a turn after the first restores the chat so far, and every way of speculating
+    (transformers' own rollback where it has one, the package with and without reuse) equals plain greedy."""
+    from benchmarks import speculative_multiturn
+
+    rows = speculative_multiturn.main(["--turns", "2", "--repeats", "1", "--new-tokens", "8",
+                                       "--document-repeats", "1"])
+    assert [row["turn"] for row in rows] == [1, 2]
+    assert rows[0]["hit_tokens"] == 0 and rows[1]["hit_tokens"] >= rows[0]["prompt_tokens"] - 16
+    assert all(row["cached_identical"] and row["native_identical"] in (True, None) for row in rows)
+    assert "| turn | prompt tokens | hit tokens |" in capsys.readouterr().out
