@@ -57,8 +57,8 @@ FAMILIES = [f for f in MAMBA1_FAMILIES + MAMBA2_FAMILIES + LINEAR_FAMILIES if f 
 
 #: Inkling 2 Loop (``inkling2_loop_text``, its wrapper ``inkling2_loop``) is new in transformers 5.24: its tiny configs
 #: exist where the installed transformers has it, and its tests skip elsewhere with this reason.
-NEEDS_INKLING2_LOOP = ("needs transformers >= 5.24 (Inkling 2 Loop is new there): run it with transformers 5.24, as "
-                       "CI's second pass does (pytest -m transformers_version)")
+NEEDS_INKLING2_LOOP = ("needs transformers >= 5.24 (Inkling 2 Loop is new there): run it with a newer release of the "
+                       "tested window (hf_hybridcache/_compat/versions.py), as CI does")
 needs_inkling2_loop = pytest.mark.skipif("inkling2_loop_text" not in TINY_CONFIGS, reason=NEEDS_INKLING2_LOOP)
 
 
@@ -72,15 +72,16 @@ _COLD_MODELS: dict[str, torch.nn.Module] = {}
 
 #: Test modules that go through code that differs between transformers versions: generate()'s cache keyword and
 #: loop, each family's modeling code under the patched mixers, the continuous-batching API the engine implements, the
-#: adapter API, the version check. CI's second pass, on the newest transformers of the supported range, runs these
-#: (``pytest -m transformers_version``); the others test the store, its policies, kernels, files, the remote tier,
-#: the layout and the demo, which read nothing of transformers that differs (their scenarios run on the pinned
-#: version). Every test module is in one of the two sets (test_layout.py checks it).
+#: adapter API, the version check, the hook points. CI runs the whole suite on the newest release of the tested window
+#: (hf_hybridcache/_compat/versions.py) and these (``pytest -m transformers_version``) on each older one too; the
+#: others test the store, its policies, kernels, files, the remote tier, the layout and the demo, which read nothing
+#: of transformers that differs (their scenarios run on the newest release only). Every test module is in one of the
+#: two sets (test_ci_split.py checks it).
 VERSION_SPECIFIC_MODULES = {
     "test_batches", "test_continuation", "test_decode_linear", "test_fresh_scan", "test_greedy_argmax", "test_devices", "test_engine_faults", "test_engine_families",
     "test_engine_generation_fields", "test_engine_isolation", "test_engine_scoring", "test_engine_serving",
     "test_engine_vision",
-    "test_errors", "test_examples", "test_families", "test_generate_features", "test_hit_in_place",
+    "test_errors", "test_examples", "test_families", "test_generate_features", "test_hit_in_place", "test_hook_points",
     "test_loop_families",
     "test_kernel_notices", "test_linear_families", "test_mamba2", "test_quickstart", "test_readme",
     "test_reduced_precision", "test_serve", "test_serve_completions", "test_serve_images", "test_serve_startup",
@@ -93,7 +94,7 @@ VERSION_INDEPENDENT_MODULES = {
     "test_kernels", "test_kernels_triton", "test_layout", "test_lm_eval", "test_pages", "test_persistence",
     "test_policy", "test_power", "test_randomized", "test_regressions", "test_remote", "test_remote_trust",
     "test_remote_units", "test_scale_out", "test_serve_lifecycle", "test_sizing", "test_space", "test_threads",
-    "test_tier_failover", "test_vs_llama_cpp", "test_weights_identity", "test_weights_in_flight",
+    "test_tier_failover", "test_version_window", "test_vs_llama_cpp", "test_weights_identity", "test_weights_in_flight",
 }
 
 

@@ -1,5 +1,6 @@
 """Bad input gets a clear ValueError, and the cache keeps working afterwards."""
 
+import re
 import warnings
 
 import pytest
@@ -9,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation.utils import GenerationMixin
 
 from hf_hybridcache import CACHE_KWARG, DEFAULT_MAX_CACHE_BYTES, HybridPrefixCache, _compat
+from hf_hybridcache._compat.versions import ALLOW_UNTESTED_ENV
 from hf_hybridcache.core import check_store, entry_digests
 from hf_hybridcache.toy import VOCAB_SIZE, build_model
 
@@ -219,23 +221,73 @@ def test_invalid_offload(model):
         HybridPrefixCache(model, offload="disk")
 
 
-def test_an_untested_transformers_version_warns_once_naming_it(model, monkeypatch):
-    monkeypatch.setattr(_compat, "TRANSFORMERS_VERSION", "5.99.0")
-    monkeypatch.setattr(_compat, "_warned_versions", set())
-    with pytest.warns(UserWarning, match=r"tested with transformers >=5\.23\.0,<5\.25\.0 and this is 5\.99\.0"):
-        HybridPrefixCache(model)
+#: What the refusal of an untested transformers says to do.
+_INSTALL = re.escape("pip install 'transformers>=5.23.0,<=5.25.0'")
+
+
+@pytest.fixture(scope="module")
+def jamba():
+    """The version check runs before the family matters: one family's model is enough."""
+    return build_model("jamba", seed=0)
+
+
+@pytest.mark.parametrize("version", ["5.26.0", "5.26.0.dev0", "5.25.1", "6.0.0", "5.22.0"])
+def test_an_untested_transformers_is_refused_with_the_command_that_installs_a_tested_one(jamba, monkeypatch, version):
+    monkeypatch.setattr(_compat, "TRANSFORMERS_VERSION", version)
+    monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
+    with pytest.raises(ValueError, match=rf"tested with transformers 5\.23\.0, 5\.24\.0 and 5\.25\.0 \(transformers>="
+                                         rf"5\.23\.0,<=5\.25\.0\), and transformers {re.escape(version)} is installed"
+                                         rf".* Install a tested version: {_INSTALL}\. To run this one anyway, set "
+                                         rf"{ALLOW_UNTESTED_ENV}=1"):
+        HybridPrefixCache(jamba)
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "0")
+    with pytest.raises(ValueError, match=_INSTALL):
+        HybridPrefixCache(jamba)
+
+
+@pytest.mark.parametrize("version", ["5.23.0", "5.24.0", "5.24.1", "5.25.0"])
+def test_the_tested_window_runs_without_a_word(jamba, monkeypatch, version):
+    monkeypatch.setattr(_compat, "TRANSFORMERS_VERSION", version)
+    monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        HybridPrefixCache(model)  # once per process
+        HybridPrefixCache(jamba)
 
 
-def test_a_transformers_without_the_internals_it_hooks_is_refused(model, monkeypatch):
+def test_an_untested_transformers_runs_when_the_user_opts_in_and_is_warned_once(jamba, monkeypatch):
+    monkeypatch.setattr(_compat, "TRANSFORMERS_VERSION", "5.99.0")
+    monkeypatch.setattr(_compat, "_warned_versions", set())
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
+    with pytest.warns(UserWarning, match=rf"runs on transformers 5\.99\.0, outside its tested window \(transformers>="
+                                         rf"5\.23\.0,<=5\.25\.0\), because {ALLOW_UNTESTED_ENV}=1: .*{_INSTALL}"):
+        cache = HybridPrefixCache(jamba)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cache = HybridPrefixCache(jamba)  # once per process
+        ids = random_ids(40, seed=5)
+        assert_matches_cold(jamba, build_model("jamba", seed=0), cache, ids)
+        assert_matches_cold(jamba, build_model("jamba", seed=0), cache, ids)
+    assert cache.last_hit_tokens == [32]
+
+
+def test_a_transformers_without_the_internals_it_hooks_is_refused(jamba, monkeypatch):
     monkeypatch.delattr(GenerationMixin, "_prefill")
-    with pytest.raises(ValueError, match=r"does not have \(_prefill\); install a tested version"):
-        HybridPrefixCache(model)
+    with pytest.raises(ValueError, match=r"internals it hooks into moved: transformers\.generation\.utils\."
+                                         r"GenerationMixin\._prefill: missing .*relied on by hf_hybridcache\._compat\."
+                                         rf"generation .*Install a tested version: {_INSTALL}"):
+        HybridPrefixCache(jamba)
 
 
-def test_a_transformers_whose_cache_layers_lack_the_fields_a_restore_sets_is_refused(model, monkeypatch):
+def test_an_opted_in_transformers_without_the_internals_it_hooks_is_still_refused(jamba, monkeypatch):
+    monkeypatch.setattr(_compat, "TRANSFORMERS_VERSION", "5.99.0")
+    monkeypatch.setattr(_compat, "_warned_versions", set())
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
+    monkeypatch.delattr(GenerationMixin, "_get_candidate_generator")
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"_get_candidate_generator: missing"):
+        HybridPrefixCache(jamba)
+
+
+def test_a_transformers_whose_cache_layers_lack_the_fields_a_restore_sets_is_refused(jamba, monkeypatch):
     """A restore sets the fields of DynamicLayer and LinearAttentionLayer that their lazy_initialization sets; a
     transformers that renamed one is refused up front, naming it, instead of restoring into the wrong field."""
     from transformers.cache_utils import DynamicLayer
@@ -247,8 +299,9 @@ def test_a_transformers_whose_cache_layers_lack_the_fields_a_restore_sets_is_ref
         del self.is_initialized
 
     monkeypatch.setattr(DynamicLayer, "__init__", without_is_initialized)
-    with pytest.raises(ValueError, match=r"\(DynamicLayer\.is_initialized\); install a tested version"):
-        HybridPrefixCache(model)
+    with pytest.raises(ValueError, match=r"DynamicLayer\[fields a restore writes\]: has no is_initialized .*"
+                                         r"Install a tested version"):
+        HybridPrefixCache(jamba)
 
 
 def test_a_pad_id_inside_a_prompt_warns_once_and_an_explicit_mask_restores_reuse(caplog):

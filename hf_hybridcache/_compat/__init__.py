@@ -45,15 +45,18 @@ Private APIs touched, and why each is needed (transformers 5.23 - 5.24):
   devices are read from them.
 
 Everything here is reached through the names this package re-exports; the model is wrapped per instance (other
-instances and the classes are untouched), and :func:`check_version` guards the tested range at construction.
+instances and the classes are untouched). Each of these internals is a named check in :mod:`.hook_points`
+(tests/test_hook_points.py runs them all), and :func:`check_version` guards the tested window (:mod:`.versions`)
+and the internals every request needs at construction.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import transformers
-from packaging.version import Version
+from packaging.specifiers import SpecifierSet
 
 from .accelerate import (
     execution_device,
@@ -73,9 +76,10 @@ from .generation import (
     run_forward,
     split_mixer_call,
 )
+from .hook_checks import broken
+from .hook_points import AT_CONSTRUCTION
 from .kernel_notices import quiet_kernel_notices
 from .layers import (
-    DYNAMIC_LAYER_FIELDS,
     conv_state_before_update,
     count_decode_token,
     append_kv_in_room,
@@ -91,14 +95,16 @@ from .layers import (
     sliding_windows,
 )
 from .modeling import route_module_function
+from .versions import ALLOW_UNTESTED_ENV, IN_WORDS, INSTALL_COMMAND, REQUIREMENT, TESTED_RELEASES
 
 TRANSFORMERS_VERSION = transformers.__version__
-#: The transformers releases the suite runs on (CI runs both ends).
-TESTED_RANGE = (Version("5.23.0"), Version("5.25.0"))
+#: The transformers versions that run without the opt-in: those pyproject.toml's requirement allows.
+SUPPORTED = SpecifierSet(REQUIREMENT.removeprefix("transformers"))
 
 __all__ = [
     "CACHE_KWARG",
-    "TESTED_RANGE",
+    "SUPPORTED",
+    "TESTED_RELEASES",
     "TRANSFORMERS_VERSION",
     "Hooks",
     "allow_speculative_decoding",
@@ -133,41 +139,37 @@ __all__ = [
 ]
 
 _warned_versions: set[str] = set()
-#: Fields of transformers' ``LinearAttentionLayer`` a restore sets (:func:`~hf_hybridcache._compat.layers.set_linear_state`).
-_LINEAR_LAYER_FIELDS = ("device", "dtype", "conv_kernel_size", "conv_states", "recurrent_states",
-                        "is_conv_states_initialized", "is_recurrent_states_initialized", "has_previous_state")
 
 
 def check_version() -> None:
-    """Warn once per process when the installed transformers is outside :data:`TESTED_RANGE`, and refuse it when a
-    private API this layer needs is missing.
+    """Refuse a transformers outside the tested window (:mod:`.versions`) unless the user opts in with
+    ``HF_HYBRIDCACHE_ALLOW_UNTESTED_TRANSFORMERS=1`` (then warn once per process), and refuse any transformers that
+    lacks an internal every request needs (the ``at_construction`` hook points of :mod:`.hook_points`), naming it.
 
     Raises:
-        ValueError: ``GenerationMixin`` lacks ``_prefill`` or ``_get_candidate_generator``, or the cache layers lack
-            the fields a restore writes; names the version and what to install.
+        ValueError: the installed transformers is outside the window and the opt-in is not set (the message names
+            the version, the window and the command that installs a tested one), or an internal moved (named).
     """
-    from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
-    from transformers.generation.utils import GenerationMixin
-
-    missing = [name for name in ("_prefill", "_get_candidate_generator") if not hasattr(GenerationMixin, name)]
-    missing += [f"{cls.__name__}.lazy_initialization" for cls in (DynamicLayer, LinearAttentionLayer)
-                if not hasattr(cls, "lazy_initialization")]
-    fresh = LinearAttentionLayer()  # the fields set_linear_state writes in place of its lazy_initialization
-    missing += [f"LinearAttentionLayer.{name}" for name in _LINEAR_LAYER_FIELDS if not hasattr(fresh, name)]
-    fresh = DynamicLayer()  # the fields set_kv writes in place of its lazy_initialization
-    missing += [f"DynamicLayer.{name}" for name in DYNAMIC_LAYER_FIELDS if not hasattr(fresh, name)]
-    if missing:
+    version = TRANSFORMERS_VERSION
+    if not SUPPORTED.contains(version, prereleases=True):
+        if os.environ.get(ALLOW_UNTESTED_ENV) != "1":
+            raise ValueError(
+                f"hf_hybridcache is tested with transformers {IN_WORDS} ({REQUIREMENT}), and transformers {version} "
+                "is installed: the internals it hooks into may have moved there, which can make outputs wrong "
+                f"without an error. Install a tested version: {INSTALL_COMMAND}. To run this one anyway, set "
+                f"{ALLOW_UNTESTED_ENV}=1 (tests/test_hook_points.py checks those internals on it first)."
+            )
+        if version not in _warned_versions:
+            _warned_versions.add(version)
+            warnings.warn(
+                f"hf_hybridcache runs on transformers {version}, outside its tested window ({REQUIREMENT}), because "
+                f"{ALLOW_UNTESTED_ENV}=1: its outputs have not been compared with cold runs on this version; "
+                f"{INSTALL_COMMAND} installs a tested one.",
+                stacklevel=3,
+            )
+    moved = broken(AT_CONSTRUCTION)
+    if moved:
         raise ValueError(
-            f"hf_hybridcache needs transformers internals that transformers {TRANSFORMERS_VERSION} does not have "
-            f"({', '.join(missing)}); install a tested version: pip install 'transformers>={TESTED_RANGE[0]},"
-            f"<{TESTED_RANGE[1]}'."
-        )
-    version = Version(TRANSFORMERS_VERSION)
-    if not TESTED_RANGE[0] <= version < TESTED_RANGE[1] and TRANSFORMERS_VERSION not in _warned_versions:
-        _warned_versions.add(TRANSFORMERS_VERSION)
-        warnings.warn(
-            f"hf_hybridcache is tested with transformers >={TESTED_RANGE[0]},<{TESTED_RANGE[1]} and this is "
-            f"{TRANSFORMERS_VERSION}: outputs are still compared with the model's own code by the tests, but hooks "
-            "into generate() may break; pin a tested version if anything looks off.",
-            stacklevel=3,
+            f"hf_hybridcache cannot run on transformers {transformers.__version__}: internals it hooks into moved: "
+            f"{'; '.join(moved)}. Install a tested version: {INSTALL_COMMAND}."
         )
