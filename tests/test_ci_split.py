@@ -1,5 +1,6 @@
-"""Every test module is classified for CI's second pass (the newest transformers): version-specific or not
-(tests/conftest.py), so a new module cannot silently drop out of it."""
+"""Every test module is classified for CI's passes on the older releases of the tested window
+(hf_hybridcache/_compat/versions.py), which run the version-specific ones only (tests/conftest.py), so a new module
+cannot silently drop out of them."""
 
 from pathlib import Path
 
