@@ -1,8 +1,8 @@
 """Inkling 2 Loop (``inkling2_loop_text``, new in transformers 5.24): looped decoder layers whose passes after the
 first keep their KV and conv windows in cache layers of their own. The exactness scenarios every family runs
-(test_exactness.py, test_power.py) run here on it, under transformers 5.24 (this module is version-specific, so CI's
-5.24 pass runs it; on 5.23 it skips with the reason), and the checks below that a restore needs the loop passes'
-windows and KV."""
+(test_exactness.py, test_power.py) run here on it, from transformers 5.24 on (this module is version-specific, so CI
+runs it on every release of the window; on 5.23 it skips with the reason), and the checks below that a restore needs
+the loop passes' windows and KV."""
 
 import pytest
 import torch
