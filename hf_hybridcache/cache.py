@@ -15,6 +15,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from . import _compat
+from ._compat.hub_kernels import refuse_cache_kernels_from_hub
 from .config import DEFAULT_MAX_CACHE_BYTES, CacheOptions
 from .core import CacheCore, HitReport, WeightsTracker, load_cache, save_cache
 from .generate import HOOKS, LiveCache, LiveState, explain_call, lifecycle, replays_by_default
@@ -62,7 +63,8 @@ class HybridPrefixCache(LiveCache):
         last_reports: why each row of this view's latest request hit what it hit (``last_report``: the first row's).
 
     Raises:
-        ValueError: unsupported model; invalid ``block_size``, ``retention_interval``, ``max_cache_bytes``, ``seed``,
+        ValueError: unsupported model, or one whose mixers run Hub kernels that are handed the cache
+            (``from_pretrained(..., use_kernels=False)`` loads it without them); invalid ``block_size``, ``retention_interval``, ``max_cache_bytes``, ``seed``,
             ``offload``, ``admit_divergence``, ``eviction``, ``replay_replies`` or ``remote``; a budget smaller than
             one KV block plus one checkpoint; a ``block_size`` longer than a sliding attention window of the model.
         TypeError: ``remote`` is not a URL, a redis-py client or a ``RemoteConfig``.
@@ -85,6 +87,7 @@ class HybridPrefixCache(LiveCache):
     ) -> None:
         _compat.check_version()
         support = support_for(model)
+        refuse_cache_kernels_from_hub(model)
         seed_given, seed = seed is not None, hash_seed(seed)  # validated (or drawn) before anything is patched
         remote = remote_config(remote)
         budget = DEFAULT_MAX_CACHE_BYTES if max_cache_bytes is None else max_cache_bytes

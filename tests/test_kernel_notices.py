@@ -78,3 +78,52 @@ def test_fallback_notices_are_dropped_where_the_package_scan_stands_in_and_one_l
     if "stock" in phases:  # without the cache upstream's kernels run, and their notices are true and stay
         assert _notice("selective_scan_fn") in out["stock"] and _notice("causal_conv1d_fn") in out["stock"]
         assert _notice("selective_state_update") in out["stock"] and _notice("causal_conv1d_update") in out["stock"]
+
+
+def _swap_in_a_hub_kernel(module, name: str | None = None) -> None:
+    """What ``kernels.kernelize`` leaves behind when it swaps a Hub kernel in (``kernels/_internals/layer/layer.py``,
+    ``_replace_forward``): the replaced forward and the repository it came from, on the mixer's wrapper of module
+    function ``name`` or, without ``name``, on the mixer itself."""
+    from types import MethodType
+
+    target = module if name is None else vars(module)["_kernel_funcs"][name]
+
+    def hub_forward(self, *args, **kwargs):
+        raise AssertionError("the swapped-in kernel ran")
+
+    target.forward = MethodType(hub_forward, target)
+    vars(target)["_kernel_repo"] = "kernels-community/example"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("kernels") is None, reason="needs the kernels package (transformers "
+                    ">= 5.25 installs it): pip install kernels")
+@pytest.mark.parametrize("family,mixer,function", [
+    ("jamba", "JambaMambaMixer", "mamba_scan_forward"),
+    ("zamba2", "Zamba2MambaMixer", "causal_conv1d_forward"),
+    ("qwen3_5_text", "Qwen3_5GatedDeltaNet", None),
+])
+def test_hub_kernels_handed_the_cache_are_refused_by_name_and_reset_kernels_lifts_it(family, mixer, function):
+    """transformers 5.25's ``from_pretrained`` kernelizes by default; a Hub kernel that is handed the cache keeps the
+    recurrent state its own way, so the cache refuses the model (naming the kernel and ``use_kernels=False``) and
+    patches nothing; after transformers' ``model.reset_kernels()`` the same model is served, equal to a cold run."""
+    from conftest import assert_matches_cold, random_ids
+
+    from hf_hybridcache import HybridPrefixCache
+    from hf_hybridcache.toy import build_model
+
+    model, cold_model = build_model(family, seed=0), build_model(family, seed=0)
+    modules = [m for m in model.modules() if type(m).__name__ == mixer]
+    if not hasattr(model, "reset_kernels") or (function and function not in vars(modules[0]).get("_kernel_funcs", {})):
+        pytest.skip("needs transformers >= 5.25 (a mixer's cache-handling code is kernelizable there): run it with 5.25")
+    _swap_in_a_hub_kernel(modules[-1], function)
+    expected = f"{mixer}{'.' + function if function else ''} (kernels-community/example)"
+    with pytest.raises(ValueError, match=r"use_kernels=False") as refused:
+        HybridPrefixCache(model)
+    assert expected in str(refused.value)
+    assert getattr(model, "_hf_hybridcache_hooks", None) is None and "forward" not in vars(modules[0])
+    model.reset_kernels()
+    cache = HybridPrefixCache(model)
+    ids = random_ids(50, seed=5)
+    for expected_hit in (0, 48):
+        assert_matches_cold(model, cold_model, cache, ids)
+        assert cache.last_hit_tokens == [expected_hit]
