@@ -295,7 +295,8 @@ def _integrations() -> list[HookPoint]:
                   "hf_hybridcache._compat.kernel_notices (matches the notice by its start)"),
         HookPoint("transformers.integrations.accelerate.force_accelerate_hooks",
                   parameters("transformers.integrations.accelerate:force_accelerate_hooks", "child_module_names"),
-                  "hf_hybridcache.models (the hooks of patched children still fire)"),
+                  "hf_hybridcache.models.jamba, zamba, mamba2 (the mirrored mixer forwards call conv1d / dt_proj "
+                  "directly, and accelerate's hooks on them must still fire)"),
         HookPoint("accelerate.hooks.add_hook_to_module[_hf_hook, _old_forward, execution_device, weights_map]",
                   _accelerate_hook_fields,
                   "hf_hybridcache._compat.accelerate (instance patches sit under accelerate's hooks; offloaded "
