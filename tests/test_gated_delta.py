@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_next import modeling_qwen3_next
 
+from hf_hybridcache._compat.modeling import python_function
 from hf_hybridcache.kernels import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 # The upstream torch functions, without the hub/FLA dispatch wrapper (which would pick FLA's kernels if installed).
@@ -207,6 +208,6 @@ def test_other_families_use_the_same_upstream_functions(module):
     changes in a new transformers, the bit-identity above no longer covers them)."""
     mod = __import__(f"transformers.models.{module}", fromlist=["_"])
     for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "l2norm"):
-        ours = inspect.getsource(inspect.unwrap(getattr(modeling_qwen3_next, name)))
-        theirs = inspect.getsource(inspect.unwrap(getattr(mod, name)))
+        ours = inspect.getsource(python_function(getattr(modeling_qwen3_next, name)))
+        theirs = inspect.getsource(python_function(getattr(mod, name)))
         assert theirs == ours, f"{module}.{name} differs from modeling_qwen3_next.{name}"

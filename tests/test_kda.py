@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.kimi_linear import modeling_kimi_linear
 
+from hf_hybridcache._compat.modeling import python_function
 from hf_hybridcache.kernels import (
     chunk_gated_delta_rule,
     chunk_kimi_delta_attention,
@@ -202,6 +203,6 @@ def test_bounded_gate_families_use_the_same_upstream_functions(module):
     gate lives in the forget-gate module (when that changes, the bit-identity above no longer covers them)."""
     mod = __import__(f"transformers.models.{module}", fromlist=["_"])
     for name in ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "l2norm"):
-        ours = inspect.getsource(inspect.unwrap(getattr(modeling_kimi_linear, name)))
-        theirs = inspect.getsource(inspect.unwrap(getattr(mod, name)))
+        ours = inspect.getsource(python_function(getattr(modeling_kimi_linear, name)))
+        theirs = inspect.getsource(python_function(getattr(mod, name)))
         assert theirs == ours, f"{module}.{name} differs from modeling_kimi_linear.{name}"

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from collections.abc import Callable
+
+import torch
 
 
 def route_module_function(module_name: str, name: str, router: Callable) -> None:
@@ -19,10 +22,31 @@ def route_module_function(module_name: str, name: str, router: Callable) -> None
     original = getattr(module, name)
     if getattr(original, "_hf_hybridcache_routed", False):
         return
+    if isinstance(original, torch.nn.Module):
+        # transformers 5.25 with ``kernels`` installed: the name holds the ``Func`` module that
+        # ``use_kernel_forward_from_hub`` made of the function, and a pickled mixer rebuilds its private copies with
+        # ``type(getattr(module, name))()`` (``kernels``' ``_rebuild_kernel_func``). So the name keeps an instance of
+        # that class, whose own forward routes.
+        routed = type(original)()
+        routed.forward = functools.partial(router, original)
+        routed.__wrapped__ = original
+    else:
 
-    @functools.wraps(original)
-    def routed(*args, **kwargs):
-        return router(original, *args, **kwargs)
+        @functools.wraps(original)
+        def routed(*args, **kwargs):
+            return router(original, *args, **kwargs)
 
     routed._hf_hybridcache_routed = True
     setattr(module, name, routed)
+
+
+def python_function(obj: Callable) -> Callable:
+    """The Python function a modeling module's name stands for: this package's routing unwrapped, and on
+    transformers 5.25 with ``kernels`` installed the function inside the ``Func`` module that
+    ``use_kernel_forward_from_hub`` made of it (``kernels/_internals/layer/layer.py``, ``_create_func_module``)."""
+    obj = inspect.unwrap(obj)
+    forward = getattr(type(obj), "forward", None) if isinstance(obj, torch.nn.Module) else None
+    for cell in getattr(forward, "__closure__", None) or ():
+        if inspect.isfunction(cell.cell_contents):
+            return cell.cell_contents
+    return obj
