@@ -146,7 +146,7 @@ class CacheDriver:
         for key, (conv, ssm) in self._states.items():  # a miss starts without states
             layer_idx, state_idx = split_state_key(key)
             if _compat.get_linear_state(cache.layers[layer_idx], state_idx) is None:
-                _compat.set_linear_state(cache.layers[layer_idx], conv, ssm, state_idx)
+                _compat.set_linear_state(cache.layers[layer_idx], conv, ssm, state_idx, request.forward_end)
         request.before_forward(torch.tensor([token_ids]), 1, num_tokens)
         positions = cache.checkpoint_positions(num_tokens)
         # The model appends the new tokens' KV; a fresh meta tensor of the new length stands for that (torch.cat
