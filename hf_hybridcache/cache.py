@@ -63,8 +63,8 @@ class HybridPrefixCache(LiveCache):
         last_reports: why each row of this view's latest request hit what it hit (``last_report``: the first row's).
 
     Raises:
-        ValueError: unsupported model, or one whose mixers run Hub kernels that are handed the cache
-            (``from_pretrained(..., use_kernels=False)`` loads it without them); invalid ``block_size``, ``retention_interval``, ``max_cache_bytes``, ``seed``,
+        ValueError: unsupported model (or transformers version, or Hub kernels handed the cache: load with
+            ``use_kernels=False``); invalid ``block_size``, ``retention_interval``, ``max_cache_bytes``, ``seed``,
             ``offload``, ``admit_divergence``, ``eviction``, ``replay_replies`` or ``remote``; a budget smaller than
             one KV block plus one checkpoint; a ``block_size`` longer than a sliding attention window of the model.
         TypeError: ``remote`` is not a URL, a redis-py client or a ``RemoteConfig``.
@@ -105,12 +105,9 @@ class HybridPrefixCache(LiveCache):
         support.explain_kernels(model, devices.values())
         _compat.install_hooks(model, HOOKS)
         super().__init__(layers=_compat.new_live_layers(model.config))
-
         policy = make_eviction(options.eviction, FlopModel.from_model(model, self.spec))
-        self.core = CacheCore(
-            self.spec, options, seed, model_identity(model), WeightsTracker(model), model.dtype, devices, placement,
-            policy,
-        )
+        self.core = CacheCore(self.spec, options, seed, model_identity(model), WeightsTracker(model), model.dtype,
+                              devices, placement, policy)
         self.core.remote = attach_remote(self, remote, seed_given)
         self._start_view(None)
         _compat.install_manager_hook(model, self, _manager_for)
