@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import transformers
 from packaging.specifiers import SpecifierSet
 
+from .modeling import python_function
+
 #: ``() -> None`` when the internal is as the package relies on, else a phrase saying what differs.
 Check = Callable[[], "str | None"]
 #: The transformers actually installed (hook points describe its code, whatever version string a test pretends).
@@ -83,9 +85,8 @@ def dotted(target: str) -> str:
 
 def named_parameters(function) -> list[str]:
     """The parameter names of ``function`` without ``self``, ``*args`` and ``**kwargs`` (a kernel that transformers 5.25
-    wraps into a ``kernelize``-able module is read through its ``forward``)."""
-    if not inspect.isroutine(function) and hasattr(function, "forward"):
-        function = function.forward
+    wraps into a ``kernelize``-able module, or that this package routes, is read through the function inside)."""
+    function = python_function(function)
     kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
     return [p.name for p in inspect.signature(function).parameters.values() if p.kind not in kinds and p.name != "self"]
 

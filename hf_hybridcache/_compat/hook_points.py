@@ -301,10 +301,33 @@ def _integrations() -> list[HookPoint]:
                   _accelerate_hook_fields,
                   "hf_hybridcache._compat.accelerate (instance patches sit under accelerate's hooks; offloaded "
                   "weights and layer devices are read from them)"),
+        *_hub_kernels(),
         HookPoint("transformers.modeling_outputs.BaseModelOutputWithPooling",
                   parameters("transformers.modeling_outputs:BaseModelOutputWithPooling.__init__", "pooler_output"),
                   "hf_hybridcache.multimodal.prompt, hf_hybridcache.engine.images (mm_encoder_outputs)"),
     ]
+
+
+def _hub_kernels() -> list[HookPoint]:
+    """What :mod:`.hub_kernels` reads of the ``kernels`` library (a dependency of transformers from 5.25) and of the
+    5.25 modeling files: where a swap is recorded, and which module functions are handed the cache."""
+    layer = "kernels._internals.layer.layer"
+    used_by = "hf_hybridcache._compat.hub_kernels (refuses Hub kernels handed the cache)"
+    points = [
+        HookPoint(f"{layer}._replace_forward[_kernel_repo]", source_mentions(f"{layer}:_replace_forward", '"_kernel_repo"'),
+                  used_by, versions=">=5.25.0"),
+        HookPoint(f"{layer}.use_kernelized_func[_kernel_funcs]",
+                  source_mentions(f"{layer}:use_kernelized_func", '"_kernel_funcs"'), used_by, versions=">=5.25.0"),
+        HookPoint(f"{layer}._rebuild_kernel_func", source_mentions(f"{layer}:_rebuild_kernel_func",
+                                                                   "type(getattr(module, func_name))()"),
+                  "hf_hybridcache._compat.modeling (a routed name keeps an instance of the Func class, which a pickled "
+                  "mixer's private copies are rebuilt from)", versions=">=5.25.0"),
+    ]
+    for module, function in (("jamba", "causal_conv1d_forward"), ("jamba", "mamba_scan_forward"),
+                             ("zamba2", "mamba2_scan_forward")):
+        target = f"transformers.models.{module}.modeling_{module}:{function}"
+        points.append(HookPoint(f"{dotted(target)}[cache]", parameters(target, "cache"), used_by, versions=">=5.25.0"))
+    return points
 
 
 #: Every hook point, in the order tests/test_hook_points.py lists them.
