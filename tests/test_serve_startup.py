@@ -54,6 +54,18 @@ def test_each_startup_mistake_is_one_line_and_exit_2(folders, capsys, monkeypatc
     assert "No tiny config for family 'nothing'" in _startup_error(capsys, monkeypatch, "--model", "toy:nothing")
 
 
+def test_an_untested_transformers_is_refused_before_the_model_loads(folders, capsys, monkeypatch):
+    """The version check runs before loading (minutes on a real checkpoint): the model folder here is never read."""
+    import hf_hybridcache._compat as compat
+
+    monkeypatch.setattr(compat, "TRANSFORMERS_VERSION", "9.0.0")
+    monkeypatch.delenv("HF_HYBRIDCACHE_ALLOW_UNTESTED_TRANSFORMERS", raising=False)
+    loads = []
+    monkeypatch.setattr("hf_hybridcache.serve.loading.load", lambda *args: loads.append(args))
+    error = _startup_error(capsys, monkeypatch, "--model", str(folders / "model"))
+    assert "transformers 9.0.0 is installed" in error and "pip install" in error and not loads
+
+
 def test_the_command_itself_prints_one_line_without_a_traceback(folders):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "hf_hybridcache.serve", "--model", str(folders / "model"), "--port", "0"]

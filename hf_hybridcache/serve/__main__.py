@@ -76,9 +76,11 @@ def make_app(args: argparse.Namespace):
 
     Raises:
         StartupError: the model or tokenizer cannot be loaded (:func:`~hf_hybridcache.serve.loading.load`).
-        ValueError: an option the model or the memory refuses (an empty ``--api-key``, ``--max-model-len`` too long).
+        ValueError: an option the model or the memory refuses (an empty ``--api-key``, ``--max-model-len`` too long),
+            or a transformers outside the tested window (refused before the model loads).
     """
     from .. import HybridPrefixCache
+    from .._compat import check_version
     from ..multimodal import modalities_of
     from .app import build_app
     from .auth import API_KEY_ENV, RequireAPIKey
@@ -89,6 +91,8 @@ def make_app(args: argparse.Namespace):
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     if api_key is not None and not api_key:
         raise ValueError("--api-key must not be empty; omit it to serve without a key.")
+    if not args.no_cache:
+        check_version()  # an untested transformers is refused before minutes of loading, not after
     model, tokenizer = load(args.model, args.dtype, args.device_map, args.tokenizer, args.trust_remote_code)
     vision = None
     if modalities_of(model):  # a vision-language wrapper: its processor renders every chat
