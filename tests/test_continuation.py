@@ -7,6 +7,7 @@ from conftest import MAMBA1_FAMILIES, MAMBA2_FAMILIES, random_ids
 from transformers import DynamicCache
 
 from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
+from hf_hybridcache._compat import cache_kwarg
 
 
 def positions(start, end):
@@ -17,15 +18,16 @@ def positions(start, end):
 def _split_run(model, ids, split):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids[:, :split], **{CACHE_KWARG: cache}, use_cache=True)
-        logits = model(ids[:, split:], **{CACHE_KWARG: cache}, use_cache=True, position_ids=positions(split, ids.shape[1])).logits
+        kwargs = {cache_kwarg(model): cache, "use_cache": True}
+        model(ids[:, :split], **kwargs)
+        logits = model(ids[:, split:], **kwargs, position_ids=positions(split, ids.shape[1])).logits
     return logits, cache
 
 
 def _full_run(model, ids):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        logits = model(ids, **{CACHE_KWARG: cache}, use_cache=True).logits
+        logits = model(ids, **{cache_kwarg(model): cache}, use_cache=True).logits
     return logits, cache
 
 
@@ -62,7 +64,8 @@ def test_unpatched_mamba2_model_continues_from_the_cached_state(cold_model):
     cache = DynamicCache(config=cold_model.config)
     with torch.no_grad():
         pieces = [
-            cold_model(ids[:, a:b], **{CACHE_KWARG: cache}, use_cache=True, position_ids=positions(a, b)).logits
+            cold_model(ids[:, a:b], **{cache_kwarg(cold_model): cache}, use_cache=True,
+                       position_ids=positions(a, b)).logits
             for a, b in [(0, 40), (40, 42), (42, 65)]
         ]
     torch.testing.assert_close(torch.cat(pieces, dim=1), full_logits, rtol=0, atol=1e-4)

@@ -17,11 +17,13 @@ CUDA = torch.cuda.is_available()
 
 
 def _device_map(model, layer_device):
-    """Every top-level module of ``model`` on "cpu", decoder layer ``i`` on ``layer_device(i)``."""
-    device_map = {f"model.{name}": "cpu" for name, _ in model.model.named_children() if name != "layers"}
-    device_map.update({f"model.{name}": "cpu" for name, _ in model.model.named_parameters(recurse=False)})  # ZAYA
-    device_map.update({f"model.layers.{i}": layer_device(i) for i in range(len(model.model.layers))})
-    device_map.update({name: "cpu" for name, _ in model.named_children() if name != "model"})
+    """Every top-level module of ``model`` on "cpu", decoder layer ``i`` on ``layer_device(i)`` (the decoder is
+    ``model.model``, Mamba's ``model.backbone``)."""
+    prefix, base = model.base_model_prefix, model.base_model
+    device_map = {f"{prefix}.{name}": "cpu" for name, _ in base.named_children() if name != "layers"}
+    device_map.update({f"{prefix}.{name}": "cpu" for name, _ in base.named_parameters(recurse=False)})  # ZAYA
+    device_map.update({f"{prefix}.layers.{i}": layer_device(i) for i in range(len(base.layers))})
+    device_map.update({name: "cpu" for name, _ in model.named_children() if name != prefix})
     return device_map
 
 

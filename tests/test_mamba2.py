@@ -1,5 +1,6 @@
-"""Mamba-2 families (Zamba2, Falcon-H1): the chunk scan with state emission, the patched mixers, block sizes against
-the chunk size, unaligned forwards; and a power check for every family (bf16 and save/load: test_families.py)."""
+"""Mamba-2 families (Zamba2, Falcon-H1, ..., Mamba-2): the chunk scan with state emission, the patched mixers, block
+sizes against the chunk size, unaligned forwards; and a power check for every family (bf16 and save/load:
+test_families.py)."""
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ CHUNK_SIZE_KEY = {
     "bamba": "mamba_chunk_size",
     "granitemoehybrid": "mamba_chunk_size",
     "nemotron_h": "chunk_size",
+    "mamba2": "chunk_size",
 }
 MIXER_CLASS = {
     "zamba2": "Zamba2MambaMixer",
@@ -25,6 +27,7 @@ MIXER_CLASS = {
     "bamba": "BambaMixer",
     "granitemoehybrid": "GraniteMoeHybridMambaLayer",
     "nemotron_h": "NemotronHMamba2Mixer",
+    "mamba2": "Mamba2Mixer",
 }
 
 

@@ -41,6 +41,7 @@ def test_zeroed_restored_state_fails_the_check(family, model, cold_model, monkey
     assert cache.last_hit_tokens == [96]
 
 
+@pytest.mark.needs_attention_layers
 def test_corrupted_restored_kv_fails_the_check(model, cold_model, monkeypatch):
     cache, ids = _warm(model, cold_model)
     original = KVStore.gather

@@ -26,7 +26,7 @@ def _warm(model, cold_model, length=100):
 
 INKLING_WINDOWS = {0: 24, 1: None, 2: 24, 3: None}  # sliding and full layers alternate (ZAYA too)
 WINDOWS = {"lfm3": {1: 24, 2: None}, "inkling_text": INKLING_WINDOWS, "inkling2_text": INKLING_WINDOWS,
-           "zaya": INKLING_WINDOWS,
+           "zaya": INKLING_WINDOWS, "lara_mini": {1: 24, 3: None},
            # 6 decoder layers, then cache layers 6-9 of the loop passes of layers 2 (sliding) and 3 (full)
            "inkling2_loop_text": {idx: None if idx % 2 else 24 for idx in range(10)}}
 

@@ -7,8 +7,22 @@ from conftest import assert_matches_cold, random_ids
 from packaging.version import Version
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_hybridcache import CACHE_KWARG, HybridPrefixCache
+from hf_hybridcache import CACHE_KWARG, HybridPrefixCache, _compat
 from hf_hybridcache.toy import VOCAB_SIZE, build_model
+
+#: transformers 5.23's assisted decoding reads the cache from ``past_key_values`` only: Mamba, Falcon-Mamba and Mamba-2
+#: take theirs as ``cache_params`` there, and the cache refuses the call with the reason.
+NEEDS_5_24_FOR_MAMBA = (
+    "needs transformers >= 5.24 for Mamba, Falcon-Mamba and Mamba-2 (5.23's assisted decoding cannot find their "
+    "cache_params; test_assisted_decoding_of_mamba_on_5_23_is_refused checks the refusal): run it with 5.24 or 5.25"
+)
+
+
+@pytest.fixture
+def assisted_decoding(model):
+    """Skips where transformers' assisted decoding cannot run ``model`` (Mamba's ``cache_params`` on 5.23)."""
+    if _compat.cache_kwarg(model) == "cache_params":
+        pytest.skip(NEEDS_5_24_FOR_MAMBA)
 
 
 def repetitive_prompt(seed: int) -> torch.Tensor:
@@ -31,7 +45,7 @@ def crop_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("draft_tokens", [3, 10])
-def test_prompt_lookup_equals_greedy_on_a_cached_prompt(model, cold_model, crop_calls, draft_tokens):
+def test_prompt_lookup_equals_greedy_on_a_cached_prompt(model, cold_model, crop_calls, draft_tokens, assisted_decoding):
     cache = HybridPrefixCache(model)
     ids = repetitive_prompt(seed=300)
     assert_matches_cold(model, cold_model, cache, ids)
@@ -44,7 +58,7 @@ def test_prompt_lookup_equals_greedy_on_a_cached_prompt(model, cold_model, crop_
     assert any(n < 0 for n in crop_calls), "no draft token was rejected: the rollback path did not run"
 
 
-def test_prompt_lookup_on_a_miss(model, cold_model, crop_calls):
+def test_prompt_lookup_on_a_miss(model, cold_model, crop_calls, assisted_decoding):
     cache = HybridPrefixCache(model)
     ids = repetitive_prompt(seed=310)
     out = model.generate(ids, **{CACHE_KWARG: cache}, max_new_tokens=20, do_sample=False, prompt_lookup_num_tokens=4)
@@ -54,7 +68,7 @@ def test_prompt_lookup_on_a_miss(model, cold_model, crop_calls):
     assert cache.last_hit_tokens == [64]
 
 
-def test_assistant_model_equals_greedy(model, cold_model, crop_calls):
+def test_assistant_model_equals_greedy(model, cold_model, crop_calls, assisted_decoding):
     torch.manual_seed(0)
     assistant = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64,
                                              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
@@ -68,6 +82,19 @@ def test_assistant_model_equals_greedy(model, cold_model, crop_calls):
     assert crop_calls
 
 
+@pytest.mark.parametrize("family", ["mamba", "mamba2"])
+@pytest.mark.parametrize("how", ["prompt_lookup_num_tokens", "assistant_model"])
+def test_assisted_decoding_of_mamba_on_5_23_is_refused(model, how):
+    if _compat.cache_kwarg(model) != "cache_params":
+        pytest.skip("needs transformers 5.23 (where Mamba takes its cache as cache_params): run it with 5.23, as CI's "
+                    "pass over the older releases does (pytest -m transformers_version)")
+    cache = HybridPrefixCache(model)
+    value = 3 if how == "prompt_lookup_num_tokens" else build_model("mamba", seed=1)
+    with pytest.raises(ValueError, match="need transformers 5.24 or 5.25 .* cache_params"):
+        model.generate(random_ids(20, seed=332), **{CACHE_KWARG: cache}, max_new_tokens=4, **{how: value})
+    assert cache.stats.requests == 0
+
+
 def test_crop_refuses_what_it_cannot_roll_back(model):
     cache = HybridPrefixCache(model)
     model.generate(random_ids(20, seed=330), **{CACHE_KWARG: cache}, max_new_tokens=3)
@@ -75,7 +102,7 @@ def test_crop_refuses_what_it_cannot_roll_back(model):
         cache.crop(-2)
 
 
-def test_crop_refuses_a_positive_count_like_transformers_layers(model, cold_model):
+def test_crop_refuses_a_positive_count_like_transformers_layers(model, cold_model, assisted_decoding):
     # crop(+k) used to be taken as crop(-k); transformers' own layers refuse a positive count (a length, not a count).
     cache = HybridPrefixCache(model)
     ids = repetitive_prompt(seed=331)
@@ -88,7 +115,7 @@ def test_crop_refuses_a_positive_count_like_transformers_layers(model, cold_mode
     assert_matches_cold(model, cold_model, cache, ids)
 
 
-def test_prompt_lookup_with_padding_inside_the_prompt(model, cold_model, crop_calls):
+def test_prompt_lookup_with_padding_inside_the_prompt(model, cold_model, crop_calls, assisted_decoding):
     """A pad id inside the prompt masks that position: no reuse, but rejected drafts still roll back."""
     cache = HybridPrefixCache(model)
     ids = repetitive_prompt(seed=340)

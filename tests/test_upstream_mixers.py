@@ -26,6 +26,9 @@ MIXER_CLASS = {
     "bamba": "BambaMixer",
     "granitemoehybrid": "GraniteMoeHybridMambaLayer",
     "nemotron_h": "NemotronHMamba2Mixer",
+    "mamba": "MambaMixer",
+    "falcon_mamba": "FalconMambaMixer",
+    "mamba2": "Mamba2Mixer",
 }
 #: (test id, family, config overrides): every family, and Falcon-H1's other gate (gated RMS norm instead of silu).
 _VARIANTS = [(family, family, {}) for family in MAMBA1_FAMILIES + MAMBA2_FAMILIES] + [

@@ -24,6 +24,11 @@ Private APIs touched, and why each is needed (transformers 5.23 - 5.24):
   draft token sets their state; there is no public setter.
 - The mixer call convention ``(hidden_states, cache_params | cache, attention_mask)``: the patched mixers read the
   cache they are given; the kwarg was renamed after 5.23.
+- The models without attention layers (Mamba, Falcon-Mamba, Mamba-2; :mod:`.cache_kwargs`): on 5.23 their
+  ``generate()`` and ``forward()`` take the cache only as ``cache_params`` (another name is dropped unread, and 5.23's
+  assisted decoding cannot find it); ``_prefill`` slices the prompt by a cache of linear layers only from 5.25 on
+  (``Cache.is_linear``), and before 5.25 ``Cache.get_seq_length()`` cannot answer for one; their mixers get the
+  model's whole 2D padding mask.
 - Inkling 2 Loop's loop fields (``loop_layer_index_start``, ``loop_layer_index_end``, ``loop_num_passes``) and the
   ``cache_offset`` keyword its looped layers' modules take (5.24): its passes after the first keep their states in
   cache layers after the model's own, which its forward appends when the cache holds ``num_hidden_layers`` layers;
@@ -67,19 +72,13 @@ from .accelerate import (
 )
 from .attention import in_package_forward, package_forward
 from .continuous_batching import install_manager_hook
-from .generation import (
-    CACHE_KWARG,
-    Hooks,
-    allow_speculative_decoding,
-    find_cache,
-    install_hooks,
-    run_forward,
-    split_mixer_call,
-)
+from .cache_kwargs import CACHE_KWARG, cache_kwarg, find_cache, split_mixer_call, with_local_mixer_mask
+from .generation import Hooks, allow_speculative_decoding, install_hooks, run_forward
 from .hook_checks import broken
 from .hook_points import AT_CONSTRUCTION
 from .kernel_notices import quiet_kernel_notices
 from .layers import (
+    LINEAR_LAYERS_COUNT_TOKENS,
     conv_state_before_update,
     count_decode_token,
     append_kv_in_room,
@@ -103,11 +102,13 @@ SUPPORTED = SpecifierSet(REQUIREMENT.removeprefix("transformers"))
 
 __all__ = [
     "CACHE_KWARG",
+    "LINEAR_LAYERS_COUNT_TOKENS",
     "SUPPORTED",
     "TESTED_RELEASES",
     "TRANSFORMERS_VERSION",
     "Hooks",
     "allow_speculative_decoding",
+    "cache_kwarg",
     "check_version",
     "conv_state_before_update",
     "count_decode_token",
@@ -134,6 +135,7 @@ __all__ = [
     "set_linear_state",
     "sliding_windows",
     "split_mixer_call",
+    "with_local_mixer_mask",
     "module_tensors",
     "weight_tensors",
 ]

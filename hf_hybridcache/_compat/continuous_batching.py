@@ -32,7 +32,7 @@ from transformers.generation.continuous_batching.cb_logits_processors import Con
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
 from .accelerate import _InstanceHook
-from .generation import CACHE_KWARG_NAMES
+from .cache_kwargs import CACHE_KWARG_NAMES
 
 __all__ = [
     "ContinuousBatchingConfig",

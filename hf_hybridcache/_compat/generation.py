@@ -34,19 +34,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import transformers
-from packaging.version import Version
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from . import attention, kernel_notices
 from .accelerate import _InstanceHook, patch_instance_forward
+from .cache_kwargs import CACHE_KWARG_NAMES, cache_kwarg, find_cache, prefill_slices
 
-#: The kwarg a cache travels under: ``past_key_values`` (renamed ``cache`` in transformers 5.24; mixers got
-#: ``cache_params`` up to 5.23).
-CACHE_KWARG_NAMES = ("past_key_values", "cache", "cache_params")
-#: The name ``generate()`` and ``forward()`` take the cache under in the installed transformers: ``cache`` from 5.24
-#: (``past_key_values`` still works there, with a ``FutureWarning``), ``past_key_values`` before.
-CACHE_KWARG = "cache" if Version(transformers.__version__) >= Version("5.24.0.dev0") else "past_key_values"
 #: The generate() call running in this thread (or task), for the hooks that get no kwargs.
 _GENERATING: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("hf_hybridcache_generating", default=None)
 
@@ -97,14 +90,6 @@ class Hooks:
     encode_images: Callable[[Any, Any, dict], None] | None = None
 
 
-def find_cache(kwargs: dict[str, Any]) -> Any:
-    """The cache object in a forward()/generate() kwargs dict, under whichever name this version uses."""
-    for name in CACHE_KWARG_NAMES:
-        if kwargs.get(name) is not None:
-            return kwargs[name]
-    return None
-
-
 def install_hooks(model: torch.nn.Module, hooks: Hooks) -> None:
     """Wrap this model instance's ``generate``, ``_prefill``, ``_get_candidate_generator``,
     ``prepare_inputs_for_generation`` and ``forward`` (idempotent; other instances and the class stay untouched)."""
@@ -129,18 +114,34 @@ def _hooked_generate(self, *args, **kwargs):
     cache = hooks.find(self, kwargs)
     if cache is None:
         return type(self).generate(self, *args, **kwargs)
-    if kwargs.get(CACHE_KWARG) is not cache:
+    wanted = cache_kwarg(self)
+    if wanted == "cache_params" and _assisted(kwargs):
+        raise ValueError(
+            f"Prompt lookup and assistant models need transformers 5.24 or 5.25 for {type(self).__name__}: 5.23's "
+            "assisted decoding looks for the cache under past_key_values, and this model takes it as cache_params "
+            "(transformers 5.23 refuses it without hf_hybridcache too). Install transformers 5.24 or 5.25, or "
+            "generate without prompt_lookup_num_tokens / assistant_model."
+        )
+    if kwargs.get(wanted) is not cache:
         # The cache under the other version's name (``cache=`` on 5.23, which refuses it; ``past_key_values=`` on
-        # 5.24, which warns): handed on under this version's name, so one call works on both.
+        # 5.24, which warns; ``past_key_values=`` for Mamba on 5.23): handed on under the name this model takes, so
+        # one call works on every version.
         name = next(n for n in CACHE_KWARG_NAMES if kwargs.get(n) is cache)
-        if CACHE_KWARG not in kwargs or kwargs[CACHE_KWARG] is None:
-            kwargs[CACHE_KWARG] = kwargs.pop(name)
+        if wanted not in kwargs or kwargs[wanted] is None:
+            kwargs[wanted] = kwargs.pop(name)
     token = _GENERATING.set(_Call(cache))
     try:
         with hooks.generate_call(cache), allow_speculative_decoding(self):
             return type(self).generate(self, *args, **kwargs)
     finally:
         _GENERATING.reset(token)
+
+
+def _assisted(kwargs: dict) -> bool:
+    """Whether a ``generate()`` call asks for prompt lookup or an assistant model (by keyword or its config)."""
+    config = kwargs.get("generation_config")
+    names = ("prompt_lookup_num_tokens", "assistant_model")
+    return any(kwargs.get(n) is not None or getattr(config, n, None) is not None for n in names)
 
 
 def _hooked_stopping_criteria(self, *args, **kwargs):
@@ -208,6 +209,12 @@ def _decode_tokens(input_ids: torch.Tensor, generation_config) -> int:
 
 def _hooked_prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
     _begin_request(self, input_ids, model_kwargs, generation_config)
+    cache = self._hf_hybridcache_hooks.find(self, model_kwargs)
+    if cache is not None and not prefill_slices(cache, model_kwargs):
+        # A cache of Mamba layers only, before 5.25: _prefill would feed it the whole prompt over the restored state,
+        # so it is given the part the cache does not hold, as it slices any other cache (its mask stays whole: the
+        # prompt then looks like "only the new tokens", which _prefill leaves as they are).
+        input_ids = input_ids[:, cache.get_seq_length():]
     return type(self)._prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
 
 
@@ -234,6 +241,12 @@ def _wrapped_forward(model, original_forward, *args, **kwargs):
     cache = hooks.find(model, kwargs)
     if cache is None:
         return original_forward(*args, **kwargs)
+    checkpointing = model.training and model.is_gradient_checkpointing
+    if cache_kwarg(model) == "cache_params" and kwargs.get("cache_params") is None and not checkpointing:
+        # Mamba on 5.23 takes any other name into its **kwargs unread and would run on a fresh cache of its own. (With
+        # activation checkpointing in training the layers of every other model drop the cache, and so does this one:
+        # 5.23's GradientCheckpointingLayer would not drop cache_params.)
+        kwargs["cache_params"] = kwargs.pop(next(n for n in CACHE_KWARG_NAMES if kwargs.get(n) is cache))
     input_ids = kwargs.get("input_ids")
     if input_ids is None and args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
         input_ids = args[0]
@@ -302,18 +315,6 @@ def run_forward(model, input_ids: torch.Tensor, cache) -> None:
     kwargs = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     past = cache.get_seq_length()
     position_ids = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)[None]
-    kwargs[CACHE_KWARG] = cache
+    kwargs[cache_kwarg(model)] = cache
     model(input_ids, use_cache=True, position_ids=position_ids, **kwargs)
 
-
-def split_mixer_call(args: tuple, kwargs: dict[str, Any]):
-    """(hidden_states, cache, attention_mask) of a Mamba mixer call ``(hidden_states, cache_params, attention_mask)``;
-    the cache kwarg is ``cache_params`` up to 5.23 and ``cache`` later. A cache kwarg, even None, wins over the second
-    positional argument (Inkling 2's dynamic short conv takes its tap input there)."""
-    hidden_states = args[0] if args else kwargs["hidden_states"]
-    if any(name in kwargs for name in CACHE_KWARG_NAMES):
-        cache = find_cache(kwargs)
-    else:
-        cache = args[1] if len(args) > 1 else None
-    attention_mask = args[2] if len(args) > 2 else kwargs.get("attention_mask")
-    return hidden_states, cache, attention_mask

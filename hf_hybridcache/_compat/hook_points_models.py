@@ -83,7 +83,7 @@ class Family:
 
 def _mixer_call(target: str):
     """The mixer's forward takes ``(hidden_states, <cache>, ...)``, the cache under one of :data:`_CACHE_NAMES`
-    (:func:`~hf_hybridcache._compat.generation.split_mixer_call`)."""
+    (:func:`~hf_hybridcache._compat.cache_kwargs.split_mixer_call`)."""
 
     def mixer_call():
         found = named_parameters(resolve(target))

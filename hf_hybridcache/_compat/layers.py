@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, LinearAttentionLayer
 
 from ..kernels.paged_copy import kv_room
 
@@ -61,10 +61,12 @@ def cache_layer_offset(kwargs: dict) -> int:
 def decoder_layers(model) -> torch.nn.ModuleList:
     """The decoder layers; layer ``i`` owns cache layer ``i`` in every supported family. A vision-language wrapper's
     are its language model's (``model.language_model``, or ``language_model.model`` where that is a whole
-    ``*ForCausalLM``: Nemotron-H Omni)."""
+    ``*ForCausalLM``: Nemotron-H Omni); the pure state-space models keep theirs in ``model.backbone``."""
     language = getattr(getattr(model, "model", None), "language_model", None) or getattr(model, "language_model", None)
     if language is not None:
         return getattr(language, "model", language).layers
+    if hasattr(model, "backbone"):  # Mamba, Falcon-Mamba, Mamba-2
+        return model.backbone.layers
     return model.model.layers
 
 
@@ -155,6 +157,9 @@ def crop_kv(layer, num_tokens: int) -> None:
 #: The token count a transformers 5.25 ``LinearAttentionLayer`` keeps (a 0-d long tensor): ``update_conv_state`` adds a
 #: forward's tokens, ``increase_count`` one decode token, ``crop`` subtracts; absent before 5.25.
 LINEAR_TOKEN_COUNT = "cumulative_length_linear"
+#: Whether the installed transformers' linear layers count their tokens (5.25 on): before, ``Cache.get_seq_length()``
+#: raises for a cache without an attention layer (Mamba's), and the live request's count stands in for it.
+LINEAR_LAYERS_COUNT_TOKENS = hasattr(LinearAttentionLayer(), LINEAR_TOKEN_COUNT)
 
 
 def count_decode_token(cache, layer_idx: int, state_idx: int = 0) -> None:

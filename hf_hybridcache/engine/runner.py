@@ -64,7 +64,7 @@ class StepRunner:
         """The tokens sampled for ``plan.sampled`` (and their log-probabilities when asked); ``inputs``: the forward's
         image inputs (:func:`~hf_hybridcache.engine.images.forward_inputs`: ``mm_encoder_outputs``, 3D
         ``position_ids``). Raises whatever the forward raises; the caller fails or retries the step's requests."""
-        kwargs = {_compat.CACHE_KWARG: cache, **(inputs or {})}
+        kwargs = {_compat.cache_kwarg(self.model): cache, **(inputs or {})}
         position_ids = kwargs.pop("position_ids", plan.position_ids)
         kept = scoring.kept_logits(plan)  # a request scoring its prompt: the logits of those positions too
         if kept is not None:
@@ -77,7 +77,7 @@ class StepRunner:
             out = self.model(
                 input_ids=plan.input_ids.to(self.device),
                 position_ids=position_ids.to(self.device),
-                attention_mask=_NoMasks(),
+                attention_mask=_NoMasks() if cache.spec.attention else None,  # Mamba's mixers read it as is
                 use_cache=True,
                 **kwargs,
             )

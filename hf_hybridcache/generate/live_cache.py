@@ -89,8 +89,14 @@ class LiveCache(Cache):
         """0 while a ``generate()`` call has not begun its request, as for a fresh cache: ``generate()`` computes
         positions before its prefill, and Qwen3.5's 3D positions and ``rope_deltas`` must come from the whole prompt,
         never from the layers of the view's previous request. An ``int`` on every version (transformers 5.25's
-        linear layers answer a 0-d tensor)."""
-        return 0 if self.live.awaiting_request else int(super().get_seq_length(layer_idx))
+        linear layers answer a 0-d tensor). A model without attention layers (Mamba) gets the live request's
+        positions before 5.25, whose linear layers do not count their tokens (transformers raises)."""
+        if self.live.awaiting_request:
+            return 0
+        if not self.spec.attention and not _compat.LINEAR_LAYERS_COUNT_TOKENS:
+            request = self.live.request
+            return 0 if request is None else request.forward_start if request.in_forward else request.forward_end
+        return int(super().get_seq_length(layer_idx))
 
     def _check_owner(self) -> None:
         if self.live.request is None or not self.live.request.in_forward:

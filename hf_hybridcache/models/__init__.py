@@ -12,6 +12,10 @@ from .inkling import SUPPORT as _INKLING
 from .jamba import SUPPORT as _JAMBA
 from .kimi_delta import BAILING_HYBRID as _BAILING_HYBRID
 from .kimi_delta import KIMI_LINEAR as _KIMI_LINEAR
+from .lara_mini import SUPPORT as _LARA_MINI
+from .mamba import FALCON_MAMBA as _FALCON_MAMBA
+from .mamba import MAMBA as _MAMBA
+from .mamba import MAMBA2 as _MAMBA2
 from .nemotron_h import SUPPORT as _NEMOTRON_H
 from .olmo_hybrid import SUPPORT as _OLMO_HYBRID
 from .qwen3_5 import MOE_SUPPORT as _QWEN3_5_MOE
@@ -80,3 +84,7 @@ register(_INKLING)
 register(_INKLING2)
 register(_INKLING2_LOOP)
 register(_ZAYA)
+register(_LARA_MINI)
+register(_MAMBA)
+register(_FALCON_MAMBA)
+register(_MAMBA2)

@@ -4,13 +4,16 @@ transformers 5.23's mixer runs a multi-token forward through a selective scan th
 when the cache holds one (so chunked prefill and "reuse a prompt cache" are silently wrong for Jamba). The patched
 mixer continues from the cached state and emits the states the prefix cache asks for, inside the same forward.
 
-Upstream code mirrored: :func:`_forward_from_state` copies the full-sequence path of ``JambaMambaMixer.forward`` in
-``transformers/models/jamba/modeling_jamba.py`` (transformers 5.23.0). With no cached state and no checkpoint wanted
+Upstream code mirrored: :func:`forward_from_state` copies the full-sequence path of ``JambaMambaMixer.forward`` in
+``transformers/models/jamba/modeling_jamba.py`` (transformers 5.23.0). ``FalconMambaMixer.forward``
+(``models/falcon_mamba/modeling_falcon_mamba.py``) is the same code, and ``MambaMixer.forward``
+(``models/mamba/modeling_mamba.py``) the same without the dt/B/C RMS norms (:func:`selective_norms`), so
+:mod:`.mamba` patches those mixers with these functions too. With no cached state and no checkpoint wanted
 (a prompt that reaches no block boundary, a cache other than HybridPrefixCache) the original forward runs, so those
 calls are bit-identical. A fresh prompt that reaches a block boundary wants checkpoints, so it runs the copy: its
 outputs and states equal upstream's bit for bit under the ``"reference"`` kernel backend, and within fp32 round-off
 (about 3e-7 on the tiny test models) under the default CPU scan, which reassociates the recurrence
-(tests/test_upstream_mixers.py). Decode steps over a cached state run :func:`_decode_step`, upstream's single-token
+(tests/test_upstream_mixers.py). Decode steps over a cached state run :func:`decode_step`, upstream's single-token
 branch with the fused state updates of :mod:`hf_hybridcache.kernels.state_update` (fp32 round-off from upstream's;
 upstream's own branch in reduced precision and under the ``"reference"`` backend).
 """
@@ -29,8 +32,16 @@ from .mamba1 import KERNELS, apply_padding_mask, causal_conv, conv_states_at, pa
 MIXER_CLASS = "JambaMambaMixer"
 
 
+def selective_norms(mixer, time_step: torch.Tensor, B: torch.Tensor, C: torch.Tensor):
+    """The RMS norms on ``time_step`` ``[B, T, R]`` and ``B`` / ``C`` ``[B, T, N]`` of Jamba's and Falcon-Mamba's mixers
+    (``dt_layernorm``, ``b_layernorm``, ``c_layernorm``); Mamba's mixer has none and keeps them as they are."""
+    if not hasattr(mixer, "dt_layernorm"):
+        return time_step, B, C
+    return mixer.dt_layernorm(time_step), mixer.b_layernorm(B), mixer.c_layernorm(C)
+
+
 @_compat.force_accelerate_hooks(["conv1d", "dt_proj"])
-def _forward_from_state(mixer, hidden_states, cache, attention_mask, ssm_state, positions):
+def forward_from_state(mixer, hidden_states, cache, attention_mask, ssm_state, positions):
     """The full-sequence path of ``JambaMambaMixer.forward`` (``transformers/models/jamba/modeling_jamba.py``,
     transformers 5.23.0), starting from ``ssm_state`` and emitting checkpoints.
 
@@ -57,9 +68,7 @@ def _forward_from_state(mixer, hidden_states, cache, attention_mask, ssm_state, 
     time_step, B, C = torch.split(
         mixer.x_proj(x), [mixer.time_step_rank, mixer.ssm_state_size, mixer.ssm_state_size], dim=-1
     )
-    time_step = mixer.dt_layernorm(time_step)
-    B = mixer.b_layernorm(B)
-    C = mixer.c_layernorm(C)
+    time_step, B, C = selective_norms(mixer, time_step, B, C)
     if hasattr(mixer.config, "_is_quantized"):
         time_step = (mixer.dt_proj(time_step) - mixer.dt_proj.bias).transpose(1, 2)
     else:
@@ -86,7 +95,7 @@ def _forward_from_state(mixer, hidden_states, cache, attention_mask, ssm_state, 
 
 
 @_compat.force_accelerate_hooks(["conv1d", "dt_proj"])
-def _decode_step(mixer, hidden_states, cache, attention_mask):
+def decode_step(mixer, hidden_states, cache, attention_mask):
     """The single-token path of ``JambaMambaMixer.forward`` (``modeling_jamba.py``, transformers 5.23.0) on
     ``hidden_states`` ``[B, 1, hidden]``, in place on the cached conv and SSM states; None (the original forward runs)
     when the cache holds no state yet, for a quantized model (whose ``dt_proj`` upstream calls as a module) and in
@@ -115,14 +124,15 @@ def _decode_step(mixer, hidden_states, cache, attention_mask):
     time_step, B, C = torch.split(
         mixer.x_proj(x), [mixer.time_step_rank, mixer.ssm_state_size, mixer.ssm_state_size], dim=-1
     )
-    time_step = torch.nn.functional.linear(mixer.dt_layernorm(time_step), mixer.dt_proj.weight)
+    time_step, B, C = selective_norms(mixer, time_step, B, C)
+    time_step = torch.nn.functional.linear(time_step, mixer.dt_proj.weight)
     y = selective_state_update(
         ssm_state,
         x,
         time_step,
         -torch.exp(mixer.A_log.float()),
-        mixer.b_layernorm(B),
-        mixer.c_layernorm(C),
+        B,
+        C,
         mixer.D,
         z=gate,
         dt_bias=mixer.dt_proj.bias.float() if mixer.dt_proj.bias is not None else None,
@@ -132,7 +142,7 @@ def _decode_step(mixer, hidden_states, cache, attention_mask):
 
 
 def install(model: torch.nn.Module) -> None:
-    patch_mixers(model, MIXER_CLASS, _forward_from_state, _decode_step)
+    patch_mixers(model, MIXER_CLASS, forward_from_state, decode_step)
 
 
 def state_spec(model: torch.nn.Module, block_size: int) -> ModelStateSpec:

@@ -63,6 +63,7 @@ def patch_mixers(
 def _continuing_forward(
     forward_from_state: ForwardFromState, decode_step: DecodeStep | None, mixer, original: Callable, *args, **kwargs
 ):
+    args, kwargs = _compat.with_local_mixer_mask(args, kwargs)  # Mamba's model hands over its whole mask
     hidden_states, cache, attention_mask = _compat.split_mixer_call(args, kwargs)
     seq_len = hidden_states.shape[1]
     if cache is None or cache.is_recording_past(mixer.layer_idx):

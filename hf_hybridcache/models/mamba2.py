@@ -76,14 +76,15 @@ class Mamba2Variant:
 
     Attributes:
         mixer_class: class name of the Mamba-2 mixer (matched by name, so no model module is imported).
-        attention_class: class name of the attention module whose KV the cache layer of the same index holds.
+        attention_class: class name of the attention module whose KV the cache layer of the same index holds; None
+            for a model without attention layers (Mamba-2 itself).
         project: ``(mixer, hidden_states [B, T, hidden]) -> [B, T, gate + conv channels + H]``, the input projection
             of the padding-masked hidden states.
         gate_and_norm: ``(mixer, y [B, T, H*D] float32, gate [B, T, H*D]) -> [B, T, H*D]``, applied after the scan.
     """
 
     mixer_class: str
-    attention_class: str
+    attention_class: str | None
     project: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] = _plain_projection
     gate_and_norm: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = _gated_norm
 
@@ -145,6 +146,7 @@ def _forward_with_checkpoints(
 
 
 def _checkpointing_forward(variant: Mamba2Variant, mixer, original, *args, **kwargs):
+    args, kwargs = _compat.with_local_mixer_mask(args, kwargs)  # Mamba-2's model hands over its whole mask
     hidden_states, cache, attention_mask = _compat.split_mixer_call(args, kwargs)
     seq_len = hidden_states.shape[1]
     if cache is None or mixer.training or cache.is_recording_past(mixer.layer_idx):
@@ -183,14 +185,13 @@ def mamba_layer_spec(layer_idx: int, mixer) -> MambaLayerSpec:
 
 
 def state_spec(model: torch.nn.Module, block_size: int, variant: Mamba2Variant) -> ModelStateSpec:
-    """Decoder layer ``i`` (``model.model.layers[i]``) holding a mixer or an attention module (or both: Zamba2's
-    hybrid layers, every Falcon-H1 layer) is cache layer ``i``, as transformers' ``layer_types`` lay it out."""
+    """Decoder layer ``i`` (``model.model.layers[i]``; ``model.backbone.layers[i]`` in Mamba-2) holding a mixer or an
+    attention module (or both: Zamba2's hybrid layers, every Falcon-H1 layer) is cache layer ``i``, as transformers'
+    ``layer_types`` lay it out."""
     attention, mamba = [], []
     for idx, layer in enumerate(_compat.decoder_layers(model)):
-        found = {variant.mixer_class: [], variant.attention_class: []}
-        for module in layer.modules():
-            found.get(type(module).__name__, []).append(module)
-        mixers, attentions = found[variant.mixer_class], found[variant.attention_class]
+        mixers = [module for module in layer.modules() if type(module).__name__ == variant.mixer_class]
+        attentions = [module for module in layer.modules() if type(module).__name__ == variant.attention_class]
         assert len(mixers) <= 1 and len(attentions) <= 1, f"layer {idx} holds several mixers or attention modules"
         if mixers:
             mamba.append(mamba_layer_spec(idx, mixers[0]))

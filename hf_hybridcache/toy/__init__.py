@@ -25,6 +25,16 @@ if importlib.util.find_spec("transformers.models.inkling2_loop") is not None:
         _INKLING, num_hidden_layers=6, layer_types=["hybrid_sliding", "hybrid"] * 3, n_layers_per_attn_res_block=2,
         loop_layer_index_start=2, loop_layer_index_end=4, loop_num_passes=3, loop_gate_rank=8))
 
+#: Lara Mini is new in transformers 5.24 too: gated delta net layers (grouped value heads), a sliding-window attention
+#: layer (window 24) and a full attention layer, routed and shared experts.
+if importlib.util.find_spec("transformers.models.lara_mini") is not None:
+    TINY_CONFIGS["lara_mini"] = ("LaraMiniConfig", dict(
+        num_hidden_layers=4, sliding_window=24, head_dim=16,
+        layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"],
+        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, tie_word_embeddings=False, max_position_embeddings=16384))
+
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
 #: Byte-level vocabulary: the special tokens, then one token per byte.
 VOCAB_SIZE = len(SPECIAL_TOKENS) + 256

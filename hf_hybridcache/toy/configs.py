@@ -6,14 +6,8 @@ from __future__ import annotations
 
 #: Settings every tiny config shares (``tiny_config`` adds the vocabulary size and each family's own on top).
 COMMON = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    initializer_range=0.1,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
+    hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2,
 )
 
 #: What Inkling and Inkling 2's tiny configs share: sliding-window (window 24) and full attention layers, each with four
@@ -329,6 +323,12 @@ TINY_CONFIGS = {
     ),
     # Inkling 2: as Inkling, with dynamic short convs on the full-attention layers' keys and values.
     "inkling2_text": ("Inkling2TextConfig", dict(_INKLING)),
+    # Mixers only, no attention layer: Mamba-1 (Falcon-Mamba's with norms on dt, B and C) and Mamba-2, whose
+    # ``chunk_size=24`` is neither a divisor nor a multiple of the default ``block_size`` 16.
+    "mamba": ("MambaConfig", dict(num_hidden_layers=4, time_step_rank=8, tie_word_embeddings=False)),
+    "falcon_mamba": ("FalconMambaConfig", dict(num_hidden_layers=4, time_step_rank=8, tie_word_embeddings=False)),
+    "mamba2": ("Mamba2Config", dict(num_hidden_layers=4, num_heads=4, head_dim=32, state_size=16, n_groups=2,
+                                    chunk_size=24)),
     # ZAYA: CCA attention layers (conv window of 2 q|k inputs, one delayed value), sliding (window 24) and full.
     "zaya": (
         "ZayaConfig",
