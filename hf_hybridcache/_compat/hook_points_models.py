@@ -176,6 +176,12 @@ def _wrappers() -> list[HookPoint]:
                                 parameters(f"{target}.get_rope_index", "input_ids", "mm_token_type_ids",
                                            "image_grid_thw", "video_grid_thw", leading=True),
                                 "hf_hybridcache._compat.multimodal (the engine's 3D rotary positions of a prompt)"))
+    for name, cls in (("mamba", "MambaForCausalLM"), ("falcon_mamba", "FalconMambaForCausalLM"),
+                      ("mamba2", "Mamba2ForCausalLM")):
+        target = f"transformers.models.{name}.modeling_{name}:{cls}.forward"
+        points.append(HookPoint(f"{target.replace(':', '.')}[cache_params]", parameters(target, "cache_params"),
+                                "hf_hybridcache._compat.cache_kwargs.cache_kwarg (5.23's pure state-space models take "
+                                "the cache as cache_params only: generate() and forward() hand it over so)", "<5.24.0"))
     experts = "transformers.models.jamba.modeling_jamba:JambaExperts.forward.__wrapped__"
     points.append(HookPoint(experts.replace(":", "."), parameters(experts, "hidden_states", "top_k_index",
                                                                   "top_k_weights", leading=True),
