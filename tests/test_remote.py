@@ -55,7 +55,7 @@ def publish(server, cold_model, seeds) -> list[torch.Tensor]:
     return prompts
 
 
-@pytest.mark.parametrize("family", ["jamba", "zamba2", "lfm2", "qwen3_next", "kimi_linear"])
+@pytest.mark.parametrize("family", ["jamba", "zamba2", "lfm2", "qwen3_next", "kimi_linear", "mamba"])
 def test_second_cache_hits_what_the_first_published_and_matches_cold(server, family, model, cold_model):
     server.client().flushall()
     ids = random_ids(70, seed=500)
