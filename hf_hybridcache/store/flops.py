@@ -71,7 +71,7 @@ class FlopModel:
         passes = [*range(len(layers)), *_compat.loop_cache_layers(model.config).values()]
         weights = sum(_weights_per_token(layers[idx], top_k) for idx in passes)
         state_elements = sum(_numel(m.ssm.shape) for m in spec.mamba)
-        heads = config.num_attention_heads
+        heads = config.num_attention_heads if spec.attention else 0  # Mamba's config has no attention heads
         per_key = sum(2 * heads * (a.head_dim + a.value_head_dim) for a in spec.attention if a.sliding_window is None)
         sliding = sum(
             2 * heads * (a.head_dim + a.value_head_dim) * a.sliding_window

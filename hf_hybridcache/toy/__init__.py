@@ -35,6 +35,7 @@ if importlib.util.find_spec("transformers.models.lara_mini") is not None:
         linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         shared_expert_intermediate_size=32, tie_word_embeddings=False, max_position_embeddings=16384))
 
+_HEADS = ("num_attention_heads", "num_key_value_heads")
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
 #: Byte-level vocabulary: the special tokens, then one token per byte.
 VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
@@ -76,10 +77,13 @@ def tiny_config(family: str = "jamba", **overrides):
     import transformers
 
     class_name, settings = TINY_CONFIGS[family]
+    config_class = getattr(transformers, class_name)
     # unpadded_vocab_size: the LM head's width where a config separates it from the (padded) embedding (Inkling 2
     # from transformers 5.24); other configs keep it as an unused attribute.
     vocab = {"vocab_size": VOCAB_SIZE, "unpadded_vocab_size": VOCAB_SIZE}
-    return getattr(transformers, class_name)(**{**COMMON, **vocab, **settings, **overrides})
+    # A config without attention heads (Mamba's) gets none, as a published one has none.
+    common = {k: v for k, v in COMMON.items() if k not in _HEADS or k in config_class.__dataclass_fields__}
+    return config_class(**{**common, **vocab, **settings, **overrides})
 
 
 def long_memory_init_(
