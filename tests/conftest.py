@@ -245,6 +245,8 @@ def assert_restored_states_match(cache: HybridPrefixCache, cold_model, ids, expe
             live, cold = cache.layers[m.layer_idx], ref.layers[m.layer_idx]
             i = m.state_idx
             torch.testing.assert_close(live.conv_states[i], cold.conv_states[i], rtol=0, atol=conv_atol)
+            if hasattr(cold, "cumulative_length_linear"):  # transformers 5.25: a linear layer counts its tokens
+                assert int(live.cumulative_length_linear) == int(cold.cumulative_length_linear) == expected_hit
             if cold.recurrent_states[i] is None:  # a short conv keeps no recurrent state
                 assert live.recurrent_states[i] is None
                 continue
