@@ -88,8 +88,9 @@ VERSION_SPECIFIC_MODULES = {
     "test_loop_families",
     "test_kernel_notices", "test_linear_families", "test_mamba2", "test_quickstart", "test_readme",
     "test_reduced_precision", "test_serve", "test_serve_completions", "test_serve_images", "test_serve_startup",
-    "test_sliding", "test_speculative", "test_split_kv", "test_structured", "test_structured_engine",
-    "test_state_update", "test_tool_auto", "test_upstream_mixers", "test_vision", "test_weights",
+    "test_closed_schemas", "test_sliding", "test_speculative", "test_split_kv", "test_structured",
+    "test_structured_engine",
+    "test_state_update", "test_tool_auto", "test_tool_strict", "test_upstream_mixers", "test_vision", "test_weights",
 }
 VERSION_INDEPENDENT_MODULES = {
     "test_benchmarks", "test_block_pool", "test_ci_split", "test_entry_layout", "test_exactness", "test_explain",

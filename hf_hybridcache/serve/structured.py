@@ -17,26 +17,26 @@ streamed ``delta.tool_calls``).
   server does not know gets a 400.
   ``"none"`` generates text as without tools.
 
-Tools are passed to the chat template (``tools=``), so a template that describes them does.
+Tools are passed to the chat template (``tools=``), so a template that describes them does. The fields are read and
+checked first (OpenAI's ``strict`` too) by :mod:`~hf_hybridcache.serve.tool_fields`; every schema's objects are closed
+where it does not say ``additionalProperties`` (:mod:`~hf_hybridcache.structured.schemas`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from ..structured.tool_grammar import SUPPORTED, ToolCallFormat, tool_call_format, tool_call_lark
+from ..structured.tool_grammar import SUPPORTED, ToolCallFormat, call_schema, tool_call_format, tool_call_lark
 from .schema import APIError
 from .tool_calls import CALL_HEAD, CALL_MID, AutoToolPayloads, Call, tool_call_id, value_end
+from .tool_fields import functions_of, named, refuse_raw_strict, response_schema
 
-#: OpenAI's rule for function names (which keeps them out of JSON escapes).
-TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 #: Any tool choice: the reply is a list of calls.
 REQUIRED = object()
 AUTO_REFUSED = (
@@ -129,7 +129,7 @@ async def structure_of(body, grammars: Grammars) -> Structure:
         APIError: 400 for a malformed ``response_format`` / ``tools`` / ``tool_choice``, ``"auto"``, a schema that
             does not compile, or no grammar library.
     """
-    tools = _functions(body.tools)
+    tools, strict = functions_of(body.tools)
     choice = body.tool_choice
     if tools and choice is None:
         choice = "auto"
@@ -138,6 +138,7 @@ async def structure_of(body, grammars: Grammars) -> Structure:
     if choice == "auto":
         if grammars.tool_format is None:
             raise APIError(400, AUTO_REFUSED, param="tool_choice")
+        refuse_raw_strict(grammars.tool_format, tools, strict)
         try:
             lark = tool_call_lark(grammars.tool_format, tools, body.parallel_tool_calls is not False)
         except ValueError as error:
@@ -145,65 +146,19 @@ async def structure_of(body, grammars: Grammars) -> Structure:
         grammar = await asyncio.to_thread(grammars.lark, lark, "tools")
         return Structure(grammar, replace(grammars.tool_format, functions=tools), body.tools)
     if choice in (None, "none"):
-        schema, param = _response_schema(body.response_format)
+        schema, param = response_schema(body.response_format)
         if param is None:
             return Structure(tools=body.tools)
         return Structure(await asyncio.to_thread(grammars.compile, schema, param), tools=body.tools)
     if choice == "required":
-        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": parameters},
-                  "required": ["name", "arguments"], "additionalProperties": False}
-                 for name, parameters in tools.items()]
-        schema = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1,
+        schema = {"type": "array", "items": call_schema(tools, "/items"), "minItems": 1,
                   **({} if body.parallel_tool_calls is not False else {"maxItems": 1})}
         return Structure(await asyncio.to_thread(grammars.compile, schema, "tools"), REQUIRED, body.tools)
-    name = _named(choice)
+    name = named(choice)
     if name not in tools:
         raise APIError(400, f"tool_choice names the function {name!r}, which is not among the tools "
                        f"({', '.join(tools)}).", param="tool_choice")
     return Structure(await asyncio.to_thread(grammars.compile, tools[name], "tools"), name, body.tools)
-
-
-def _functions(tools: list | None) -> dict[str, dict]:
-    """``{name: parameters schema}`` of OpenAI's ``tools``."""
-    functions = {}
-    for i, tool in enumerate(tools or []):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
-            raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
-                           "\"parameters\": {...}}}}.", param=f"tools[{i}]")
-        name, parameters = function.get("name"), function.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(name, str) or not TOOL_NAME.match(name) or name in functions:
-            raise APIError(400, f"tools[{i}].function.name must be a new name of 1-64 letters, digits, '_' or '-'; "
-                           f"got {name!r}.", param=f"tools[{i}].function.name")
-        if not isinstance(parameters, dict):
-            raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object.",
-                           param=f"tools[{i}].function.parameters")
-        functions[name] = parameters
-    return functions
-
-
-def _named(choice) -> str:
-    function = choice.get("function") if isinstance(choice, dict) else None
-    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(function, dict) \
-            or not isinstance(function.get("name"), str):
-        raise APIError(400, "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": "
-                       f"{{\"name\": ...}}}}; got {choice!r}.", param="tool_choice")
-    return function["name"]
-
-
-def _response_schema(response_format: dict | None) -> tuple[dict | None, str | None]:
-    """The schema ``response_format`` asks for (None: any object) and the field to blame; param None: free text."""
-    kind = None if response_format is None else response_format.get("type")
-    if kind in (None, "text"):
-        return None, None
-    if kind == "json_object":
-        return None, "response_format"
-    spec = response_format.get("json_schema")
-    if kind != "json_schema" or not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-        raise APIError(400, "response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
-                       "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}.",
-                       param="response_format")
-    return spec.get("schema"), "response_format.json_schema.schema"
 
 
 def calls_in(text: str, tool) -> tuple[list[Call], bool]:

@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import torch
 
+from .schemas import closed_schema
+
 #: What to install when llguidance is missing (hf_hybridcache is not on PyPI: its extras install from a clone).
 EXTRA = "pip install 'llguidance>=1.0,<2' (or pip install -e '.[structured]' in a clone of hf_hybridcache)"
 
-#: JSON as the grammars write it: the separators of ``json.dumps`` and no other whitespace. A grammar that lets
-#: whitespace be free lets a weak model fill its budget with spaces and never close the JSON.
-JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+#: JSON as the grammars write it: the separators of ``json.dumps`` and no other whitespace (a grammar that lets
+#: whitespace be free lets a weak model fill its budget with spaces and never close the JSON); ``oneOf`` read as
+#: ``anyOf`` (llguidance refuses it otherwise; xgrammar, llama.cpp and outlines read it so, and pydantic writes it
+#: for discriminated unions, whose branches exclude each other anyway).
+JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False, "coerce_one_of": True}
 
 
 def llguidance():
@@ -65,15 +69,20 @@ class GrammarCompiler:
         except ValueError as error:
             raise ValueError(f"Grammars need a fast tokenizer (PreTrainedTokenizerFast): {error}") from error
 
-    def json_schema(self, schema: dict | None = None) -> Grammar:
+    def json_schema(self, schema: dict | None = None, closed: bool = True) -> Grammar:
         """The grammar of JSON that validates against ``schema`` (None: any JSON object).
+
+        Args:
+            closed: objects that declare their keys hold no others unless they say ``additionalProperties``
+                (:func:`~hf_hybridcache.structured.schemas.closed_schema`, the default of llama.cpp's and vLLM's
+                grammars); False: JSON Schema's own default, any other key.
 
         Raises:
             ValueError: the schema is not a JSON object, or uses something llguidance does not support.
         """
         if schema is not None and not isinstance(schema, dict):
             raise ValueError(f"A JSON schema must be a JSON object, got {type(schema).__name__}.")
-        schema = {"type": "object"} if schema is None else schema
+        schema = {"type": "object"} if schema is None else closed_schema(schema) if closed else schema
         try:
             text = llguidance().LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         except (ValueError, TypeError, RuntimeError) as error:

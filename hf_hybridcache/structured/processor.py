@@ -68,17 +68,20 @@ class GrammarLogitsProcessor(LogitsProcessor):
 
 class JSONSchemaLogitsProcessor(GrammarLogitsProcessor):
     """:class:`GrammarLogitsProcessor` of JSON that validates against ``schema`` (None: any JSON object), written
-    with ``json.dumps``' separators and no other whitespace.
+    with ``json.dumps``' separators and no other whitespace, its objects closed where the schema does not say.
 
     Args:
         tokenizer: the model's fast tokenizer.
         schema: a JSON schema (a dict), or None.
         vocab_size: the model's logits width when it differs from ``len(tokenizer)`` (padded embeddings).
+        closed: objects that declare their keys hold no others where the schema does not say
+            ``additionalProperties`` (:meth:`~hf_hybridcache.structured.GrammarCompiler.json_schema`); False: any.
 
     Raises:
         ImportError: llguidance is missing (``pip install 'llguidance>=1.0,<2'``).
         ValueError: the schema does not compile.
     """
 
-    def __init__(self, tokenizer, schema: dict | None = None, vocab_size: int | None = None) -> None:
-        super().__init__(GrammarCompiler(tokenizer, vocab_size).json_schema(schema))
+    def __init__(self, tokenizer, schema: dict | None = None, vocab_size: int | None = None,
+                 closed: bool = True) -> None:
+        super().__init__(GrammarCompiler(tokenizer, vocab_size).json_schema(schema, closed))

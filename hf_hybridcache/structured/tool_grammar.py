@@ -1,5 +1,6 @@
 """The tool-call formats a model writes on its own (``tool_choice: "auto"``): which one a tokenizer uses, and the
-grammar of a reply that is free text or, after it, calls in that format whose arguments follow the tools' schemas.
+grammar of a reply that is free text or, after it, calls in that format whose arguments follow the tools' schemas
+(their objects closed where they do not say, :mod:`~hf_hybridcache.structured.schemas`).
 
 A format is known from the tokenizer's ``response_template`` (transformers' declarative parser,
 ``tokenizer.parse_response``) or, for tokenizers that ship none, from its chat template, as ``transformers serve``
@@ -20,6 +21,9 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+
+from .grammar import JSON_OPTIONS
+from .schemas import closed_schema, rebased
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,7 @@ SUPPORTED = ("the hermes-style <tool_call>{\"name\": ..., \"arguments\": ...}</t
 #: hold the format's opening tag).
 FREE_TEXT = r"(?s:.*)"
 #: JSON inside the grammar is written as the server's other grammars write it (``json.dumps``' separators).
-_JSON_STYLE = {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+_JSON_STYLE = {"x-guidance": JSON_OPTIONS}
 
 
 def tool_call_format(tokenizer) -> ToolCallFormat | None:
@@ -93,11 +97,20 @@ def tool_call_lark(fmt: ToolCallFormat, functions: dict[str, dict], parallel: bo
         raise ValueError("A tool-call grammar needs one function at least.")
     if fmt.kind == "xml":
         return _with_text(fmt, parallel, *_xml_calls(functions))
-    calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": parameters},
-              "required": ["name", "arguments"], "additionalProperties": False}
-             for name, parameters in functions.items()]
-    schema = {**_JSON_STYLE, **(calls[0] if len(calls) == 1 else {"anyOf": calls})}
-    return _with_text(fmt, parallel, f"call: %json {json.dumps(schema)}")
+    return _with_text(fmt, parallel, f"call: %json {json.dumps({**_JSON_STYLE, **call_schema(functions)})}")
+
+
+def call_schema(functions: dict[str, dict], at: str = "") -> dict:
+    """The JSON schema of one call ``{"name": N, "arguments": A}`` to any of ``functions``, ``A`` valid for
+    ``functions[N]`` with its objects closed (:func:`~hf_hybridcache.structured.schemas.closed_schema`) and its
+    references moved to where ``A`` sits once this schema is at JSON pointer ``at`` of the grammar's schema (a
+    tool's ``$defs`` resolve inside its own arguments)."""
+    many = len(functions) > 1
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"], "properties": {
+        "name": {"const": name},
+        "arguments": rebased(closed_schema(parameters), f"{at}{f'/anyOf/{i}' if many else ''}/properties/arguments")}}
+        for i, (name, parameters) in enumerate(functions.items())]
+    return {"anyOf": calls} if many else calls[0]
 
 
 def _with_text(fmt: ToolCallFormat, parallel: bool, *rules: str) -> str:
@@ -143,6 +156,7 @@ def _xml_calls(functions: dict[str, dict]) -> list[str]:
     other value JSON valid for its schema."""
     rules = [f"call: {' | '.join(f'c{i}' for i in range(len(functions)))}"]
     for i, (name, parameters) in enumerate(functions.items()):
+        parameters = closed_schema(parameters)
         properties = parameters.get("properties") or {}
         required = parameters.get("required") or []
         keys = [*properties, *(k for k in required if k not in properties)]
@@ -155,10 +169,29 @@ def _xml_calls(functions: dict[str, dict]) -> list[str]:
             if is_raw_string(schema):
                 rules += [f"{rule}: {head} C{i}_{j}", f"C{i}_{j}: ({_raw_value(schema)}) \"\\n</parameter>\\n\""]
             else:
-                rules.append(f"{rule}: {head} %json {json.dumps({**_JSON_STYLE, **schema})} \"\\n</parameter>\\n\"")
+                rules.append(f"{rule}: {head} %json {json.dumps({**_JSON_STYLE, **_value_schema(parameters, key)})} "
+                             "\"\\n</parameter>\\n\"")
             parts.append(rule if key in required else f"{rule}?")
         rules.append(f"c{i}: {json.dumps(f'<function={name}>{chr(10)}')} {' '.join(parts)} \"</function>\"")
     return rules
+
+
+def _value_schema(parameters: dict, key: str) -> dict:
+    """The schema of parameter ``key``'s JSON value: its own, or, where ``parameters`` holds references (its
+    ``$defs``), a reference into a copy of ``parameters`` kept beside it, where they resolve."""
+    schema = parameters["properties"].get(key, {})
+    if "$ref" not in json.dumps(parameters):
+        return schema
+    pointer = key.replace("~", "~0").replace("/", "~1")
+    return {"$defs": {"parameters": rebased(parameters, "/$defs/parameters")},
+            "$ref": f"#/$defs/parameters/properties/{pointer}"}
+
+
+def unenforced(parameters: dict) -> list[tuple[str, str]]:
+    """``(key, "pattern" or "format")`` for each of those keywords on ``parameters``' string values, which the
+    ``"xml"`` format writes as raw text and does not enforce."""
+    return [(key, word) for key, schema in (parameters.get("properties") or {}).items()
+            if is_raw_string(schema) for word in ("pattern", "format") if word in schema]
 
 
 def _raw_value(schema: dict) -> str:
