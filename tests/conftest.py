@@ -97,8 +97,9 @@ VERSION_INDEPENDENT_MODULES = {
     "test_fuzz", "test_gated_delta", "test_grouped_query_sdpa", "test_hashing", "test_isolation", "test_kda",
     "test_kernels", "test_kernels_triton", "test_layout", "test_lm_eval", "test_pages", "test_persistence",
     "test_policy", "test_power", "test_randomized", "test_regressions", "test_remote", "test_remote_trust",
-    "test_remote_units", "test_scale_out", "test_serve_lifecycle", "test_sizing", "test_space", "test_threads",
-    "test_tier_failover", "test_version_window", "test_vs_llama_cpp", "test_weights_identity", "test_weights_in_flight",
+    "test_remote_units", "test_retry_budget", "test_scale_out", "test_serve_lifecycle", "test_sizing", "test_space",
+    "test_threads", "test_tier_failover", "test_version_window", "test_vs_llama_cpp", "test_weights_identity",
+    "test_weights_in_flight",
 }
 
 

@@ -23,7 +23,7 @@ from ..core import Row
 from ..multimodal import placeholder_ids
 from . import images
 from .inflight import InflightPrefixes
-from .isolation import Probes, forwards, probe_after
+from .isolation import Isolation, forwards, probe_after
 from .limits import EngineLimits
 from .plan import Segment, StepPlan
 from .requests import EngineRequest
@@ -58,6 +58,7 @@ class Engine:
         tables: page tables ``[max_running_requests, max pages per request]`` int64, one row per slot.
         preempted: requests preempted so far (each resumed later from the store).
         steps, forwards: steps that ran a forward so far, and forwards (one per step plus one per probe group).
+        isolation: judges the forwards that raise (:class:`~hf_hybridcache.engine.isolation.Isolation`).
         peak_running_pages, peak_batch_tokens: the most private pages running requests held at once and the most
             tokens one step fed (each stays within its bound in ``limits``).
     """
@@ -78,7 +79,7 @@ class Engine:
         self.core.pinning.append(self.pinned_block_ids)
         self._refused: list[EngineRequest] = []
         self.preempted = 0
-        self.probes, self.steps, self.forwards = Probes(), 0, 0
+        self.isolation, self.steps, self.forwards = Isolation(), 0, 0
         self.peak_running_pages = self.peak_batch_tokens = 0
         self.flushing = False  # the manager is stopping: reply replays run without their grace period
         self.placeholders = placeholder_ids(cache.model)  # a vision-language wrapper's image placeholder ids
@@ -216,7 +217,7 @@ class Engine:
         self.core.check_weights(s.request.row for s in plan.segments if s.captured or s.end // bs > s.past // bs)
         for segment in plan.segments:
             request = segment.request
-            request.past, request.fresh, request.probe = segment.end, False, probe_after(request, segment.end)
+            request.past, request.fresh, request.probe = segment.end, False, probe_after(segment)
             store_segment(self.core, segment, self.slots, self.placeholders)
             self.scores.settle(segment)
             if request.past >= len(request.prompt):
@@ -228,6 +229,10 @@ class Engine:
         now = time.perf_counter()
         for i, (segment, token) in enumerate(zip(plan.sampled, tokens)):
             request = segment.request
+            if request.sample_error is not None:  # its grammar raised: its own fault (engine/grammar.py)
+                self.finish(request, RequestStatus.FAILED, request.sample_error)
+                changed.append(request)
+                continue
             request.generated.append(token)
             if logprobs is not None:
                 request.logprobs.append(logprobs[i])
@@ -245,35 +250,35 @@ class Engine:
         return changed
 
     def _step_failed(self, segments: list[Segment], error: Exception) -> list[EngineRequest]:
-        """A forward raised: a request that ran alone in it fails; several that ran together are preempted, put first
-        in the queue (in order) and split into two probe groups (:mod:`~hf_hybridcache.engine.isolation`), so only a
-        request that makes a forward raise fails, and the others run on beside them."""
-        requests = list(dict.fromkeys(s.request for s in segments))
-        logger.warning("an engine forward of %d requests raised %s: %s", len(requests), type(error).__name__, error)
-        if len(requests) == 1:
-            self.finish(requests[0], RequestStatus.FAILED, f"{type(error).__name__}: {error}")
-            return requests
-        for request in requests:
+        """A forward raised: the requests :meth:`Isolation.judge <hf_hybridcache.engine.isolation.Isolation.judge>`
+        fails (alone in it, or over their retry budget) fail; the others are preempted and put first in the queue in
+        order, in their probe groups (:mod:`~hf_hybridcache.engine.isolation`), and run on beside the shared forward."""
+        logger.warning("an engine forward of %d requests raised %s: %s", len({s.request for s in segments}),
+                       type(error).__name__, error)
+        failed, retried = self.isolation.judge(segments, error)
+        for request in retried:
             self.scheduler.running.remove(request)
             self.preempt(request)
-        self.scheduler.waiting.extendleft(reversed(self.probes.split(segments)))
-        return []
+        self.scheduler.waiting.extendleft(reversed(retried))
+        for request, message in failed.items():
+            self.finish(request, RequestStatus.FAILED, message)
+        self.isolation.acquit(failed, [*self.scheduler.running, *self.scheduler.waiting])
+        return list(failed)
 
     # ------------------------------------------------------------------ admission and preemption
 
     def admit(self, request: EngineRequest) -> bool:
         """Admit a waiting request (a free slot was checked): its longest stored prefix is shared by reference and
         its checkpoint copied into the slot. False: it waits for a prefix another request is computing, or it failed
-        (the model changed dtype or devices since the cache was built; returned by the next :meth:`step`)."""
+        (the model changed dtype or devices since the cache was built, or its vision tower raised on its images;
+        returned by the next :meth:`step`)."""
         if self._in_grace(request):
             return False
         core, tokens, bs = self.core, request.key_tokens, self.block_size
         try:
             core.check_model(self.cache.model)
         except ValueError as error:
-            self.finish(request, RequestStatus.FAILED, str(error))
-            self._refused.append(request)
-            return False
+            return self._refuse(request, str(error))
         root, generation = core.request_start(request.salt)
         self.inflight.hash_chain(request, root)
         with core.store_lock:
@@ -309,22 +314,14 @@ class Engine:
             request.hit_tokens = hit.hit_tokens
         request.status = RequestStatus.PREFILLING
         self.inflight.claim(request, hit.hit_tokens)
-        return self._encode_images(request)
+        error = images.encode_counted(self.core, request)  # what its hit leaves in its tail
+        return True if error is None else self._refuse(request, error)
 
-    def _encode_images(self, request: EngineRequest) -> bool:
-        """Encode the images the admitted ``request``'s hit leaves in its tail (:func:`~.images.encode`); a tower that
-        raises fails the request alone (returned by the next :meth:`step`)."""
-        counters: dict = {}
-        try:
-            images.encode(request, request.past, counters)
-        except Exception as error:  # noqa: BLE001 - bad pixel inputs fail their request, never the engine
-            self.finish(request, RequestStatus.FAILED, f"Encoding the images failed: {type(error).__name__}: {error}")
-            self._refused.append(request)
-            return False
-        with self.core.store_lock:
-            for name, value in counters.items():
-                self.core.counters[name] = self.core.counters.get(name, 0) + value
-        return True
+    def _refuse(self, request: EngineRequest, error: str) -> bool:
+        """Fail ``request`` at admission with ``error`` (its output goes with the next :meth:`step`'s); False."""
+        self.finish(request, RequestStatus.FAILED, error)
+        self._refused.append(request)
+        return False
 
     def preempt(self, request: EngineRequest) -> None:
         """Give ``request``'s slot and pages back; it resumes from the store when admitted again."""

@@ -6,9 +6,11 @@ sequence floor and the sampling processors, and advances each matcher with its r
 are not touched, so they sample exactly what they would alone.
 
 A matcher follows the request's generated tokens, not its slot or pages: a preempted request, recomputed later from
-the store, and the prefix it hits or stores are the same as without a grammar. A matcher that refused a token (it
-cannot, as the mask allowed it) raises at its next mask, before anything of that step is sampled, so the engine's
-isolation fails that request alone (:mod:`~hf_hybridcache.engine.isolation`).
+the store, and the prefix it hits or stores are the same as without a grammar. A matcher that raises (one that
+refused a token raises at its next mask; a grammar's own code may raise on any row, a decode row or a prefill's last)
+is its request's fault and no one else's: its row is left unmasked, its error is kept in its ``sample_error``, and the
+engine fails that request alone once the step is settled, while the other rows of the forward keep their tokens (no
+recompute, no isolation by bisection: :mod:`~hf_hybridcache.engine.isolation` is for raises nobody can name).
 """
 
 from __future__ import annotations
@@ -48,18 +50,22 @@ def grammar_error(grammar, eos_token_ids: frozenset[int], floor, vocab_size: int
 
 def grammar_rows(requests: list) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The rows of ``requests`` (one per sampled segment) that have a grammar, and their bitmask
-    ``[G, ceil(V / 32)]`` int32 (CPU); None when no row has one.
-
-    Raises:
-        RuntimeError: a matcher is in an error state (it refused a token).
-    """
+    ``[G, ceil(V / 32)]`` int32 (CPU); None when no row has one. A matcher that raises (in an error state: it refused
+    a token) leaves its row out, and its request's ``sample_error`` says why."""
     rows = [row for row, request in enumerate(requests) if request.grammar is not None]
     if not rows:
         return None
     bitmask = allocate_token_bitmask(len(rows), requests[rows[0]].grammar.vocab_size)
-    for i, row in enumerate(rows):
-        requests[row].grammar.fill(bitmask, i)
-    return torch.tensor(rows), bitmask
+    kept = []
+    for row in rows:
+        try:
+            requests[row].grammar.fill(bitmask, len(kept))
+        except Exception as error:  # noqa: BLE001 - the request's own fault: it fails alone
+            requests[row].sample_error = f"The grammar raised {type(error).__name__}: {error}"
+            bitmask[len(kept)] = -1  # what it wrote before it raised; the next row overwrites all of it
+        else:
+            kept.append(row)
+    return (torch.tensor(kept), bitmask[: len(kept)]) if kept else None
 
 
 def mask_logits(logits: torch.Tensor, masks: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -72,7 +78,11 @@ def mask_logits(logits: torch.Tensor, masks: tuple[torch.Tensor, torch.Tensor] |
 
 
 def advance(requests: list, tokens: list[int]) -> None:
-    """Each request with a grammar takes its sampled token. Never raises (a refusal shows at the next mask)."""
+    """Each request with a grammar takes its sampled token (a refusal shows at the next mask; a matcher that raises
+    here sets its request's ``sample_error``). Never raises."""
     for request, token in zip(requests, tokens):
-        if request.grammar is not None:
-            request.grammar.accept(token)
+        if request.grammar is not None and request.sample_error is None:
+            try:
+                request.grammar.accept(token)
+            except Exception as error:  # noqa: BLE001 - the request's own fault: it fails alone
+                request.sample_error = f"The grammar raised {type(error).__name__}: {error}"

@@ -141,6 +141,21 @@ def encode(request, hit_tokens: int, counters: dict) -> None:
         counters[name] = counters.get(name, 0) + value
 
 
+def encode_counted(core, request) -> str | None:
+    """:func:`encode` at ``request``'s admission (from its ``past``), its counts added to ``core``'s counters under its
+    store lock; returns why it failed (the tower raised: bad pixel inputs fail their request, never the engine), or
+    None."""
+    counters: dict = {}
+    try:
+        encode(request, request.past, counters)
+    except Exception as error:  # noqa: BLE001 - reported as the request's error
+        return f"Encoding the images failed: {type(error).__name__}: {error}"
+    with core.store_lock:
+        for name, value in counters.items():
+            core.counters[name] = core.counters.get(name, 0) + value
+    return None
+
+
 def _segment_rows(segment: Segment) -> dict[str, tuple[torch.Tensor, bool]]:
     features = segment.request.features
     if features is None:

@@ -59,6 +59,10 @@ class EngineRequest:
             the group runs in a forward of its own (:mod:`~hf_hybridcache.engine.isolation`).
         suspect_until: tokens it must have run in a forward that succeeded to leave its probe group (where its
             last segment in a forward that raised ended).
+        suspect_decode: a decode step of it was in a forward that raised: only a decode step past ``suspect_until``
+            takes it out of its probe group (a recompute by prefill runs other code).
+        raised: the forwards of several requests that raised with it in them and that no failed request explains
+            (ids); at :data:`~hf_hybridcache.engine.isolation.RETRY_BUDGET` of them it runs alone, past it it fails.
         counted: its prompt and hit were counted in the cache's counters.
         score_prompt, score_generated: alternatives per token (0-5, 0-20) of the logprobs it asks for its prompt
             tokens and its generated tokens (:mod:`~hf_hybridcache.engine.scoring`); None: none asked.
@@ -67,6 +71,8 @@ class EngineRequest:
         token_scores: the scores of its generated tokens.
         grammar: its :class:`~hf_hybridcache.structured.GrammarMatcher` when its output follows a grammar (the
             step masks what it does not allow, :mod:`~hf_hybridcache.engine.grammar`), else None.
+        sample_error: why its sampling failed in the step just run (its grammar raised), or None: the engine fails it
+            alone when it settles the step.
         replay_of: for a reply replay (``replay_replies``), the prompt length of the finished request whose tokens
             it runs again as one prefill to store them as a prefill computes them
             (:mod:`~hf_hybridcache.generate.reply_replay`; its checkpoints are kept as that request's would be); it
@@ -108,6 +114,8 @@ class EngineRequest:
     asked: bool = False
     probe: int | None = None
     suspect_until: int = 0
+    suspect_decode: bool = False
+    raised: set[int] = field(default_factory=set)
     counted: bool = False
     replay_of: int = 0
     score_prompt: int | None = None
@@ -115,6 +123,7 @@ class EngineRequest:
     prompt_scores: list = field(default_factory=list)
     token_scores: list = field(default_factory=list)
     grammar: GrammarMatcher | None = field(default=None, repr=False)
+    sample_error: str | None = None
     images: object | None = field(default=None, repr=False)
     features: object | None = field(default=None, repr=False)
 

@@ -93,7 +93,7 @@ class StepRunner:
         """Tokens for logits ``[M, V]`` float32 of the sampled segments (scored from the raw logits when asked)."""
         raw = scoring.log_softmax_sampled(plan, logits)
         requests = [segment.request for segment in plan.sampled]
-        logits = grammar.mask_logits(logits, grammar.grammar_rows(requests))  # raises before anything is sampled
+        logits = grammar.mask_logits(logits, grammar.grammar_rows(requests))  # a matcher that raises: its row alone
         if self.floor is not None:
             logits = self.floor.apply(logits, [segment.request for segment in plan.sampled])
         if self._argmax_rows(plan):
@@ -119,7 +119,7 @@ class StepRunner:
         if self.return_logprobs:
             logprobs = probs.gather(1, tokens[:, None])[:, 0].log().tolist()
         tokens = tokens.tolist()
-        grammar.advance(requests, tokens)  # last: a step that raised took no token
+        grammar.advance(requests, tokens)  # last: a step that raised (a processor, the draw) took no token
         return tokens, logprobs
 
     def _argmax_rows(self, plan: StepPlan) -> bool:
