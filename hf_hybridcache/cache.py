@@ -141,7 +141,7 @@ class HybridPrefixCache(LiveCache):
         Raises:
             ValueError: not None or a positive int, or smaller than one KV block plus one checkpoint, or smaller than
                 the prefixes a serving engine's running requests keep pinned.
-            RuntimeError: called from inside a running ``generate()`` in this thread.
+            RuntimeError: called from inside a running ``generate()`` or engine step in this thread.
         """
         value = DEFAULT_MAX_CACHE_BYTES if max_cache_bytes is None else max_cache_bytes
         options = replace(self.options, max_cache_bytes=value)
@@ -214,7 +214,7 @@ class HybridPrefixCache(LiveCache):
         in another thread.
 
         Raises:
-            RuntimeError: called from inside a running ``generate()`` in this thread.
+            RuntimeError: called from inside a running ``generate()`` or engine step in this thread.
         """
         with self.core.idle("clear()"):
             lifecycle.end_live_requests(self)
@@ -268,7 +268,7 @@ class HybridPrefixCache(LiveCache):
 
         Raises:
             ValueError: ``path`` is a directory or its folder does not exist; nothing is written.
-            RuntimeError: called from inside a running ``generate()`` in this thread.
+            RuntimeError: called from inside a running ``generate()`` or engine step in this thread.
         """
         with self.core.idle("save()"):
             save_cache(self, path)

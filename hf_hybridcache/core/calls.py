@@ -19,6 +19,16 @@ nothing held. From inside a running ``generate()`` (a streamer or stopping crite
 that would change the store under it, and a second ``generate()`` with the cache or any of its views, raise
 ``RuntimeError`` at once instead of deadlocking or corrupting the call.
 
+A serving engine's loop passes the gate once per step, in its own thread (:meth:`CallScopes.engine_scope`), and
+calls back code of the user's in that thread while it is inside: logits processors, grammar matchers, forward hooks,
+the vision tower. From there ``clear()``, ``save()`` and budget changes, which wait for the step to end, would wait
+forever, and a ``generate()`` with the cache would run a whole call inside one step of every running request: each
+raises ``RuntimeError`` at once, saying to call it from another thread (where it runs between two steps) or to add
+the request to the engine. Nothing is deferred to the step's end: ``clear()`` returning before the store is empty,
+or ``save()`` and a budget change whose errors (a bad path, a budget below what is pinned) reach nobody, would
+break what their callers read next. ``reset()`` and ``restore()`` (a view's own live state) and ``load()`` (a new
+cache) wait for nothing the step holds and run.
+
 A request stays live on its view after ``generate()`` returns (a direct forward may continue it, its chain stays
 pinned); when a request begins on any view, the live requests of views that are not in a call end (their chains are
 unpinned), so views made per call pin nothing for long.
@@ -32,11 +42,12 @@ import threading
 
 class CallScopes:
     """The scopes of calls on a :class:`~hf_hybridcache.core.sharing.CacheCore` (its base class): it sets
-    ``store_lock``, ``calls`` (a :class:`CallGate`) and ``generating_threads``."""
+    ``store_lock``, ``calls`` (a :class:`CallGate`), ``generating_threads`` and ``engine_threads``."""
 
     store_lock: threading.RLock
     calls: CallGate
     generating_threads: set[int]
+    engine_threads: set[int]
 
     @contextlib.contextmanager
     def generate_scope(self, view):
@@ -52,6 +63,13 @@ class CallScopes:
                 "processor or stopping criterion calling generate() again?); call generate() again after the running "
                 "call returns, or use another HybridPrefixCache."
             )
+        if me in self.engine_threads:
+            raise RuntimeError(
+                "generate() with this HybridPrefixCache cannot run inside a step of its continuous-batching engine "
+                "(from a logits processor, grammar, forward hook or other code the engine calls in its thread): it "
+                "would hold every running request for the whole call. Add the request to the engine instead "
+                "(manager.add_request), or call generate() from another thread."
+            )
         with self.call_scope(view):
             self.generating_threads.add(me)
             try:
@@ -65,6 +83,21 @@ class CallScopes:
         ``generate()``)."""
         with view.live.call_lock, self.calls.call():
             yield
+
+    @contextlib.contextmanager
+    def engine_scope(self):
+        """Pass the call gate for one step of a serving engine (or one turn of its loop), marking this thread as
+        inside it, so the operations that wait for the step refuse to run from it (re-entrant: a step inside the
+        loop's turn)."""
+        me = threading.get_ident()
+        outer = me not in self.engine_threads
+        with self.calls.call():
+            self.engine_threads.add(me)
+            try:
+                yield
+            finally:
+                if outer:
+                    self.engine_threads.discard(me)
 
     @contextlib.contextmanager
     def view_idle(self, view, operation: str):
@@ -83,9 +116,17 @@ class CallScopes:
         on the whole store.
 
         Raises:
-            RuntimeError: called from inside a running ``generate()`` call in this thread.
+            RuntimeError: called from inside a running ``generate()`` call or an engine step in this thread.
         """
         self._refuse_inside_generate(operation)
+        if threading.get_ident() in self.engine_threads:
+            raise RuntimeError(
+                f"{operation} cannot run inside a step of the continuous-batching engine serving this "
+                "HybridPrefixCache (from a logits processor, grammar, forward hook or other code the engine calls in "
+                "its thread): it waits for the step to end, which cannot end while it waits. Call it from another "
+                "thread (threading.Thread(target=...).start() returns at once; it runs between two steps), or once "
+                "the outputs you wait for have arrived."
+            )
         with self.calls.exclusive(), self.store_lock:
             yield
 

@@ -76,7 +76,8 @@ class CacheCore(CallScopes):
         store_lock: held by every operation on the store and the counters (see the module docstring).
         calls: the :class:`CallGate` of ``generate()`` calls and store-wide operations.
         live_views: ``{id(view): view}`` of the views whose request is live (its chains are pinned).
-        generating_threads: the threads inside a ``generate()`` call with this core (:meth:`generate_scope`).
+        generating_threads, engine_threads: the threads inside a ``generate()`` call with this core
+            (:meth:`generate_scope`), and inside a step of a serving engine on it (:meth:`engine_scope`).
         epoch: how many times the store was emptied (:meth:`clear_store`); a caller that keeps rows across calls
             (a serving engine) drops their chains when it changes.
         pinning: callables returning the block ids other callers (serving engines) keep pinned, for the checks.
@@ -111,7 +112,7 @@ class CacheCore(CallScopes):
         self.store_lock = threading.RLock()
         self.calls = CallGate()
         self.live_views: dict[int, object] = {}
-        self.generating_threads: set[int] = set()
+        self.generating_threads, self.engine_threads = set(), set()
         self.epoch = 0
         self.pinning: list[Callable[[], set[int]]] = []
         self.warned_masked_prompt = False

@@ -150,7 +150,12 @@ class Engine:
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[EngineRequest]:
-        """Run one step; returns the requests whose output changed (a new token, finished, failed)."""
+        """Run one step; returns the requests whose output changed (a new token, finished, failed). Code it calls back
+        (processors, grammars, hooks, the vision tower) cannot call what waits for its end (``core.engine_scope``)."""
+        with self.core.engine_scope():
+            return self._step()
+
+    def _step(self) -> list[EngineRequest]:
         self.follow_store()
         if self.inflight:
             for request in self.scheduler.waiting:

@@ -304,8 +304,9 @@ class ContinuousBatchingManager:
                     if engine.flushing and not engine.has_work and self._inbox.empty():
                         break
                     # One iteration passes the cache's call gate as a generate() call does: clear(), save() and
-                    # budget changes wait for its end, so the store never changes under a step.
-                    with self.cache.core.calls.call():
+                    # budget changes wait for its end, so the store never changes under a step (and refuse to run
+                    # from this thread, from code the step calls back: core.calls).
+                    with self.cache.core.engine_scope():
                         engine.follow_store()
                         cancelled = self._take_queues(engine)
                         changed = engine.step() if engine.has_work else None
@@ -320,7 +321,7 @@ class ContinuousBatchingManager:
         finally:
             reason = "stopped" if error is None else f"the engine loop died: {error!r}"
             try:
-                with self.cache.core.calls.call():
+                with self.cache.core.engine_scope():
                     self._deliver(self._take_queues(engine) + engine.abort(reason))
             finally:
                 self._router.wake()
@@ -341,5 +342,5 @@ class ContinuousBatchingManager:
 
     def _deliver(self, requests: list[EngineRequest]) -> None:
         outputs = [r.to_output() for r in requests if (r.is_finished or r.streaming) and not r.replay_of]
-        if outputs:
-            self._router.deliver(outputs)
+        for request_id in self._router.deliver(outputs) if outputs else ():  # their readers' event loops closed
+            self.cancel_request(request_id)

@@ -3,17 +3,23 @@
 
 Unlike transformers' router, outputs that arrived before a handler was registered are handed to the handler when it
 is (a request refused at ``add_request`` delivers its error at once), and a reader waiting for one request's outputs
-takes them without disturbing other readers (no re-queueing).
+takes them without disturbing other readers (no re-queueing). A handler whose event loop was closed (its reader went
+away: an ``asyncio.run`` that returned, a server shutting down) is dropped with its outputs and its request is named
+to the caller, which cancels it: delivering runs in the engine's thread, and the closed loop's ``RuntimeError`` used
+to end that thread, failing every request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
 
 from .._compat.continuous_batching import GenerationOutput
+
+logger = logging.getLogger("hf_hybridcache")
 
 
 class OutputRouter:
@@ -24,8 +30,9 @@ class OutputRouter:
         self._queue: deque[GenerationOutput] = deque()
         self._handlers: dict[str, tuple[Callable, asyncio.AbstractEventLoop]] = {}
 
-    def deliver(self, outputs: list[GenerationOutput]) -> None:
-        """Hand ``outputs`` to their handlers or the queue, in order."""
+    def deliver(self, outputs: list[GenerationOutput]) -> list[str]:
+        """Hand ``outputs`` to their handlers or the queue, in order; returns the ids of requests whose handler's event
+        loop is closed (their handlers and these outputs are dropped: no one reads them)."""
         calls: dict[asyncio.AbstractEventLoop, list] = {}
         with self._cond:
             for output in outputs:
@@ -38,8 +45,24 @@ class OutputRouter:
                 if output.is_finished():
                     del self._handlers[output.request_id]
             self._cond.notify_all()
+        gone = []
         for loop, batch in calls.items():
-            loop.call_soon_threadsafe(_run_all, batch)
+            try:
+                loop.call_soon_threadsafe(_run_all, batch)
+            except RuntimeError:  # the loop is closed
+                gone += self._drop_loop(loop, batch)
+        return gone
+
+    def _drop_loop(self, loop: asyncio.AbstractEventLoop, batch: list) -> list[str]:
+        """Forget the handlers on the closed ``loop``; returns their request ids and those of ``batch``."""
+        with self._cond:
+            gone = [request_id for request_id, (_, on) in self._handlers.items() if on is loop]
+            for request_id in gone:
+                del self._handlers[request_id]
+        gone = list(dict.fromkeys([*(output.request_id for _, output in batch), *gone]))
+        logger.warning("the event loop of the result handlers of %s is closed: their outputs are dropped and the "
+                       "requests cancelled", ", ".join(gone))
+        return gone
 
     def register(self, request_id: str, callback: Callable[[GenerationOutput], None],
                  loop: asyncio.AbstractEventLoop) -> None:
