@@ -334,3 +334,18 @@ def test_a_hit_writes_the_prompt_tail_after_the_restored_kv_in_place(model, cold
         logits = model(tokens[:, -1:], **{CACHE_KWARG: cache}, use_cache=True).logits[:, -1]
         assert layer.keys.shape[-2] == 42 and layer.keys.data_ptr() != restored
         torch.testing.assert_close(logits, cold_model(tokens).logits[:, -1], rtol=0, atol=1e-4)
+
+
+def test_a_pad_id_inside_a_prompt_warns_of_no_weights_change(model, cold_model, caplog):
+    """A prompt holding the pad id with no mask is not cacheable (generate() masks the id), and its row stores
+    nothing: it once started with weights generation 0, and the first weights check called it stale and logged "The
+    model's weights changed while requests ran" though nothing had changed."""
+    cache = HybridPrefixCache(model)
+    assert_matches_cold(model, cold_model, cache, random_ids(40, seed=404))  # the weights are read once
+    ids = random_ids(40, seed=405)
+    ids[0, 20] = 0  # the pad id
+    with caplog.at_level("WARNING", logger="hf_hybridcache"):
+        out = model.generate(ids, **{CACHE_KWARG: cache}, max_new_tokens=8, do_sample=False)
+    assert torch.equal(out, cold_model.generate(ids, max_new_tokens=8, do_sample=False))
+    assert cache.last_hit_tokens == [0]
+    assert not [r for r in caplog.records if "weights changed" in r.getMessage()]

@@ -150,7 +150,7 @@ class CacheCore(CallScopes):
         """Before storing what a forward computed for ``rows``: a row whose request began under an earlier weights
         generation (the weights were edited while it ran) stores nothing more (``row.stale``), since its states mix
         two weights states and its root names the first. Costs one :func:`~hf_hybridcache.core.weights.weights_key`."""
-        rows = [row for row in rows if not row.stale]
+        rows = [row for row in rows if not row.stale and row.storing]  # a row storing nothing cannot go stale
         if not rows:
             return
         with self.store_lock:

@@ -191,7 +191,8 @@ def start_request(
         lengths = [prompt_tokens] * num_rows if input_ids is None else mask_lengths(input_ids, attention_mask)
         # Nothing is looked up or stored, but a single row still keeps the states speculative decoding needs.
         single = input_ids is not None and num_rows == 1
-        rows = [Row(prompt_tokens=input_ids.shape[1], storing=False)] if single else []
+        rows = [Row(prompt_tokens=input_ids.shape[1], storing=False,
+                    weights_generation=cache.live.weights_generation)] if single else []
         request = LiveRequest(cache, rows, tracking=single)
         _log_no_reuse(cache, input_ids is None)
         cause = uncached or ("inputs_embeds" if input_ids is None else "padding")
