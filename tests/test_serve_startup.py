@@ -17,6 +17,7 @@ import pytest
 from test_serve import Server
 
 from hf_hybridcache.serve.__main__ import main, make_app, parse_args
+from hf_hybridcache.serve.loading import load
 from hf_hybridcache.toy import build_model, byte_tokenizer
 
 
@@ -64,6 +65,28 @@ def test_an_untested_transformers_is_refused_before_the_model_loads(folders, cap
     monkeypatch.setattr("hf_hybridcache.serve.loading.load", lambda *args: loads.append(args))
     error = _startup_error(capsys, monkeypatch, "--model", str(folders / "model"))
     assert "transformers 9.0.0 is installed" in error and "pip install" in error and not loads
+
+
+def test_an_unsupported_model_is_refused_from_its_config_before_its_weights_load(folders, tmp_path, capsys,
+                                                                                monkeypatch):
+    """A saved Llama: refused by name from config.json (its weights, minutes on a real checkpoint, never load), with
+    --no-cache as the way to serve it anyway."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    llama = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(vocab_size=262, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2)).save_pretrained(llama)
+    byte_tokenizer().save_pretrained(llama)
+    capsys.readouterr()  # save_pretrained's progress bar
+    loads = []
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *args, **kwargs: loads.append(args))
+    error = _startup_error(capsys, monkeypatch, "--model", str(llama))
+    assert "does not support LlamaForCausalLM" in error and "--no-cache" in error and not loads
+
+
+def test_a_toy_model_takes_a_tokenizer_from_a_folder(folders):
+    model, tokenizer = load("toy:jamba", tokenizer_id=str(folders / "tokenizer"))
+    assert model.config.model_type == "jamba" and tokenizer("hi").input_ids == byte_tokenizer()("hi").input_ids
 
 
 def test_the_command_itself_prints_one_line_without_a_traceback(folders):

@@ -50,14 +50,24 @@ def support_for(model) -> ModelSupport:
             hybrid this package refuses (the message says why and, where there is one, what to load instead).
     """
     config = getattr(model, "config", None)
+    return support_for_config(config, type(model).__name__, can_generate=hasattr(model, "generate"))
+
+
+def support_for_config(config, model_name: str | None = None, can_generate: bool = True) -> ModelSupport:
+    """The support module for a model of ``config``, known before its weights load (the server reads a checkpoint's
+    ``config.json`` first). ``model_name`` names the model in errors (default: the config's first architecture).
+
+    Raises:
+        ValueError: as :func:`support_for`.
+    """
     model_type = getattr(config, "model_type", None)
+    name = model_name or next(iter(getattr(config, "architectures", None) or []), type(config).__name__)
     support = _REGISTRY.get(decoder_model_type(config)) if config is not None else None
     if model_type in REFUSED:
-        raise ValueError(f"HybridPrefixCache does not support {type(model).__name__}: model_type={model_type!r} "
-                         f"{REFUSED[model_type]}")
-    if support is None or not hasattr(model, "generate"):
+        raise ValueError(f"HybridPrefixCache does not support {name}: model_type={model_type!r} {REFUSED[model_type]}")
+    if support is None or not can_generate:
         raise ValueError(
-            f"HybridPrefixCache does not support {type(model).__name__} (model_type={model_type!r}). Supported "
+            f"HybridPrefixCache does not support {name} (model_type={model_type!r}). Supported "
             f"families: {', '.join(supported_model_types())}; pass their *ForCausalLM model, or the vision-language "
             "wrapper of one (Qwen3.5, LFM2-VL, LFM3-VL, Nemotron-H Omni, Inkling)."
         )

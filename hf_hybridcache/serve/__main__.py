@@ -93,7 +93,8 @@ def make_app(args: argparse.Namespace):
         raise ValueError("--api-key must not be empty; omit it to serve without a key.")
     if not args.no_cache:
         check_version()  # an untested transformers is refused before minutes of loading, not after
-    model, tokenizer = load(args.model, args.dtype, args.device_map, args.tokenizer, args.trust_remote_code)
+    model, tokenizer = load(args.model, args.dtype, args.device_map, args.tokenizer, args.trust_remote_code,
+                            check_support=not args.no_cache)
     vision = None
     if modalities_of(model):  # a vision-language wrapper: its processor renders every chat
         processor = load_processor(args.tokenizer or args.model, "--model" if args.tokenizer is None else "--tokenizer",

@@ -25,7 +25,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def load(model_id: str, dtype: str = "auto", device_map: str | None = None, tokenizer_id: str | None = None,
-         trust_remote_code: bool = False):
+         trust_remote_code: bool = False, check_support: bool = True):
     """The ``(model, tokenizer)`` for ``model_id`` in eval mode (a vision-language wrapper: the wrapper itself; its
     processor: :func:`load_processor`).
 
@@ -37,24 +37,31 @@ def load(model_id: str, dtype: str = "auto", device_map: str | None = None, toke
             model, the device it is moved to.
         tokenizer_id: the tokenizer's local path or hub id (None: ``model_id``'s).
         trust_remote_code: let ``from_pretrained`` run code the folder or repository ships (its ``auto_map``).
+        check_support: refuse, from its config and before its weights load, a model the cache does not serve.
 
     Raises:
         ValueError: an unknown dtype or toy family.
-        StartupError: a local path that does not exist, a folder without a tokenizer, or a hub id that cannot be
-            loaded (offline, not found): one line that says what to do.
+        StartupError: a local path that does not exist, a folder without a tokenizer, a hub id that cannot be loaded
+            (offline, not found), or (``check_support``) a model the cache does not serve: one line that says what to
+            do.
     """
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
-    if model_id.startswith(TOY_PREFIX) and tokenizer_id is None:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+    if model_id.startswith(TOY_PREFIX):
         from ..toy import build_model, byte_tokenizer
 
         torch_dtype = torch.float32 if dtype == "auto" else DTYPES[dtype]
         model = build_model(model_id[len(TOY_PREFIX):], seed=0, dtype=torch_dtype)
         if device_map not in (None, "auto"):
             model = model.to(device_map)
-        return model, byte_tokenizer()
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+        if tokenizer_id is None:
+            return model, byte_tokenizer()
+        _check_source(tokenizer_id, "--tokenizer", needs_tokenizer=True)
+        return model, _loaded(AutoTokenizer.from_pretrained, tokenizer_id, "tokenizer", "--tokenizer")
 
+    from ..models import support_for_config
     from ..multimodal import WRAPPERS
 
     tokenizer_id = model_id if tokenizer_id is None else tokenizer_id
@@ -64,6 +71,11 @@ def load(model_id: str, dtype: str = "auto", device_map: str | None = None, toke
     flag = "--model" if tokenizer_id == model_id else "--tokenizer"
     remote = {"trust_remote_code": True} if trust_remote_code else {}
     config = _loaded(AutoConfig.from_pretrained, model_id, "config", "--model", **remote)
+    if check_support:  # before the weights load (minutes on a real checkpoint), from config.json alone
+        try:
+            support_for_config(config)
+        except ValueError as unsupported:
+            raise StartupError(f"--model {model_id}: {unsupported} --no-cache serves it without the cache.") from None
     tokenizer = _loaded(AutoTokenizer.from_pretrained, tokenizer_id, "tokenizer", flag, **remote)
     auto = AutoModelForImageTextToText if config.model_type in WRAPPERS else AutoModelForCausalLM
     model = _loaded(auto.from_pretrained, model_id, "model", "--model", dtype=DTYPES[dtype], device_map=device_map,
