@@ -174,7 +174,14 @@ def load(args):
     if args.model:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+        if os.path.isdir(args.model) and not any(os.path.exists(os.path.join(args.model, f)) for f in files):
+            raise SystemExit(f"--model {args.model} holds no tokenizer: save one beside the model with "
+                             "tokenizer.save_pretrained(path).")
         tokenizer = AutoTokenizer.from_pretrained(args.model)
+        if not tokenizer("a").input_ids:
+            raise SystemExit(f"--model {args.model}: its tokenizer encodes nothing; save the model's own tokenizer "
+                             "beside it with tokenizer.save_pretrained(path).")
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto").eval()
         return model, tokenizer
     overrides = {}

@@ -8,6 +8,7 @@ import pathlib
 import pytest
 
 from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache.toy import build_model
 
 QUICKSTART = pathlib.Path(__file__).parent.parent / "examples" / "quickstart.py"
 SMALL = ["--system-tokens", "300", "--questions", "3", "--new-tokens", "8"]
@@ -68,3 +69,11 @@ def test_the_cold_baseline_is_a_miss_through_the_same_patched_model(monkeypatch)
     assert [cache for cache, _ in reference] == [None] * 3
     assert all(isinstance(cache, HybridPrefixCache) and stored == 0 for cache, stored in cold)
     assert cold[0][0] is cold[1][0] is not kept[0][0] and kept[1][1] > 0
+
+
+def test_a_model_folder_without_a_tokenizer_is_one_clear_line(tmp_path):
+    """A folder saved with the model only: the quickstart says what is missing instead of failing inside
+    transformers (an error about slow tokenizers, or on 5.25 an empty tokenizer and a shape error later)."""
+    build_model("jamba", seed=0).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit, match="holds no tokenizer"):
+        load().main(["--model", str(tmp_path)])
