@@ -1,6 +1,6 @@
 """Cache operations called from code the engine runs in its own thread, inside a step (issue 43): a logits processor,
-a forward hook and a grammar matcher (the engine's per-request stopping rule: a complete grammar allows only an
-end-of-sequence token). ``clear()``, ``save()`` and budget changes waited for the step to end, so the engine hung
+a forward hook, a grammar matcher (the engine's per-request stopping rule: a complete grammar allows only an
+end-of-sequence token) and the vision tower (run when a request with images is admitted). ``clear()``, ``save()`` and budget changes waited for the step to end, so the engine hung
 for good; ``generate()`` with the cache ran a whole call inside the step. Each now raises ``RuntimeError`` at once,
 saying what to do; ``reset()`` and ``load()`` (a new cache) wait for nothing the step holds and run. An output
 callback runs on its own event loop, not in the engine's thread: ``clear()`` there runs between two steps. A handler
@@ -193,4 +193,27 @@ def test_a_result_handler_whose_event_loop_closed_does_not_end_the_engine(family
     assert all(output.error is None and len(output.generated_tokens) == 200 for output in outputs.values())
     assert manager.batch_processor.find("gone") is None  # cancelled, its slot given back
     manager.stop()
+    check_store(cache)
+
+
+def test_clear_from_the_vision_tower_raises_at_once():
+    """The tower runs in the engine's thread when a request with images is admitted, inside the step."""
+    from hf_hybridcache.toy.vision import build_vlm, toy_image, vision_tower, vlm_inputs
+
+    model = build_vlm("qwen3_5", seed=5)
+    cache = HybridPrefixCache(model)
+    once = Once(cache.clear)
+    inputs = vlm_inputs("qwen3_5", ["<|user|>", toy_image(11), "What is on screen?</s><|assistant|>"])
+    prompt = inputs.pop("input_ids")[0].tolist()
+    inputs.pop("attention_mask", None)
+    handle = vision_tower(model).register_forward_pre_hook(lambda module, args: once())
+    manager = cache.init_continuous_batching(config(NEW_TOKENS, eos_token_id=-1))
+    manager.start()
+    try:
+        request_id = manager.add_request(prompt, images=inputs)
+        output = finals(manager, [request_id], timeout=TIMEOUT_S)[request_id]
+    finally:
+        handle.remove()
+    manager.stop()
+    assert STEP_ERROR in str(once.outcome[0]) and output.error is None and len(output.generated_tokens) == NEW_TOKENS
     check_store(cache)
