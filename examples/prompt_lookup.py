@@ -1,9 +1,10 @@
 """Prompt-lookup decoding on a hybrid model, exact, with the prefix cache.
 
-transformers refuses prompt lookup (and assistant models) for Mamba hybrids: a draft token that the model rejects
-has already been folded into the recurrent state, which cannot be cut back. With a HybridPrefixCache passed, every
-verification forward keeps the state after each draft token and rejected drafts are rolled back exactly, so the
-output equals plain greedy decoding.
+A draft token that the model rejects has already been folded into the recurrent state, which cannot be cut back:
+transformers 5.23 - 5.24 refuse prompt lookup (and assistant models) for Mamba hybrids, and 5.25 keeps the states of
+the last draft tokens itself but restores no prefix (and is not exact on Jamba: docs/generate.md). With a
+HybridPrefixCache passed, every verification forward keeps the state after each draft token and rejected drafts are
+rolled back exactly, so the output equals plain greedy decoding.
 
 The workload is repetitive text: the built-in model here keeps transformers' default init (short memory), and its
 greedy output falls into a cycle the way degenerate LLM output does, so drafts copied from the text so far are often
