@@ -47,8 +47,11 @@ def test_the_recipe_runs_as_written_in_bf16_and_equals_the_loop_without_the_cach
     model, messages, replies = scope["model"], scope["messages"], scope["replies"]
     assert model.dtype == torch.bfloat16 and len(replies) == 3
     printed = capsys.readouterr().out
-    hits = [int(h) for h in re.findall(r"turn \d: (\d+) of \d+ prompt tokens restored", printed)]
-    assert hits[0] == 0 and all(hit > 0 for hit in hits[1:]), printed  # later turns restore the chat so far
+    turns = [(int(h), int(n)) for h, n in re.findall(r"turn \d: (\d+) of (\d+) prompt tokens restored", printed)]
+    assert turns[0][0] == 0 and all(hit > 0 for hit, _ in turns[1:]), printed  # later turns restore the chat so far
+    (hit2, len2), (hit3, len3) = turns[1:]
+    stated = f"turns 2 and 3 restore {hit2} of {len2} and {hit3} of {len3} prompt tokens"
+    assert stated in " ".join(README.read_text().split()), f"the README should say: {stated}"
 
     # The same loop without the cache, on a fresh load of the same checkpoint.
     tokenizer = AutoTokenizer.from_pretrained(saved_model)

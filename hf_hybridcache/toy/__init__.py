@@ -20,6 +20,8 @@ from .configs import _INKLING, COMMON, TINY_CONFIGS
 #: Inkling 2 Loop is new in transformers 5.24: its tiny config exists where the installed transformers has it (its
 #: tests skip on 5.23 with that reason). Six Inkling 2 layers whose layers 2-3 (one sliding, one full) run three
 #: times, so the cache holds 6 + 2 * 2 layers; attention residual blocks of two layers.
+#: Families whose tiny config needs a newer transformers than the oldest of the window: family -> (module, release).
+NEWER_FAMILIES = {"inkling2_loop_text": ("inkling2_loop", "5.24"), "lara_mini": ("lara_mini", "5.24")}
 if importlib.util.find_spec("transformers.models.inkling2_loop") is not None:
     TINY_CONFIGS["inkling2_loop_text"] = ("Inkling2LoopTextConfig", dict(
         _INKLING, num_hidden_layers=6, layer_types=["hybrid_sliding", "hybrid"] * 3, n_layers_per_attn_res_block=2,
@@ -62,9 +64,6 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-
-
-
 def tiny_config(family: str = "jamba", **overrides):
     """A small config of ``family`` (a key of :data:`~hf_hybridcache.toy.configs.TINY_CONFIGS`) sized for CPU tests;
     ``overrides`` win.
@@ -72,6 +71,11 @@ def tiny_config(family: str = "jamba", **overrides):
     Raises:
         ValueError: no tiny config for ``family``.
     """
+    if family in NEWER_FAMILIES and family not in TINY_CONFIGS:
+        import transformers
+
+        raise ValueError(f"No tiny config for family {family!r} on transformers {transformers.__version__}: the family "
+                         f"is new in transformers {NEWER_FAMILIES[family][1]}; install a newer release of the window.")
     if family not in TINY_CONFIGS:
         raise ValueError(f"No tiny config for family {family!r}; available: {', '.join(sorted(TINY_CONFIGS))}.")
     import transformers
