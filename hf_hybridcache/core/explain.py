@@ -126,7 +126,8 @@ def make_report(core: ReportSource, token_ids: list[int], root: BlockHash, hit: 
 
     tail = core.options.min_tail_tokens  # 2 with replay_replies: the tail runs through the prefill kernels
     if num_tokens < bs + tail:
-        return report("too_short", f"the prompt has {num_tokens:,} tokens and a hit needs block_size + {tail} = "
+        tokens = "1 token" if num_tokens == 1 else f"{num_tokens:,} tokens"
+        return report("too_short", f"the prompt has {tokens} and a hit needs block_size + {tail} = "
                       f"{bs + tail} (a full block and {'a token' if tail == 1 else f'{tail} tokens'} to run); a "
                       "smaller block_size reuses shorter prompts.")
     last = (num_tokens - tail) // bs * bs
