@@ -1,6 +1,6 @@
 """The integration layer: the only code that knows transformers' and accelerate's internals.
 
-Private APIs touched, and why each is needed (transformers 5.23 - 5.24):
+Private APIs touched, and why each is needed (transformers 5.23 - 5.25; :mod:`.hook_points` checks each one):
 
 - ``GenerationMixin._prefill`` (wrapped on the model instance): the one place that runs before ``generate()`` reads
   ``cache.get_seq_length()`` to slice the prompt, for greedy, sampling and beam search. The lookup + restore of a
@@ -22,8 +22,19 @@ Private APIs touched, and why each is needed (transformers 5.23 - 5.24):
   ``cumulative_length``, ``sliding_window``, ``conv_states``, ``recurrent_states``,
   ``has_previous_state``, ``lazy_initialization``): restoring a prefix fills fresh live layers, and rolling back a
   draft token sets their state; there is no public setter.
+- transformers 5.25's token count of a linear layer (``cumulative_length_linear``, which ``Cache.get_seq_length()``
+  reads where layer 0 is a linear layer): a restore and a rollback set it, and a decode step that updates a conv
+  window in place counts its token (``increase_count``); the caches the mixers are handed answer
+  ``get_recurrent_states_to_keep`` with 0 and ``activate_past_recording(recurrent_states_to_keep=...)`` with the
+  package's own per-token states.
 - The mixer call convention ``(hidden_states, cache_params | cache, attention_mask)``: the patched mixers read the
-  cache they are given; the kwarg was renamed after 5.23.
+  cache they are given; the kwarg was renamed after 5.23. transformers 5.25 moved the Mamba mixers' conv and scan into
+  hookable module functions (``causal_conv1d_forward``, ``mamba_scan_forward``, ``mamba2_scan_forward``) that take
+  the cache; they would be a smaller seam than a patched mixer forward, but 5.23 - 5.24 have no such functions, so the
+  patch stays the one integration while the window holds them (a second, 5.25-only path would double the code that
+  must stay exact). A Hub kernel swapped in for one of them (``kernelize``) keeps the state its own way and is
+  refused by name (:mod:`.hub_kernels`); a routed module function keeps the ``kernels`` ``Func`` class under its name,
+  so pickled models still rebuild their private copies (:mod:`.modeling`).
 - The models without attention layers (Mamba, Falcon-Mamba, Mamba-2; :mod:`.cache_kwargs`): on 5.23 their
   ``generate()`` and ``forward()`` take the cache only as ``cache_params`` (another name is dropped unread, and 5.23's
   assisted decoding cannot find it); ``_prefill`` slices the prompt by a cache of linear layers only from 5.25 on
