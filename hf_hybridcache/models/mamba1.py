@@ -100,6 +100,10 @@ def checkpoint_positions(cache, seq_len: int) -> tuple[int, ...]:
     return positions(seq_len) if positions is not None else ()
 
 
+#: Tokens up to which a forward over a cached conv window takes the windows' dot products instead of ``conv1d``.
+FEW_TOKENS = 8
+
+
 def causal_conv(
     full_inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None, seq_len: int
 ) -> torch.Tensor:
@@ -111,10 +115,19 @@ def causal_conv(
     activation. On a fresh prompt both views are the same tensor, so the outputs are bit-identical; over a cached
     window the activation runs on a shorter view than upstream's, which CPU kernels may round differently (see
     :func:`.mamba2.causal_conv`); the continued forward is held to fp32 round-off against one unsplit forward
-    (tests/test_continuation.py)."""
+    (tests/test_continuation.py). In float32, a few tokens over a cached window (at most :data:`FEW_TOKENS`: a
+    verified draft) take each window's dot product with the weight, as a decode step's fused update does, without
+    ``conv1d``'s per-call cost (reduced precision keeps upstream's rounding)."""
     width = weight.shape[-1]
-    out = F.conv1d(full_inputs.to(weight.dtype), weight.unsqueeze(1), bias, padding=width - 1, groups=weight.shape[0])
-    out = out[:, :, : full_inputs.shape[-1]][:, :, -seq_len:]
+    few = seq_len <= FEW_TOKENS and full_inputs.dtype == weight.dtype == torch.float32
+    if few and full_inputs.shape[-1] >= seq_len + width - 1:
+        windows = full_inputs[..., full_inputs.shape[-1] - seq_len - width + 1 :].unfold(-1, width, 1)
+        out = (windows.to(weight.dtype) * weight[:, None, :]).sum(-1)
+        out = out if bias is None else out + bias[:, None]
+    else:
+        out = F.conv1d(full_inputs.to(weight.dtype), weight.unsqueeze(1), bias, padding=width - 1,
+                       groups=weight.shape[0])
+        out = out[:, :, : full_inputs.shape[-1]][:, :, -seq_len:]
     if activation is not None:
         out = ACT2FN[activation](out)
     return out.to(full_inputs.dtype)
