@@ -241,7 +241,8 @@ class HybridPrefixCache(LiveCache):
         view._start_view(salt)
         return view
 
-    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, *, limits=None):
+    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, *, limits=None,
+                                 speculation=None):
         """A continuous-batching manager serving many requests at once with this cache's store, shared with
         ``generate()`` calls: :class:`~hf_hybridcache.engine.ContinuousBatchingManager` (transformers' API). Requests
         without a ``cache_salt`` use this view's salt. The model's ``init_continuous_batching``, ``generate_batch``
@@ -251,15 +252,15 @@ class HybridPrefixCache(LiveCache):
             generation_config: transformers' ``GenerationConfig`` (the model's when None).
             continuous_batching_config: transformers' ``ContinuousBatchingConfig`` (see the manager).
             limits: :class:`~hf_hybridcache.engine.EngineLimits` (from the device's memory when None).
+            speculation: :class:`~hf_hybridcache.engine.Speculation` of speculative steps (none when None).
 
         Raises:
             ValueError: the model's attention implementation is not ``sdpa`` or ``eager``.
         """
         from .engine import ContinuousBatchingManager
 
-        return ContinuousBatchingManager(
-            self, generation_config, continuous_batching_config, limits=limits, salt=self.salt
-        )
+        return ContinuousBatchingManager(self, generation_config, continuous_batching_config, limits=limits,
+                                         salt=self.salt, speculation=speculation)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write every stored KV block and checkpoint, their block hashes, the hash seed and the model identity to

@@ -7,10 +7,16 @@ Parts, one job each: ``limits`` (memory bounds), ``requests`` (a request and its
 (the packed layout of a step), ``views`` (the caches the model sees in a step), ``grouping`` (stateful modules run
 per group), ``runner`` (the forward and sampling), ``storing`` (what a step stores), ``isolation`` (finding the
 request that makes a forward raise), ``engine`` (admission, steps, results), ``outputs`` (where outputs go) and
-``manager`` (transformers' continuous-batching API, a loop thread).
+``manager`` (transformers' continuous-batching API, a loop thread); for speculative steps ``speculative`` (drafts in,
+what a verified step keeps), ``verify`` (which drafts are accepted), ``drafters`` (the drafter interface, n-gram
+lookup) and ``draft_model`` (a draft model run by an engine of its own).
 """
 
+from .draft_model import DraftModelDrafter
+from .drafters import Draft, Drafter, NgramDrafter
 from .limits import EngineLimits
 from .manager import ContinuousBatchingManager
+from .speculative import Speculation, SpeculationStats
 
-__all__ = ["ContinuousBatchingManager", "EngineLimits"]
+__all__ = ["ContinuousBatchingManager", "Draft", "DraftModelDrafter", "Drafter", "EngineLimits", "NgramDrafter",
+           "Speculation", "SpeculationStats"]

@@ -31,6 +31,7 @@ from .runner import StepRunner
 from .score_store import ScoreStore, scored_report
 from .scheduler import Chunk, Scheduler
 from .slots import StateSlots
+from .speculative import Speculation, Speculator
 from .storing import emit_positions, replay_request, store_segment
 from .views import StepCache
 
@@ -51,6 +52,7 @@ class Engine:
             engine shares.
         limits: the engine's bounds.
         runner: runs a step's forward and samples.
+        speculation: the drafter and draft length of speculative steps (None: none).
 
     Attributes:
         scheduler: the running and waiting requests.
@@ -61,9 +63,10 @@ class Engine:
         isolation: judges the forwards that raise (:class:`~hf_hybridcache.engine.isolation.Isolation`).
         peak_running_pages, peak_batch_tokens: the most private pages running requests held at once and the most
             tokens one step fed (each stays within its bound in ``limits``).
+        speculator: its speculative steps (:class:`~hf_hybridcache.engine.speculative.Speculator`, with ``stats``).
     """
 
-    def __init__(self, cache, limits: EngineLimits, runner: StepRunner) -> None:
+    def __init__(self, cache, limits: EngineLimits, runner: StepRunner, speculation: Speculation | None = None) -> None:
         self.cache, self.core, self.spec = cache, cache.core, cache.spec
         self.limits, self.runner = limits, runner
         self.block_size = self.spec.block_size
@@ -83,6 +86,7 @@ class Engine:
         self.peak_running_pages = self.peak_batch_tokens = 0
         self.flushing = False  # the manager is stopping: reply replays run without their grace period
         self.placeholders = placeholder_ids(cache.model)  # a vision-language wrapper's image placeholder ids
+        self.speculator = Speculator(speculation, self)
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -113,6 +117,7 @@ class Engine:
         """End ``request`` (finished, failed or cancelled): give back its slot and pages, unpin its chain."""
         if request.is_admitted:
             self._release(request)
+        self.speculator.release(request)
         self.scheduler.remove(request)
         request.status, request.error = status, error
         request.lifespan = (request.lifespan[0], time.perf_counter())
@@ -142,6 +147,7 @@ class Engine:
                 logger.exception("giving back request %s failed", request.request_id)
         self.scheduler.running.clear()
         self.scheduler.waiting.clear()
+        self.speculator.close()
 
     def pinned_block_ids(self) -> set[int]:
         """Blocks the running requests keep pinned (for the store's checks)."""
@@ -160,6 +166,7 @@ class Engine:
         if self.inflight:
             for request in self.scheduler.waiting:
                 self.inflight.ask_for_checkpoint(request)
+        self.speculator.draft(self.scheduler.running)
         own = sum(len(r.own_pages) for r in self.scheduler.running)
         chunks = self.scheduler.choose(
             self.limits.max_running_pages - own, lambda: self.slots.num_free > 0, self.admit, self.preempt
@@ -180,11 +187,11 @@ class Engine:
             cache = StepCache(plan, self.spec, self.slots, self.pages)
             self.forwards += 1
             try:
-                tokens, logprobs = self.runner.run(plan, cache, images.forward_inputs(plan))
+                picks, logprobs = self.runner.run(plan, cache, images.forward_inputs(plan))
             except Exception as error:  # noqa: BLE001 - a failed forward fails its requests, never the engine
                 changed += self._step_failed(group, error)
             else:
-                changed += self._settle(plan, tokens, logprobs)
+                changed += self._settle(plan, picks, logprobs)
         return changed
 
     def follow_store(self) -> None:
@@ -210,14 +217,16 @@ class Engine:
             request.pages.extend(new)
             request.own_pages.update(new)
         tokens = request.remaining_tokens[: chunk.num_tokens]
-        segment = Segment(request, tokens, request.past, request.fresh,
+        draft = request.draft[: chunk.num_tokens - len(tokens)] if request.is_decoding else ()
+        segment = Segment(request, tokens + list(draft), request.past, request.fresh, draft=draft,
                           samples=request.past + len(tokens) == len(request.tokens) and not request.replay_of)
-        segment.emit_positions = emit_positions(segment, self.core.options)
+        segment.emit_positions = self.speculator.positions(segment, emit_positions(segment, self.core.options))
         return segment
 
-    def _settle(self, plan: StepPlan, tokens: list[int], logprobs: list[float] | None) -> list[EngineRequest]:
+    def _settle(self, plan: StepPlan, picks: list, logprobs: list | None) -> list[EngineRequest]:
         changed = []
         options = self.core.options
+        self.speculator.keep(plan, picks, self.slots, options)  # verified segments cut to the tokens they keep
         bs = self.block_size  # weights edited while a request ran: it stores nothing more (one look per storing step)
         self.core.check_weights(s.request.row for s in plan.segments if s.captured or s.end // bs > s.past // bs)
         for segment in plan.segments:
@@ -232,21 +241,14 @@ class Engine:
                     self.core.count_replayed_reply_tokens(len(request.prompt) - request.hit_tokens)
                     self.finish(request, RequestStatus.FINISHED)
         now = time.perf_counter()
-        for i, (segment, token) in enumerate(zip(plan.sampled, tokens)):
+        for i, (segment, (tokens, _)) in enumerate(zip(plan.sampled, picks)):
             request = segment.request
             if request.sample_error is not None:  # its grammar raised: its own fault (engine/grammar.py)
                 self.finish(request, RequestStatus.FAILED, request.sample_error)
                 changed.append(request)
                 continue
-            request.generated.append(token)
-            if logprobs is not None:
-                request.logprobs.append(logprobs[i])
-            if segment.sampled_score is not None:
-                request.token_scores.append(segment.sampled_score)
-            if request.timestamps is not None:
-                request.timestamps.append(now)
-            request.status = RequestStatus.DECODING
-            if token in request.eos_token_ids or len(request.generated) >= request.max_new_tokens:
+            request.take(tokens, None if logprobs is None else logprobs[i], segment.sampled_scores, now)
+            if tokens[-1] in request.eos_token_ids or len(request.generated) >= request.max_new_tokens:
                 replay = replay_request(self.core, request) if options.replay_replies else None
                 self.finish(request, RequestStatus.FINISHED)
                 if replay is not None:
@@ -305,11 +307,10 @@ class Engine:
         if checkpoint is not None:
             self.slots.write(request.slot, checkpoint)
         self.tables[request.slot, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
-        request.pages, request.own_pages = pages, set()
+        request.pages, request.own_pages, request.admissions = pages, set(), request.admissions + 1
         request.past, request.fresh = hit.hit_tokens, hit.hit_tokens == 0
         request.row = Row(request.retention_prompt_tokens, token_ids=tokens[: hit.hit_tokens], hit_tokens=hit.hit_tokens,
-                          root=root,
-                          block_ids=list(hit.block_ids), block_hashes=list(hit.block_hashes),
+                          root=root, block_ids=list(hit.block_ids), block_hashes=list(hit.block_hashes),
                           divergence_tokens=hit.divergence_tokens, weights_generation=generation)
         if not request.counted:
             core.count_request(len(request.prompt), hit.hit_tokens, [report.reason])

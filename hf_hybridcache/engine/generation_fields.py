@@ -176,12 +176,14 @@ class EosFloor:
         eos = first_eos_ids(config.eos_token_id, model.config.get_text_config().eos_token_id)
         return cls(min_new_tokens, min_length, eos)
 
-    def apply(self, logits: torch.Tensor, requests: list) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, requests: list, ahead: list[int] | None = None) -> torch.Tensor:
         """``logits`` ``[M, V]`` float32 of ``requests`` (one :class:`~hf_hybridcache.engine.requests.EngineRequest`
-        per row, about to sample its next token), with the held-off ids of each row still under its floor at -inf."""
+        per row, about to sample its next token, ``ahead[row]`` tokens after its last: the draft tokens before a
+        verified position), with the held-off ids of each row still under its floor at -inf."""
         mask = None
         for row, request in enumerate(requests):
-            if len(request.generated) >= self.min_new_tokens and len(request.tokens) >= self.min_length:
+            more = ahead[row] if ahead is not None else 0
+            if len(request.generated) + more >= self.min_new_tokens and len(request.tokens) + more >= self.min_length:
                 continue
             ids = [i for i in self.eos_token_ids | request.eos_token_ids if i < logits.shape[-1]]
             if ids:

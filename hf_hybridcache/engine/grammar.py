@@ -11,6 +11,9 @@ refused a token raises at its next mask; a grammar's own code may raise on any r
 is its request's fault and no one else's: its row is left unmasked, its error is kept in its ``sample_error``, and the
 engine fails that request alone once the step is settled, while the other rows of the forward keep their tokens (no
 recompute, no isolation by bisection: :mod:`~hf_hybridcache.engine.isolation` is for raises nobody can name).
+
+A request that verifies draft tokens (:mod:`~hf_hybridcache.engine.speculative`) masks each verified position with
+its matcher advanced over the drafts before it, then rolled back; the matcher then takes the tokens the step kept.
 """
 
 from __future__ import annotations
@@ -48,23 +51,37 @@ def grammar_error(grammar, eos_token_ids: frozenset[int], floor, vocab_size: int
     return None
 
 
-def grammar_rows(requests: list) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The rows of ``requests`` (one per sampled segment) that have a grammar, and their bitmask
-    ``[G, ceil(V / 32)]`` int32 (CPU); None when no row has one. A matcher that raises (in an error state: it refused
-    a token) leaves its row out, and its request's ``sample_error`` says why."""
-    rows = [row for row, request in enumerate(requests) if request.grammar is not None]
-    if not rows:
+def grammar_rows(segments: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The sampled rows of ``segments`` (a step's sampled segments: one row each, or one per position of a segment
+    that verifies draft tokens) whose request has a grammar, and their bitmask ``[G, ceil(V / 32)]`` int32 (CPU);
+    None when no row has one. A verified position's mask is the matcher's after the drafts before it (taken for the
+    mask and rolled back; the positions after a draft the grammar refuses are left unmasked: that draft is never
+    kept, so no token is emitted from them). A matcher that raises (in an error state: it refused a token) leaves its
+    rows out, and its request's ``sample_error`` says why."""
+    firsts, row = [], 0
+    for segment in segments:
+        firsts.append(row)
+        row += segment.num_logits
+    wanted = [(first, s) for first, s in zip(firsts, segments) if s.request.grammar is not None]
+    if not wanted:
         return None
-    bitmask = allocate_token_bitmask(len(rows), requests[rows[0]].grammar.vocab_size)
+    bitmask = allocate_token_bitmask(sum(s.num_logits for _, s in wanted), wanted[0][1].request.grammar.vocab_size)
     kept = []
-    for row in rows:
+    for first, segment in wanted:
+        matcher, taken = segment.request.grammar, 0
         try:
-            requests[row].grammar.fill(bitmask, len(kept))
+            for i in range(segment.num_logits):
+                if i and not matcher.try_accept(segment.draft[i - 1]):
+                    break
+                taken += bool(i)
+                matcher.fill(bitmask, len(kept))
+                kept.append(first + i)
         except Exception as error:  # noqa: BLE001 - the request's own fault: it fails alone
-            requests[row].sample_error = f"The grammar raised {type(error).__name__}: {error}"
+            segment.request.sample_error = f"The grammar raised {type(error).__name__}: {error}"
             bitmask[len(kept)] = -1  # what it wrote before it raised; the next row overwrites all of it
-        else:
-            kept.append(row)
+        finally:
+            if taken:  # a request without drafts takes none (its matcher needs no rollback)
+                matcher.rollback(taken)
     return (torch.tensor(kept), bitmask[: len(kept)]) if kept else None
 
 
@@ -77,12 +94,13 @@ def mask_logits(logits: torch.Tensor, masks: tuple[torch.Tensor, torch.Tensor] |
     return apply_token_bitmask(logits.clone(), bitmask, rows)
 
 
-def advance(requests: list, tokens: list[int]) -> None:
-    """Each request with a grammar takes its sampled token (a refusal shows at the next mask; a matcher that raises
-    here sets its request's ``sample_error``). Never raises."""
-    for request, token in zip(requests, tokens):
+def advance(requests: list, tokens: list[list[int]]) -> None:
+    """Each request with a grammar takes the tokens its step emitted (a refusal shows at the next mask; a matcher that
+    raises here sets its request's ``sample_error``). Never raises."""
+    for request, emitted in zip(requests, tokens):
         if request.grammar is not None and request.sample_error is None:
             try:
-                request.grammar.accept(token)
+                for token in emitted:
+                    request.grammar.accept(token)
             except Exception as error:  # noqa: BLE001 - the request's own fault: it fails alone
                 request.sample_error = f"The grammar raised {type(error).__name__}: {error}"

@@ -72,7 +72,7 @@ def _grouped_forward(module, *args, **kwargs):
     bound = bind_call(module, args, kwargs) if vars(module)[_BINDS] else None
     outputs = []
     for group in step.plan.groups:
-        parts = group.split_by_past() if group.is_decode and vars(module)[_POSITIONAL] else [group]
+        parts = group.split_by_past() if group.ragged and vars(module)[_POSITIONAL] else [group]
         for part in parts:
             view = step.view(part)
             if bound is None:

@@ -13,12 +13,13 @@ from .grammar import grammar_error
 from .images import request_images
 from .requests import EngineRequest, first_eos_ids, validation_error
 from .scoring import request_error
+from .speculative import speculation_error
 
 
 def new_requests(manager, input_ids, request_id: str, max_new_tokens: int | None, *, streaming: bool,
                  record_timestamps: bool, eos_token_id, cache_salt: str | None, seed: int | None,
-                 logprobs: int | None, prompt_logprobs: int | None, grammar, images, sampling: dict
-                 ) -> list[EngineRequest]:
+                 logprobs: int | None, prompt_logprobs: int | None, grammar, images, sampling: dict,
+                 num_speculative_tokens: int | None = None) -> list[EngineRequest]:
     """The requests of one :meth:`~hf_hybridcache.engine.ContinuousBatchingManager.add_request` call of ``manager``
     (its arguments, ``sampling`` its logits-processor kwargs): children ``{request_id}__child#{k}`` first, the parent
     last. When the call is invalid every one has ``status=FAILED`` and the reason in ``error``."""
@@ -30,6 +31,7 @@ def new_requests(manager, input_ids, request_id: str, max_new_tokens: int | None
     error = error or validation_error(prompt, max_new_tokens, vocab_size, manager.limits.max_request_tokens, salt,
                                       seed, manager.num_return_sequences)
     error = error or request_error(logprobs, prompt_logprobs)
+    error = error or speculation_error(num_speculative_tokens, manager.speculation)
     eos = first_eos_ids(eos_token_id, config.eos_token_id, model.config.get_text_config().eos_token_id)
     error = error or grammar_error(grammar, eos, EosFloor.of(model, config), vocab_size)
     if error is None:
@@ -46,7 +48,8 @@ def new_requests(manager, input_ids, request_id: str, max_new_tokens: int | None
                       seed=None if error or seed is None else seed + (k + 1) % len(ids), salt=salt,
                       streaming=streaming, record_timestamps=record_timestamps, score_generated=logprobs,
                       score_prompt=prompt_logprobs, timestamps=[] if record_timestamps else None,
-                      grammar=None if error or grammar is None else grammar.matcher(), images=request_images_)
+                      grammar=None if error or grammar is None else grammar.matcher(), images=request_images_,
+                      num_speculative_tokens=num_speculative_tokens)
         for k, rid in enumerate(ids)
     ]
     if error is not None:

@@ -20,8 +20,6 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-
 import torch
 from transformers import GenerationConfig
 
@@ -33,21 +31,15 @@ from .grouping import wrap_stateful_modules
 from .limits import EngineLimits
 from .generation_fields import EosFloor, batching_config, engine_generation_config
 from .intake import new_requests
-from .outputs import OutputRouter
+from .outputs import OutputRouter, ThreadStatus
 from .requests import EngineRequest
 from .runner import StepRunner
+from .speculative import Speculation
 
 logger = logging.getLogger("hf_hybridcache")
 
 #: How long the idle loop sleeps between looks at its queues, in seconds.
 IDLE_WAIT_S = 0.05
-
-
-@dataclass
-class ThreadStatus:
-    """What ``transformers serve`` reads of the loop (``background_thread_status.fatal_error``)."""
-
-    fatal_error: BaseException | None = None
 
 
 class ContinuousBatchingManager:
@@ -72,11 +64,12 @@ class ContinuousBatchingManager:
             ``seed`` are used (``page_size``: the cache's ``block_size``; no CUDA graphs); None: generation config's.
         limits: explicit :class:`~hf_hybridcache.engine.EngineLimits` (else from the device and the config).
         salt: the tenant salt of requests that pass no ``cache_salt`` (a salted view's own salt by default).
+        speculation: speculative steps (:class:`~hf_hybridcache.engine.Speculation`; docs/speculative.md), or None.
 
     Attributes:
         background_thread_status: ``fatal_error`` is set if the loop ever dies (it does not for a request's fault).
         batch_processor: the running :class:`~hf_hybridcache.engine.engine.Engine` (``.scheduler.running`` and
-            ``.scheduler.waiting`` are the requests), or None when stopped.
+            ``.scheduler.waiting`` the requests, ``.speculator.stats`` speculation's counts), or None when stopped.
 
     Raises:
         ValueError: flash attention (it cannot be masked per group), or a generation config field it refuses.
@@ -89,13 +82,14 @@ class ContinuousBatchingManager:
         continuous_batching_config: ContinuousBatchingConfig | None = None,
         *,
         limits: EngineLimits | None = None,
-        salt: str | None = None,
+        salt: str | None = None, speculation: Speculation | None = None,
     ) -> None:
         model = cache.model
         generation_config = engine_generation_config(model, generation_config)  # before the model is touched
         install_router(model)
         wrap_stateful_modules(model)
         self.model, self.cache, self.salt, self.generation_config = model, cache, salt, generation_config
+        self.speculation = speculation
         self.continuous_batching_config = config = batching_config(generation_config, continuous_batching_config)
         self.num_return_sequences = self.generation_config.num_return_sequences or 1
         self.limits = limits or EngineLimits.from_device(
@@ -132,7 +126,7 @@ class ContinuousBatchingManager:
         config = self.continuous_batching_config
         runner = StepRunner(self.model, self.processors, bool(self.generation_config.do_sample),
                             config.return_logprobs, config.seed, EosFloor.of(self.model, self.generation_config))
-        self.batch_processor = Engine(self.cache, self.limits, runner)
+        self.batch_processor = Engine(self.cache, self.limits, runner, self.speculation)
         self.background_thread_status = ThreadStatus()
         self._stop_mode = None
         self._thread = threading.Thread(target=self._run, args=(torch.get_num_threads(),), name="hf_hybridcache-engine",
@@ -181,6 +175,7 @@ class ContinuousBatchingManager:
         prompt_logprobs: int | None = None,
         grammar=None,
         images: Mapping[str, torch.Tensor] | None = None,
+        num_speculative_tokens: int | None = None,
         **logit_processor_kwargs,
     ) -> str | None:
         """Queue a request; returns its id (None when the manager is stopping or dead, as transformers').
@@ -205,6 +200,8 @@ class ContinuousBatchingManager:
                 ``spatial_shapes`` + ``pixel_attention_mask`` (LFM2-VL), ``pixel_values`` + ``image_grid_hw``
                 (Nemotron-H Omni), ``pixel_values`` (Inkling); ``mm_token_type_ids`` is taken and recomputed. The
                 prompt is then looked up and stored by its images' content (:mod:`~hf_hybridcache.engine.images`).
+            num_speculative_tokens: draft tokens it verifies per step at most, ``0 .. speculation.num_speculative_tokens``
+                (None: the manager's ``speculation`` default; 0: it does not speculate).
             logit_processor_kwargs: per-request ``temperature``, ``top_k``, ``top_p`` (with
                 ``ContinuousBatchingConfig(per_request_processors=True)`` and the processor enabled in the
                 generation config).
@@ -221,6 +218,7 @@ class ContinuousBatchingManager:
             self, input_ids, request_id, max_new_tokens, streaming=streaming, record_timestamps=record_timestamps,
             eos_token_id=eos_token_id, cache_salt=cache_salt, seed=seed, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, grammar=grammar, images=images, sampling=logit_processor_kwargs,
+            num_speculative_tokens=num_speculative_tokens,
         )
         if requests[-1].error is not None:
             self._router.deliver([r.to_output() for r in requests])

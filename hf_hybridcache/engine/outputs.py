@@ -16,10 +16,18 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from .._compat.continuous_batching import GenerationOutput
 
 logger = logging.getLogger("hf_hybridcache")
+
+
+@dataclass
+class ThreadStatus:
+    """What ``transformers serve`` reads of the manager's loop (``background_thread_status.fatal_error``)."""
+
+    fatal_error: BaseException | None = None
 
 
 class OutputRouter:

@@ -2,19 +2,21 @@
 masks every attention layer reads.
 
 A step is one forward over ``[1, N]`` packed tokens: first one token of each request in the *decode group* (a
-single token over the request's own state; sorted by past length), then the *prefill groups*, each ``G`` requests
-feeding ``T`` tokens over equal pasts (all fresh, or all continuing from their slots)::
+single token over the request's own state; sorted by past length), then the *verify groups* (each ``G`` requests
+feeding their last token and ``T - 1`` draft tokens over their own states, pasts unequal:
+:mod:`~hf_hybridcache.engine.speculative`), then the *prefill groups*, each ``G`` requests feeding ``T`` tokens over
+equal pasts (all fresh, or all continuing from their slots)::
 
-    input_ids  [ d0 d1 d2 | a0 a1 ... a23 b0 ... b23 | c0 ... c12 ]
-                 decode      prefill group [2, 24]      prefill group [1, 13]
+    input_ids  [ d0 d1 d2 | v0 v1 v2 v3 v4 w0 ... w4 | a0 a1 ... a23 b0 ... b23 | c0 ... c12 ]
+                 decode      verify group [2, 5]       prefill group [2, 24]      prefill group [1, 13]
 
 Token-wise layers run on the pack; every stateful module (mixer, attention) runs once per group on ``[G, T, ...]``
 (:mod:`~hf_hybridcache.engine.grouping`), so a recurrence or a conv window never crosses a request boundary, and
 each group's attention reads its keys from the page pool through the rows computed here:
 
-- decode group: request ``b`` has ``L_b`` keys (its past + the new token); the rows are left-padded to
-  ``K = max L_b`` (right-aligned, so the distance from the query to key ``j`` is ``K - 1 - j`` in every row), padding
-  masked;
+- decode and verify groups: request ``b`` has ``L_b`` keys (its past + its ``T`` new tokens); the rows are
+  left-padded to ``K = max L_b`` (right-aligned, so the distance from query ``q`` to key ``j`` is ``K - T + q - j`` in
+  every row), padding and the keys after each query masked;
 - prefill group over past ``P``: keys ``[kv_start, P + T)`` of every row, causal mask offset by ``P``;
 - a sliding-window layer of window ``w`` reads only the keys a query may see (``q - w < k <= q``) and masks the rest.
 
@@ -45,10 +47,13 @@ class Segment:
         emit_positions: token counts ``1 <= t < len(tokens)`` after which the mixers hand over the request's states
             (the block boundaries inside the chunk that it keeps).
         samples: the chunk reaches the end of the request's remaining tokens: its last logits are sampled.
+        draft: draft tokens at the end of ``tokens`` (a decoding request's last token comes first), each verified
+            against the logits of the position before it (:mod:`~hf_hybridcache.engine.speculative`); the logits of
+            every position from the last token on are sampled.
         captured: ``{boundary tokens: {state key: (conv [1, C, W], ssm [1, ...])}}`` the mixers handed over.
-        scores, boundary_rows, sampled_score: what the forward scored for a request that asks for logprobs
+        scores, boundary_rows, sampled_scores: what the forward scored for a request that asks for logprobs
             (:mod:`~hf_hybridcache.engine.scoring`): its prompt tokens ``past + 1 ..``, the log-softmax rows
-            ``{boundary: [V] float32 (CPU)}`` before the boundaries it keeps, and its sampled token.
+            ``{boundary: [V] float32 (CPU)}`` before the boundaries it keeps, and the tokens it emitted.
     """
 
     request: EngineRequest
@@ -57,10 +62,11 @@ class Segment:
     fresh: bool
     emit_positions: tuple[int, ...] = ()
     samples: bool = False
+    draft: tuple[int, ...] = ()
     captured: dict[int, dict[StateKey, LayerState]] = field(default_factory=dict)
     scores: list | None = None
     boundary_rows: dict[int, torch.Tensor] = field(default_factory=dict)
-    sampled_score: object | None = None
+    sampled_scores: list | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -70,6 +76,11 @@ class Segment:
     def end(self) -> int:
         return self.past + len(self.tokens)
 
+    @property
+    def num_logits(self) -> int:
+        """Positions whose logits are sampled: none, the last, or the last token's and every draft token's."""
+        return len(self.draft) + 1 if self.samples else 0
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -78,8 +89,8 @@ class Layout:
     Attributes:
         rows: pool rows ``[G * K]`` int64 (row ``b``'s keys are ``rows[b * K : (b + 1) * K]``).
         num_keys: ``K``.
-        allowed: ``[G, 1, 1, K]`` (decode) or ``[1, 1, T, K]`` (prefill) bool, True where a query sees a key;
-            None when every key is visible (decode) or plain causal attention from position 0 applies.
+        allowed: ``[G, 1, T, K]`` (decode, verify) or ``[1, 1, T, K]`` (prefill) bool, True where a query sees a
+            key; None when every key is visible (decode) or plain causal attention from position 0 applies.
         causal: plain causal attention from position 0 applies (a fresh prefill group, no window cut).
         kv_offset: absolute position of key 0 (of the longest row in a decode group of unequal pasts).
     """
@@ -95,7 +106,7 @@ class Group:
     """Requests that run as one ``[G, T]`` batch in every stateful module.
 
     Args:
-        segments: the group's segments (equal token counts; equal pasts unless a decode group).
+        segments: the group's segments (equal token counts; equal pasts unless a decode or verify group).
         start: offset of its first token in the pack.
         tables: the engine's page tables ``[num slots, max pages]`` int64, page ``i`` of the request in a slot.
         page_size: tokens per page.
@@ -108,6 +119,7 @@ class Group:
         self.num_tokens = len(self.segments[0].tokens)
         self.fresh = self.segments[0].fresh
         self.is_decode = self.segments[0].is_decode
+        self.ragged = self.is_decode or bool(self.segments[0].draft)  # rows over their own pasts, right-aligned
         self.page_size = page_size
         self.tables = tables
         self.pasts = torch.tensor([s.past for s in self.segments], dtype=torch.int64)
@@ -163,17 +175,25 @@ class Group:
     def layout(self, window: int | None) -> Layout:
         """The keys of the rows for attention layers of sliding ``window`` (None: full attention)."""
         if window not in self._layouts:
-            self._layouts[window] = self._decode_layout(window) if self.is_decode else self._prefill_layout(window)
+            self._layouts[window] = self._ragged_layout(window) if self.ragged else self._prefill_layout(window)
         return self._layouts[window]
 
-    def _decode_layout(self, window: int | None) -> Layout:
-        lengths = self.pasts + 1
-        first = torch.zeros_like(lengths) if window is None else (lengths - window).clamp(min=0)
+    def _ragged_layout(self, window: int | None) -> Layout:
+        num_tokens = self.num_tokens
+        lengths = self.pasts + num_tokens
+        first = torch.zeros_like(lengths) if window is None else (self.pasts + 1 - window).clamp(min=0)
         num_keys = int((lengths - first).max())
         positions = (lengths - num_keys)[:, None] + torch.arange(num_keys)[None]  # right-aligned [G, K]
-        visible = positions >= first[:, None]
         rows = self._rows(torch.maximum(positions, first[:, None]))
-        allowed = None if bool(visible.all()) else visible[:, None, None, :]
+        if num_tokens == 1:
+            visible = positions >= first[:, None]
+            allowed = None if bool(visible.all()) else visible[:, None, None, :]
+        else:
+            queries = self.pasts[:, None, None] + torch.arange(num_tokens)[None, :, None]  # [G, T, 1]
+            allowed = (positions[:, None, :] <= queries) & (positions[:, None, :] >= first[:, None, None])
+            if window is not None:
+                allowed &= positions[:, None, :] > queries - window
+            allowed = allowed[:, None]
         return Layout(rows.reshape(-1), num_keys, allowed, False, int(lengths.max()) - num_keys)
 
     def _prefill_layout(self, window: int | None) -> Layout:
@@ -201,19 +221,24 @@ class StepPlan:
     Attributes:
         groups: the decode group (if any) first, then the prefill groups, in pack order.
         input_ids, position_ids: ``[1, N]`` int64.
-        logits_index: ``[M]`` int64, the pack offsets of the sampled segments' last tokens.
+        logits_index: ``[M]`` int64, the pack offsets of the sampled positions (each sampled segment's last token,
+            or its last token and drafts: :attr:`Segment.num_logits` of them), in order.
         sampled: the segments whose logits are sampled, in ``logits_index`` order.
     """
 
     def __init__(self, segments: Sequence[Segment], tables: torch.Tensor, page_size: int) -> None:
         decodes = sorted((s for s in segments if s.is_decode), key=lambda s: s.past)
+        verifies: dict[int, list[Segment]] = {}
         prefills: dict[tuple[int, int, bool], list[Segment]] = {}
         for s in segments:
-            if not s.is_decode:
+            if s.draft:
+                verifies.setdefault(len(s.tokens), []).append(s)
+            elif not s.is_decode:
                 prefills.setdefault((len(s.tokens), s.past, s.fresh), []).append(s)
         self.groups: list[Group] = []
         start = 0
-        for members in ([decodes] if decodes else []) + list(prefills.values()):
+        verify_groups = [sorted(members, key=lambda s: s.past) for _, members in sorted(verifies.items())]
+        for members in ([decodes] if decodes else []) + verify_groups + list(prefills.values()):
             self.groups.append(Group(members, start, tables, page_size))
             start = self.groups[-1].end
         ordered = [s for g in self.groups for s in g.segments]
@@ -221,7 +246,8 @@ class StepPlan:
         self.input_ids = torch.tensor([[t for s in ordered for t in s.tokens]], dtype=torch.int64)
         self.position_ids = torch.tensor([[p for s in ordered for p in range(s.past, s.end)]], dtype=torch.int64)
         offsets = itertools.accumulate((len(s.tokens) for s in ordered), initial=0)
-        ends = [offset + len(s.tokens) - 1 for offset, s in zip(offsets, ordered)]
+        ends = [offset + len(s.tokens) for offset, s in zip(offsets, ordered)]
         self.sampled = [s for s in ordered if s.samples]
-        self.logits_index = torch.tensor([end for end, s in zip(ends, ordered) if s.samples], dtype=torch.int64)
+        self.logits_index = torch.tensor([i for end, s in zip(ends, ordered) for i in range(end - s.num_logits, end)],
+                                         dtype=torch.int64)
         self.segments = ordered

@@ -81,6 +81,14 @@ class EngineRequest:
             positions), or None for a text prompt.
         features: its images' feature rows while its prompt runs (a :class:`~hf_hybridcache.engine.images.Features`),
             else None.
+        num_speculative_tokens: draft tokens it may verify per step (None: the engine's default, 0: it does not
+            speculate; :mod:`~hf_hybridcache.engine.speculative`).
+        draft, draft_probs: the draft tokens of its next step and their draft distributions ``[k, V]`` (None: proposed
+            with certainty), set before each step.
+        held: it is left out of the steps for now (a draft engine's request whose target is not drafting).
+        speculating: what it feeds now is not its own for good (a draft engine's request feeding draft tokens): its
+            steps store nothing.
+        admissions: times it was admitted (a preempted request is admitted again).
     """
 
     request_id: str
@@ -126,6 +134,12 @@ class EngineRequest:
     sample_error: str | None = None
     images: object | None = field(default=None, repr=False)
     features: object | None = field(default=None, repr=False)
+    num_speculative_tokens: int | None = None
+    draft: tuple[int, ...] = ()
+    draft_probs: torch.Tensor | None = field(default=None, repr=False)
+    held: bool = False
+    speculating: bool = False
+    admissions: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -171,6 +185,17 @@ class EngineRequest:
     @property
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED
+
+    def take(self, tokens: list[int], logprobs: list[float] | None, scores: list | None, now: float) -> None:
+        """Append the ``tokens`` a step emitted (with their ``logprobs`` and ``scores`` when it asked for them)."""
+        self.generated.extend(tokens)
+        if logprobs is not None:
+            self.logprobs.extend(logprobs)
+        if scores:
+            self.token_scores.extend(scores)
+        if self.timestamps is not None:
+            self.timestamps.extend([now] * len(tokens))
+        self.status = RequestStatus.DECODING
 
     def to_output(self) -> EngineOutput:
         """Its transformers ``GenerationOutput`` (copies of the lists)."""

@@ -7,7 +7,10 @@ transformers' continuous batching's after the grammar masks of requests that fol
 (:mod:`~hf_hybridcache.engine.grammar`): the end-of-sequence floor of ``min_new_tokens`` / ``min_length``
 (:class:`~hf_hybridcache.engine.generation_fields.EosFloor`), its logits processors (per-request temperature, top-k,
 top-p), then argmax or ``multinomial`` from one generator (seeded by ``ContinuousBatchingConfig.seed``), or from a
-request's own generator when it was added with a ``seed``.
+request's own generator when it was added with a ``seed``. A segment that verifies draft tokens has a row of logits
+per position, each masked and processed as that position's own next-token choice (its grammar advanced over the
+drafts before it, its end-of-sequence floor counting them), and keeps what :mod:`~hf_hybridcache.engine.verify`
+accepts: argmax tokens greedily, rejection sampling when sampling.
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ import torch
 from .. import _compat
 from ..models.decode_linear import decode_threads
 from .._compat.continuous_batching import processor_args, warpers_only
-from . import grammar, scoring
+from . import grammar, scoring, verify
 from .generation_fields import EosFloor
-from .plan import StepPlan
+from .plan import Segment, StepPlan
+from .speculative import drafted_probs
+from .verify import Pick
 from .views import StepCache
 
 
@@ -60,10 +65,12 @@ class StepRunner:
             self.generator.seed()
 
     @torch.no_grad()
-    def run(self, plan: StepPlan, cache: StepCache, inputs: dict | None = None) -> tuple[list[int], list[float] | None]:
-        """The tokens sampled for ``plan.sampled`` (and their log-probabilities when asked); ``inputs``: the forward's
-        image inputs (:func:`~hf_hybridcache.engine.images.forward_inputs`: ``mm_encoder_outputs``, 3D
-        ``position_ids``). Raises whatever the forward raises; the caller fails or retries the step's requests."""
+    def run(self, plan: StepPlan, cache: StepCache, inputs: dict | None = None
+            ) -> tuple[list[Pick], list[list[float]] | None]:
+        """The tokens each of ``plan.sampled`` emits and how many of them are its drafts (one token and 0 for a
+        segment without drafts), and their log-probabilities when asked; ``inputs``: the forward's image inputs
+        (:func:`~hf_hybridcache.engine.images.forward_inputs`: ``mm_encoder_outputs``, 3D ``position_ids``). Raises
+        whatever the forward raises; the caller fails or retries the step's requests."""
         kwargs = {_compat.cache_kwarg(self.model): cache, **(inputs or {})}
         position_ids = kwargs.pop("position_ids", plan.position_ids)
         kept = scoring.kept_logits(plan)  # a request scoring its prompt: the logits of those positions too
@@ -89,38 +96,43 @@ class StepRunner:
             return [], None
         return self._sample(logits, plan)
 
-    def _sample(self, logits: torch.Tensor, plan: StepPlan) -> tuple[list[int], list[float] | None]:
-        """Tokens for logits ``[M, V]`` float32 of the sampled segments (scored from the raw logits when asked)."""
+    def _sample(self, logits: torch.Tensor, plan: StepPlan) -> tuple[list[Pick], list[list[float]] | None]:
+        """Picks for logits ``[M, V]`` float32 of the sampled positions (scored from the raw logits when asked)."""
+        segments = plan.sampled
+        rows = [(s, i) for s in segments for i in range(s.num_logits)]  # each row's segment and draft position
         raw = scoring.log_softmax_sampled(plan, logits)
-        requests = [segment.request for segment in plan.sampled]
-        logits = grammar.mask_logits(logits, grammar.grammar_rows(requests))  # a matcher that raises: its row alone
+        requests = [segment.request for segment in segments]
+        logits = grammar.mask_logits(logits, grammar.grammar_rows(segments))  # a matcher that raises: its rows alone
         if self.floor is not None:
-            logits = self.floor.apply(logits, [segment.request for segment in plan.sampled])
+            logits = self.floor.apply(logits, [s.request for s, _ in rows], [i for _, i in rows])
+        probs = None
         if self._argmax_rows(plan):
-            tokens = logits.argmax(dim=-1)
-            if raw is not None:
-                scoring.score_sampled(plan, raw, tokens)
-            tokens = tokens.tolist()
-            grammar.advance(requests, tokens)
-            return tokens, None
-        if self.processors.do_processing:
-            last = torch.tensor([s.tokens[-1] for s in plan.sampled], device=logits.device)
-            args = processor_args(self.processors, [s.request.sampling for s in plan.sampled]).to(logits.device)
-            logits = self.processors(last, logits, args)
-        if self.do_sample or self.return_logprobs:
-            probs = torch.softmax(logits, dim=-1)
-        if self.do_sample:
-            tokens = self._draw(probs, [segment.request for segment in plan.sampled])
+            picks = self._greedy(logits, segments)
         else:
-            tokens = logits.argmax(dim=-1)
+            if self.processors.do_processing:
+                last = torch.tensor([s.tokens[len(s.tokens) - s.num_logits + i] for s, i in rows], device=logits.device)
+                args = processor_args(self.processors, [s.request.sampling for s, _ in rows]).to(logits.device)
+                logits = self.processors(last, logits, args)
+            if self.do_sample or self.return_logprobs:
+                probs = torch.softmax(logits, dim=-1)
+            picks = self._draw(probs, segments) if self.do_sample else self._greedy(logits, segments)
         if raw is not None:
-            scoring.score_sampled(plan, raw, tokens)
+            scoring.score_sampled(plan, raw, picks)
         logprobs = None
-        if self.return_logprobs:
-            logprobs = probs.gather(1, tokens[:, None])[:, 0].log().tolist()
-        tokens = tokens.tolist()
-        grammar.advance(requests, tokens)  # last: a step that raised (a processor, the draw) took no token
-        return tokens, logprobs
+        if self.return_logprobs:  # of each emitted token, at its own position
+            index = [(first + j, token) for first, (tokens, _) in zip(_firsts(segments), picks)
+                     for j, token in enumerate(tokens)]
+            values = iter(probs[[i for i, _ in index], [t for _, t in index]].log().tolist())
+            logprobs = [[next(values) for _ in tokens] for tokens, _ in picks]
+        grammar.advance(requests, [tokens for tokens, _ in picks])  # last: a step that raised took no token
+        return picks, logprobs
+
+    @staticmethod
+    def _greedy(logits: torch.Tensor, segments: list[Segment]) -> list[Pick]:
+        choices = logits.argmax(dim=-1).tolist()
+        return [([choices[first]], 0) if not s.draft else
+                verify.accept_greedy(choices[first : first + s.num_logits], s.draft, _limit(s), s.request.eos_token_ids)
+                for first, s in zip(_firsts(segments), segments)]
 
     def _argmax_rows(self, plan: StepPlan) -> bool:
         """Whether every sampled row is a top-k 1 request of a sampling manager (the server's greedy requests) whose
@@ -133,20 +145,42 @@ class StepRunner:
                 and all(s.request.sampling.get("top_k") == 1 and s.request.sampling.get("temperature", 1.0) > 0
                         for s in plan.sampled))
 
-    def _draw(self, probs: torch.Tensor, requests: list) -> torch.Tensor:
-        """One token per row of ``probs`` ``[M, V]``: a seeded request's from its own generator, the others' from the
-        shared one, which only they draw from (so the shared stream does not depend on seeded requests beside them)."""
-        seeded = [row for row, request in enumerate(requests) if request.seed is not None]
-        if not seeded:
-            return torch.multinomial(probs, num_samples=1, generator=self.generator)[:, 0]
-        tokens = torch.empty(len(requests), dtype=torch.int64, device=probs.device)
-        shared = [row for row, request in enumerate(requests) if request.seed is None]
+    def _draw(self, probs: torch.Tensor, segments: list[Segment]) -> list[Pick]:
+        """Picks for ``probs`` ``[M, V]`` (the rows of ``segments``): a seeded request draws from its own generator,
+        the others from the shared one, which only they draw from (so the shared stream does not depend on seeded
+        requests beside them); a segment with drafts verifies them by rejection sampling, after the others' draws."""
+        firsts = _firsts(segments)
+        plain = [j for j, s in enumerate(segments) if not s.draft]
+        picks: list[Pick | None] = [None] * len(segments)
+        shared = [j for j in plain if segments[j].request.seed is None]
         if shared:
-            rows = torch.tensor(shared, device=probs.device)
-            tokens[rows] = torch.multinomial(probs[rows], num_samples=1, generator=self.generator)[:, 0]
-        for row in seeded:
-            request = requests[row]
-            if request.generator is None:
+            rows = torch.tensor([firsts[j] for j in shared], device=probs.device)
+            drawn = torch.multinomial(probs.index_select(0, rows), num_samples=1, generator=self.generator)[:, 0]
+            for j, token in zip(shared, drawn.tolist()):
+                picks[j] = ([token], 0)
+        for j, segment in enumerate(segments):
+            request = segment.request
+            if request.seed is not None and request.generator is None:
                 request.generator = torch.Generator(device=probs.device).manual_seed(request.seed)
-            tokens[row] = torch.multinomial(probs[row], num_samples=1, generator=request.generator)[0]
-        return tokens
+            generator = self.generator if request.seed is None else request.generator
+            if segment.draft:
+                picks[j] = verify.accept_sampled(probs[firsts[j] : firsts[j] + segment.num_logits], segment.draft,
+                                                 _limit(segment), request.eos_token_ids, generator,
+                                                 drafted_probs(segment))
+            elif request.seed is not None:
+                picks[j] = ([int(torch.multinomial(probs[firsts[j]], num_samples=1, generator=generator)[0])], 0)
+        return picks
+
+
+def _firsts(segments: list[Segment]) -> list[int]:
+    """The first row of each sampled segment among the sampled rows."""
+    firsts, row = [], 0
+    for segment in segments:
+        firsts.append(row)
+        row += segment.num_logits
+    return firsts
+
+
+def _limit(segment: Segment) -> int:
+    """New tokens the segment's request may still emit."""
+    return segment.request.max_new_tokens - len(segment.request.generated)

@@ -5,12 +5,16 @@ Each step, in this order (vLLM's and transformers' continuous-batching policy: d
 
 1. Every decoding request feeds its one token (oldest first, within the token budget). When the pages they need are
    not free, the newest running requests are preempted (they give their slot and private pages back and wait to be
-   recomputed through the store) until the rest fit.
+   recomputed through the store) until the rest fit. Then each one's draft tokens, if it has any
+   (:mod:`~hf_hybridcache.engine.speculative`), as far as the tokens and pages left go: a draft is cut, never a
+   request's own token.
 2. Requests in prefill continue with the next chunk of their remaining tokens, oldest first, as far as the token
    budget and the free pages go; a chunk that stops short of the end is cut at a block boundary, so the next one
    starts on a page boundary and equal chunks of several requests form one group.
 3. Waiting requests are admitted in arrival order while a slot, tokens and pages remain (admission may defer a
    request whose prefix another running request is computing; it keeps its place).
+
+Requests ``held`` (a draft engine's requests whose targets are not drafting) are left out of the step.
 
 Requests in a probe group (they were in a forward that raised) are scheduled like any other: the engine runs each
 group in a forward of its own (:mod:`~hf_hybridcache.engine.isolation`), so nothing waits behind them.
@@ -67,16 +71,22 @@ class Scheduler:
         ``preempt(request)`` gives a running request's slot and pages back (it is put first in ``waiting`` here)."""
         chunks: list[Chunk] = []
         budget = self.max_batch_tokens
-        decoding = [r for r in self.running if r.is_decoding][:budget]
+        decoding = [r for r in self.running if r.is_decoding and not r.held][:budget]
         while sum(self.pages_needed(r, 1) for r in decoding) > free_pages and len(self.running) > 1:
             victim = self.running[-1]
-            free_pages += self._preempt(victim, preempt)
+            free_pages += self.requeue(victim, preempt)
             decoding = [r for r in decoding if r is not victim]
+        free_pages -= sum(self.pages_needed(r, 1) for r in decoding)
+        budget -= len(decoding)
         for request in decoding:
-            chunks.append(Chunk(request, 1))
-            free_pages -= self.pages_needed(request, 1)
-            budget -= 1
-        for request in [r for r in self.running if not r.is_decoding]:
+            extra = min(len(request.draft), budget)
+            while extra and self.pages_needed(request, 1 + extra) - self.pages_needed(request, 1) > free_pages:
+                extra -= 1
+            request.draft = request.draft[:extra]
+            chunks.append(Chunk(request, 1 + extra))
+            free_pages -= self.pages_needed(request, 1 + extra) - self.pages_needed(request, 1)
+            budget -= extra
+        for request in [r for r in self.running if not r.is_decoding and not r.held]:
             chunk = self._chunk(request, budget, free_pages)
             if chunk is None:
                 continue
@@ -86,7 +96,7 @@ class Scheduler:
         for request in list(self.waiting):
             if budget < 1 or free_pages < 1 or not has_free_slot():
                 break
-            if not admit(request):
+            if request.held or not admit(request):
                 continue
             self.waiting.remove(request)
             self.running.append(request)
@@ -95,8 +105,9 @@ class Scheduler:
                 chunks.append(chunk)
                 budget -= chunk.num_tokens
                 free_pages -= self.pages_needed(request, chunk.num_tokens)
-        if not chunks and len(self.running) > 1:  # every running request waits for pages: make room for the oldest
-            freed = self._preempt(self.running[-1], preempt)
+        if not chunks and len(self.running) > 1 and not all(r.held for r in self.running):
+            # every running request waits for pages: make room for the oldest
+            freed = self.requeue(self.running[-1], preempt)
             return self.choose(free_pages + freed, has_free_slot, admit, preempt)
         return chunks
 
@@ -110,8 +121,8 @@ class Scheduler:
             num_tokens = cut if cut > 0 else num_tokens
         return Chunk(request, num_tokens) if num_tokens > 0 else None
 
-    def _preempt(self, request: EngineRequest, preempt: Callable[[EngineRequest], None]) -> int:
-        """Preempt ``request``; returns the pages it gave back."""
+    def requeue(self, request: EngineRequest, preempt: Callable[[EngineRequest], None]) -> int:
+        """Preempt running ``request`` with ``preempt`` and put it first in ``waiting``; returns the pages it gave back."""
         freed = len(request.own_pages)
         self.running.remove(request)
         preempt(request)

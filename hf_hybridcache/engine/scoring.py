@@ -80,9 +80,9 @@ def kept_logits(plan: StepPlan) -> KeptLogits | None:
         if scored:
             spans.append((segment, len(index), scored))
             index.extend(range(offset, offset + scored))
-        if segment.samples:
+        for position in range(len(segment.tokens) - segment.num_logits, len(segment.tokens)):  # none unless sampled
             sample_rows.append(len(index))
-            index.append(offset + len(segment.tokens) - 1)
+            index.append(offset + position)
         offset += len(segment.tokens)
     return KeptLogits(torch.tensor(index, dtype=torch.int64), torch.tensor(sample_rows, dtype=torch.int64), spans)
 
@@ -124,18 +124,24 @@ def log_softmax_sampled(plan: StepPlan, logits: torch.Tensor) -> torch.Tensor | 
     return torch.log_softmax(logits, dim=-1)
 
 
-def score_sampled(plan: StepPlan, logprobs: torch.Tensor, tokens: torch.Tensor) -> None:
-    """Set ``segment.sampled_score`` of each sampled segment whose request scores its generated tokens, from
-    ``logprobs`` ``[M, V]`` (:func:`log_softmax_sampled`) and the sampled ``tokens`` ``[M]``."""
-    rows = [i for i, s in enumerate(plan.sampled) if s.request.score_generated is not None]
-    k = min(max(plan.sampled[i].request.score_generated for i in rows), logprobs.shape[-1])
-    index = torch.tensor(rows, device=logprobs.device)
-    picked = logprobs.index_select(0, index)
-    chosen = picked.gather(1, tokens.index_select(0, index)[:, None])[:, 0].tolist()
+def score_sampled(plan: StepPlan, logprobs: torch.Tensor, picks: list) -> None:
+    """Set ``segment.sampled_scores`` of each sampled segment whose request scores its generated tokens, from
+    ``logprobs`` ``[M, V]`` (:func:`log_softmax_sampled`, a row per sampled position) and the tokens each emitted
+    (``picks``: ``(tokens, accepted drafts)`` in ``plan.sampled`` order; token ``j`` is scored at its row ``j``)."""
+    rows, tokens, owners, first = [], [], [], 0
+    for segment, (emitted, _) in zip(plan.sampled, picks):
+        if segment.request.score_generated is not None:
+            rows.extend(range(first, first + len(emitted)))
+            tokens.extend(emitted)
+            owners.extend([segment] * len(emitted))
+            segment.sampled_scores = []
+        first += segment.num_logits
+    k = min(max(s.request.score_generated for s in owners), logprobs.shape[-1])
+    picked = logprobs.index_select(0, torch.tensor(rows, device=logprobs.device))
+    chosen = picked.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0].tolist()
     top = picked.topk(k, dim=-1) if k else None
-    for j, i in enumerate(rows):
-        segment = plan.sampled[i]
+    for j, segment in enumerate(owners):
         want = segment.request.score_generated
         ids = tuple(top.indices[j, :want].tolist()) if top is not None else ()
         values = tuple(top.values[j, :want].tolist()) if top is not None else ()
-        segment.sampled_score = TokenScore(chosen[j], ids, values)
+        segment.sampled_scores.append(TokenScore(chosen[j], ids, values))

@@ -48,6 +48,8 @@ def store_segment(core: CacheCore, segment: Segment, slots: StateSlots, placehol
     states hold a token whose content no key names."""
     request, options = segment.request, core.options
     row = request.row
+    if request.speculating:  # a draft engine's request feeding draft tokens: they are not its tokens for good
+        return
     if segment.is_decode and options.replay_replies and row.prefill_tokens is None:
         row.prefill_tokens = len(row.token_ids)
     keys = request.keys_of(segment.past, segment.tokens)

@@ -156,6 +156,19 @@ class GrammarMatcher:
         self.tokens.append(token)
         return self._matcher.consume_token(token)
 
+    def try_accept(self, token: int) -> bool:
+        """Advance by ``token`` if the grammar allows it (True), else stay where it is (False). Never raises."""
+        if self._matcher.try_consume_tokens([token]) != 1:
+            return False
+        self.tokens.append(token)
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        """Take back the last ``num_tokens`` tokens it took (a verified draft's, :meth:`try_accept`)."""
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+            del self.tokens[-num_tokens:]
+
     @property
     def is_done(self) -> bool:
         """The grammar is complete and took an end-of-sequence token: the sequence is over."""
