@@ -225,3 +225,16 @@ def test_speculative_multiturn_runs_and_every_turn_equals_greedy(capsys):
     assert rows[0]["hit_tokens"] == 0 and rows[1]["hit_tokens"] >= rows[0]["prompt_tokens"] - 16
     assert all(row["cached_identical"] and row["native_identical"] in (True, None) for row in rows)
     assert "| turn | prompt tokens | hit tokens |" in capsys.readouterr().out
+
+
+def test_engine_speculative_runs_every_way_and_each_equals_the_plain_run(capsys):
+    """``engine_speculative.py`` on the toy, 1 and 2 streams: every way's tokens equal the plain engine's and the
+    ceiling keeps every draft."""
+    from benchmarks import engine_speculative
+
+    rows = engine_speculative.main(["--streams", "1", "2", "--new-tokens", "8", "--prompt-tokens", "20",
+                                    "--repeats", "1", "--rates", "0.5", "--draft-model"])
+    assert {row["way"] for row in rows} == {"plain", "ceiling k=4", "rate 0.5 k=4", "draft model k=4", "ngram k=4"}
+    assert all(row["identical"] for row in rows)
+    assert all(row["accepted"] == 1.0 for row in rows if row["way"] == "ceiling k=4")
+    assert "| text | 2 | ceiling k=4 | 1.00 |" in capsys.readouterr().out

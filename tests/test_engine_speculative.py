@@ -557,3 +557,27 @@ def test_ngram_drafter_looks_up_the_latest_longest_match():
     assert drafter.lookup("c", [1, 2, 3, 4, 1, 2, 3, 4, 8], 3) == []  # incremental: 8 never seen before
     assert drafter.lookup("d", [5], 3) == [] and drafter.lookup("e", [], 1) == []
     assert math.isnan(SpeculationStats().acceptance_rate)
+
+
+def test_bf16_replies_are_stored_from_a_replay_as_without_speculation():
+    """With replay_replies (bf16's default) a verify step counts as a decode step: nothing past the first one is
+    stored while the request runs, the reply is stored from its replay when it finishes (the same 16 tokens as
+    test_engine_families' plain run), and the next turn hits inside it."""
+    model, cold = build_model("jamba", seed=0, dtype=torch.bfloat16), build_model("jamba", seed=0, dtype=torch.bfloat16)
+    cache = HybridPrefixCache(model)
+    reference = references(cold, 27)
+    prompt = ids(37, seed=930)
+    manager = cache.init_continuous_batching(config(max_new_tokens=27, eos_token_id=-1),
+                                             speculation=Speculation(ScriptedDrafter(reference), K))
+    manager.start()
+    try:
+        manager.add_request(prompt, request_id="t1")
+        first = finals(manager, ["t1"])["t1"]
+    finally:
+        manager.stop()  # runs the waiting replay at once
+    assert manager.batch_processor.speculator.stats.accepted_tokens > 0
+    assert (cache.stats.replayed_reply_tokens, cache.stats.kv_blocks) == (16, 3)
+    turn = prompt + first.generated_tokens + ids(5, seed=931)
+    second = model.generate_batch([turn], generation_config=config(max_new_tokens=4, eos_token_id=-1))["req_0"]
+    assert second.hit_tokens == 48
+    check_store(cache)

@@ -69,7 +69,8 @@ class NgramDrafter(Drafter):
     repeats its prompt (a code edit, a quotation, a summary that cites) drafts well, free text hardly at all.
 
     Args:
-        max_ngram, min_ngram: the n-gram lengths tried, longest first.
+        max_ngram: the longest n-gram tried (first).
+        min_ngram: the shortest n-gram tried (last).
 
     Each request keeps an index ``{n-gram: where its latest occurrence ended}`` that grows with its tokens (one dict
     update per token and ``n``), so a lookup costs ``O(max_ngram)`` whatever the length.

@@ -41,16 +41,17 @@ def emit_positions(segment: Segment, options: CacheOptions) -> tuple[int, ...]:
 def store_segment(core: CacheCore, segment: Segment, slots: StateSlots, placeholders: frozenset[int] = frozenset()
                   ) -> None:
     """Store what ``segment``'s chunk completed (after the step's forward succeeded), under its request's token keys.
-    With ``replay_replies`` (bf16, fp16) nothing past a request's first decode step is stored: a decode step rounds
-    differently from a prefill there (:mod:`~hf_hybridcache.generate.reply_replay`); the engine stores the reply from
-    a replay request when the request finishes (:func:`replay_request`). A chunk that feeds one of ``placeholders``
+    With ``replay_replies`` (bf16, fp16) nothing past a request's first decode or verify step is stored: a decode
+    step (or a verify step's few tokens over the state) rounds differently from a prefill there
+    (:mod:`~hf_hybridcache.generate.reply_replay`); the engine stores the reply from a replay request when the
+    request finishes (:func:`replay_request`). A chunk that feeds one of ``placeholders``
     (a vision-language wrapper's placeholder ids) without its image (a sampled one) ends the request's storing: its
     states hold a token whose content no key names."""
     request, options = segment.request, core.options
     row = request.row
     if request.speculating:  # a draft engine's request feeding draft tokens: they are not its tokens for good
         return
-    if segment.is_decode and options.replay_replies and row.prefill_tokens is None:
+    if (segment.is_decode or segment.draft) and options.replay_replies and row.prefill_tokens is None:
         row.prefill_tokens = len(row.token_ids)
     keys = request.keys_of(segment.past, segment.tokens)
     row.token_ids.extend(keys)
