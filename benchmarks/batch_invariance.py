@@ -1,0 +1,253 @@
+"""Which ops of the supported families' forwards give a row a result that depends on the batch, the chunking or the
+path (issue 46, deterministic mode): measured bit for bit on this machine's torch.
+
+Four tables, each cell ``=`` (bitwise equal) or the largest absolute difference:
+
+1. ``F.linear`` (and :func:`~hf_hybridcache.kernels.batch_invariant.invariant_linear`, the package's fixed-tile form)
+   at M rows: is every row equal to the same row computed in a product of 64 rows? (``M=1`` is a decode step of one
+   request, ``M=8`` a step of eight, ``M=64`` a prefill chunk.)
+2. Row-wise reductions: an RMSNorm (transformers' form: the mean of squares in float32) and a softmax over the last
+   dim, row 0 alone against row 0 among M rows.
+3. Attention (``F.scaled_dot_product_attention``): the query at position t run in a causal prefill of 48 queries
+   against the same query alone in a decode step over the first t + 1 keys; one query among 1 / 8 / 64 queries over the
+   same keys; and a decode query whose 48 keys are split in two and merged by log-sum-exp (split-KV decoding).
+4. The package's recurrent kernels (:mod:`hf_hybridcache.kernels`): the last token of a 40-token prefill against the
+   same token as a decode step after a 39-token prefill (prefill vs decode), and one 40-token prefill against one
+   split at token s, the second part starting from the first's state (the chunk grid starting at another offset, as
+   a forward that starts at a cache hit or a chunked prefill does). ``y`` is the last token's output, ``state`` the
+   final recurrent state (float32).
+
+Read a row of ``=`` as "no ingredient needed for this op on this machine"; anything else is a place where deterministic
+mode must fix the reduction order. Timings (table 5) are the fixed-tile linear against ``F.linear`` at 1 and 8 rows,
+measured side by side in one run.
+
+    OMP_WAIT_POLICY=PASSIVE PYTHONPATH=. python benchmarks/batch_invariance.py
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as every benchmark here
+
+import torch
+import torch.nn.functional as F
+
+from hf_hybridcache.kernels import chunk_gated_delta_rule, mamba2_chunk_scan, selective_scan
+from hf_hybridcache.kernels.batch_invariant import invariant_linear
+from hf_hybridcache.kernels.state_update import gated_delta_step, mamba2_state_update, selective_state_update
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ROWS = (1, 2, 5, 8, 16, 64)
+LINEAR_SHAPES = [(512, 128, "toy MLP up"), (4096, 1024, "~100M MLP up")]
+
+
+def _cell(a: torch.Tensor, b: torch.Tensor) -> str:
+    if torch.equal(a, b):
+        return "="
+    return f"{(a.double() - b.double()).abs().max().item():.1e}"
+
+
+def _row(label: str, cells) -> str:
+    return "| " + " | ".join([label, *cells]) + " |"
+
+
+def linear_table() -> list[str]:
+    lines = [_row("op, N x K, dtype", [f"M={m}" for m in ROWS]), "|" + "---|" * (len(ROWS) + 1)]
+    for n, k, what in LINEAR_SHAPES:
+        for name, dtype in DTYPES.items():
+            gen = torch.Generator().manual_seed(0)
+            w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+            x = torch.randn(64, k, generator=gen).to(dtype)
+            for op_name, op in (("F.linear", F.linear), ("invariant_linear", invariant_linear)):
+                full = op(x, w)
+                cells = []
+                for m in ROWS:
+                    out = op(x[:m], w)
+                    diffs = [_cell(out[i], full[i]) for i in range(m)]
+                    bad = [d for d in diffs if d != "="]
+                    cells.append("=" if not bad else f"{len(bad)}/{m} rows, {max(bad)}")
+                lines.append(_row(f"{op_name}, {n}x{k} ({what}), {name}", cells))
+    return lines
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def reduction_table() -> list[str]:
+    lines = [_row("op, dtype", [f"M={m}" for m in ROWS]), "|" + "---|" * (len(ROWS) + 1)]
+    for name, dtype in DTYPES.items():
+        gen = torch.Generator().manual_seed(1)
+        x = (torch.randn(64, 1024, generator=gen) * 3).to(dtype)
+        weight = torch.randn(1024, generator=gen).to(dtype)
+        for op_name, op in (("RMSNorm", lambda t: _rms_norm(t, weight)), ("softmax", lambda t: t.softmax(-1))):
+            alone = op(x[:1])[0]
+            lines.append(_row(f"{op_name}, {name}", [_cell(op(x[:m])[0], alone) for m in ROWS]))
+    return lines
+
+
+def _split_kv_decode(q, k, v, split: int) -> torch.Tensor:
+    """A decode query over keys split at ``split``, the two partial results merged by log-sum-exp (flash-decoding)."""
+    scale = q.shape[-1] ** -0.5
+    parts = []
+    for ks, vs in ((k[..., :split, :], v[..., :split, :]), (k[..., split:, :], v[..., split:, :])):
+        scores = (q.float() @ ks.float().transpose(-1, -2)) * scale
+        lse = scores.logsumexp(-1, keepdim=True)
+        parts.append(((scores - lse).exp() @ vs.float(), lse))
+    (o1, l1), (o2, l2) = parts
+    total = torch.logaddexp(l1, l2)
+    return (o1 * (l1 - total).exp() + o2 * (l2 - total).exp()).to(q.dtype)
+
+
+def attention_table() -> list[str]:
+    lines = [_row("case", list(DTYPES)), "|---|---|---|---|"]
+    cases: dict[str, list[str]] = {"prefill query t=47 vs decode step": [], "prefill query t=20 vs decode step": [],
+                                   "1 of 8 queries vs alone (no mask)": [], "1 of 64 queries vs alone (no mask)": [],
+                                   "decode, 48 keys split 32+16 vs whole": []}
+    for dtype in DTYPES.values():
+        gen = torch.Generator().manual_seed(2)
+        q, k, v = (torch.randn(1, 4, 64, 64, generator=gen).to(dtype) for _ in range(3))
+        prefill = F.scaled_dot_product_attention(q[:, :, :48], k[:, :, :48], v[:, :, :48], is_causal=True)
+        for t, key in ((47, "prefill query t=47 vs decode step"), (20, "prefill query t=20 vs decode step")):
+            step = F.scaled_dot_product_attention(q[:, :, t : t + 1], k[:, :, : t + 1], v[:, :, : t + 1])
+            cases[key].append(_cell(prefill[:, :, t], step[:, :, 0]))
+        alone = F.scaled_dot_product_attention(q[:, :, :1], k[:, :, :48], v[:, :, :48])
+        for m, key in ((8, "1 of 8 queries vs alone (no mask)"), (64, "1 of 64 queries vs alone (no mask)")):
+            many = F.scaled_dot_product_attention(q[:, :, :m], k[:, :, :48], v[:, :, :48])
+            cases[key].append(_cell(many[:, :, 0], alone[:, :, 0]))
+        split = _split_kv_decode(q[:, :, :1], k[:, :, :48], v[:, :, :48], 32)
+        cases["decode, 48 keys split 32+16 vs whole"].append(_cell(split, alone))
+    lines += [_row(key, cells) for key, cells in cases.items()]
+    return lines
+
+
+def _mamba1(dtype, gen, t):
+    i, n = 64, 16
+    u, dt, z = (torch.randn(1, i, t, generator=gen).to(dtype) for _ in range(3))
+    b, c = (torch.randn(1, n, t, generator=gen).to(dtype) for _ in range(2))
+    a = -torch.rand(i, n, generator=gen) - 0.1
+    d, bias = torch.randn(i, generator=gen), torch.randn(i, generator=gen) * 0.1 - 1
+
+    def prefill(lo, hi, state):
+        y, final, _ = selective_scan(u[..., lo:hi], dt[..., lo:hi], a, b[..., lo:hi], c[..., lo:hi], d, z[..., lo:hi],
+                                     bias, True, initial_state=state)
+        return y[..., -1], final
+
+    def decode(pos, state):
+        state = state.clone()
+        y = selective_state_update(state, u[..., pos], dt[..., pos], a, b[..., pos], c[..., pos], d, z[..., pos],
+                                   bias, True)
+        return y, state
+
+    return prefill, decode
+
+
+def _mamba2(dtype, gen, t, chunk=16):
+    h, p, g, n = 4, 16, 1, 16
+    x = torch.randn(1, t, h, p, generator=gen).to(dtype)
+    dt = torch.randn(1, t, h, generator=gen).to(dtype)
+    b, c = (torch.randn(1, t, g, n, generator=gen).to(dtype) for _ in range(2))
+    a = -torch.rand(h, generator=gen) - 0.1
+    d, bias = torch.randn(h, generator=gen), torch.randn(h, generator=gen) * 0.1 - 1
+
+    def prefill(lo, hi, state):
+        y, final, _ = mamba2_chunk_scan(x[:, lo:hi], dt[:, lo:hi], a, b[:, lo:hi], c[:, lo:hi], chunk, D=d,
+                                        dt_bias=bias, dt_softplus=True, initial_state=state)
+        return y[:, -1].to(dtype), final
+
+    def decode(pos, state):
+        state = state.clone()
+        y = mamba2_state_update(state, x[:, pos], dt[:, pos, :, None].expand(1, h, p), a[:, None, None].expand(h, p, n),
+                                b[:, pos], c[:, pos], d[:, None].expand(h, p), bias[:, None].expand(h, p), True)
+        return y, state
+
+    return prefill, decode
+
+
+def _gated_delta(dtype, gen, t, chunk=16):
+    hk, hv, dk, dv = 2, 4, 16, 16
+    q, k = (torch.randn(1, t, hk, dk, generator=gen).to(dtype) for _ in range(2))
+    v = torch.randn(1, t, hv, dv, generator=gen).to(dtype)
+    g = -torch.rand(1, t, hv, generator=gen).to(dtype) * 0.3
+    beta = torch.rand(1, t, hv, generator=gen).to(dtype)
+
+    def prefill(lo, hi, state):
+        y, final, _ = chunk_gated_delta_rule(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g[:, lo:hi], beta[:, lo:hi],
+                                             chunk, state, True, True)
+        return y[:, -1], final
+
+    def decode(pos, state):
+        sl = slice(pos, pos + 1)
+        y, final = gated_delta_step(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], state, True)
+        return y[:, 0], final
+
+    return prefill, decode
+
+
+def scan_table(tokens: int = 40, splits=(1, 16, 17, 24)) -> list[str]:
+    lines = [_row("kernel, dtype", ["prefill vs decode: y", "state", *[f"split at {s}: y" for s in splits],
+                                    "states (all splits)"]), "|" + "---|" * (len(splits) + 4)]
+    for family, make in (("Mamba-1 selective_scan", _mamba1), ("Mamba-2 mamba2_chunk_scan (chunk 16)", _mamba2),
+                         ("gated delta chunk rule (chunk 16)", _gated_delta)):
+        for name, dtype in DTYPES.items():
+            prefill, decode = make(dtype, torch.Generator().manual_seed(3), tokens)
+            y_full, s_full = prefill(0, tokens, None)
+            _, s_head = prefill(0, tokens - 1, None)
+            y_step, s_step = decode(tokens - 1, s_head)
+            cells = [_cell(y_step.reshape(y_full.shape), y_full), _cell(s_step, s_full)]
+            state_cells = []
+            for s in splits:
+                _, s_a = prefill(0, s, None)
+                y_b, s_b = prefill(s, tokens, s_a)
+                cells.append(_cell(y_b, y_full))
+                state_cells.append(_cell(s_b, s_full))
+            bad = [c for c in state_cells if c != "="]
+            cells.append("=" if not bad else f"{len(bad)}/{len(splits)}, {max(bad)}")
+            lines.append(_row(f"{family}, {name}", cells))
+    return lines
+
+
+def _ms_pair(first, second, rounds: int = 7, repeats: int = 10) -> tuple[float, float]:
+    """Milliseconds per call of two functions, timed in alternating rounds (the best round of each), so both see the
+    same machine load."""
+    best = [float("inf"), float("inf")]
+    first(), second()
+    for _ in range(rounds):
+        for i, fn in enumerate((first, second)):
+            started = time.perf_counter()
+            for _ in range(repeats):
+                fn()
+            best[i] = min(best[i], (time.perf_counter() - started) / repeats * 1e3)
+    return best[0], best[1]
+
+
+def cost_table() -> list[str]:
+    lines = ["| N x K, dtype, rows | F.linear ms | invariant_linear ms | ratio |", "|---|---|---|---|"]
+    for n, k, what in LINEAR_SHAPES:
+        for name in ("fp32", "bf16"):
+            w = torch.randn(n, k).to(DTYPES[name])
+            for m in (1, 8, 64):
+                x = torch.randn(m, k).to(DTYPES[name])
+                base, ours = _ms_pair(lambda: F.linear(x, w), lambda: invariant_linear(x, w))
+                lines.append(f"| {n}x{k} ({what}), {name}, {m} | {base:.3f} | {ours:.3f} | {ours / base:.2f} |")
+    return lines
+
+
+def main() -> None:
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, BLAS: "
+          f"{'MKL' if torch.backends.mkl.is_available() else 'other'}\n")
+    for title, table in (("1. linear rows vs the same rows among 64", linear_table),
+                         ("2. row-wise reductions, row 0 among M vs alone", reduction_table),
+                         ("3. attention", attention_table),
+                         ("4. recurrent kernels: prefill vs decode, and the chunk grid's offset", scan_table),
+                         ("5. cost of the fixed-tile linear", cost_table)):
+        print(f"## {title}\n")
+        print("\n".join(table()), end="\n\n")
+
+
+if __name__ == "__main__":
+    main()

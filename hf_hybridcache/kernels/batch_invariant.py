@@ -1,0 +1,108 @@
+"""A linear layer whose result for a row does not depend on how many rows share the product (issue 46, the first
+ingredient of deterministic mode; not used by any forward yet).
+
+A matrix product's library picks its kernel, and with it the order in which each output's ``K`` terms are summed,
+from the shape of the call. On this project's CPU (torch 2.13, MKL) ``F.linear`` in float32 sums a row one way at
+1-3, 5-7 and 9-11 rows (a matrix-vector kernel at 1 row, edge kernels below 12) and another way at 4, 8 and 12 or more
+rows, so a request's logits move by float32 round-off with the number of requests in its decode step
+(``benchmarks/batch_invariance.py`` prints the table; bf16 and fp16 went through one kernel at every row count
+measured). Batch-invariant inference (Thinking Machines Lab, "Defeating Nondeterminism in LLM Inference", 2025;
+their ``batch_invariant_ops``, the kernels behind vLLM's and SGLang's batch-invariant modes) fixes the reduction order
+by fixing the kernel's tile shape. Here the same idea is reached from above with the library's own kernel: every call
+gets a row count that is a multiple of :data:`ROW_TILE` (zero rows appended), a count at which every row is summed in
+one order. Whether the library really does so for a weight is measured, not assumed: :func:`check_row_invariance`
+runs the product at :data:`PROBE_ROWS` rows and raises where any row differs, so a mode built on this fails closed on
+another BLAS, another torch or another device instead of silently losing its guarantee.
+
+Cost on the 2-core CPU (``benchmarks/batch_invariance.py``, table 5): in float32 one row pays for the
+:data:`ROW_TILE`-row product instead of the matrix-vector one (about 3x on a ``[4096, 1024]`` weight); at 8 rows and in
+bf16 the cost is within noise.
+
+Shapes: ``x`` ``[..., K]`` (M rows in all), ``weight`` ``[N, K]``, ``bias`` ``[N]``; any float dtype and device that
+``F.linear`` takes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+#: Rows of every product :func:`invariant_linear` runs are a multiple of this. 4 is the smallest count at which MKL's
+#: float32 product summed every row as it does at 64 rows (measured: 1-3, 5-7 and 9-11 rows differ, every multiple
+#: of 4 agrees), and a 4-row product costs less than an 8-row one at decode sizes.
+ROW_TILE = 4
+#: Row counts :func:`check_row_invariance` compares (each a multiple of :data:`ROW_TILE`): a decode step of one to a
+#: few requests, odd tile counts, and prefill-chunk sizes.
+PROBE_ROWS = (4, 8, 12, 16, 28, 64, 256)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` run on ``x``'s rows padded with zero rows to a multiple of :data:`ROW_TILE`, so
+    that a row's result is the same bits whatever other rows share the call, wherever
+    :func:`check_row_invariance` passes for ``weight``.
+
+    Args:
+        x: ``[..., K]``, the dtype and device of ``weight``.
+        weight: ``[N, K]``; bias: ``[N]`` or None.
+
+    Returns:
+        ``[..., N]`` in ``x``'s dtype, equal to ``F.linear``'s result within its round-off (bitwise where
+        ``F.linear`` already runs a multiple of :data:`ROW_TILE` rows).
+
+    Raises:
+        RuntimeError: as ``F.linear`` does for mismatched shapes, dtypes or devices.
+    """
+    rows = x.reshape(-1, x.shape[-1])
+    num_rows = rows.shape[0]
+    pad_rows = -num_rows % ROW_TILE
+    if pad_rows:
+        rows = torch.cat([rows, rows.new_zeros(pad_rows, rows.shape[1])])
+    out = F.linear(rows, weight, bias)
+    if pad_rows:
+        out = out[:num_rows]
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def row_invariance_failures(weight: torch.Tensor, bias: torch.Tensor | None = None, linear=invariant_linear,
+                            seed: int = 0) -> list[int]:
+    """The row counts of :data:`PROBE_ROWS` (and every count from 1 to :data:`ROW_TILE` * 3) at which ``linear``
+    gives some row other bits than the same row in a product of ``max(PROBE_ROWS)`` rows; empty where it is
+    row-invariant for this weight.
+
+    Args:
+        weight: ``[N, K]``; bias: ``[N]`` or None; linear: the product to probe (``F.linear`` shows what the
+            library does without the fixed tile); seed: the seed of the random rows (drawn in float32 on the CPU,
+            then moved to ``weight``'s dtype and device).
+
+    Returns:
+        The failing row counts, ascending.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(max(PROBE_ROWS), weight.shape[1], generator=gen).to(weight.dtype).to(weight.device)
+    full = linear(x, weight, bias)
+    counts = sorted(set(PROBE_ROWS) | set(range(1, ROW_TILE * 3 + 1)))
+    return [m for m in counts if not torch.equal(linear(x[:m], weight, bias), full[:m])]
+
+
+_CHECKED: set[tuple] = set()
+
+
+def check_row_invariance(weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """Raise unless :func:`invariant_linear` is row-invariant for ``weight`` here (probed once per weight shape,
+    dtype, device and bias presence in a process, with :func:`row_invariance_failures`).
+
+    Raises:
+        RuntimeError: some row count gave a row other bits; names the shape, dtype, device and counts.
+    """
+    key = (tuple(weight.shape), weight.dtype, str(weight.device), bias is not None)
+    if key in _CHECKED:
+        return
+    failures = row_invariance_failures(weight, bias)
+    if failures:
+        raise RuntimeError(
+            f"The linear product of a {list(weight.shape)} {weight.dtype} weight on {weight.device} (torch "
+            f"{torch.__version__}) sums a row differently at {failures} rows than at {max(PROBE_ROWS)}: this "
+            "library's kernels are not row-invariant at a fixed row tile, so deterministic results cannot be "
+            "guaranteed here."
+        )
+    _CHECKED.add(key)

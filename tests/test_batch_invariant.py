@@ -1,0 +1,89 @@
+"""The fixed-tile linear of deterministic mode (hf_hybridcache/kernels/batch_invariant.py, issue 46): a row's result is
+the same bits whatever rows share the product, where it sits among them and whatever they hold; the probe that makes
+the mode fail closed finds no failure here and does find ``F.linear``'s (the power of both: switched off, i.e. with
+``F.linear`` in place of the tiled product, the same checks fail in float32 on this CPU)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_hybridcache.kernels import batch_invariant as bi
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SHAPES = [(512, 128), (1024, 256), (96, 1000)]  # [N, K]; the last with odd widths
+ROW_COUNTS = [*range(1, 18), 31, 64, 100]
+
+
+def _setup(shape, dtype, bias, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n, k = shape
+    weight = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    x = torch.randn(max(ROW_COUNTS), k, generator=g).to(dtype)
+    return x, weight, b
+
+
+def _variant_rows(linear, x, weight, b) -> list[int]:
+    """Row counts at which some row of ``linear(x[:m])`` differs from the same row computed alone."""
+    alone = torch.cat([linear(x[i : i + 1], weight, b) for i in range(x.shape[0])])
+    return [m for m in ROW_COUNTS if not torch.equal(linear(x[:m], weight, b), alone[:m])]
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_row_is_the_same_bits_at_every_row_count(dtype, shape, bias):
+    x, weight, b = _setup(shape, dtype, bias)
+    assert _variant_rows(bi.invariant_linear, x, weight, b) == []
+    torch.testing.assert_close(bi.invariant_linear(x, weight, b), F.linear(x, weight, b))  # dtype's tolerance
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_row_is_the_same_bits_wherever_it_sits_and_whatever_its_neighbours(dtype):
+    x, weight, b = _setup((512, 128), dtype, True, seed=1)
+    alone = bi.invariant_linear(x[:1], weight, b)[0]
+    g = torch.Generator().manual_seed(2)
+    for num_rows in (2, 4, 7, 8, 13):
+        for position in range(num_rows):
+            batch = (torch.randn(num_rows, 128, generator=g) * 10).to(dtype)
+            batch[position] = x[0]
+            assert torch.equal(bi.invariant_linear(batch, weight, b)[position], alone), (num_rows, position)
+
+
+def test_leading_dims_are_kept():
+    x, weight, b = _setup((64, 32), torch.float32, True)
+    out = bi.invariant_linear(x[:6].view(2, 3, 32), weight, b)
+    assert out.shape == (2, 3, 64)
+    assert torch.equal(out.view(6, 64), bi.invariant_linear(x[:6], weight, b))
+
+
+def test_power_f_linear_is_not_row_invariant_in_float32_here():
+    """What the fixed tile fixes: the same check as above with ``F.linear`` finds rows that differ (measured on this
+    project's CPU, torch 2.13 with MKL: 1-3, 5-7 and 9-11 rows)."""
+    x, weight, b = _setup((512, 128), torch.float32, False)
+    variant = _variant_rows(F.linear, x, weight, b)
+    if not variant:
+        pytest.skip("F.linear is row-invariant in float32 with this torch build; nothing for the tile to fix here")
+    assert 1 not in variant  # every row alone is the reference here, so 1 row trivially agrees
+    assert set(variant) & {2, 3, 5}, variant
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_probe_passes_here_and_is_cached(dtype, monkeypatch):
+    _, weight, b = _setup((256, 64), dtype, True)
+    assert bi.row_invariance_failures(weight, b) == []
+    bi.check_row_invariance(weight, b)
+    monkeypatch.setattr(bi, "row_invariance_failures", lambda *a, **k: pytest.fail("probed twice"))
+    bi.check_row_invariance(weight, b)
+
+
+def test_power_the_probe_fails_closed_on_a_row_variant_product(monkeypatch):
+    """The probe finds ``F.linear``'s float32 differences, and :func:`check_row_invariance` refuses such a weight."""
+    _, weight, _ = _setup((512, 128), torch.float32, False)
+    failures = bi.row_invariance_failures(weight, linear=F.linear)
+    if not failures:
+        pytest.skip("F.linear is row-invariant in float32 with this torch build; nothing for the probe to find")
+    assert set(failures) <= set(range(1, 13)) | set(bi.PROBE_ROWS)
+    monkeypatch.setattr(bi, "row_invariance_failures", lambda w, b=None: failures)
+    with pytest.raises(RuntimeError, match=r"\[512, 128\] torch.float32 weight on cpu .* not row-invariant"):
+        bi.check_row_invariance(torch.zeros(512, 128), torch.zeros(512))
