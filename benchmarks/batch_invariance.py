@@ -6,8 +6,10 @@ Four tables, each cell ``=`` (bitwise equal) or the largest absolute difference:
 1. ``F.linear`` (and :func:`~hf_hybridcache.kernels.batch_invariant.invariant_linear`, the package's fixed-tile form)
    at M rows: is every row equal to the same row computed in a product of 64 rows? (``M=1`` is a decode step of one
    request, ``M=8`` a step of eight, ``M=64`` a prefill chunk.)
-2. Row-wise reductions: an RMSNorm (transformers' form: the mean of squares in float32) and a softmax over the last
-   dim, row 0 alone against row 0 among M rows.
+2. Row-wise ops: an RMSNorm (transformers' form: the mean of squares in float32), a softmax over the last dim, the
+   activations (``F.silu``, ``F.softplus``, ``sigmoid``, ``exp`` and the package's invariant forms) on rows of
+   ``WIDTH`` elements, and a batched matrix-vector product (the C contraction of a Mamba-1 decode step): row 0 alone
+   against row 0 among M rows.
 3. Attention (``F.scaled_dot_product_attention``): the query at position t run in a causal prefill of 48 queries
    against the same query alone in a decode step over the first t + 1 keys; one query among 1 / 8 / 64 queries over the
    same keys; and a decode query whose 48 keys are split in two and merged by log-sum-exp (split-KV decoding).
@@ -18,14 +20,16 @@ Four tables, each cell ``=`` (bitwise equal) or the largest absolute difference:
    final recurrent state (float32).
 
 Read a row of ``=`` as "no ingredient needed for this op on this machine"; anything else is a place where deterministic
-mode must fix the reduction order. Timings (table 5) are the fixed-tile linear against ``F.linear`` at 1 and 8 rows,
-measured side by side in one run.
+mode must fix the reduction order. Timings: the fixed-tile linear against ``F.linear`` at 1, 8 and 64 rows (table 5)
+and the invariant Mamba-1 scan and step against the package's own (table 6), each pair timed in alternating rounds
+in one run (best round).
 
     OMP_WAIT_POLICY=PASSIVE PYTHONPATH=. python benchmarks/batch_invariance.py
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -36,11 +40,25 @@ import torch.nn.functional as F
 
 from hf_hybridcache.kernels import chunk_gated_delta_rule, mamba2_chunk_scan, selective_scan
 from hf_hybridcache.kernels.batch_invariant import invariant_linear
-from hf_hybridcache.kernels.state_update import gated_delta_step, mamba2_state_update, selective_state_update
+from hf_hybridcache.kernels.mamba1_invariant import (
+    selective_scan_invariant,
+    selective_step_invariant,
+    silu_invariant,
+    softplus_invariant,
+)
+from hf_hybridcache.kernels.state_update import (
+    causal_conv1d_update,
+    gated_delta_step,
+    mamba2_state_update,
+    selective_state_update,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ROWS = (1, 2, 5, 8, 16, 64)
 LINEAR_SHAPES = [(512, 128, "toy MLP up"), (4096, 1024, "~100M MLP up")]
+#: Row width of table 2: not a multiple of the 32 floats an AVX-512 loop takes per step, so a row alone ends in the
+#: loop's scalar tail (at aligned widths the tail is wherever the tensor, or a thread's share of it, ends).
+WIDTH = 1000
 
 
 def _cell(a: torch.Tensor, b: torch.Tensor) -> str:
@@ -82,11 +100,18 @@ def reduction_table() -> list[str]:
     lines = [_row("op, dtype", [f"M={m}" for m in ROWS]), "|" + "---|" * (len(ROWS) + 1)]
     for name, dtype in DTYPES.items():
         gen = torch.Generator().manual_seed(1)
-        x = (torch.randn(64, 1024, generator=gen) * 3).to(dtype)
-        weight = torch.randn(1024, generator=gen).to(dtype)
-        for op_name, op in (("RMSNorm", lambda t: _rms_norm(t, weight)), ("softmax", lambda t: t.softmax(-1))):
+        x = (torch.randn(64, WIDTH, generator=gen) * 3).to(dtype)
+        weight = torch.randn(WIDTH, generator=gen).to(dtype)
+        state, c = torch.randn(64, 96, 16, generator=gen).to(dtype), torch.randn(64, 16, 1, generator=gen).to(dtype)
+        ops = {"RMSNorm": lambda t: _rms_norm(t, weight), "softmax": lambda t: t.softmax(-1), "F.silu": F.silu,
+               "F.softplus": F.softplus, "torch.sigmoid": torch.sigmoid, "torch.exp": torch.exp,
+               "silu_invariant": silu_invariant, "softplus_invariant": softplus_invariant}
+        for op_name, op in ops.items():
             alone = op(x[:1])[0]
             lines.append(_row(f"{op_name}, {name}", [_cell(op(x[:m])[0], alone) for m in ROWS]))
+        bmm_alone = torch.bmm(state[:1], c[:1])[0]
+        lines.append(_row(f"bmm [M, 96, 16] @ [M, 16, 1], {name}",
+                          [_cell(torch.bmm(state[:m], c[:m])[0], bmm_alone) for m in ROWS]))
     return lines
 
 
@@ -125,7 +150,7 @@ def attention_table() -> list[str]:
     return lines
 
 
-def _mamba1(dtype, gen, t):
+def _mamba1(dtype, gen, t, scan=selective_scan, step=selective_state_update):
     i, n = 64, 16
     u, dt, z = (torch.randn(1, i, t, generator=gen).to(dtype) for _ in range(3))
     b, c = (torch.randn(1, n, t, generator=gen).to(dtype) for _ in range(2))
@@ -133,14 +158,13 @@ def _mamba1(dtype, gen, t):
     d, bias = torch.randn(i, generator=gen), torch.randn(i, generator=gen) * 0.1 - 1
 
     def prefill(lo, hi, state):
-        y, final, _ = selective_scan(u[..., lo:hi], dt[..., lo:hi], a, b[..., lo:hi], c[..., lo:hi], d, z[..., lo:hi],
-                                     bias, True, initial_state=state)
+        y, final, _ = scan(u[..., lo:hi], dt[..., lo:hi], a, b[..., lo:hi], c[..., lo:hi], d, z[..., lo:hi], bias, True,
+                           initial_state=state)
         return y[..., -1], final
 
     def decode(pos, state):
         state = state.clone()
-        y = selective_state_update(state, u[..., pos], dt[..., pos], a, b[..., pos], c[..., pos], d, z[..., pos],
-                                   bias, True)
+        y = step(state, u[..., pos], dt[..., pos], a, b[..., pos], c[..., pos], d, z[..., pos], bias, True)
         return y, state
 
     return prefill, decode
@@ -191,7 +215,9 @@ def _gated_delta(dtype, gen, t, chunk=16):
 def scan_table(tokens: int = 40, splits=(1, 16, 17, 24)) -> list[str]:
     lines = [_row("kernel, dtype", ["prefill vs decode: y", "state", *[f"split at {s}: y" for s in splits],
                                     "states (all splits)"]), "|" + "---|" * (len(splits) + 4)]
-    for family, make in (("Mamba-1 selective_scan", _mamba1), ("Mamba-2 mamba2_chunk_scan (chunk 16)", _mamba2),
+    invariant = functools.partial(_mamba1, scan=selective_scan_invariant, step=selective_step_invariant)
+    for family, make in (("Mamba-1 selective_scan", _mamba1), ("Mamba-1 selective_scan_invariant", invariant),
+                         ("Mamba-2 mamba2_chunk_scan (chunk 16)", _mamba2),
                          ("gated delta chunk rule (chunk 16)", _gated_delta)):
         for name, dtype in DTYPES.items():
             prefill, decode = make(dtype, torch.Generator().manual_seed(3), tokens)
@@ -208,7 +234,22 @@ def scan_table(tokens: int = 40, splits=(1, 16, 17, 24)) -> list[str]:
             bad = [c for c in state_cells if c != "="]
             cells.append("=" if not bad else f"{len(bad)}/{len(splits)}, {max(bad)}")
             lines.append(_row(f"{family}, {name}", cells))
+    for name, dtype in DTYPES.items():
+        lines.append(_row(f"depthwise causal conv (width 4), {name}", [_conv_prefill_vs_decode(dtype, tokens)]
+                          + ["n/a"] * (len(splits) + 2)))
     return lines
+
+
+def _conv_prefill_vs_decode(dtype, tokens: int) -> str:
+    """The last token of transformers' prefill conv (``F.conv1d``, groups = channels) against the decode step's
+    window product (:func:`~hf_hybridcache.kernels.state_update.causal_conv1d_update`)."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 64, tokens, generator=gen).to(dtype)
+    weight, bias = torch.randn(64, 4, generator=gen).to(dtype), torch.randn(64, generator=gen).to(dtype)
+    prefill = F.conv1d(x, weight.unsqueeze(1), bias, padding=3, groups=64)[..., :tokens]
+    window = x[..., -5:-1].clone()  # the conv state before the last token: the 4 inputs before it
+    step = causal_conv1d_update(x[..., -1], window, weight, bias)
+    return _cell(step, prefill[..., -1])
 
 
 def _ms_pair(first, second, rounds: int = 7, repeats: int = 10) -> tuple[float, float]:
@@ -237,6 +278,29 @@ def cost_table() -> list[str]:
     return lines
 
 
+def scan_cost_table(tokens: int = 256) -> list[str]:
+    lines = ["| Mamba-1 (64 channels, state 16), dtype, call | package path ms | invariant ms | ratio |",
+             "|---|---|---|---|"]
+    for name in ("fp32", "bf16"):
+        dtype = DTYPES[name]
+        prefill, _ = _mamba1(dtype, torch.Generator().manual_seed(5), tokens)
+        prefill_inv, _ = _mamba1(dtype, torch.Generator().manual_seed(5), tokens, selective_scan_invariant,
+                                 selective_step_invariant)
+        base, ours = _ms_pair(lambda: prefill(0, tokens, None), lambda: prefill_inv(0, tokens, None), 3, 3)
+        lines.append(f"| {name}, prefill of {tokens} tokens | {base:.2f} | {ours:.2f} | {ours / base:.2f} |")
+        for rows in (1, 8):
+            gen = torch.Generator().manual_seed(6)
+            state = torch.randn(rows, 64, 16, generator=gen)
+            x, dt, z = (torch.randn(rows, 64, generator=gen).to(dtype) for _ in range(3))
+            b, c = (torch.randn(rows, 16, generator=gen).to(dtype) for _ in range(2))
+            a, d, bias = -torch.rand(64, 16, generator=gen), torch.randn(64, generator=gen), torch.zeros(64)
+            args = (x, dt, a, b, c, d, z, bias, True)
+            base, ours = _ms_pair(lambda: selective_state_update(state.clone(), *args),
+                                  lambda: selective_step_invariant(state.clone(), *args))
+            lines.append(f"| {name}, decode step of {rows} rows | {base:.3f} | {ours:.3f} | {ours / base:.2f} |")
+    return lines
+
+
 def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, BLAS: "
           f"{'MKL' if torch.backends.mkl.is_available() else 'other'}\n")
@@ -244,7 +308,8 @@ def main() -> None:
                          ("2. row-wise reductions, row 0 among M vs alone", reduction_table),
                          ("3. attention", attention_table),
                          ("4. recurrent kernels: prefill vs decode, and the chunk grid's offset", scan_table),
-                         ("5. cost of the fixed-tile linear", cost_table)):
+                         ("5. cost of the fixed-tile linear", cost_table),
+                         ("6. cost of the invariant Mamba-1 scan and step", scan_cost_table)):
         print(f"## {title}\n")
         print("\n".join(table()), end="\n\n")
 
