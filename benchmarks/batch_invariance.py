@@ -25,10 +25,12 @@ and the invariant Mamba-1 scan and step against the package's own (table 6), eac
 in one run (best round).
 
     OMP_WAIT_POLICY=PASSIVE PYTHONPATH=. python benchmarks/batch_invariance.py
+    OMP_WAIT_POLICY=PASSIVE PYTHONPATH=. python benchmarks/batch_invariance.py --no-costs   # tables 1-4 only
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import time
@@ -301,15 +303,20 @@ def scan_cost_table(tokens: int = 256) -> list[str]:
     return lines
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--no-costs", action="store_true", help="print the invariance tables only (no timings)")
+    args = parser.parse_args(argv)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, BLAS: "
           f"{'MKL' if torch.backends.mkl.is_available() else 'other'}\n")
-    for title, table in (("1. linear rows vs the same rows among 64", linear_table),
-                         ("2. row-wise reductions, row 0 among M vs alone", reduction_table),
-                         ("3. attention", attention_table),
-                         ("4. recurrent kernels: prefill vs decode, and the chunk grid's offset", scan_table),
-                         ("5. cost of the fixed-tile linear", cost_table),
-                         ("6. cost of the invariant Mamba-1 scan and step", scan_cost_table)):
+    tables = [("1. linear rows vs the same rows among 64", linear_table),
+              ("2. row-wise ops, row 0 among M vs alone", reduction_table),
+              ("3. attention", attention_table),
+              ("4. recurrent kernels: prefill vs decode, and the chunk grid's offset", scan_table)]
+    if not args.no_costs:
+        tables += [("5. cost of the fixed-tile linear", cost_table),
+                   ("6. cost of the invariant Mamba-1 scan and step", scan_cost_table)]
+    for title, table in tables:
         print(f"## {title}\n")
         print("\n".join(table()), end="\n\n")
 
