@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from hf_hybridcache.kernels import chunk_gated_delta_rule, mamba2_chunk_scan, selective_scan
 from hf_hybridcache.kernels.batch_invariant import invariant_linear
+from hf_hybridcache.kernels.conv_invariant import causal_conv_invariant
 from hf_hybridcache.kernels.mamba1_invariant import (
     selective_scan_invariant,
     selective_step_invariant,
@@ -239,7 +240,28 @@ def scan_table(tokens: int = 40, splits=(1, 16, 17, 24)) -> list[str]:
     for name, dtype in DTYPES.items():
         lines.append(_row(f"depthwise causal conv (width 4), {name}", [_conv_prefill_vs_decode(dtype, tokens)]
                           + ["n/a"] * (len(splits) + 2)))
+    for name, dtype in DTYPES.items():
+        lines.append(_row(f"causal_conv_invariant (width 4), {name}", _conv_invariant_cells(dtype, tokens, splits)))
     return lines
+
+
+def _conv_invariant_cells(dtype, tokens: int, splits) -> list[str]:
+    """The invariant conv's last token as a one-token call against its prefill; the prompt split at each of
+    ``splits``; and the windows it leaves."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 64, tokens, generator=gen).to(dtype)
+    weight, bias = torch.randn(64, 4, generator=gen).to(dtype), torch.randn(64, generator=gen).to(dtype)
+    y, window = causal_conv_invariant(x, weight, bias)
+    step, step_window = causal_conv_invariant(x[..., -1:], weight, bias, conv_state=x[..., -5:-1])
+    cells = [_cell(step, y[..., -1:]), _cell(step_window, window)]
+    windows = []
+    for s in splits:
+        _, head_window = causal_conv_invariant(x[..., :s], weight, bias)
+        tail, tail_window = causal_conv_invariant(x[..., s:], weight, bias, conv_state=head_window)
+        cells.append(_cell(tail, y[..., s:]))
+        windows.append(_cell(tail_window, window))
+    bad = [c for c in windows if c != "="]
+    return cells + ["=" if not bad else f"{len(bad)}/{len(splits)}, {max(bad)}"]
 
 
 def _conv_prefill_vs_decode(dtype, tokens: int) -> str:
@@ -281,7 +303,7 @@ def cost_table() -> list[str]:
 
 
 def scan_cost_table(tokens: int = 256) -> list[str]:
-    lines = ["| Mamba-1 (64 channels, state 16), dtype, call | package path ms | invariant ms | ratio |",
+    lines = ["| Mamba-1 (64 channels, state 16, conv width 4), dtype, call | package path ms | invariant ms | ratio |",
              "|---|---|---|---|"]
     for name in ("fp32", "bf16"):
         dtype = DTYPES[name]
@@ -300,6 +322,25 @@ def scan_cost_table(tokens: int = 256) -> list[str]:
             base, ours = _ms_pair(lambda: selective_state_update(state.clone(), *args),
                                   lambda: selective_step_invariant(state.clone(), *args))
             lines.append(f"| {name}, decode step of {rows} rows | {base:.3f} | {ours:.3f} | {ours / base:.2f} |")
+        lines += _conv_cost_rows(name, dtype, tokens)
+    return lines
+
+
+def _conv_cost_rows(name: str, dtype, tokens: int) -> list[str]:
+    """transformers' prefill conv (``F.conv1d`` + ``F.silu``) and the package's decode update against the invariant
+    conv, 64 channels of width 4."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(8, 64, tokens, generator=gen).to(dtype)
+    weight, bias = torch.randn(64, 4, generator=gen).to(dtype), torch.randn(64, generator=gen).to(dtype)
+    one = x[:1]
+    base, ours = _ms_pair(lambda: F.silu(F.conv1d(one, weight.unsqueeze(1), bias, padding=3, groups=64)),
+                          lambda: causal_conv_invariant(one, weight, bias))
+    lines = [f"| {name}, conv prefill of {tokens} tokens | {base:.3f} | {ours:.3f} | {ours / base:.2f} |"]
+    for rows in (1, 8):
+        window = x[:rows, :, :4].contiguous()
+        base, ours = _ms_pair(lambda: causal_conv1d_update(x[:rows, :, 4], window.clone(), weight, bias, "silu"),
+                              lambda: causal_conv_invariant(x[:rows, :, 4:5], weight, bias, conv_state=window))
+        lines.append(f"| {name}, conv decode step of {rows} rows | {base:.3f} | {ours:.3f} | {ours / base:.2f} |")
     return lines
 
 
@@ -315,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
               ("4. recurrent kernels: prefill vs decode, and the chunk grid's offset", scan_table)]
     if not args.no_costs:
         tables += [("5. cost of the fixed-tile linear", cost_table),
-                   ("6. cost of the invariant Mamba-1 scan and step", scan_cost_table)]
+                   ("6. cost of the invariant Mamba-1 scan, step and conv", scan_cost_table)]
     for title, table in tables:
         print(f"## {title}\n")
         print("\n".join(table()), end="\n\n")

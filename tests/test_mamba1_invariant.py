@@ -69,9 +69,10 @@ def test_any_split_and_the_emitted_states_give_the_same_bits(dtype):
         assert torch.equal(tail_state, final), split
 
 
+@pytest.mark.parametrize("channels", [48, 2048])  # 2048: the elementwise ops run on two threads
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_a_row_is_the_same_bits_whatever_rows_share_the_call(dtype):
-    batch = _inputs(dtype, rows=5, seed=2)
+def test_a_row_is_the_same_bits_whatever_rows_share_the_call(dtype, channels):
+    batch = _inputs(dtype, rows=5, seed=2, channels=channels)
     alone = {k: (v[2:3] if k in ("u", "delta", "B", "C", "z") else v) for k, v in batch.items()}
     y_batch, final_batch, _ = _prefill(inv.selective_scan_invariant, batch, 0, T)
     y_alone, final_alone, _ = _prefill(inv.selective_scan_invariant, alone, 0, T)
