@@ -49,6 +49,7 @@ from hf_hybridcache.kernels.mamba1_invariant import (
     silu_invariant,
     softplus_invariant,
 )
+from hf_hybridcache.kernels.mamba2_invariant import mamba2_scan_invariant, mamba2_step_invariant
 from hf_hybridcache.kernels.state_update import (
     causal_conv1d_update,
     gated_delta_step,
@@ -173,8 +174,8 @@ def _mamba1(dtype, gen, t, scan=selective_scan, step=selective_state_update):
     return prefill, decode
 
 
-def _mamba2(dtype, gen, t, chunk=16):
-    h, p, g, n = 4, 16, 1, 16
+def _mamba2(dtype, gen, t, chunk=16, invariant=False, heads=4, head_dim=16, state_size=16):
+    h, p, g, n = heads, head_dim, 1, state_size
     x = torch.randn(1, t, h, p, generator=gen).to(dtype)
     dt = torch.randn(1, t, h, generator=gen).to(dtype)
     b, c = (torch.randn(1, t, g, n, generator=gen).to(dtype) for _ in range(2))
@@ -182,12 +183,18 @@ def _mamba2(dtype, gen, t, chunk=16):
     d, bias = torch.randn(h, generator=gen), torch.randn(h, generator=gen) * 0.1 - 1
 
     def prefill(lo, hi, state):
-        y, final, _ = mamba2_chunk_scan(x[:, lo:hi], dt[:, lo:hi], a, b[:, lo:hi], c[:, lo:hi], chunk, D=d,
-                                        dt_bias=bias, dt_softplus=True, initial_state=state)
+        if invariant:
+            y, final, _ = mamba2_scan_invariant(x[:, lo:hi], dt[:, lo:hi], a, b[:, lo:hi], c[:, lo:hi], d, bias, True,
+                                                initial_state=state)
+        else:
+            y, final, _ = mamba2_chunk_scan(x[:, lo:hi], dt[:, lo:hi], a, b[:, lo:hi], c[:, lo:hi], chunk, D=d,
+                                            dt_bias=bias, dt_softplus=True, initial_state=state)
         return y[:, -1].to(dtype), final
 
     def decode(pos, state):
         state = state.clone()
+        if invariant:
+            return mamba2_step_invariant(state, x[:, pos], dt[:, pos], a, b[:, pos], c[:, pos], d, bias, True), state
         y = mamba2_state_update(state, x[:, pos], dt[:, pos, :, None].expand(1, h, p), a[:, None, None].expand(h, p, n),
                                 b[:, pos], c[:, pos], d[:, None].expand(h, p), bias[:, None].expand(h, p), True)
         return y, state
@@ -221,6 +228,7 @@ def scan_table(tokens: int = 40, splits=(1, 16, 17, 24)) -> list[str]:
     invariant = functools.partial(_mamba1, scan=selective_scan_invariant, step=selective_step_invariant)
     for family, make in (("Mamba-1 selective_scan", _mamba1), ("Mamba-1 selective_scan_invariant", invariant),
                          ("Mamba-2 mamba2_chunk_scan (chunk 16)", _mamba2),
+                         ("Mamba-2 mamba2_scan_invariant", functools.partial(_mamba2, invariant=True)),
                          ("gated delta chunk rule (chunk 16)", _gated_delta)):
         for name, dtype in DTYPES.items():
             prefill, decode = make(dtype, torch.Generator().manual_seed(3), tokens)
@@ -302,8 +310,12 @@ def cost_table() -> list[str]:
     return lines
 
 
+def _rows(count: int) -> str:
+    return f"{count} row" if count == 1 else f"{count} rows"
+
+
 def scan_cost_table(tokens: int = 256) -> list[str]:
-    lines = ["| Mamba-1 (64 channels, state 16, conv width 4), dtype, call | package path ms | invariant ms | ratio |",
+    lines = ["| dtype, call (Mamba-1: 64 channels, state 16, conv width 4) | package path ms | invariant ms | ratio |",
              "|---|---|---|---|"]
     for name in ("fp32", "bf16"):
         dtype = DTYPES[name]
@@ -321,9 +333,23 @@ def scan_cost_table(tokens: int = 256) -> list[str]:
             args = (x, dt, a, b, c, d, z, bias, True)
             base, ours = _ms_pair(lambda: selective_state_update(state.clone(), *args),
                                   lambda: selective_step_invariant(state.clone(), *args))
-            lines.append(f"| {name}, decode step of {rows} rows | {base:.3f} | {ours:.3f} | {ours / base:.2f} |")
+            lines.append(f"| {name}, decode step of {_rows(rows)} | {base:.3f} | {ours:.3f} | {ours / base:.2f} |")
         lines += _conv_cost_rows(name, dtype, tokens)
+        lines += _mamba2_cost_rows(name, dtype, tokens)
     return lines
+
+
+def _mamba2_cost_rows(name: str, dtype, tokens: int) -> list[str]:
+    """The chunked SSD scan (chunk 256, as Zamba2's and Falcon-H1's configs) and the package's decode step against the
+    invariant scan and step, 32 heads of 64 channels, state 64 (a ~100M+ model's mixer)."""
+    make = functools.partial(_mamba2, dtype, torch.Generator().manual_seed(8), tokens, 256, heads=32, head_dim=64,
+                             state_size=64)
+    (prefill, decode), (prefill_inv, decode_inv) = make(), make(invariant=True)
+    base, ours = _ms_pair(lambda: prefill(0, tokens, None), lambda: prefill_inv(0, tokens, None), 3, 3)
+    lines = [f"| {name}, Mamba-2 prefill of {tokens} tokens | {base:.2f} | {ours:.2f} | {ours / base:.2f} |"]
+    _, state = prefill(0, tokens - 1, None)
+    base, ours = _ms_pair(lambda: decode(tokens - 1, state), lambda: decode_inv(tokens - 1, state))
+    return lines + [f"| {name}, Mamba-2 decode step of 1 row | {base:.3f} | {ours:.3f} | {ours / base:.2f} |"]
 
 
 def _conv_cost_rows(name: str, dtype, tokens: int) -> list[str]:
@@ -340,7 +366,7 @@ def _conv_cost_rows(name: str, dtype, tokens: int) -> list[str]:
         window = x[:rows, :, :4].contiguous()
         base, ours = _ms_pair(lambda: causal_conv1d_update(x[:rows, :, 4], window.clone(), weight, bias, "silu"),
                               lambda: causal_conv_invariant(x[:rows, :, 4:5], weight, bias, conv_state=window))
-        lines.append(f"| {name}, conv decode step of {rows} rows | {base:.3f} | {ours:.3f} | {ours / base:.2f} |")
+        lines.append(f"| {name}, conv decode step of {_rows(rows)} | {base:.3f} | {ours:.3f} | {ours / base:.2f} |")
     return lines
 
 
@@ -356,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
               ("4. recurrent kernels: prefill vs decode, and the chunk grid's offset", scan_table)]
     if not args.no_costs:
         tables += [("5. cost of the fixed-tile linear", cost_table),
-                   ("6. cost of the invariant Mamba-1 scan, step and conv", scan_cost_table)]
+                   ("6. cost of the invariant scans, steps and conv", scan_cost_table)]
     for title, table in tables:
         print(f"## {title}\n")
         print("\n".join(table()), end="\n\n")

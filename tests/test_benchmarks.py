@@ -242,14 +242,15 @@ def test_engine_speculative_runs_every_way_and_each_equals_the_plain_run(capsys)
 
 def test_batch_invariance_prints_every_table_and_the_invariant_rows_are_all_equal(capsys):
     """``batch_invariance.py`` (issue 46): tables 1-4 print, and the rows of the package's invariant linear, Mamba-1
-    scan and conv say ``=`` in every cell (every row count, prefill vs decode, every split)."""
+    and Mamba-2 scans and conv say ``=`` in every cell (every row count, prefill vs decode, every split)."""
     from benchmarks import batch_invariance
 
     batch_invariance.main(["--no-costs"])
     out = capsys.readouterr().out
     for title in ("## 1. linear", "## 2. row-wise", "## 3. attention", "## 4. recurrent"):
         assert title in out, out
-    ours = ("| invariant_linear", "| Mamba-1 selective_scan_invariant", "| causal_conv_invariant")
+    ours = ("| invariant_linear", "| Mamba-1 selective_scan_invariant", "| Mamba-2 mamba2_scan_invariant",
+            "| causal_conv_invariant")
     invariant = [line for line in out.splitlines() if line.startswith(ours)]
-    assert len(invariant) == 12, out
+    assert len(invariant) == 15, out
     assert all(set(line.split("|")[2:-1]) == {" = "} for line in invariant), invariant
