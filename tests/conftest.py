@@ -94,7 +94,8 @@ VERSION_SPECIFIC_MODULES = {
     "test_state_update", "test_tool_auto", "test_tool_strict", "test_upstream_mixers", "test_vision", "test_weights",
 }
 VERSION_INDEPENDENT_MODULES = {
-    "test_benchmarks", "test_block_pool", "test_ci_split", "test_entry_layout", "test_exactness", "test_explain",
+    "test_batch_invariant", "test_benchmarks", "test_block_pool", "test_ci_split", "test_conv_invariant",
+    "test_entry_layout", "test_exactness", "test_explain", "test_mamba1_invariant", "test_mamba2_invariant",
     "test_fuzz", "test_gated_delta", "test_grouped_query_sdpa", "test_hashing", "test_isolation", "test_kda",
     "test_kernels", "test_kernels_triton", "test_layout", "test_lm_eval", "test_pages", "test_persistence",
     "test_policy", "test_power", "test_randomized", "test_regressions", "test_remote", "test_remote_trust",
