@@ -174,6 +174,32 @@ def test_stop_strings_and_seeded_sampling(servers, kind):
     assert sampled[0].choices[0].text == sampled[1].choices[0].text
 
 
+@pytest.mark.parametrize("kind", ["ngram", "draft"])
+def test_logprobs_n_and_json_replies_equal_without_speculation(servers, kind):
+    """Chat logprobs (each emitted token's, at its own position), two choices, and a JSON-object reply (the grammar's
+    matcher rolled back over rejected drafts): what the server without speculation returns."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Give me a JSON object."}]
+    replies = []
+    for name in (kind, "plain"):
+        client = servers[name].client()
+        scored = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0, n=2,
+                                                logprobs=True, top_logprobs=2)
+        shaped = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                                response_format={"type": "json_object"})
+        replies.append((scored, shaped))
+    (spec, spec_json), (plain, plain_json) = replies
+    assert [c.message.content for c in spec.choices] == [c.message.content for c in plain.choices]
+    assert spec.choices[0].message.content == spec.choices[1].message.content
+    assert len(spec.choices[0].logprobs.content) == len(plain.choices[0].logprobs.content) > 0
+    for mine, theirs in zip(spec.choices[0].logprobs.content, plain.choices[0].logprobs.content):
+        assert mine.token == theirs.token and [t.token for t in mine.top_logprobs] == [
+            t.token for t in theirs.top_logprobs]
+        assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+    assert spec.usage.completion_tokens == plain.usage.completion_tokens
+    assert spec_json.choices[0].message.content == plain_json.choices[0].message.content
+    assert spec_json.choices[0].message.content.startswith("{")
+
+
 def _startup_error(capsys, monkeypatch, *argv: str) -> str:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(SystemExit) as stopped:
