@@ -200,6 +200,35 @@ def test_logprobs_n_and_json_replies_equal_without_speculation(servers, kind):
     assert spec_json.choices[0].message.content.startswith("{")
 
 
+def test_mtp_drafts_with_the_head_the_checkpoint_ships(tmp_path, capsys, monkeypatch):
+    """``--speculative mtp`` on a saved tiny Qwen3.5 whose safetensors hold ``mtp.*`` (tests/test_engine_mtp.py):
+    the greedy reply of a cold generate() of the same folder, drafts counted; a checkpoint without them, or of a
+    family whose head is not read, is refused at startup."""
+    from test_engine_mtp import save_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    folder = save_checkpoint(tmp_path / "qwen3_5")
+    byte_tokenizer().save_pretrained(folder)
+    server = Server(make_app(parse_args(["--model", str(folder), "--speculative", "mtp",
+                                         "--num-speculative-tokens", "3"])))
+    try:
+        reply = server.client().completions.create(model=str(folder), prompt=PROMPT, max_tokens=12, temperature=0)
+        cold = AutoModelForCausalLM.from_pretrained(folder).eval()
+        assert reply.choices[0].text == text_of(alone(cold, byte_tokenizer()(PROMPT)["input_ids"], 12))
+        assert spec_metrics(server)["hf_hybridcache_spec_decode_draft_tokens_total"] > 0
+    finally:
+        server.close()
+    plain = tmp_path / "plain"
+    build_model("qwen3_5_text", seed=0).save_pretrained(plain)
+    byte_tokenizer().save_pretrained(plain)
+    jamba = tmp_path / "jamba"
+    build_model("jamba", seed=0).save_pretrained(jamba)
+    byte_tokenizer().save_pretrained(jamba)
+    capsys.readouterr()
+    assert "holds no mtp.* weights" in _startup_error(capsys, monkeypatch, "--model", str(plain), "--speculative", "mtp")
+    assert "dense Qwen3.5" in _startup_error(capsys, monkeypatch, "--model", str(jamba), "--speculative", "mtp")
+
+
 def _startup_error(capsys, monkeypatch, *argv: str) -> str:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(SystemExit) as stopped:
@@ -217,7 +246,7 @@ def test_startup_refuses_what_cannot_run(capsys, monkeypatch, tmp_path):
         (["--speculative", "ngram", "--num-speculative-tokens", "0"], "--num-speculative-tokens must be 1 to 16"),
         (["--speculative", "ngram", "--num-speculative-tokens", "17"], "must be 1 to 16"),
         (["--num-speculative-tokens", "2"], "--num-speculative-tokens needs --speculative"),
-        (["--speculative", "mtp"], "MTP heads are not supported yet"),
+        (["--speculative", "mtp"], "toy:jamba has none"),
         (["--speculative", "eagle"], "is not a drafter: use ngram, draft:PATH"),
         (["--speculative", "draft:"], "is not a drafter"),
         (["--speculative", f"draft:{tmp_path / 'nowhere'}"], "no such folder"),

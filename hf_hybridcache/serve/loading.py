@@ -109,13 +109,14 @@ def load_processor(source: str, flag: str = "--model", trust_remote_code: bool =
     return processor
 
 
-def _is_local(source: str) -> bool:
+def is_local(source: str) -> bool:
+    """Whether ``source`` names a local path (absolute, relative, existing, or with two ``/`` or more), not a hub id."""
     return os.path.isabs(source) or source.startswith((".", "~")) or os.path.exists(source) or source.count("/") > 1
 
 
 def _check_source(source: str, flag: str, needs_tokenizer: bool) -> None:
     """Refuse a local path that does not exist, and a model folder without a tokenizer when it must give one."""
-    if not _is_local(source):
+    if not is_local(source):
         return
     path = os.path.expanduser(source)
     if not os.path.isdir(path):
@@ -134,5 +135,5 @@ def _loaded(load_fn, source: str, what: str, flag: str, **kwargs):
         if "trust_remote_code" in str(problem):
             raise StartupError(f"{flag} {source}: the {what} ships code of its own (its auto_map); read it, then "
                                "pass --trust-remote-code to run it.") from None
-        where = "the folder" if _is_local(source) else "the Hugging Face Hub (offline, or no such repository?)"
+        where = "the folder" if is_local(source) else "the Hugging Face Hub (offline, or no such repository?)"
         raise StartupError(f"{flag} {source}: the {what} could not be loaded from {where}: {first}") from None

@@ -7,7 +7,8 @@ into the engine's :class:`~hf_hybridcache.engine.Speculation` (docs/speculative.
   folder saved with ``save_pretrained``, a hub id, or ``toy:FAMILY``), with the target's tokenizer, dtype and device
   map, served by an engine of its own over its own :class:`~hf_hybridcache.HybridPrefixCache` (the target's block
   size, retention and eviction; no shared tier).
-- ``mtp``: refused until a drafter reads MTP heads (docs/speculative.md, "Not yet").
+- ``mtp``: :class:`~hf_hybridcache.engine.MTPDrafter`, the MTP head ``--model``'s checkpoint ships (its ``mtp.*``
+  weights; dense Qwen3.5 for now), drafting from the target's hidden states.
 
 Every mistake here is found from the arguments alone (:func:`speculative_args_error`), before a model loads.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 
+from .loading import TOY_PREFIX
 from .schema import APIError
 
 NGRAM, DRAFT_PREFIX, MTP = "ngram", "draft:", "mtp"
@@ -50,9 +52,9 @@ def speculative_args_error(args: argparse.Namespace) -> str | None:
     if k is not None and not 1 <= k <= MAX_SPECULATIVE_TOKENS:
         return (f"--num-speculative-tokens must be 1 to {MAX_SPECULATIVE_TOKENS} (draft tokens a request verifies per "
                 f"step), got {k}; leave --speculative out to serve without speculation.")
-    if kind == MTP:
-        return ("--speculative mtp: MTP heads are not supported yet (docs/speculative.md, 'Not yet'); use "
-                "--speculative ngram, or draft:PATH with a smaller model that has the target's tokenizer.")
+    if kind == MTP and args.model.startswith(TOY_PREFIX):
+        return (f"--speculative mtp reads the MTP head a checkpoint ships (its mtp.* weights), and {args.model} has "
+                "none; use --speculative ngram or draft:PATH, or serve a Qwen3.5 checkpoint folder.")
     return None
 
 
@@ -67,7 +69,8 @@ def speculation_for(args: argparse.Namespace, target):
     Raises:
         ValueError: a flag combination :func:`speculative_args_error` refuses.
         StartupError: the draft model cannot be loaded (:func:`~hf_hybridcache.serve.loading.load`), it is a
-            vision-language wrapper, or its vocabulary is smaller than the target's.
+            vision-language wrapper, or its vocabulary is smaller than the target's; ``mtp`` for a family whose head
+            is not read or a checkpoint without ``mtp.*`` weights.
     """
     problem = speculative_args_error(args)
     if problem is not None:
@@ -79,7 +82,34 @@ def speculation_for(args: argparse.Namespace, target):
     k = args.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS
     if args.speculative == NGRAM:
         return Speculation(NgramDrafter(), k)
+    if args.speculative == MTP:
+        return Speculation(_mtp_drafter(args, target), k)
     return Speculation(DraftModelDrafter(_draft_cache(args, target)), k)
+
+
+def _mtp_drafter(args: argparse.Namespace, target):
+    """The :class:`~hf_hybridcache.engine.MTPDrafter` of ``--model``'s checkpoint (a hub id: its files in the hub
+    cache, which loading the model filled)."""
+    from .._compat.mtp import mtp_support_error
+    from ..engine import MTPDrafter
+    from .loading import StartupError, is_local
+
+    problem = mtp_support_error(target.config)
+    if problem is not None:
+        raise StartupError(f"--speculative mtp: {problem}")
+    folder = args.model
+    if not is_local(folder):
+        from huggingface_hub import snapshot_download
+
+        try:
+            folder = snapshot_download(folder, allow_patterns=["*.safetensors", "*.safetensors.index.json"])
+        except Exception as problem:  # noqa: BLE001 - offline, gone: one line at startup
+            raise StartupError(f"--speculative mtp: the safetensors of {args.model} could not be read from the hub "
+                               f"cache: {problem}") from None
+    try:
+        return MTPDrafter(folder)
+    except ValueError as problem:
+        raise StartupError(f"--speculative mtp: {problem}") from None
 
 
 def _draft_cache(args: argparse.Namespace, target):
