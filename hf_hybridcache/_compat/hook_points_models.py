@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-from .hook_checks import HookPoint, exists, fields, named_parameters, parameters, resolve
+from .hook_checks import HookPoint, dotted, exists, fields, named_parameters, parameters, resolve
 
 _CACHE_NAMES = ("past_key_values", "cache", "cache_params")
 
@@ -204,4 +204,27 @@ def _wrappers() -> list[HookPoint]:
     return points
 
 
-MODEL_HOOK_POINTS: tuple[HookPoint, ...] = (*(p for family in FAMILIES for p in family.hook_points()), *_wrappers())
+def _mtp() -> list[HookPoint]:
+    """What :mod:`.mtp` builds a Qwen3.5 MTP head from, and why it reads ``mtp.*`` itself."""
+    module = "transformers.models.qwen3_5.modeling_qwen3_5"
+    used = "hf_hybridcache._compat.mtp.MTPHead"
+    layer = f"{module}:Qwen3_5DecoderLayer"
+    points = [HookPoint(f"{dotted(layer)}.__init__", parameters(f"{layer}.__init__", "config", "layer_idx",
+                                                                leading=True), f"{used} (its decoder layer)"),
+              HookPoint(f"{dotted(layer)}.forward", parameters(f"{layer}.forward", "hidden_states",
+                                                               "position_embeddings", "attention_mask",
+                                                               "position_ids", leading=True), f"{used} (calls it)")]
+    points += [HookPoint(f"{module}.{name}", exists(f"{module}:{name}"), f"{used} (its norms and rotary positions)")
+               for name in ("Qwen3_5RMSNorm", "Qwen3_5TextRotaryEmbedding")]
+    ignored = f"{module}:Qwen3_5ForCausalLM"
+    points.append(HookPoint(f"{dotted(ignored)}._keys_to_ignore_on_load_unexpected[mtp]",
+                            lambda: None if r"^mtp.*" in resolve(ignored)._keys_to_ignore_on_load_unexpected
+                            else "no longer drops mtp.* at load", "hf_hybridcache.engine.mtp (reads mtp.* itself)"))
+    points.append(HookPoint("transformers.modeling_utils.PreTrainedModel.get_decoder",
+                            exists("transformers.modeling_utils:PreTrainedModel.get_decoder"),
+                            "hf_hybridcache._compat.mtp.final_hidden_states (hooks the decoder's output)"))
+    return points
+
+
+MODEL_HOOK_POINTS: tuple[HookPoint, ...] = (*(p for family in FAMILIES for p in family.hook_points()), *_wrappers(),
+                                            *_mtp())
