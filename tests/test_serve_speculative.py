@@ -100,6 +100,9 @@ def test_every_draft_of_a_copy_is_accepted_and_metrics_count_by_position(servers
     assert per_position == after[f"{prefix}draft_tokens_per_position_total"]
     assert after[f"{prefix}acceptance_rate_per_position"] == dict.fromkeys(range(K), 1.0)
     assert not spec_metrics(servers["plain"])  # a server without speculation exports none
+    info = [httpx.get(f"{servers[name].url}/server_info").json() for name in ("draft", "plain")]
+    assert [(i["speculative_drafter"], i["speculative_num_draft_tokens"]) for i in info] == [
+        ("DraftModelDrafter", K), (None, 0)]
 
 
 def test_a_request_opts_out_and_bad_values_are_a_400(servers, cold_model):
