@@ -1,8 +1,9 @@
 """MTP heads as drafters (issue 44): a tiny Qwen3.5 checkpoint saved with ``mtp.*`` weights beside the model's (as
 Qwen3.5 checkpoints ship them; transformers drops them at load), read with ``safetensors`` by :class:`MTPDrafter`.
-Greedy tokens with it equal a cold ``generate()``; each round's drafts equal the head run on the target's final hidden
-states of a cold forward over the same tokens (the engine hands over the right positions: prefill, decodes and a
-verify step's kept ones); what cannot run is refused with a sentence."""
+Greedy tokens with it equal a cold ``generate()``; each round's drafts equal the head run over every position of the
+target's final hidden states of a cold forward over the same tokens (the engine hands over the right positions, and
+the head's own cache, fed a round's new pairs and cut back after the drafts, holds what one pass over them would);
+what cannot run is refused with a sentence."""
 
 import pytest
 import torch
@@ -16,7 +17,6 @@ from hf_hybridcache.engine import Drafter, EngineLimits, MTPDrafter, Speculation
 from hf_hybridcache.toy import build_model
 
 FAMILY = "qwen3_5_text"
-WINDOW = 8
 K = 3
 
 
@@ -53,12 +53,11 @@ class Recording(MTPDrafter):
 
 
 def reference_drafts(model, head: MTPHead, tokens: list[int], num_tokens: int) -> list[int]:
-    """The head over the last ``WINDOW`` pairs ``(x_{j+1}, h_j)`` of a cold forward's final hidden states, then one
+    """The head in one pass over every pair ``(x_{j+1}, h_j)`` of a cold forward's final hidden states, then one
     token at a time from its own outputs."""
     with torch.no_grad():
         hidden = model.model(input_ids=torch.tensor([tokens[:-1]])).last_hidden_state
-        n = len(tokens) - 1
-        start = max(n - WINDOW, 0)
+        n, start = len(tokens) - 1, 0
         ids_, positions = torch.tensor([tokens[start + 1 :]]), torch.arange(start, n)[None]
         cache, h, drafts = DynamicCache(), hidden[:, start:], []
         for _ in range(num_tokens):
@@ -73,17 +72,28 @@ def test_transformers_drops_the_head_and_the_drafter_reads_it(checkpoint):
 
     loaded = AutoModelForCausalLM.from_pretrained(checkpoint)
     assert not any(name.startswith("mtp") for name, _ in loaded.named_parameters())
-    drafter = MTPDrafter(checkpoint, window_tokens=WINDOW)
+    drafter = MTPDrafter(checkpoint)
     assert "fc.weight" in drafter.weights and drafter.weights["fc.weight"].shape == (64, 128)
 
 
-def test_greedy_with_mtp_drafts_equals_cold_runs_and_drafts_follow_the_hidden_states(checkpoint):
+@pytest.mark.parametrize("bounds", ["roomy", "tight"])
+def test_greedy_with_mtp_drafts_equals_cold_runs_and_drafts_follow_the_hidden_states(checkpoint, bounds):
+    """``tight``: requests that cannot all hold their pages are preempted and recomputed from their stored prefix
+    (the head's cache is cut back to where the recompute starts)."""
     model, cold = build_model(FAMILY, seed=0), build_model(FAMILY, seed=0)
     cache = HybridPrefixCache(model)
-    drafter = Recording(checkpoint, window_tokens=WINDOW)
+    drafter = Recording(checkpoint)
     drafter.rounds = []
     prompts = {"a": ids(20, seed=4460), "b": ids(5, seed=4461), "c": ids(33, seed=4462)}
-    manager = cache.init_continuous_batching(config(max_new_tokens=12), speculation=Speculation(drafter, K))
+    limits, new_tokens = None, 12
+    if bounds == "tight":  # as tests/test_engine_speculative.py's tight bounds
+        cache.max_cache_bytes = 3 * cache.spec.kv_block_bytes + cache.spec.checkpoint_bytes
+        prompts.update({f"r{i}": ids(20 + 7 * i, seed=4465 + i) for i in range(4)})
+        limits = EngineLimits(max_running_requests=4, max_batch_tokens=48, max_running_pages=6,
+                              max_request_tokens=160)
+        new_tokens = 40
+    manager = cache.init_continuous_batching(config(max_new_tokens=new_tokens), limits=limits,
+                                             speculation=Speculation(drafter, K))
     manager.start()
     try:
         names = dict(zip(manager.add_requests(list(prompts.values())), prompts))
@@ -91,10 +101,11 @@ def test_greedy_with_mtp_drafts_equals_cold_runs_and_drafts_follow_the_hidden_st
     finally:
         manager.stop()
     for name, prompt in prompts.items():
-        assert outputs[name].generated_tokens == alone(cold, prompt, 12), name
+        assert outputs[name].generated_tokens == alone(cold, prompt, new_tokens), name
     stats = manager.batch_processor.speculator.stats
     assert stats.verify_segments > 10 and stats.drafted_tokens > 0
-    assert len(drafter.rounds) == stats.verify_segments
+    assert (manager.batch_processor.preempted > 0) == (bounds == "tight")
+    assert len(drafter.rounds) >= stats.verify_segments  # a round whose request a tight step then left out
     for tokens, drafts in drafter.rounds:
         assert drafts == reference_drafts(cold, drafter.head.float(), tokens, len(drafts)), tokens
 
@@ -165,8 +176,6 @@ def test_what_cannot_run_is_refused(checkpoint, tmp_path):
         MTPDrafter(tmp_path)
     with pytest.raises(ValueError, match="is not one"):
         MTPDrafter(tmp_path / "nowhere")
-    with pytest.raises(ValueError, match="window_tokens must be a positive int"):
-        MTPDrafter(checkpoint, window_tokens=0)
     jamba = HybridPrefixCache(build_model("jamba", seed=0))
     manager = jamba.init_continuous_batching(config(max_new_tokens=4),
                                              speculation=Speculation(MTPDrafter(checkpoint), 2))

@@ -101,6 +101,12 @@ def new_head_cache():
     return DynamicCache()
 
 
+def cut_head_cache(cache, num_tokens: int) -> None:
+    """Cut ``cache`` (:func:`new_head_cache`'s) back to its first ``num_tokens`` tokens. A negative ``crop`` removes
+    that many tokens on every version; 5.25 refuses the positive one (the length to keep) that 5.23 took."""
+    cache.crop(-max(cache.get_seq_length() - num_tokens, 0))
+
+
 @contextlib.contextmanager
 def final_hidden_states(model):
     """Within the block, ``captured[0]`` is the final (normed) hidden states ``[B, T, H]`` of ``model``'s last

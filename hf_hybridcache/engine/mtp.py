@@ -5,13 +5,18 @@ which transformers drops at load, read with ``safetensors`` into the head :mod:`
 The head drafts from the target's final hidden states, which the engine hands over for every position a request
 keeps (``Drafter.observe``: prefill chunks, decodes, a verify step's kept positions). For a request whose tokens are
 ``x_0 .. x_n`` (``x_n`` sampled, not fed yet) and whose hidden states ``h_j`` are known up to ``h_{n-1}``, one round
-runs the head over the pairs ``(x_{j+1}, h_j)`` of the last ``window_tokens`` positions (causal, positions ``j``),
-takes the target's ``lm_head`` argmax of its last output as ``d_1``, then feeds ``(d_i, m_i)`` one at a time (``m_i``
-the head's previous output) for ``d_2 .. d_k``, over a cache of the head's own layers that lives for the round only.
-So the head attends to the last ``window_tokens`` positions, not the whole sequence as vLLM's MTP does (it keeps the
-head's keys for every position): drafts may be worse on long contexts, never wrong (the target verifies them). A
-prefix hit's positions have no hidden states (they never ran): the window starts after them. Drafts are greedy (a
-point-mass proposal, exact under sampling too).
+
+1. feeds the head the pairs ``(x_{j+1}, h_j)`` it has not seen yet (positions ``j``; every pair once: the head keeps
+   its keys and values for every position of the request, as vLLM's MTP does), and keeps its output ``m_n`` of the
+   last one;
+2. takes the target's ``lm_head`` argmax of ``m_n`` as ``d_1``, then feeds ``(d_i, m_{n+i-1})`` one at a time for
+   ``d_2 .. d_k``;
+3. cuts the head's cache back to the pairs of step 1 (the drafts' keys go: a draft's pair is fed again, as a kept
+   token's, once the target keeps it).
+
+A kept position's hidden state never changes, so the pairs fed stay valid; a request recomputed from an earlier
+position (preempted) cuts the head's cache back to it. A prefix hit's positions have no hidden states (they never
+ran): the head's pairs start after them. Drafts are greedy (a point-mass proposal, exact under sampling too).
 """
 
 from __future__ import annotations
@@ -19,10 +24,11 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from .._compat.mtp import MTPHead, mtp_support_error, new_head_cache
+from .._compat.mtp import MTPHead, cut_head_cache, mtp_support_error, new_head_cache
 from .drafters import Drafter
 
 #: The prefix of an MTP head's keys in a checkpoint's safetensors.
@@ -62,28 +68,43 @@ def read_mtp_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     return weights
 
 
+@dataclass
+class _HeadState:
+    """A request's pairs in the head: ``cache`` holds the keys of ``fed`` pairs from position ``start`` on, ``pending``
+    ``[p, H]`` the hidden states observed after them, ``last`` ``[1, 1, H]`` the head's output of the last pair fed."""
+
+    start: int
+    cache: object
+    pending: torch.Tensor
+    fed: int = 0
+    last: torch.Tensor | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start + self.fed + len(self.pending)
+
+
 class MTPDrafter(Drafter):
     """Drafts with the MTP head of the checkpoint in ``folder`` (the target's own: its ``mtp.*`` weights).
 
     Args:
         folder: the target checkpoint's folder (its safetensors hold ``mtp.*``).
-        window_tokens: past positions the head attends to per round (>= 1).
+
+    Memory: the head's keys and values for every position of each running request (one attention layer's worth,
+    outside the engine's page budget), freed when the request leaves.
 
     Raises:
-        ValueError: ``window_tokens`` < 1 or a folder without MTP weights (:func:`read_mtp_weights`); at
-            :meth:`start`, a target family whose head is not built here or weights that do not fit its head (the
-            names missing and unexpected are listed).
+        ValueError: a folder without MTP weights (:func:`read_mtp_weights`); at :meth:`start`, a target family whose
+            head is not built here or weights that do not fit its head (the names missing and unexpected are listed).
     """
 
     wants_hidden_states = True
 
-    def __init__(self, folder: str | os.PathLike, window_tokens: int = 64) -> None:
-        if isinstance(window_tokens, bool) or not isinstance(window_tokens, int) or window_tokens < 1:
-            raise ValueError(f"window_tokens must be a positive int, got {window_tokens!r}.")
-        self.folder, self.window_tokens = folder, window_tokens
+    def __init__(self, folder: str | os.PathLike) -> None:
+        self.folder = folder
         self.weights = read_mtp_weights(folder)  # refused here, before a server loads its target
         self.head: MTPHead | None = None
-        self._hidden: dict[object, tuple[int, torch.Tensor]] = {}  # request -> (first position, [n, H])
+        self._states: dict[object, _HeadState] = {}
 
     def start(self, engine) -> None:
         target = engine.cache.model
@@ -99,37 +120,50 @@ class MTPDrafter(Drafter):
                              f"{missing}, unexpected {unexpected}.")
         self.head = head.to(device=weight.device, dtype=weight.dtype).eval()
         self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-        self._hidden.clear()
+        self._states.clear()
 
     def observe(self, request, past: int, hidden: torch.Tensor) -> None:
-        first, known = self._hidden.get(request, (past, hidden[:0]))
-        end = first + len(known)
-        if past > end or past < first:  # a gap (a prefix hit) or a recompute from before: start over here
-            first, known = past, hidden[:0]
-        known = torch.cat([known[: past - first], hidden])[-self.window_tokens :]
-        self._hidden[request] = (past + len(hidden) - len(known), known)
+        state = self._states.get(request)
+        if state is None or past < state.start or past > state.end:  # new, or a gap (a prefix hit): start here
+            self._states[request] = _HeadState(past, new_head_cache(), hidden.clone())
+        elif past < state.start + state.fed:  # recomputed from a position the head has fed: cut back to it
+            state.fed = past - state.start
+            cut_head_cache(state.cache, state.fed)
+            state.pending, state.last = hidden.clone(), None
+        else:
+            state.pending = torch.cat([state.pending[: past - state.start - state.fed], hidden])
 
     @torch.no_grad()
     def propose(self, requests: Sequence, num_tokens: Sequence[int]) -> list[list[int]]:
         return [self._draft(request, n) for request, n in zip(requests, num_tokens)]
 
     def _draft(self, request, num_tokens: int) -> list[int]:
-        tokens = request.tokens
-        first, known = self._hidden.get(request, (0, None))
-        if known is None or not len(known) or first + len(known) != len(tokens) - 1:
+        tokens, state = request.tokens, self._states.get(request)
+        if state is None or state.end != len(tokens) - 1:
             return []  # the hidden state of its last fed position is not known
-        device = known.device
-        ids = torch.tensor(tokens[first + 1 :], device=device)[None]  # x_{j+1} for each known h_j
-        positions = torch.arange(first, first + len(known), device=device)[None]
-        cache, hidden, drafts = new_head_cache(), known[None], []
-        for _ in range(num_tokens):
-            out = self.head(self.embed(ids), hidden, positions, cache)[:, -1:]
+        if len(state.pending):
+            first = state.start + state.fed
+            state.last = self._run(tokens[first + 1 :], state.pending[None], first, state.cache)[:, -1:]
+            state.fed, state.pending = state.fed + len(state.pending), state.pending[:0]
+        if state.last is None:
+            return []
+        out, drafts = state.last, []
+        for i in range(num_tokens):
             drafts.append(int(self.lm_head(out)[0, -1].argmax()))
-            ids, hidden, positions = torch.tensor([[drafts[-1]]], device=device), out, positions[:, -1:] + 1
+            if i + 1 < num_tokens:
+                out = self._run(drafts[-1:], out, len(tokens) - 1 + i, state.cache)
+        cut_head_cache(state.cache, state.fed)
         return drafts
 
+    def _run(self, ids: list[int], hidden: torch.Tensor, first: int, cache) -> torch.Tensor:
+        """The head's outputs ``[1, T, H]`` for tokens ``ids`` and hidden states ``[1, T, H]`` at positions
+        ``first ..``, continuing over ``cache``."""
+        device = hidden.device
+        positions = torch.arange(first, first + len(ids), device=device)[None]
+        return self.head(self.embed(torch.tensor([ids], device=device)), hidden, positions, cache)
+
     def release(self, request) -> None:
-        self._hidden.pop(request, None)
+        self._states.pop(request, None)
 
     def close(self) -> None:
-        self._hidden.clear()
+        self._states.clear()
