@@ -10,7 +10,8 @@ into the engine's :class:`~hf_hybridcache.engine.Speculation` (docs/speculative.
 - ``mtp``: :class:`~hf_hybridcache.engine.MTPDrafter`, the MTP head ``--model``'s checkpoint ships (its ``mtp.*``
   weights; dense Qwen3.5 for now), drafting from the target's hidden states.
 
-Every mistake here is found from the arguments alone (:func:`speculative_args_error`), before a model loads.
+Flag combinations that cannot run are found from the arguments alone (:func:`speculative_args_error`), before a
+model loads; a draft model or an MTP head that cannot serve is refused once the target has loaded.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def speculative_args_error(args: argparse.Namespace) -> str | None:
     kind, k = args.speculative, args.num_speculative_tokens
     if kind is None:
         if k is not None:
-            return "--num-speculative-tokens needs --speculative ngram|draft:PATH; add one, or drop the count."
+            return "--num-speculative-tokens needs --speculative ngram|draft:PATH|mtp; add one, or drop the count."
         return None
     if args.no_cache:
         return (f"--speculative {kind} needs the engine, and --no-cache serves one plain generate() at a time; drop "
@@ -103,13 +104,13 @@ def _mtp_drafter(args: argparse.Namespace, target):
 
         try:
             folder = snapshot_download(folder, allow_patterns=["*.safetensors", "*.safetensors.index.json"])
-        except Exception as problem:  # noqa: BLE001 - offline, gone: one line at startup
+        except Exception as error:  # noqa: BLE001 - offline, gone: one line at startup
             raise StartupError(f"--speculative mtp: the safetensors of {args.model} could not be read from the hub "
-                               f"cache: {problem}") from None
+                               f"cache: {error}") from None
     try:
         return MTPDrafter(folder)
-    except ValueError as problem:
-        raise StartupError(f"--speculative mtp: {problem}") from None
+    except ValueError as error:
+        raise StartupError(f"--speculative mtp: {error}") from None
 
 
 def _draft_cache(args: argparse.Namespace, target):
