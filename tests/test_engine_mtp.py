@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
 from hf_hybridcache import HybridPrefixCache
-from hf_hybridcache._compat.mtp import MTPHead
+from hf_hybridcache._compat.mtp import MTPHead, fuse_experts
 from hf_hybridcache.engine import Drafter, EngineLimits, MTPDrafter, Speculation
 from hf_hybridcache.toy import build_model
 
@@ -25,18 +25,22 @@ def checkpoint(tmp_path_factory):
     return save_checkpoint(tmp_path_factory.mktemp("mtp") / "qwen3_5")
 
 
-def save_checkpoint(folder):
-    """A tiny Qwen3.5 (the seeded toy) saved in ``folder`` with a random MTP head (one layer) in its
-    model.safetensors, as Qwen3.5 checkpoints ship one."""
-    model = build_model(FAMILY, seed=0)
+def save_checkpoint(folder, family: str = FAMILY):
+    """The seeded toy of ``family`` saved in ``folder`` with an MTP head of one layer in its model.safetensors, as
+    Qwen3.5 and Qwen3-Next checkpoints ship one: the layer is a copy of the model's full-attention layer as
+    ``save_pretrained`` wrote it (the checkpoint's own layout: routed experts one by one), ``fc`` and the norms
+    random (norms too, so each one matters)."""
+    model = build_model(family, seed=0)
     model.config.mtp_num_hidden_layers = 1
     model.save_pretrained(folder)
     torch.manual_seed(44)
-    head = MTPHead(model.config)
-    for parameter in head.parameters():  # norms too, so each one matters
-        torch.nn.init.normal_(parameter, std=0.2)
+    head = {name: torch.randn(parameter.shape) * 0.2 for name, parameter in MTPHead(model.config).named_parameters()
+            if not name.startswith("layers.")}
     tensors = load_file(folder / "model.safetensors")
-    tensors.update({f"mtp.{name}": value.contiguous() for name, value in head.state_dict().items()})
+    layer = f"model.layers.{model.config.layer_types.index('full_attention')}."
+    head.update({f"layers.0.{name[len(layer):]}": value.clone() for name, value in tensors.items()
+                 if name.startswith(layer)})
+    tensors.update({f"mtp.{name}": value.contiguous() for name, value in head.items()})
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     return folder
 
@@ -171,6 +175,35 @@ def test_the_engine_hands_over_the_hidden_states_of_every_kept_position():
         assert manager.batch_processor.speculator.stats.accepted_tokens > 0
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"])
+def test_the_head_reads_the_checkpoint_layout_as_transformers_reads_the_model(family, tmp_path):
+    """The head's layer, read from ``mtp.layers.0.*`` (a copy of the full-attention layer's keys as saved: routed
+    experts one by one), equals that layer as ``from_pretrained`` loads it into the model (experts fused), every
+    parameter; greedy tokens with the head's drafts equal a cold ``generate()``."""
+    from transformers import AutoModelForCausalLM
+
+    folder = save_checkpoint(tmp_path / family, family)
+    loaded = AutoModelForCausalLM.from_pretrained(folder).eval()
+    head = MTPHead(loaded.config)
+    head.load_state_dict(fuse_experts(MTPDrafter(folder).weights), strict=False)
+    layer = loaded.model.layers[loaded.config.layer_types.index("full_attention")].state_dict()
+    mine = head.layers[0].state_dict()
+    assert sorted(mine) == sorted(layer) and any("experts" in name for name in mine) == (family != "qwen3_5_text")
+    for name, value in layer.items():
+        torch.testing.assert_close(mine[name], value, rtol=0, atol=0, msg=name)
+    cache = HybridPrefixCache(build_model(family, seed=0))
+    manager = cache.init_continuous_batching(config(max_new_tokens=10),
+                                             speculation=Speculation(MTPDrafter(folder), K))
+    prompts = [ids(18, seed=4470), ids(7, seed=4471)]
+    manager.start()
+    try:
+        outputs = finals(manager, manager.add_requests(prompts))
+    finally:
+        manager.stop()
+    assert [o.generated_tokens for o in outputs.values()] == [alone(loaded, p, 10) for p in prompts]
+    assert manager.batch_processor.speculator.stats.drafted_tokens > 0
+
+
 def test_what_cannot_run_is_refused(checkpoint, tmp_path):
     with pytest.raises(ValueError, match="holds no mtp"):
         MTPDrafter(tmp_path)
@@ -179,5 +212,5 @@ def test_what_cannot_run_is_refused(checkpoint, tmp_path):
     jamba = HybridPrefixCache(build_model("jamba", seed=0))
     manager = jamba.init_continuous_batching(config(max_new_tokens=4),
                                              speculation=Speculation(MTPDrafter(checkpoint), 2))
-    with pytest.raises(ValueError, match="dense Qwen3.5"):
+    with pytest.raises(ValueError, match="MTP heads are read for Qwen3.5"):
         manager.start()

@@ -10,26 +10,34 @@ token ``x_{i+1}``) and the embedding of ``x_{i+1}``::
     m = norm(layers(u, position i))                                                 # full-attention decoder layers
     logits of x_{i+2} = lm_head(m)                                                  # the target's embed and lm_head
 
-and ``m`` stands in for ``h_{i+1}`` when it drafts one more token. Only dense Qwen3.5 heads of one layer
-(``qwen3_5_text`` and the wrapper ``qwen3_5``'s text model; the released checkpoints' ``mtp_num_hidden_layers`` is 1)
-are built here; Qwen3-Next's and Qwen3.5-MoE's heads hold routed experts stored per
-expert (a conversion transformers' loader does for the main model) and Nemotron-H's a block list of its own
-(``mtp_layers_block_type``).
+and ``m`` stands in for ``h_{i+1}`` when it drafts one more token. Heads of one layer (the released checkpoints'
+``mtp_num_hidden_layers``) are built for Qwen3.5, Qwen3.5-MoE and Qwen3-Next (and a wrapper's text model); their
+routed experts, stored one by one in the checkpoint, are fused as transformers' loader fuses the main model's
+(:func:`fuse_experts`). Nemotron-H's head, a block list of its own (``mtp_layers_block_type``), is not built.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import inspect
+import re
 
 import torch
 from torch import nn
 
 from .cache_kwargs import CACHE_KWARG_NAMES
 
+#: ``model_type`` of a text config -> (its modeling module, decoder layer, RMS norm and rotary embedding classes).
+MTP_FAMILIES = {
+    "qwen3_5_text": ("qwen3_5", "Qwen3_5DecoderLayer", "Qwen3_5RMSNorm", "Qwen3_5TextRotaryEmbedding"),
+    "qwen3_5_moe_text": ("qwen3_5_moe", "Qwen3_5MoeDecoderLayer", "Qwen3_5MoeRMSNorm", "Qwen3_5MoeTextRotaryEmbedding"),
+    "qwen3_next": ("qwen3_next", "Qwen3NextDecoderLayer", "Qwen3NextRMSNorm", "Qwen3NextRotaryEmbedding"),
+}
 #: ``model_type`` of the text configs whose MTP head :class:`MTPHead` builds.
-MTP_MODEL_TYPES = ("qwen3_5_text",)
+MTP_MODEL_TYPES = tuple(MTP_FAMILIES)
+_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def text_config(config):
@@ -40,19 +48,39 @@ def text_config(config):
 def mtp_support_error(config) -> str | None:
     """Why no MTP head is built for a model of ``config`` (one sentence), or None."""
     text = text_config(config)
-    if text.model_type not in MTP_MODEL_TYPES:
-        return (f"MTP heads are read for dense Qwen3.5 ({', '.join(MTP_MODEL_TYPES)}) only, not "
-                f"{text.model_type}; use the n-gram drafter or a draft model.")
+    if text.model_type not in MTP_FAMILIES:
+        return (f"MTP heads are read for Qwen3.5, Qwen3.5-MoE and Qwen3-Next ({', '.join(MTP_MODEL_TYPES)}) only, "
+                f"not {text.model_type}; use the n-gram drafter or a draft model.")
     num_layers = getattr(text, "mtp_num_hidden_layers", 1)
     if num_layers != 1:  # vLLM runs layer (draft step % n) of n, each over its own keys: not built here
-        return (f"MTP heads of one layer are read (Qwen3.5 ships one); this config has mtp_num_hidden_layers="
-                f"{num_layers}; use the n-gram drafter or a draft model.")
+        return (f"MTP heads of one layer are read (Qwen3.5 and Qwen3-Next ship one); this config has "
+                f"mtp_num_hidden_layers={num_layers}; use the n-gram drafter or a draft model.")
     return None
 
 
+def fuse_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``weights`` with routed experts stored one by one (``layers.L.mlp.experts.E.{gate,up,down}_proj.weight``, as
+    checkpoints hold them) fused as transformers' MoE blocks hold them: ``experts.gate_up_proj`` ``[E, 2I, H]`` (each
+    expert's gate rows, then its up rows) and ``experts.down_proj`` ``[E, H, I]``."""
+    out, experts = {}, {}
+    for name, tensor in weights.items():
+        found = _EXPERT.match(name)
+        if found is None:
+            out[name] = tensor
+        else:
+            experts.setdefault(found.group(1), {}).setdefault(int(found.group(2)), {})[found.group(3)] = tensor
+    for prefix, by_expert in experts.items():
+        ordered = [by_expert[e] for e in sorted(by_expert)]
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([w["gate"], w["up"]]) for w in ordered])
+        out[f"{prefix}.down_proj"] = torch.stack([w["down"] for w in ordered])
+    return out
+
+
 class MTPHead(nn.Module):
-    """A dense Qwen3.5 MTP head (``mtp.fc``, ``mtp.layers.0``, ``mtp.norm``, ``mtp.pre_fc_norm_hidden``,
-    ``mtp.pre_fc_norm_embedding``; its parameter names are the checkpoint's without ``mtp.``).
+    """An MTP head of one layer (``mtp.fc``, ``mtp.layers.0``, ``mtp.norm``, ``mtp.pre_fc_norm_hidden``,
+    ``mtp.pre_fc_norm_embedding``; its parameter names are the checkpoint's without ``mtp.``, routed experts fused:
+    :func:`fuse_experts`), built from the family's own decoder layer (a full-attention one; Qwen3-Next's and
+    Qwen3.5-MoE's with their routed and shared experts).
 
     Args:
         config: the target's config (a wrapper's text config is taken; ``mtp_num_hidden_layers`` 1 or unset).
@@ -66,20 +94,20 @@ class MTPHead(nn.Module):
         problem = mtp_support_error(config)
         if problem is not None:
             raise ValueError(problem)
-        from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
-
         text = copy.deepcopy(text_config(config))
-        num_layers = 1
-        text.num_hidden_layers, text.layer_types = num_layers, ["full_attention"] * num_layers
+        folder, layer_class, norm_class, rotary_class = MTP_FAMILIES[text.model_type]
+        modeling = importlib.import_module(f"transformers.models.{folder}.modeling_{folder}")
+        text.num_hidden_layers, text.layer_types = 1, ["full_attention"]
         text._attn_implementation = "sdpa"
         hidden, eps = text.hidden_size, text.rms_norm_eps
+        norm = getattr(modeling, norm_class)
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
-        self.layers = nn.ModuleList(qwen.Qwen3_5DecoderLayer(text, i) for i in range(num_layers))
-        self.norm = qwen.Qwen3_5RMSNorm(hidden, eps=eps)
-        self.pre_fc_norm_hidden = qwen.Qwen3_5RMSNorm(hidden, eps=eps)
-        self.pre_fc_norm_embedding = qwen.Qwen3_5RMSNorm(hidden, eps=eps)
-        self.rotary_emb = qwen.Qwen3_5TextRotaryEmbedding(text)
-        parameters = inspect.signature(qwen.Qwen3_5DecoderLayer.forward).parameters
+        self.layers = nn.ModuleList([getattr(modeling, layer_class)(text, 0)])
+        self.norm = norm(hidden, eps=eps)
+        self.pre_fc_norm_hidden = norm(hidden, eps=eps)
+        self.pre_fc_norm_embedding = norm(hidden, eps=eps)
+        self.rotary_emb = getattr(modeling, rotary_class)(text)
+        parameters = inspect.signature(getattr(modeling, layer_class).forward).parameters
         self._cache_name = next(n for n in CACHE_KWARG_NAMES if n in parameters)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, cache) -> torch.Tensor:
@@ -91,7 +119,7 @@ class MTPHead(nn.Module):
         for layer in self.layers:  # mask None: causal over a multi-token call, every key for one token
             u = layer(u, position_embeddings=position_embeddings, attention_mask=None, position_ids=position_ids,
                       **{self._cache_name: cache})
-        return self.norm(u)
+        return self.norm(u[0] if isinstance(u, tuple) else u)
 
 
 def new_head_cache():

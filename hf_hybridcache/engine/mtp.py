@@ -1,6 +1,6 @@
 """A drafter from the MTP (multi-token prediction) head a checkpoint ships: the ``mtp.*`` weights of its safetensors,
 which transformers drops at load, read with ``safetensors`` into the head :mod:`~hf_hybridcache._compat.mtp` builds
-(dense Qwen3.5 for now).
+(Qwen3.5, Qwen3.5-MoE and Qwen3-Next; routed experts fused as transformers fuses the main model's).
 
 The head drafts from the target's final hidden states, which the engine hands over for every position a request
 keeps (``Drafter.observe``: prefill chunks, decodes, a verify step's kept positions). For a request whose tokens are
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._compat.mtp import MTPHead, cut_head_cache, mtp_support_error, new_head_cache
+from .._compat.mtp import MTPHead, cut_head_cache, fuse_experts, mtp_support_error, new_head_cache
 from .drafters import Drafter
 
 #: The prefix of an MTP head's keys in a checkpoint's safetensors.
@@ -113,7 +113,7 @@ class MTPDrafter(Drafter):
             raise ValueError(problem)
         weight = target.get_input_embeddings().weight
         head = MTPHead(target.config)
-        missing, unexpected = head.load_state_dict(self.weights, strict=False)
+        missing, unexpected = head.load_state_dict(fuse_experts(self.weights), strict=False)
         missing = [k for k in missing if "rotary_emb" not in k]
         if missing or unexpected:
             raise ValueError(f"The MTP weights in {self.folder!r} do not fit a {type(target).__name__} head: missing "

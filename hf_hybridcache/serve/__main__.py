@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     spec.add_argument("--speculative", type=speculative_kind, default=None, metavar="ngram|draft:PATH|mtp",
                       help="draft tokens for every request to verify in its steps: ngram (prompt lookup, no model), "
                       "draft:PATH (a smaller model with the target's tokenizer: a saved folder, a hub id or "
-                      "toy:FAMILY) or mtp (the MTP head --model's checkpoint ships: dense Qwen3.5) "
+                      "toy:FAMILY) or mtp (the MTP head --model's checkpoint ships: Qwen3.5, Qwen3-Next) "
                       "(default: no speculation)")
     spec.add_argument("--num-speculative-tokens", type=int, default=None,
                       help=f"draft tokens a request verifies per step at most; a request sends "

@@ -8,7 +8,7 @@ into the engine's :class:`~hf_hybridcache.engine.Speculation` (docs/speculative.
   map, served by an engine of its own over its own :class:`~hf_hybridcache.HybridPrefixCache` (the target's block
   size, retention and eviction; no shared tier).
 - ``mtp``: :class:`~hf_hybridcache.engine.MTPDrafter`, the MTP head ``--model``'s checkpoint ships (its ``mtp.*``
-  weights; dense Qwen3.5 for now), drafting from the target's hidden states.
+  weights; Qwen3.5, Qwen3.5-MoE and Qwen3-Next), drafting from the target's hidden states.
 
 Flag combinations that cannot run are found from the arguments alone (:func:`speculative_args_error`), before a
 model loads; a draft model or an MTP head that cannot serve is refused once the target has loaded.
