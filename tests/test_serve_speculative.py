@@ -3,9 +3,11 @@ started as ``python -m hf_hybridcache.serve --speculative ngram`` and ``--specul
 the target: every draft accepted) return the greedy replies of a server without speculation and of a cold
 ``generate()``, in JSON and in streams, with exact ``usage`` (a stop string's tokens counted as without speculation);
 a request opts out with ``num_speculative_tokens: 0`` (``extra_body``) and bad values are a 400 that says what to send;
-``/metrics`` counts drafted and accepted tokens, in all and by draft position; a 3-turn chat hits the same prompt tokens
-with and without speculation; flag combinations that cannot run are refused at startup, one line, exit status 2. One
-server of each kind per module; each test's requests carry a tenant of their own where the cache's state matters."""
+``/metrics`` counts drafted and accepted tokens, in all and by draft position (``/server_info`` names the drafter);
+a 3-turn chat hits the same prompt tokens with and without speculation; logprobs, ``n`` and JSON replies are the plain
+server's; ``--speculative mtp`` serves a saved Qwen3.5 whose safetensors hold an MTP head; flag combinations that
+cannot run are refused at startup, one line, exit status 2. One server of each kind per module; each test's requests
+carry a tenant of their own where the cache's state matters."""
 
 import httpx
 import openai
