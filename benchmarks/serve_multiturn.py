@@ -7,6 +7,7 @@ does for these models without continuous batching).
     PYTHONPATH=. python benchmarks/serve_multiturn.py                       # Jamba-shaped model, 1/4/16 clients
     PYTHONPATH=. python benchmarks/serve_multiturn.py --clients 16 --max-tokens 16 --shape tiny
     PYTHONPATH=. python benchmarks/serve_multiturn.py --dtype bfloat16 --clients 1 4 --system-repeats 2
+    PYTHONPATH=. python benchmarks/serve_multiturn.py --speculative ngram --clients 1 4   # a third server speculates
 
 The model is built in code (``benchmarks/concurrency.py``'s Jamba shape: 8 layers, hidden 256, long-memory init;
 served in fp32 unless ``--dtype`` says otherwise), saved with the byte tokenizer and loaded by both servers through
@@ -16,6 +17,10 @@ TTFT p50 / p95 per turn (request sent to the first chunk with text, seconds) and
 (``usage.prompt_tokens_details.cached_tokens`` over prompt tokens). The replies of both servers are compared (they
 must be equal). Levels run one after another, stock first; the servers stay up for the whole run (the cache keeps
 the shared system prompt, as a running service would). Timing is noisy on a shared machine: compare rows of one run.
+
+With ``--speculative ngram|draft:PATH`` a third server runs the engine with speculation (``--num-speculative-tokens``,
+default 4): its replies are compared with the stock server's too, and the per-turn table adds its token hit rate and
+the largest difference from the engine's without speculation (issue 44's bar: within 0.01).
 """
 
 from __future__ import annotations
@@ -125,20 +130,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", choices=["jamba", "tiny"], default="jamba")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                         help="both servers' --dtype (bf16 and fp16 store replies from a replay when a request ends)")
+    parser.add_argument("--speculative", default=None,
+                        help="a third server with this --speculative (ngram, draft:PATH)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
     args = parser.parse_args(argv)
     system = SYSTEM * args.system_repeats
     results = {}
-    with tempfile.TemporaryDirectory() as model_dir:
+    with tempfile.TemporaryDirectory() as model_dir, contextlib.ExitStack() as stack:
         save_model(args.shape, model_dir)
         dtype = ["--dtype", args.dtype]
-        with serving(model_dir, ["--no-cache", *dtype]) as stock_url, serving(model_dir, dtype) as ours_url:
-            for clients in args.clients:
-                for name, url in (("stock", stock_url), ("hf_hybridcache", ours_url)):
-                    wall, records = asyncio.run(run_level(url, clients, args.turns, args.max_tokens, system))
-                    results[clients, name] = summary(wall, records, args.turns)
-                    print(f"{clients} clients, {name}: {wall:.1f} s, "
-                          f"{results[clients, name]['tokens_per_s']:.1f} tokens/s", file=sys.stderr, flush=True)
+        servers = [("stock", stack.enter_context(serving(model_dir, ["--no-cache", *dtype]))),
+                   ("hf_hybridcache", stack.enter_context(serving(model_dir, dtype)))]
+        if args.speculative:
+            spec = ["--speculative", args.speculative, "--num-speculative-tokens", str(args.num_speculative_tokens)]
+            servers.append((SPECULATIVE, stack.enter_context(serving(model_dir, [*dtype, *spec]))))
+        for clients in args.clients:
+            for name, url in servers:
+                wall, records = asyncio.run(run_level(url, clients, args.turns, args.max_tokens, system))
+                results[clients, name] = summary(wall, records, args.turns)
+                print(f"{clients} clients, {name}: {wall:.1f} s, "
+                      f"{results[clients, name]['tokens_per_s']:.1f} tokens/s", file=sys.stderr, flush=True)
     print_tables(results, args)
+
+
+#: The third server's name in the tables (``--speculative``).
+SPECULATIVE = "hf_hybridcache + speculation"
 
 
 def differing(stock: list[list[str]], ours: list[list[str]]) -> str:
@@ -153,25 +169,33 @@ def differing(stock: list[list[str]], ours: list[list[str]]) -> str:
 
 
 def print_tables(results: dict, args) -> None:
+    spec = (f", {SPECULATIVE}: --speculative {args.speculative} k={args.num_speculative_tokens}"
+            if args.speculative else "")
+    names = ("stock", "hf_hybridcache", SPECULATIVE) if args.speculative else ("stock", "hf_hybridcache")
     print(f"\nserve_multiturn: {args.shape} model, {args.dtype}, {args.turns} turns, max_tokens {args.max_tokens}, "
-          f"greedy, streamed\n")
+          f"greedy, streamed{spec}\n")
     print("| clients | server | tokens/s | vs stock | TTFT p50 turns 2-6 (s) | vs stock | replies equal |")
     print("|---|---|---|---|---|---|---|")
     for clients in args.clients:
         stock = results[clients, "stock"]
-        for name in ("stock", "hf_hybridcache"):
+        for name in names:
             r = results[clients, name]
             equal = "" if name == "stock" else differing(stock["texts"], r["texts"])
             print(f"| {clients} | {name} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / stock['tokens_per_s']:.2f}x "
                   f"| {r['ttft_p50_later']:.3f} | {r['ttft_p50_later'] / stock['ttft_p50_later']:.2f}x | {equal} |")
     for clients in args.clients:
         stock, ours = results[clients, "stock"], results[clients, "hf_hybridcache"]
+        spec = results.get((clients, SPECULATIVE))
         print(f"\n{clients} clients, per turn: TTFT p50 / p95 (s) and token hit rate\n")
-        print("| turn | stock TTFT p50 / p95 | hf_hybridcache TTFT p50 / p95 | hf_hybridcache hit rate |")
-        print("|---|---|---|---|")
+        extra = " with speculation hit rate | difference |" if spec else ""
+        print(f"| turn | stock TTFT p50 / p95 | hf_hybridcache TTFT p50 / p95 | hf_hybridcache hit rate |{extra}")
+        print("|---|---|---|---|" + ("---|---|" if spec else ""))
         for turn in range(args.turns):
-            print(f"| {turn + 1} | {stock['ttft_p50'][turn]:.3f} / {stock['ttft_p95'][turn]:.3f} "
-                  f"| {ours['ttft_p50'][turn]:.3f} / {ours['ttft_p95'][turn]:.3f} | {ours['hit_rate'][turn]:.0%} |")
+            row = (f"| {turn + 1} | {stock['ttft_p50'][turn]:.3f} / {stock['ttft_p95'][turn]:.3f} "
+                   f"| {ours['ttft_p50'][turn]:.3f} / {ours['ttft_p95'][turn]:.3f} | {ours['hit_rate'][turn]:.0%} |")
+            if spec:
+                row += f" {spec['hit_rate'][turn]:.0%} | {abs(spec['hit_rate'][turn] - ours['hit_rate'][turn]):.4f} |"
+            print(row)
 
 
 if __name__ == "__main__":

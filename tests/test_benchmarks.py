@@ -182,15 +182,22 @@ def test_hit_overhead_runs_on_a_tiny_shape(capsys):
     assert all(float(r[7]) > 0 for r in restored)  # the copy floor of the same bytes
 
 
-def test_serve_multiturn_runs_two_servers_on_a_tiny_model(capsys):
-    """``serve_multiturn.py``: both servers start from the saved model, the table has a row per level and server, and
-    the replies of the two servers are equal."""
+def test_serve_multiturn_runs_its_servers_on_a_tiny_model(capsys):
+    """``serve_multiturn.py`` with ``--speculative ngram``: the three servers start from the saved model, the table
+    has a row per level and server, the replies of each server equal the stock server's, and the token hit rates
+    with and without speculation are equal turn by turn (one client: with several, which of two requests sent at
+    once hits what the other stores depends on when each reaches the engine, with or without speculation)."""
     from benchmarks import serve_multiturn
 
-    serve_multiturn.main(["--clients", "2", "--turns", "2", "--max-tokens", "4", "--system-repeats", "1",
-                          "--shape", "tiny"])
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 2 | stock", "| 2 | hf_"))]
-    assert [row.split(" | ")[1] for row in rows] == ["stock", "hf_hybridcache"] and rows[1].endswith("| yes |")
+    serve_multiturn.main(["--clients", "1", "--turns", "2", "--max-tokens", "4", "--system-repeats", "1",
+                          "--shape", "tiny", "--speculative", "ngram"])
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line for line in lines if line.startswith(("| 1 | stock", "| 1 | hf_"))]
+    assert [row.split(" | ")[1] for row in rows] == ["stock", "hf_hybridcache", serve_multiturn.SPECULATIVE]
+    assert rows[1].endswith("| yes |") and rows[2].endswith("| yes |")
+    header = next(i for i, line in enumerate(lines) if line.endswith("| difference |"))
+    turns = lines[header + 2 : header + 4]
+    assert len(turns) == 2 and all(row.endswith("| 0.0000 |") for row in turns), turns
 
 
 def test_grammar_masks_runs_for_llguidance(capsys):

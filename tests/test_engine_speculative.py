@@ -15,7 +15,7 @@ from transformers import ContinuousBatchingConfig
 
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.core import check_store
-from hf_hybridcache.engine import (DraftModelDrafter, Drafter, EngineLimits, NgramDrafter, Speculation,
+from hf_hybridcache.engine import (Draft, DraftModelDrafter, Drafter, EngineLimits, NgramDrafter, Speculation,
                                    SpeculationStats)
 from hf_hybridcache.engine import verify as verify_module
 from hf_hybridcache.toy import VOCAB_SIZE, build_model
@@ -249,6 +249,17 @@ def broken_mixed(probs, draft, limit, eos, generator, draft_probs=None):
     return list(draft) + [int(torch.multinomial(probs[len(draft)], 1, generator=generator))], len(draft)
 
 
+def broken_ratio(probs, draft, limit, eos, generator, draft_probs=None):
+    """A broken acceptance rule: a draft drawn from ``q`` kept with probability ``p(d)`` (the point-mass ratio, not
+    ``min(1, p / q)``), a rejected one replaced from the right residual ``max(0, p - q)``."""
+    for i, d in enumerate(draft):
+        if float(torch.rand(1, generator=generator)) >= float(probs[i, d]):
+            residual = (probs[i] - draft_probs[i]).clamp(min=0)
+            residual = residual if bool(residual.sum() > 0) else probs[i]
+            return list(draft[:i]) + [int(torch.multinomial(residual, 1, generator=generator))], i
+    return list(draft) + [int(torch.multinomial(probs[len(draft)], 1, generator=generator))], len(draft)
+
+
 def two_token_distribution(p0, p1_given, sample) -> tuple[dict, dict]:
     """Counts of the first two emitted tokens over 20,000 calls of ``sample(generator)`` and the target's
     expectation ``p0(a) p1(b | a)``."""
@@ -298,13 +309,39 @@ def test_rejection_sampling_keeps_the_target_distribution(rule, proposal):
         assert value < 1e-6, value
 
 
-def sampled_pairs(family: str, seeds: range, monkeypatch=None) -> tuple[dict, list]:
+class SampledDrafter(Drafter):
+    """Draws each draft token from ``q``: the target's top 3 tokens after the request's tokens weighted 0.1, 0.3 and
+    0.6 from the most likely down (far from ``p``, so only the right ratio ``p / q`` keeps ``p``), and hands ``q``
+    over with it (a :class:`Draft` with its distribution)."""
+
+    def __init__(self, cold_model) -> None:
+        self.cold_model, self.generator, self.known = cold_model, torch.Generator().manual_seed(4451), {}
+
+    def q(self, tokens: list[int]) -> torch.Tensor:
+        if tuple(tokens) not in self.known:
+            with torch.no_grad():
+                logits = self.cold_model(torch.tensor([tokens])).logits[0, -1].float()
+            q = torch.zeros(logits.shape[-1])
+            q[logits.topk(3).indices] = torch.tensor([0.1, 0.3, 0.6])
+            self.known[tuple(tokens)] = q
+        return self.known[tuple(tokens)]
+
+    def propose(self, requests, num_tokens):
+        drafts = []
+        for request in requests:  # one token each: the second of three new tokens
+            q = self.q(request.tokens)
+            drafts.append(Draft((int(torch.multinomial(q, 1, generator=self.generator)),), q[None]))
+        return drafts
+
+
+def sampled_pairs(family: str, seeds: range, drafter: Drafter | None = None) -> tuple[dict, list]:
     """The first two tokens of one prompt sampled with each of ``seeds`` (top-k 3, temperature 1) by an engine whose
-    draft model is a copy of the target (greedy drafts); returns their counts and the prompt."""
+    drafter is ``drafter`` (None: a draft model that is a copy of the target, greedy drafts); returns their counts
+    and the prompt."""
     cache = HybridPrefixCache(build_model(family, seed=0))
     prompt = ids(12, seed=4450)
     generation = config(max_new_tokens=3, do_sample=True, top_k=3, temperature=1.0)
-    draft = DraftModelDrafter(HybridPrefixCache(build_model(family, seed=0)))
+    draft = drafter or DraftModelDrafter(HybridPrefixCache(build_model(family, seed=0)))
     manager = cache.init_continuous_batching(generation, speculation=Speculation(draft, 2))
     manager.start()
     try:
@@ -331,6 +368,20 @@ def target_pairs(cold_model, prompt: list[int], n: int) -> dict:
 
     first = top3(prompt)
     return {(a, b): n * pa * pb for a, pa in first.items() for b, pb in top3(prompt + [a]).items()}
+
+
+@pytest.mark.parametrize("family", ["jamba"])
+def test_engine_sampling_with_sampled_drafts_keeps_the_target_distribution(family, cold_model, monkeypatch):
+    """400 seeded requests whose second token is verified against a draft drawn from ``q`` (:class:`SampledDrafter`,
+    ``q`` handed to the engine with it): the pairs follow the target's distribution; with a broken acceptance rule
+    (kept with probability ``p(d)`` instead of ``min(1, p(d) / q(d))``) they do not."""
+    expected = None
+    for accept, passes in ((_accept_sampled, True), (broken_ratio, False)):
+        monkeypatch.setattr(verify_module, "accept_sampled", accept)
+        counts, prompt = sampled_pairs(family, range(400), SampledDrafter(cold_model))
+        expected = expected or target_pairs(cold_model, prompt, 400)
+        value = chi_square_p(counts, expected)
+        assert value > 1e-3 if passes else value < 1e-6, (accept.__name__, value, counts, expected)
 
 
 @pytest.mark.parametrize("family", ["jamba"])

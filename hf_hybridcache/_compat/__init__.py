@@ -59,6 +59,10 @@ Private APIs touched, and why each is needed (transformers 5.23 - 5.25; :mod:`.h
 - accelerate's ``_hf_hook`` / ``_old_forward`` / ``weights_map`` / ``execution_device`` and transformers'
   ``force_accelerate_hooks``: instance patches must sit under accelerate's hooks, and offloaded weights and layer
   devices are read from them.
+- The decoder layers, norms and rotary embeddings of Qwen3.5, Qwen3.5-MoE and Qwen3-Next (:mod:`.mtp`): the MTP head
+  a checkpoint ships, which transformers drops at load (``_keys_to_ignore_on_load_unexpected``), is rebuilt from
+  them (its routed experts fused as the loader fuses the main model's), and a forward hook on ``get_decoder()``
+  hands an MTP drafter the target's final hidden states.
 
 Everything here is reached through the names this package re-exports; the model is wrapped per instance (other
 instances and the classes are untouched). Each of these internals is a named check in :mod:`.hook_points`

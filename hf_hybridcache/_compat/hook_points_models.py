@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-from .hook_checks import HookPoint, exists, fields, named_parameters, parameters, resolve
+from .hook_checks import HookPoint, dotted, exists, fields, named_parameters, parameters, resolve
 
 _CACHE_NAMES = ("past_key_values", "cache", "cache_params")
 
@@ -204,4 +204,43 @@ def _wrappers() -> list[HookPoint]:
     return points
 
 
-MODEL_HOOK_POINTS: tuple[HookPoint, ...] = (*(p for family in FAMILIES for p in family.hook_points()), *_wrappers())
+#: The families whose MTP head :mod:`.mtp` builds: (modeling module folder, decoder layer, norm, rotary, causal LM).
+_MTP = (("qwen3_5", "Qwen3_5DecoderLayer", "Qwen3_5RMSNorm", "Qwen3_5TextRotaryEmbedding", "Qwen3_5ForCausalLM"),
+        ("qwen3_5_moe", "Qwen3_5MoeDecoderLayer", "Qwen3_5MoeRMSNorm", "Qwen3_5MoeTextRotaryEmbedding",
+         "Qwen3_5MoeForCausalLM"),
+        ("qwen3_next", "Qwen3NextDecoderLayer", "Qwen3NextRMSNorm", "Qwen3NextRotaryEmbedding", "Qwen3NextForCausalLM"))
+
+
+def _mtp() -> list[HookPoint]:
+    """What :mod:`.mtp` builds the MTP heads from, and why it reads ``mtp.*`` itself."""
+    used, points = "hf_hybridcache._compat.mtp.MTPHead", []
+    for folder, layer_class, norm, rotary, causal_lm in _MTP:
+        module = f"transformers.models.{folder}.modeling_{folder}"
+        layer = f"{module}:{layer_class}"
+        points += [HookPoint(f"{dotted(layer)}.__init__", parameters(f"{layer}.__init__", "config", "layer_idx",
+                                                                     leading=True), f"{used} (its decoder layer)"),
+                   HookPoint(f"{dotted(layer)}.forward", parameters(f"{layer}.forward", "hidden_states",
+                                                                    "position_embeddings", "attention_mask",
+                                                                    "position_ids", leading=True),
+                             f"{used} (calls it)")]
+        points += [HookPoint(f"{module}.{name}", exists(f"{module}:{name}"), f"{used} (its norms and rotary positions)")
+                   for name in (norm, rotary)]
+        ignored = f"{module}:{causal_lm}"
+        points.append(HookPoint(f"{dotted(ignored)}._keys_to_ignore_on_load_unexpected[mtp]", _drops_mtp(ignored),
+                                "hf_hybridcache.engine.mtp (reads mtp.* itself)"))
+    points.append(HookPoint("transformers.modeling_utils.PreTrainedModel.get_decoder",
+                            exists("transformers.modeling_utils:PreTrainedModel.get_decoder"),
+                            "hf_hybridcache._compat.mtp.final_hidden_states (hooks the decoder's output)"))
+    return points
+
+
+def _drops_mtp(target: str):
+    def check():
+        ignored = resolve(target)._keys_to_ignore_on_load_unexpected or []
+        return None if any(pattern.lstrip("^").startswith("mtp") for pattern in ignored) else "keeps mtp.* at load"
+
+    return check
+
+
+MODEL_HOOK_POINTS: tuple[HookPoint, ...] = (*(p for family in FAMILIES for p in family.hook_points()), *_wrappers(),
+                                            *_mtp())

@@ -9,14 +9,16 @@ per group), ``runner`` (the forward and sampling), ``storing`` (what a step stor
 request that makes a forward raise), ``engine`` (admission, steps, results), ``outputs`` (where outputs go) and
 ``manager`` (transformers' continuous-batching API, a loop thread); for speculative steps ``speculative`` (drafts in,
 what a verified step keeps), ``verify`` (which drafts are accepted), ``drafters`` (the drafter interface, n-gram
-lookup) and ``draft_model`` (a draft model run by an engine of its own).
+lookup), ``draft_model`` (a draft model run by an engine of its own) and ``mtp`` (a checkpoint's MTP head, from the
+target's hidden states).
 """
 
 from .draft_model import DraftModelDrafter
 from .drafters import Draft, Drafter, NgramDrafter
 from .limits import EngineLimits
 from .manager import ContinuousBatchingManager
+from .mtp import MTPDrafter
 from .speculative import Speculation, SpeculationStats
 
-__all__ = ["ContinuousBatchingManager", "Draft", "DraftModelDrafter", "Drafter", "EngineLimits", "NgramDrafter",
-           "Speculation", "SpeculationStats"]
+__all__ = ["ContinuousBatchingManager", "Draft", "DraftModelDrafter", "Drafter", "EngineLimits", "MTPDrafter",
+           "NgramDrafter", "Speculation", "SpeculationStats"]

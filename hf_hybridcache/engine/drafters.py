@@ -42,7 +42,13 @@ class Drafter:
     """Proposes draft tokens for running requests (subclass it; every method but :meth:`propose` may be left as is).
 
     A drafter serves one engine at a time, called from its thread only.
+
+    Attributes:
+        wants_hidden_states: True: the engine hands it the target's final hidden states of every position it keeps
+            (:meth:`observe`; an MTP head drafts from them); False (the default) spares that copy.
     """
+
+    wants_hidden_states = False
 
     def start(self, engine) -> None:
         """The engine (:class:`~hf_hybridcache.engine.engine.Engine`) it serves starts.
@@ -55,6 +61,11 @@ class Drafter:
         """Drafts for ``requests`` (each decoding: its tokens so far are ``request.tokens``, the last one not fed
         yet), at most ``num_tokens[i]`` tokens for ``requests[i]`` (fewer, or none, is fine)."""
         raise NotImplementedError
+
+    def observe(self, request, past: int, hidden: torch.Tensor) -> None:
+        """(``wants_hidden_states`` only) ``request``'s tokens at positions ``past ..`` ran in a step and were kept:
+        ``hidden`` ``[T, H]`` (the model's dtype and device) is the target's final hidden state at each, row ``i``
+        the one that predicted token ``past + i + 1`` (a verify step's kept positions only, a prefix hit's none)."""
 
     def release(self, request) -> None:
         """``request`` left the engine (finished, failed or cancelled): forget what was kept for it."""

@@ -15,11 +15,14 @@ accepts: argmax tokens greedily, rejection sampling when sampling.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .. import _compat
 from ..models.decode_linear import decode_threads
 from .._compat.continuous_batching import processor_args, warpers_only
+from .._compat.mtp import final_hidden_states
 from . import grammar, scoring, verify
 from .generation_fields import EosFloor
 from .plan import Segment, StepPlan
@@ -47,7 +50,14 @@ class StepRunner:
         seed: seed of the sampling generator (None: random).
         floor: ``min_new_tokens`` / ``min_length`` of the generation config, applied before the processors as
             ``generate()`` orders them (None: neither is set).
+
+    Attributes:
+        keep_hidden: keep the final hidden states of each forward (set by an engine whose drafter wants them).
+        hidden: the last forward's final hidden states ``[N, H]`` (the pack's tokens; None unless ``keep_hidden``).
     """
+
+    keep_hidden = False
+    hidden: torch.Tensor | None = None
 
     def __init__(self, model, processors, do_sample: bool, return_logprobs: bool, seed: int | None,
                  floor: EosFloor | None = None) -> None:
@@ -80,7 +90,9 @@ class StepRunner:
             kwargs["logits_to_keep"] = 1  # a step of mid-prompt chunks only: nothing is sampled
         else:
             kwargs["logits_to_keep"] = plan.logits_index.to(self.device)
-        with cache.pages.in_use(), _compat.package_forward(), decode_threads(self.model, plan.input_ids.numel()):
+        hidden = final_hidden_states(self.model) if self.keep_hidden else contextlib.nullcontext([])
+        with cache.pages.in_use(), _compat.package_forward(), decode_threads(self.model, plan.input_ids.numel()), \
+                hidden as captured:
             out = self.model(
                 input_ids=plan.input_ids.to(self.device),
                 position_ids=position_ids.to(self.device),
@@ -88,6 +100,7 @@ class StepRunner:
                 use_cache=True,
                 **kwargs,
             )
+        self.hidden = captured[0][0] if captured else None
         logits = out.logits[0].float()
         if kept is not None:
             scoring.score_segments(kept, logits, plan.groups[0].page_size)

@@ -133,6 +133,8 @@ class Speculator:
         self.default = 0 if speculation is None else speculation.num_speculative_tokens
         self.placeholders = engine.placeholders  # a vision-language wrapper's: drafts stop before one
         self.stats = SpeculationStats()
+        self.runner = engine.runner
+        self.runner.keep_hidden = self.drafter is not None and self.drafter.wants_hidden_states  # an MTP head's
         if self.drafter is not None:
             self.drafter.start(engine)
 
@@ -175,10 +177,12 @@ class Speculator:
         """Cut each verified segment of ``plan`` to the tokens it keeps, given its pick (the tokens it emitted and how
         many of them are its drafts, in ``plan.sampled`` order): its last token and the drafts before the last
         emitted token. Its request's slot gets the state after them, and ``segment.captured`` keeps only the
-        boundaries its cut chunk stores."""
+        boundaries its cut chunk stores. A drafter that wants them then gets the final hidden states of the positions
+        each segment keeps (:meth:`observe`)."""
         for segment, (tokens, num_accepted) in zip(plan.sampled, picks):
             if segment.draft:
                 self._keep(segment, tokens, num_accepted, slots, options)
+        self.observe(plan, self.runner.hidden)
 
     def _keep(self, segment: Segment, tokens: list[int], num_accepted: int, slots: StateSlots,
               options: CacheOptions) -> None:
@@ -190,6 +194,17 @@ class Speculator:
             segment.tokens, segment.draft = segment.tokens[:num_kept], segment.draft[: num_kept - 1]
         wanted = checkpoint_plan(segment, options).wanted
         segment.captured = {b: states for b, states in segment.captured.items() if b in wanted and b < segment.end}
+
+    def observe(self, plan: StepPlan, hidden: torch.Tensor | None) -> None:
+        """Hand the drafter (one that wants them) the final hidden states ``[N, H]`` of the positions each segment of
+        ``plan`` keeps (after :meth:`keep` cut the verified ones); a reply's replay drafts nothing and gets none."""
+        if not self.runner.keep_hidden or hidden is None:
+            return
+        for group in plan.groups:
+            for row, segment in enumerate(group.segments):
+                if not segment.request.replay_of:
+                    start = group.start + row * group.num_tokens
+                    self.drafter.observe(segment.request, segment.past, hidden[start : start + len(segment.tokens)])
 
     def release(self, request: EngineRequest) -> None:
         if self.drafter is not None:

@@ -8,6 +8,7 @@ import sys
 
 from .images import ImageLimits
 from .loading import DTYPES
+from .speculation import DEFAULT_SPECULATIVE_TOKENS, speculative_args_error, speculative_kind
 
 
 class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
@@ -64,6 +65,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="redis://... for the shared second tier (redis+cluster://host:port,... for a cluster)")
     cache.add_argument("--no-cache", action="store_true",
                        help="no prefix cache and no engine: one plain generate() at a time (the stock baseline)")
+    spec = parser.add_argument_group("speculative decoding (docs/speculative.md; exact: greedy replies unchanged)")
+    spec.add_argument("--speculative", type=speculative_kind, default=None, metavar="ngram|draft:PATH|mtp",
+                      help="draft tokens for every request to verify in its steps: ngram (prompt lookup, no model), "
+                      "draft:PATH (a smaller model with the target's tokenizer: a saved folder, a hub id or "
+                      "toy:FAMILY) or mtp (the MTP head --model's checkpoint ships: Qwen3.5, Qwen3-Next) "
+                      "(default: no speculation)")
+    spec.add_argument("--num-speculative-tokens", type=int, default=None,
+                      help=f"draft tokens a request verifies per step at most; a request sends "
+                      f"num_speculative_tokens 0 to opt out (default: {DEFAULT_SPECULATIVE_TOKENS} with --speculative)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds the requests in flight may take before they are cut (new ones get "
                         "a 503 a gateway retries elsewhere); then the tier's writes are flushed and the process exits")
@@ -77,7 +87,8 @@ def make_app(args: argparse.Namespace):
     Raises:
         StartupError: the model or tokenizer cannot be loaded (:func:`~hf_hybridcache.serve.loading.load`).
         ValueError: an option the model or the memory refuses (an empty ``--api-key``, ``--max-model-len`` too long),
-            or a transformers outside the tested window (refused before the model loads).
+            a speculation flag the server refuses (:func:`~hf_hybridcache.serve.speculation.speculative_args_error`),
+            or a transformers outside the tested window (both refused before the model loads).
     """
     from .. import HybridPrefixCache
     from .._compat import check_version
@@ -87,10 +98,14 @@ def make_app(args: argparse.Namespace):
     from .backends import EngineBackend, SequentialBackend
     from .image_chat import ImageChat
     from .loading import load, load_processor
+    from .speculation import speculation_for
 
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     if api_key is not None and not api_key:
         raise ValueError("--api-key must not be empty; omit it to serve without a key.")
+    problem = speculative_args_error(args)  # before minutes of loading
+    if problem is not None:
+        raise ValueError(problem)
     if not args.no_cache:
         check_version()  # an untested transformers is refused before minutes of loading, not after
     model, tokenizer = load(args.model, args.dtype, args.device_map, args.tokenizer, args.trust_remote_code,
@@ -110,7 +125,8 @@ def make_app(args: argparse.Namespace):
     else:
         cache = HybridPrefixCache(model, args.block_size, args.retention_interval, args.max_cache_bytes,
                                   eviction=args.eviction, offload=args.offload, remote=args.remote)
-        backend = EngineBackend(cache, eos, args.max_running_requests, args.max_batch_tokens, args.max_model_len)
+        backend = EngineBackend(cache, eos, args.max_running_requests, args.max_batch_tokens, args.max_model_len,
+                                speculation_for(args, model))
     app = build_app(backend, tokenizer, name, cache, args.max_tokens, vision)
     if api_key:
         app.add_middleware(RequireAPIKey, api_key=api_key)
@@ -123,6 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.max_model_len is not None and args.max_model_len < 2:
         _exit(f"--max-model-len must be at least 2 (a prompt token and a reply token), got {args.max_model_len}.")
+    problem = speculative_args_error(args)
+    if problem is not None:
+        _exit(problem)
     failure = run(args, make_app)  # listens at once, loads in a thread, drains on SIGTERM (serve/lifecycle.py)
     if failure is not None:
         _exit(failure)

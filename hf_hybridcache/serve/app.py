@@ -33,6 +33,7 @@ from .metrics import ServerMetrics
 from .prompts import chat_prompt_ids
 from .reply_tier import reply_memory
 from .schema import APIError, ChatRequest, CompletionRequest
+from .speculation import request_speculative_tokens
 from .structured import Grammars, structure_of
 
 #: The header that names the tenant (its prefixes are reused only by its own requests); OpenAI's ``user`` otherwise.
@@ -116,7 +117,9 @@ def build_app(backend, tokenizer, model_id: str, cache=None, default_max_tokens:
         max_tokens = reply_tokens(len(prompt_ids), max_tokens, default, backend.max_request_tokens,
                                   "messages" if remember else "prompt")
         salt = request.headers.get(SALT_HEADER) or body.user
-        sampling = Sampling(max_tokens, body.temperature, body.top_p, body.seed, logprobs, prompt_logprobs, grammar)
+        drafts = request_speculative_tokens(body.num_speculative_tokens, backend.num_speculative_tokens)
+        sampling = Sampling(max_tokens, body.temperature, body.top_p, body.seed, logprobs, prompt_logprobs, grammar,
+                            drafts)
         metrics.prompt_tokens.inc(len(prompt_ids))
         return Job(prompt_ids, sampling, body.stop_strings(), salt, body.n, remember)
 

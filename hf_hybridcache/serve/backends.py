@@ -26,7 +26,8 @@ class Sampling:
     """One request's sampling: ``temperature`` 0 is greedy; ``seed`` None draws one. ``logprobs`` and
     ``prompt_logprobs``: score the generated and the prompt tokens with this many alternatives each (None: no scores;
     :mod:`~hf_hybridcache.engine.scoring`). ``grammar``: the :class:`~hf_hybridcache.structured.Grammar` the reply
-    follows (None: free text)."""
+    follows (None: free text). ``num_speculative_tokens``: draft tokens per step at most (None: the server's
+    setting; 0: no speculation for this request)."""
 
     max_tokens: int
     temperature: float = 1.0
@@ -35,6 +36,7 @@ class Sampling:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     grammar: object = None
+    num_speculative_tokens: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -68,6 +70,10 @@ class EngineBackend:
         max_batch_tokens: tokens in one step at most.
         max_model_len: prompt + reply tokens of one request at most (None: what the model's positions and the
             memory allow).
+        speculation: the engine's :class:`~hf_hybridcache.engine.Speculation` (None: no speculative steps).
+
+    Attributes:
+        num_speculative_tokens: the draft tokens a request may verify per step at most (0: it does not speculate).
 
     Raises:
         ValueError: ``max_model_len`` is over what the model and memory allow.
@@ -76,7 +82,7 @@ class EngineBackend:
     scores = True  # it returns logprobs (the engine scores tokens)
 
     def __init__(self, cache, eos_token_ids: list[int], max_running_requests: int = 32,
-                 max_batch_tokens: int = 512, max_model_len: int | None = None) -> None:
+                 max_batch_tokens: int = 512, max_model_len: int | None = None, speculation=None) -> None:
         from .._compat.continuous_batching import ContinuousBatchingConfig
 
         vocab_size = cache.model.get_input_embeddings().num_embeddings
@@ -87,7 +93,8 @@ class EngineBackend:
         batching = ContinuousBatchingConfig(per_request_processors=True, max_requests_per_batch=max_running_requests,
                                             max_batch_tokens=max_batch_tokens)
         self.cache, self.vocab_size, self.eos_token_ids = cache, vocab_size, eos_token_ids
-        self.manager = cache.init_continuous_batching(generation_config, batching)
+        self.manager = cache.init_continuous_batching(generation_config, batching, speculation=speculation)
+        self.num_speculative_tokens = 0 if speculation is None else speculation.num_speculative_tokens
         if max_model_len is not None:
             if max_model_len > self.manager.limits.max_request_tokens:
                 raise ValueError(f"--max-model-len {max_model_len} is over what this model and memory allow "
@@ -113,6 +120,12 @@ class EngineBackend:
         """Requests running and waiting now."""
         return self.manager.num_running, self.manager.num_waiting
 
+    def speculation_stats(self):
+        """The engine's :class:`~hf_hybridcache.engine.SpeculationStats` so far (None: it does not speculate, or it
+        is not running)."""
+        engine = self.manager.batch_processor
+        return None if not self.num_speculative_tokens or engine is None else engine.speculator.stats
+
     async def stream(self, prompt_ids: list[int], sampling: Sampling, salt: str | None,
                      images: dict | None = None) -> AsyncIterator[Progress]:
         queue: asyncio.Queue = asyncio.Queue()
@@ -127,7 +140,8 @@ class EngineBackend:
         added = self.manager.add_request(prompt_ids, request_id=request_id, max_new_tokens=sampling.max_tokens,
                                          streaming=True, eos_token_id=self.eos_token_ids, cache_salt=salt,
                                          seed=None if sampling.greedy else sampling.seed, logprobs=sampling.logprobs,
-                                         prompt_logprobs=sampling.prompt_logprobs, grammar=sampling.grammar, **kwargs)
+                                         prompt_logprobs=sampling.prompt_logprobs, grammar=sampling.grammar,
+                                         num_speculative_tokens=sampling.num_speculative_tokens, **kwargs)
         if added is None:
             yield Progress([], 0, True, "The engine is not running.")
             return
@@ -150,6 +164,7 @@ class SequentialBackend:
     logprobs: requests that ask for them get a 400."""
 
     scores = False
+    num_speculative_tokens = 0  # it does not speculate
 
     def __init__(self, model, eos_token_ids: list[int], max_request_tokens: int = 32768) -> None:
         self.model, self.eos_token_ids, self.max_request_tokens = model, eos_token_ids, max_request_tokens
@@ -168,6 +183,9 @@ class SequentialBackend:
 
     def load(self) -> tuple[int, int]:
         return self.running, self.waiting
+
+    def speculation_stats(self) -> None:
+        return None
 
     async def stream(self, prompt_ids: list[int], sampling: Sampling, salt: str | None,
                      images: dict | None = None) -> AsyncIterator[Progress]:

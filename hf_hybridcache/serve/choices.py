@@ -121,8 +121,9 @@ class ChoiceRunner:
                     last, seen = now, len(progress.token_ids)
                     self.metrics.generation_tokens.inc(new)
                 delta = text.update(progress.token_ids, progress.finished)
-                if text.stopped:
-                    yield piece(delta, "stop")
+                if text.stopped:  # usage counts the tokens up to the stop string's, however many came at once
+                    seen = text.stop_tokens
+                    yield piece(delta, "stop", seen)
                     return
                 if progress.finished:
                     ids = progress.token_ids

@@ -101,7 +101,8 @@ def _model(backend, cache):
 
 def server_fields(backend, model_id: str, cache, tokenizer) -> dict:
     """SGLang's ``/server_info`` fields a gateway reads (``ServerInfo`` in SMG's ``discover_metadata.rs``), and what
-    this worker adds: the engine's name and whether it has a shared tier."""
+    this worker adds: the engine's name, whether it has a shared tier, and its speculation (the drafter's class and
+    the draft tokens per step at most, None and 0 without)."""
     model = _model(backend, cache)
     manager = getattr(backend, "manager", None)
     limits = None if manager is None else manager.limits
@@ -120,7 +121,14 @@ def server_fields(backend, model_id: str, cache, tokenizer) -> dict:
         "page_size": block_size,
         "prefix_cache": cache is not None,
         "remote_tier": cache is not None and cache.remote is not None,
+        "speculative_drafter": _drafter_name(manager),
+        "speculative_num_draft_tokens": backend.num_speculative_tokens,
     }
+
+
+def _drafter_name(manager) -> str | None:
+    speculation = None if manager is None else manager.speculation
+    return None if speculation is None else type(speculation.drafter).__name__
 
 
 def model_fields(backend, model_id: str, tokenizer) -> dict:

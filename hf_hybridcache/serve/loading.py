@@ -25,7 +25,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def load(model_id: str, dtype: str = "auto", device_map: str | None = None, tokenizer_id: str | None = None,
-         trust_remote_code: bool = False, check_support: bool = True):
+         trust_remote_code: bool = False, check_support: bool = True, with_tokenizer: bool = True,
+         flag: str = "--model"):
     """The ``(model, tokenizer)`` for ``model_id`` in eval mode (a vision-language wrapper: the wrapper itself; its
     processor: :func:`load_processor`).
 
@@ -38,6 +39,8 @@ def load(model_id: str, dtype: str = "auto", device_map: str | None = None, toke
         tokenizer_id: the tokenizer's local path or hub id (None: ``model_id``'s).
         trust_remote_code: let ``from_pretrained`` run code the folder or repository ships (its ``auto_map``).
         check_support: refuse, from its config and before its weights load, a model the cache does not serve.
+        with_tokenizer: False: load no tokenizer (a draft model's; the tokenizer returned is None).
+        flag: the option that named ``model_id``, as the errors name it.
 
     Raises:
         ValueError: an unknown dtype or toy family.
@@ -56,6 +59,8 @@ def load(model_id: str, dtype: str = "auto", device_map: str | None = None, toke
         model = build_model(model_id[len(TOY_PREFIX):], seed=0, dtype=torch_dtype)
         if device_map not in (None, "auto"):
             model = model.to(device_map)
+        if not with_tokenizer:
+            return model, None
         if tokenizer_id is None:
             return model, byte_tokenizer()
         _check_source(tokenizer_id, "--tokenizer", needs_tokenizer=True)
@@ -65,20 +70,24 @@ def load(model_id: str, dtype: str = "auto", device_map: str | None = None, toke
     from ..multimodal import WRAPPERS
 
     tokenizer_id = model_id if tokenizer_id is None else tokenizer_id
-    _check_source(model_id, "--model", needs_tokenizer=tokenizer_id == model_id)
-    if tokenizer_id != model_id:
+    _check_source(model_id, flag, needs_tokenizer=with_tokenizer and tokenizer_id == model_id)
+    if with_tokenizer and tokenizer_id != model_id:
         _check_source(tokenizer_id, "--tokenizer", needs_tokenizer=True)
-    flag = "--model" if tokenizer_id == model_id else "--tokenizer"
+    tokenizer_flag = flag if tokenizer_id == model_id else "--tokenizer"
     remote = {"trust_remote_code": True} if trust_remote_code else {}
-    config = _loaded(AutoConfig.from_pretrained, model_id, "config", "--model", **remote)
+    config = _loaded(AutoConfig.from_pretrained, model_id, "config", flag, **remote)
     if check_support:  # before the weights load (minutes on a real checkpoint), from config.json alone
         try:
             support_for_config(config)
         except ValueError as unsupported:
-            raise StartupError(f"--model {model_id}: {unsupported} --no-cache serves it without the cache.") from None
-    tokenizer = _loaded(AutoTokenizer.from_pretrained, tokenizer_id, "tokenizer", flag, **remote)
+            hint = ("--no-cache serves it without the cache." if flag == "--model" else
+                    "A draft model is served by the engine too: pick one of a family the cache serves.")
+            raise StartupError(f"{flag} {model_id}: {unsupported} {hint}") from None
+    tokenizer = None
+    if with_tokenizer:
+        tokenizer = _loaded(AutoTokenizer.from_pretrained, tokenizer_id, "tokenizer", tokenizer_flag, **remote)
     auto = AutoModelForImageTextToText if config.model_type in WRAPPERS else AutoModelForCausalLM
-    model = _loaded(auto.from_pretrained, model_id, "model", "--model", dtype=DTYPES[dtype], device_map=device_map,
+    model = _loaded(auto.from_pretrained, model_id, "model", flag, dtype=DTYPES[dtype], device_map=device_map,
                     **remote)
     return model.eval(), tokenizer
 
@@ -100,13 +109,14 @@ def load_processor(source: str, flag: str = "--model", trust_remote_code: bool =
     return processor
 
 
-def _is_local(source: str) -> bool:
+def is_local(source: str) -> bool:
+    """Whether ``source`` names a local path (absolute, relative, existing, or with two ``/`` or more), not a hub id."""
     return os.path.isabs(source) or source.startswith((".", "~")) or os.path.exists(source) or source.count("/") > 1
 
 
 def _check_source(source: str, flag: str, needs_tokenizer: bool) -> None:
     """Refuse a local path that does not exist, and a model folder without a tokenizer when it must give one."""
-    if not _is_local(source):
+    if not is_local(source):
         return
     path = os.path.expanduser(source)
     if not os.path.isdir(path):
@@ -125,5 +135,5 @@ def _loaded(load_fn, source: str, what: str, flag: str, **kwargs):
         if "trust_remote_code" in str(problem):
             raise StartupError(f"{flag} {source}: the {what} ships code of its own (its auto_map); read it, then "
                                "pass --trust-remote-code to run it.") from None
-        where = "the folder" if _is_local(source) else "the Hugging Face Hub (offline, or no such repository?)"
+        where = "the folder" if is_local(source) else "the Hugging Face Hub (offline, or no such repository?)"
         raise StartupError(f"{flag} {source}: the {what} could not be loaded from {where}: {first}") from None

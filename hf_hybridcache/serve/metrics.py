@@ -1,5 +1,7 @@
 """The server's Prometheus metrics (``/metrics``, text format, with ``prometheus_client``): its own counters and
-histograms, and at each scrape the engine's load and the cache's :class:`~hf_hybridcache.PrefixCacheStats`."""
+histograms, and at each scrape the engine's load, the cache's :class:`~hf_hybridcache.PrefixCacheStats` and, with
+``--speculative``, the engine's :class:`~hf_hybridcache.engine.SpeculationStats` (drafted and accepted tokens, in all
+and by draft position, and the acceptance rate by position, as vLLM's ``spec_decode`` metrics)."""
 
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ class ServerMetrics:
     """One registry per server (so several servers can live in one process, as in tests).
 
     Args:
-        backend: has ``load() -> (running, waiting)``.
+        backend: has ``load() -> (running, waiting)``, ``speculation_stats()`` (None: no speculation) and
+            ``num_speculative_tokens`` (the draft positions reported).
         cache: the :class:`~hf_hybridcache.HybridPrefixCache`, or None (the stock baseline).
     """
 
@@ -62,6 +65,7 @@ class _LiveCollector:
         running, waiting = self.backend.load()
         yield GaugeMetricFamily(f"{PREFIX}_running_requests", "Requests being generated now.", value=running)
         yield GaugeMetricFamily(f"{PREFIX}_waiting_requests", "Requests queued for admission now.", value=waiting)
+        yield from _speculation(self.backend.speculation_stats(), self.backend.num_speculative_tokens)
         if self.cache is None:
             return
         stats = self.cache.stats
@@ -71,3 +75,29 @@ class _LiveCollector:
         for name in CACHE_COUNTERS:
             yield CounterMetricFamily(f"{PREFIX}_cache_{name}", f"PrefixCacheStats.{name} so far.",
                                       value=getattr(stats, name))
+
+
+def _speculation(stats, num_positions: int):
+    """``hf_hybridcache_spec_decode_*``: verify steps, drafted, accepted and emitted tokens, the same by draft position
+    (label ``position``, 0 first) and the acceptance rate by position (nan before a draft had a token there)."""
+    if stats is None:
+        return
+    name = f"{PREFIX}_spec_decode"
+    for what, value, text in (
+            ("verify_steps", stats.verify_segments, "Request-steps that verified a draft."),
+            ("draft_tokens", stats.drafted_tokens, "Draft tokens verified."),
+            ("accepted_tokens", stats.accepted_tokens, "Draft tokens accepted (kept)."),
+            ("emitted_tokens", stats.emitted_tokens, "Tokens verify steps emitted (kept drafts, one more each).")):
+        yield CounterMetricFamily(f"{name}_{what}", text, value=value)
+    drafted = CounterMetricFamily(f"{name}_draft_tokens_per_position",
+                                  "Draft tokens verified at each draft position.", labels=["position"])
+    accepted = CounterMetricFamily(f"{name}_accepted_tokens_per_position",
+                                   "Draft tokens accepted at each draft position.", labels=["position"])
+    rate = GaugeMetricFamily(f"{name}_acceptance_rate_per_position",
+                             "Accepted over drafted tokens at each draft position, so far.", labels=["position"])
+    for i in range(num_positions):
+        d, a = stats.drafted_by_position[i], stats.accepted_by_position[i]
+        drafted.add_metric([str(i)], d)
+        accepted.add_metric([str(i)], a)
+        rate.add_metric([str(i)], a / d if d else float("nan"))
+    yield from (drafted, accepted, rate)

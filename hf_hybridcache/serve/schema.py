@@ -92,6 +92,9 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, min_length=1)
+    # not OpenAI's (vLLM's and SGLang's clients send such fields with extra_body): draft tokens per step at most, 0 to
+    # opt out of the server's speculation; checked against --num-speculative-tokens (serve/speculation.py)
+    num_speculative_tokens: int | None = Field(None, strict=True)
 
     @field_validator("stop")
     @classmethod

@@ -1,0 +1,153 @@
+"""The server's speculative decoding: ``--speculative ngram|draft:PATH|mtp`` and ``--num-speculative-tokens K`` made
+into the engine's :class:`~hf_hybridcache.engine.Speculation` (docs/speculative.md), and a request's
+``num_speculative_tokens`` checked against them.
+
+- ``ngram``: :class:`~hf_hybridcache.engine.NgramDrafter` (prompt lookup, no model).
+- ``draft:PATH``: :class:`~hf_hybridcache.engine.DraftModelDrafter` over a model loaded as ``--model`` loads one (a
+  folder saved with ``save_pretrained``, a hub id, or ``toy:FAMILY``), with the target's tokenizer, dtype and device
+  map, served by an engine of its own over its own :class:`~hf_hybridcache.HybridPrefixCache` (the target's block
+  size, retention and eviction; no shared tier).
+- ``mtp``: :class:`~hf_hybridcache.engine.MTPDrafter`, the MTP head ``--model``'s checkpoint ships (its ``mtp.*``
+  weights; Qwen3.5, Qwen3.5-MoE and Qwen3-Next), drafting from the target's hidden states.
+
+Flag combinations that cannot run are found from the arguments alone (:func:`speculative_args_error`), before a
+model loads; a draft model or an MTP head that cannot serve is refused once the target has loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .loading import TOY_PREFIX
+from .schema import APIError
+
+NGRAM, DRAFT_PREFIX, MTP = "ngram", "draft:", "mtp"
+#: Draft tokens per request and step when ``--num-speculative-tokens`` is not given.
+DEFAULT_SPECULATIVE_TOKENS = 4
+
+
+def speculative_kind(value: str) -> str:
+    """``--speculative``'s argparse type: ``ngram``, ``draft:PATH`` (PATH not empty) or ``mtp``.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (argparse prints it as a usage error, exit status 2).
+    """
+    if value in (NGRAM, MTP) or (value.startswith(DRAFT_PREFIX) and len(value) > len(DRAFT_PREFIX)):
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r} is not a drafter: use ngram, draft:PATH (a saved model folder, a hub "
+                                     "id or toy:FAMILY, with the target's tokenizer) or mtp.")
+
+
+def speculative_args_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the speculation flags of ``args`` (one sentence that says what to do), or None."""
+    from ..engine.speculative import MAX_SPECULATIVE_TOKENS
+
+    kind, k = args.speculative, args.num_speculative_tokens
+    if kind is None:
+        if k is not None:
+            return "--num-speculative-tokens needs --speculative ngram|draft:PATH|mtp; add one, or drop the count."
+        return None
+    if args.no_cache:
+        return (f"--speculative {kind} needs the engine, and --no-cache serves one plain generate() at a time; drop "
+                "--no-cache (or --speculative).")
+    if k is not None and not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        return (f"--num-speculative-tokens must be 1 to {MAX_SPECULATIVE_TOKENS} (draft tokens a request verifies per "
+                f"step), got {k}; leave --speculative out to serve without speculation.")
+    if kind == MTP and args.model.startswith(TOY_PREFIX):
+        return (f"--speculative mtp reads the MTP head a checkpoint ships (its mtp.* weights), and {args.model} has "
+                "none; use --speculative ngram or draft:PATH, or serve a Qwen3.5 checkpoint folder.")
+    return None
+
+
+def speculation_for(args: argparse.Namespace, target):
+    """The :class:`~hf_hybridcache.engine.Speculation` that ``args`` asks for (None: ``--speculative`` not given).
+
+    Args:
+        args: the parsed command line (``--speculative``, ``--num-speculative-tokens`` and the cache and loading
+            options a draft model shares with the target).
+        target: the served model (a draft model is loaded onto its device when ``--device-map`` is not given).
+
+    Raises:
+        ValueError: a flag combination :func:`speculative_args_error` refuses.
+        StartupError: the draft model cannot be loaded (:func:`~hf_hybridcache.serve.loading.load`), it is a
+            vision-language wrapper, or its vocabulary is smaller than the target's; ``mtp`` for a family whose head
+            is not read or a checkpoint without ``mtp.*`` weights.
+    """
+    problem = speculative_args_error(args)
+    if problem is not None:
+        raise ValueError(problem)
+    if args.speculative is None:
+        return None
+    from ..engine import DraftModelDrafter, NgramDrafter, Speculation
+
+    k = args.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS
+    if args.speculative == NGRAM:
+        return Speculation(NgramDrafter(), k)
+    if args.speculative == MTP:
+        return Speculation(_mtp_drafter(args, target), k)
+    return Speculation(DraftModelDrafter(_draft_cache(args, target)), k)
+
+
+def _mtp_drafter(args: argparse.Namespace, target):
+    """The :class:`~hf_hybridcache.engine.MTPDrafter` of ``--model``'s checkpoint (a hub id: its files in the hub
+    cache, which loading the model filled)."""
+    from .._compat.mtp import mtp_support_error
+    from ..engine import MTPDrafter
+    from .loading import StartupError, is_local
+
+    problem = mtp_support_error(target.config)
+    if problem is not None:
+        raise StartupError(f"--speculative mtp: {problem}")
+    folder = args.model
+    if not is_local(folder):
+        from huggingface_hub import snapshot_download
+
+        try:
+            folder = snapshot_download(folder, allow_patterns=["*.safetensors", "*.safetensors.index.json"])
+        except Exception as error:  # noqa: BLE001 - offline, gone: one line at startup
+            raise StartupError(f"--speculative mtp: the safetensors of {args.model} could not be read from the hub "
+                               f"cache: {error}") from None
+    try:
+        return MTPDrafter(folder)
+    except ValueError as error:
+        raise StartupError(f"--speculative mtp: {error}") from None
+
+
+def _draft_cache(args: argparse.Namespace, target):
+    from .. import HybridPrefixCache
+    from ..multimodal import modalities_of
+    from .loading import StartupError, load
+
+    source = args.speculative[len(DRAFT_PREFIX):]
+    flag = "the draft model (--speculative draft:PATH)"
+    model, _ = load(source, args.dtype, args.device_map, trust_remote_code=args.trust_remote_code,
+                    with_tokenizer=False, flag=flag)
+    if modalities_of(model):
+        raise StartupError(f"{flag} {source}: a vision-language wrapper cannot draft; use a text model with the "
+                           "target's tokenizer.")
+    vocab, wanted = model.get_input_embeddings().num_embeddings, target.get_input_embeddings().num_embeddings
+    if vocab < wanted:
+        raise StartupError(f"{flag} {source}: its vocabulary ({vocab} tokens) is smaller than the target's ({wanted}); "
+                           "use a draft model with the target's tokenizer.")
+    if args.device_map is None:
+        model = model.to(target.get_input_embeddings().weight.device)
+    return HybridPrefixCache(model, args.block_size, args.retention_interval, args.max_cache_bytes,
+                             eviction=args.eviction, offload=args.offload)
+
+
+def request_speculative_tokens(value: int | None, most: int) -> int | None:
+    """A request's ``num_speculative_tokens`` as the engine takes it (None: the server's default), checked against
+    ``most`` (the server's ``--num-speculative-tokens``; 0 when it does not speculate).
+
+    Raises:
+        APIError: 400 for a value outside ``0 .. most`` (0 is always allowed: no speculation for this request).
+    """
+    if value is None or value == 0:
+        return None if value is None or most == 0 else 0
+    if most == 0:
+        raise APIError(400, f"num_speculative_tokens={value}: this server does not speculate (started without "
+                       "--speculative); send 0 or leave the field out.", param="num_speculative_tokens")
+    if not 0 <= value <= most:
+        raise APIError(400, f"num_speculative_tokens must be 0 (no speculation for this request) to {most} (the "
+                       f"server's --num-speculative-tokens), got {value}.", param="num_speculative_tokens")
+    return value
