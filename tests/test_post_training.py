@@ -10,6 +10,9 @@ gated delta net family, in float32 and bfloat16, with the model in training mode
 The Mamba-2 mixers stored no checkpoints in training mode (a mode flag decided it, not autograd or dropout); Jamba's
 single-expert config fails in transformers' load-balancing loss, which TRL turns on (docs/post-training.md)."""
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import random_ids
@@ -17,12 +20,13 @@ from datasets import Dataset
 from transformers import GenerationConfig
 
 from hf_hybridcache import HybridPrefixCache
-from hf_hybridcache.core import check_store, weights
+from hf_hybridcache.core import WeightsTracker, check_store, weights
 from hf_hybridcache.post_training import attach, weights_step
 from hf_hybridcache.toy import build_model, byte_tokenizer
 
 trl = pytest.importorskip("trl", reason="needs TRL: pip install -e '.[dev]' (or pip install trl)")
 
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "post-training.md"
 G = 4  # completions per prompt
 TRAINERS = {"grpo": (trl.GRPOConfig, trl.GRPOTrainer), "rloo": (trl.RLOOConfig, trl.RLOOTrainer)}
 #: A Mamba-1, a Mamba-2 (hybrid) and a gated delta net family.
@@ -71,7 +75,7 @@ BF16_LOGPROB_ATOL = 0.1
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("kind", sorted(TRAINERS))
-def test_rollouts_are_exact_restore_each_prompt_once_and_keep_one_step(kind, family, dtype):
+def test_rollouts_are_exact_restore_each_prompt_once_and_keep_one_step(kind, family, dtype, record_property):
     """float32: every rollout equals generate() alone (tokens) and its logprobs the trainer's forward within 1e-4.
     bfloat16: a token drawn where two tokens' cumulative probabilities lie within bf16 round-off may differ between
     the engine's packed steps and generate()'s single row, with or without the cache (docs/post-training.md), so the
@@ -104,6 +108,7 @@ def test_rollouts_are_exact_restore_each_prompt_once_and_keep_one_step(kind, fam
     assert len(log.calls) == 2 and [c.weights_step for c in log.calls] == [1, 2]
     for call in log.calls:
         assert call.rollouts == G and call.hit_tokens >= (G - 1) / G * call.restorable_tokens > 0, call
+    record_property("rollouts_equal_to_generate", f"{sum(equal)}/{len(equal)}")  # the bf16 rate (--junitxml)
     assert all(equal) if dtype == torch.float32 else sum(equal) >= len(equal) / 2, equal
     assert seen[0] > 0 and seen[1] == seen[0]  # retired at the step: the store held one step's entries each time
     assert cache.stored_bytes == 0 and cache.core.weights.declared_steps == 0  # clear() when training ended
@@ -136,6 +141,18 @@ def test_weights_are_read_once_when_training_begins_and_ends(monkeypatch):
     plain.train()
     assert kept.stats.requests == 2 * G
     assert reads["key"] >= 2 * G and reads["identity"] >= 1  # every request reads the key; changed weights, the identity
+
+
+def test_a_step_declared_after_a_full_read_has_a_name_of_its_own():
+    """clear() (training's end) reads the weights again and restarts the step count; the steps of the next training run
+    must not take the names of the last run's (a shared tier keeps what it was given across clear())."""
+    tracker = WeightsTracker(build_model("mamba"))
+    names = []
+    for _ in range(2):
+        assert tracker.declare_step() == 1
+        names.append(tracker.fingerprint)
+        tracker.refresh(full=True)
+    assert names[0] != names[1]
 
 
 def _rollout_loop(cache, model, steps: int, retire: bool) -> list[tuple[int, int]]:
@@ -223,3 +240,19 @@ def test_jamba_with_one_expert_trains_with_the_documented_workaround():
     log = attach(trainer, cache)
     trainer.train()
     assert log.calls[0].hit_tokens >= (G - 1) / G * log.calls[0].restorable_tokens > 0
+
+
+def test_the_docs_recipes_run_as_written(tmp_path, monkeypatch, capsys):
+    """docs/post-training.md's python blocks (GRPO, then RLOO) run as written, and print what the page says."""
+    monkeypatch.chdir(tmp_path)  # the recipes' output_dir
+    text = DOCS.read_text()
+    grpo, rloo = re.findall(r"```python\n(.*?)```", text, re.S)
+    scope: dict = {}
+    exec(compile(grpo, str(DOCS), "exec"), scope)
+    steps = re.findall(r"step (\d+): (.*)", capsys.readouterr().out)
+    assert [int(step) for step, _ in steps] == [1, 2, 3] and len({line for _, line in steps}) == 1, steps
+    assert f"for the three steps, `{steps[0][1]}`" in " ".join(text.split()), "the page should quote what it prints"
+    assert scope["model"].dtype == torch.bfloat16 and scope["cache"].stored_bytes == 0  # cleared when training ended
+    scope = {}
+    exec(compile(rloo, str(DOCS), "exec"), scope)
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str([(G - 1) / G] * 2)  # after the trainer's summary

@@ -193,6 +193,7 @@ class WeightsTracker:
         self.fingerprint = ""
         self.declared_steps = 0
         self._nonce = secrets.token_hex(16)  # declared states are this tracker's own: no other process shares them
+        self._declared_total = 0  # never reset: a step declared after a full read must not reuse an earlier name
         self.refresh(full=True)
 
     def declare_step(self) -> int:
@@ -201,8 +202,9 @@ class WeightsTracker:
         :meth:`refresh` with ``full``, :meth:`observe` and :meth:`refresh` read nothing either, so an edit between
         two declared steps is not seen. Returns the step's number."""
         self.declared_steps += 1
+        self._declared_total += 1
         self.generation += 1
-        state = f"declared|{self._nonce}|{self.declared_steps}"
+        state = f"declared|{self._nonce}|{self._declared_total}"
         self.fingerprint = hashlib.sha256(state.encode()).hexdigest()
         return self.declared_steps
 
