@@ -207,7 +207,8 @@ def identity_row(args) -> dict:
         weights_step(cache)
         declared.append(time.perf_counter() - started)
     declared_s = statistics.median(declared)
-    ids = torch.randint(0, 256, (args.generations, args.identity_step_tokens), generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (args.generations, args.identity_step_tokens), generator=generator)
     model.train()
     started = time.perf_counter()
     loss = model(ids, labels=ids, use_cache=False).loss

@@ -140,7 +140,7 @@ def test_weights_are_read_once_when_training_begins_and_ends(monkeypatch):
     reads.update(key=0, identity=0)
     plain.train()
     assert kept.stats.requests == 2 * G
-    assert reads["key"] >= 2 * G and reads["identity"] >= 1  # every request reads the key; changed weights, the identity
+    assert reads["key"] >= 2 * G and reads["identity"] >= 1  # every request reads the key, changed weights the identity
 
 
 def test_a_step_declared_after_a_full_read_has_a_name_of_its_own():
