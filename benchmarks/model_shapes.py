@@ -67,6 +67,17 @@ SHAPES: dict[str, dict[str, Shape]] = {
             dict(_SMALL, layer_types=_GDN_PATTERN * 2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
                  linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4),
         ),
+        # Not a checkpoint: 110M parameters (hidden 768, 2 x (3 GDN + 1 gated attention), GDN 8 heads of 96, a 32k
+        # vocabulary), the size a CPU trains a few GRPO steps of at 1,000-token prompts (benchmarks/grpo_rollouts.py).
+        "100m": Shape(
+            "(benchmark shape: hidden 768, 8 layers, 2 with attention, 110M parameters)",
+            dict(
+                vocab_size=32768, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
+                layer_types=_GDN_PATTERN * 2, num_attention_heads=8, num_key_value_heads=2, head_dim=96,
+                linear_num_key_heads=8, linear_num_value_heads=8, linear_key_head_dim=96, linear_value_head_dim=96,
+                linear_conv_kernel_dim=4, tie_word_embeddings=False, max_position_embeddings=65536,
+            ),
+        ),
         # Not a checkpoint: a few-MB model of the same layer pattern, for the benchmark's smoke test.
         "tiny": Shape(
             "(test shape)",

@@ -261,3 +261,21 @@ def test_batch_invariance_prints_every_table_and_the_invariant_rows_are_all_equa
     invariant = [line for line in out.splitlines() if line.startswith(ours)]
     assert len(invariant) == 15, out
     assert all(set(line.split("|")[2:-1]) == {" = "} for line in invariant), invariant
+
+
+def test_grpo_rollouts_runs_both_ways_on_a_tiny_shape(capsys):
+    """``grpo_rollouts.py``: TRL's GRPO trainer both ways (the engine through ``attach``, TRL's own ``generate()``
+    path), the engine computing each prompt once ((G - 1) / G of it restored), and the weights state per step."""
+    pytest.importorskip("trl", reason="needs TRL: pip install -e '.[dev]'")
+    from benchmarks import grpo_rollouts
+
+    rows, identity = grpo_rollouts.main(["--shape", "qwen3_5_text:tiny", "--identity-shape", "qwen3_5_text:tiny",
+                                         "--prompt-tokens", "100", "--completion-tokens", "4", "--steps", "2",
+                                         "--identity-step-tokens", "8"])
+    engine, plain = rows
+    assert (engine["way"], plain["way"]) == ("engine", "generate") and engine["steps"] == plain["steps"] == 2
+    assert engine["hit share"] == pytest.approx(7 / 8) and plain["hit share"] == 0.0  # G = 8: 7 of 8 restore it
+    assert plain["x rollout"] == 1.0 and engine["x rollout"] > 0
+    assert float(identity["declared ms"]) >= 0 and identity["declared/step"].endswith("%")
+    out = capsys.readouterr().out
+    assert "| way " in out and "| engine " in out and "| identity s " in out

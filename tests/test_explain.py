@@ -84,11 +84,14 @@ def test_not_cacheable(model):
     assert cache.last_report.reason == "not_cacheable" and "use_cache=False" in cache.last_report.detail
     model.train()
     try:
+        explained_run(model, cache, ids, "complete", 32)  # training mode with every dropout at 0: reused as in eval
+        model.extra_dropout = torch.nn.Dropout(0.1)  # a dropout module in training mode: forwards are random now
         report = cache.explain(ids)
-        assert report.reason == "not_cacheable" and "model.eval()" in report.detail
+        assert report.reason == "not_cacheable" and "dropout" in report.detail and "model.eval()" in report.detail
         run(model, cache, ids)
         assert cache.last_report == report
     finally:
+        del model.extra_dropout
         model.eval()
     explained_run(model, cache, ids, "complete", 32)
 

@@ -18,6 +18,7 @@ PACKAGE = ROOT / "hf_hybridcache"
 LAYERS = {
     "serve": 9,  # the OpenAI-compatible server
     "__init__": 8,  # what a user imports
+    "post_training": 8,  # a trainer's rollouts and weights steps
     "cache": 7,  # HybridPrefixCache, the object a user keeps
     "generate": 6,  # the life of one generate() call
     "engine": 6,  # the continuous-batching engine

@@ -56,6 +56,12 @@ Private APIs touched, and why each is needed (transformers 5.23 - 5.25; :mod:`.h
 - transformers' continuous batching (:mod:`.continuous_batching`, :mod:`.engine_attention`): an instance-level
   ``init_continuous_batching`` returning the engine's manager, its data classes and logits processors, and the
   attention implementation re-registered in ``AttentionInterface`` to apply an engine step's masks.
+- What ``model.train()`` changes (:mod:`.training`): the attention modules' ``attention_dropout`` and
+  ``nn.Dropout`` modules (a forward with dropout on stores nothing), and ``GradientCheckpointingLayer``, which drops
+  the cache in training mode on 5.23 even without autograd.
+- TRL's ``GRPOTrainer`` / ``RLOOTrainer`` (:mod:`.trl`, TRL 1.16): ``_generate_single_turn`` wrapped per trainer (a
+  seed per rollout, its outputs seen), GRPO's ``continuous_batching_config.return_logprobs`` and the ``logprobs``
+  its rollout call returns.
 - accelerate's ``_hf_hook`` / ``_old_forward`` / ``weights_map`` / ``execution_device`` and transformers'
   ``force_accelerate_hooks``: instance patches must sit under accelerate's hooks, and offloaded weights and layer
   devices are read from them.
@@ -86,7 +92,7 @@ from .accelerate import (
     weight_tensors,
 )
 from .attention import in_package_forward, package_forward
-from .continuous_batching import install_manager_hook
+from .continuous_batching import install_manager_hook, rollouts
 from .cache_kwargs import CACHE_KWARG, cache_kwarg, find_cache, split_mixer_call, with_local_mixer_mask
 from .generation import Hooks, allow_speculative_decoding, install_hooks, run_forward
 from .hook_checks import broken
@@ -109,6 +115,7 @@ from .layers import (
     sliding_windows,
 )
 from .modeling import route_module_function
+from .training import dropout_probability, uncached_cause
 from .versions import ALLOW_UNTESTED_ENV, IN_WORDS, INSTALL_COMMAND, REQUIREMENT, TESTED_RELEASES
 
 TRANSFORMERS_VERSION = transformers.__version__
@@ -131,6 +138,7 @@ __all__ = [
     "cache_layer_offset",
     "crop_kv",
     "decoder_layers",
+    "dropout_probability",
     "execution_device",
     "find_cache",
     "force_accelerate_hooks",
@@ -144,12 +152,14 @@ __all__ = [
     "package_forward",
     "patch_instance_forward",
     "quiet_kernel_notices",
+    "rollouts",
     "route_module_function",
     "run_forward",
     "set_kv",
     "set_linear_state",
     "sliding_windows",
     "split_mixer_call",
+    "uncached_cause",
     "with_local_mixer_mask",
     "module_tensors",
     "weight_tensors",

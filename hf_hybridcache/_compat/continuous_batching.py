@@ -16,11 +16,13 @@ requests they get (``cb_logits_processors.py``), which :func:`processor_args` ha
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import functools
 import inspect
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -46,6 +48,7 @@ __all__ = [
     "group_argument",
     "processor_args",
     "reads_absolute_positions",
+    "rollouts",
     "wrap_instance_forward",
 ]
 
@@ -120,30 +123,52 @@ def _init_continuous_batching(model, generation_config=None, continuous_batching
 
 class PromptWithImages(list):
     """A prompt's token ids (a ``list``, as transformers' ``generate_batch`` hands its inputs on to the manager's
-    ``add_requests``) that carries the prompt's images (``images``: what the model's processor returns besides
-    ``input_ids``), for a vision-language wrapper's ``generate_batch(inputs, images=[...])``."""
+    ``add_requests``) that carries what its request gets besides them: the prompt's images (``images``: what the
+    model's processor returns besides ``input_ids``, for a vision-language wrapper's ``generate_batch(inputs,
+    images=[...])``) and its own sampling seed (``seed``, inside :func:`rollouts`)."""
 
-    def __init__(self, ids, images) -> None:
+    def __init__(self, ids, images, seed: int | None = None) -> None:
         super().__init__(ids)
-        self.images = images
+        self.images, self.seed = images, seed
+
+
+#: The :func:`rollouts` context of this thread: ``(seeds of the next call's prompts, the outputs of its calls)``.
+_ROLLOUTS: contextvars.ContextVar[tuple[Callable[[int], list[int]], list] | None] = contextvars.ContextVar(
+    "hf_hybridcache_rollouts", default=None)
+
+
+@contextlib.contextmanager
+def rollouts(seeds: Callable[[int], list[int]]) -> Iterator[list[dict]]:
+    """Inside it, every ``generate_batch`` call of this thread on a model the engine serves gives prompt ``i`` of its
+    ``n`` prompts its own sampling seed ``seeds(n)[i]`` (the engine's ``add_request(seed=...)``), and appends what it
+    returns (``{request id: output}``, in prompt order) to the list it yields: how
+    :mod:`hf_hybridcache.post_training` sees the rollouts a trainer's own code generates."""
+    captured: list[dict] = []
+    token = _ROLLOUTS.set((seeds, captured))
+    try:
+        yield captured
+    finally:
+        _ROLLOUTS.reset(token)
 
 
 def _generate_batch(model, inputs, generation_config=None, *args, images=None, **kwargs):
     """transformers' ``generate_batch`` with the ``GenerationConfig`` fields of ``kwargs`` (``max_new_tokens``,
     ``min_new_tokens``, ``repetition_penalty``, ...) set on a copy of ``generation_config`` (the model's when None),
     and ``images``, one entry (a ``{name: tensor}`` mapping, or None) per prompt, carried to the manager with the
-    prompts (:class:`PromptWithImages`).
+    prompts (:class:`PromptWithImages`), as are the seeds of a :func:`rollouts` context.
 
     Raises:
         ValueError: a keyword that is neither a ``GenerationConfig`` field nor a ``generate_batch`` parameter;
             ``images`` whose length is not the number of prompts.
     """
-    if images is not None:
-        if len(images) != len(inputs):
-            raise ValueError(f"generate_batch got {len(images)} images entries for {len(inputs)} prompts; pass one "
-                             "entry (the processor's outputs for that prompt, or None) per prompt.")
-        inputs = [PromptWithImages(ids.reshape(-1).tolist() if isinstance(ids, torch.Tensor) else ids, entry)
-                  for ids, entry in zip(inputs, images)]
+    rollout = _ROLLOUTS.get()
+    if images is not None and len(images) != len(inputs):
+        raise ValueError(f"generate_batch got {len(images)} images entries for {len(inputs)} prompts; pass one "
+                         "entry (the processor's outputs for that prompt, or None) per prompt.")
+    if images is not None or rollout is not None:
+        seeds = [None] * len(inputs) if rollout is None else rollout[0](len(inputs))
+        inputs = [PromptWithImages(ids.reshape(-1).tolist() if isinstance(ids, torch.Tensor) else ids,
+                                   None if images is None else images[i], seeds[i]) for i, ids in enumerate(inputs)]
     method = type(model).generate_batch
     fields = {name: kwargs.pop(name) for name in list(kwargs) if name in GenerationConfig().to_dict()}
     unknown = sorted(set(kwargs) - set(inspect.signature(method).parameters))
@@ -154,7 +179,10 @@ def _generate_batch(model, inputs, generation_config=None, *args, images=None, *
         generation_config = copy.deepcopy(generation_config if generation_config is not None
                                           else model.generation_config)
         generation_config.update(**fields)
-    return method(model, inputs, generation_config, *args, **kwargs)
+    outputs = method(model, inputs, generation_config, *args, **kwargs)
+    if rollout is not None:
+        rollout[1].append(outputs)
+    return outputs
 
 
 def wrap_instance_forward(module: torch.nn.Module, attribute: str, impl: Callable) -> bool:

@@ -241,7 +241,7 @@ def _wrapped_forward(model, original_forward, *args, **kwargs):
     cache = hooks.find(model, kwargs)
     if cache is None:
         return original_forward(*args, **kwargs)
-    checkpointing = model.training and model.is_gradient_checkpointing
+    checkpointing = model.training and model.is_activation_checkpointing
     if cache_kwarg(model) == "cache_params" and kwargs.get("cache_params") is None and not checkpointing:
         # Mamba on 5.23 takes any other name into its **kwargs unread and would run on a fresh cache of its own. (With
         # activation checkpointing in training the layers of every other model drop the cache, and so does this one:

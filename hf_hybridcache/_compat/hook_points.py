@@ -6,7 +6,8 @@ version, one test id per hook point, and a failure names the internal, the versi
 relies on it: the first thing to run when raising the supported window's ceiling (:mod:`.versions`). The checks
 marked ``at_construction`` (cheap, and needed by every request) also run whenever a cache is built
 (:func:`~hf_hybridcache._compat.check_version`), so an untested version that lacks one is refused by name even when
-the user opts in. The families' mixer classes and modeling-module functions are :mod:`.hook_points_models`.
+the user opts in. The families' mixer classes and modeling-module functions are :mod:`.hook_points_models`, TRL's
+trainers and what training mode changes :mod:`.hook_points_trl`.
 
 A new internal the package starts to rely on gets its hook point here (or there) in the same commit;
 tests/test_hook_points.py checks that every class and routed function name the model modules hold is listed.
@@ -35,6 +36,7 @@ from .hook_checks import (
     source_mentions,
 )
 from .hook_points_models import MODEL_HOOK_POINTS
+from .hook_points_trl import TRAINING_HOOK_POINTS
 from .layers import DYNAMIC_LAYER_FIELDS
 
 _GEN = "transformers.generation.utils:GenerationMixin"
@@ -332,6 +334,6 @@ def _hub_kernels() -> list[HookPoint]:
 
 #: Every hook point, in the order tests/test_hook_points.py lists them.
 HOOK_POINTS: tuple[HookPoint, ...] = (*_generation(), *_cache_layers(), *_continuous_batching(), *_integrations(),
-                                      *MODEL_HOOK_POINTS)
+                                      *MODEL_HOOK_POINTS, *TRAINING_HOOK_POINTS)
 #: The ones :func:`~hf_hybridcache._compat.check_version` runs when a cache is built.
 AT_CONSTRUCTION: tuple[HookPoint, ...] = tuple(p for p in HOOK_POINTS if p.at_construction)

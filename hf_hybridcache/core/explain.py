@@ -7,8 +7,8 @@ the request stores anything: :func:`make_report`, reached through
 :meth:`CacheCore.report <hf_hybridcache.core.sharing.CacheCore.report>`, so any caller that looks up through the core
 (a serving engine) makes its reports the same way. Its ``reason`` is the first of :data:`REASONS` that applies:
 
-- ``"not_cacheable"``: the call stores and restores nothing (``use_cache=False``, training mode, ``inputs_embeds``
-  without ``input_ids``, padding inside a prompt);
+- ``"not_cacheable"``: the call stores and restores nothing (``use_cache=False``, training mode with dropout or
+  autograd, ``inputs_embeds`` without ``input_ids``, padding inside a prompt);
 - ``"too_short"``: the prompt has fewer than ``block_size + 1`` tokens;
 - ``"complete"``: the hit is the last block boundary below the prompt's length (a full hit);
 - ``"weights_changed"``: a longer hit is stored under an earlier weights or adapter state only;
@@ -54,8 +54,13 @@ logger = logging.getLogger(HITS_LOGGER)
 NOT_CACHEABLE = {
     "use_cache": "generate() ran with use_cache=False, so nothing was looked up or stored; drop use_cache=False to "
     "reuse prefixes.",
-    "training": "the model is in training mode, so nothing was looked up or stored (dropout may be on); call "
-    "model.eval() before generating.",
+    "training": "the forward ran in training mode with autograd on (a training forward), so nothing was looked up "
+    "or stored; generate under torch.no_grad() or call model.eval().",
+    "dropout": "the model is in training mode with a dropout probability above 0, so its forwards are random and "
+    "nothing was looked up or stored; call model.eval() (or set every dropout to 0) before generating.",
+    "gradient_checkpointing": "the model is in training mode with activation checkpointing, whose layers drop the "
+    "cache on transformers 5.23, so nothing was looked up or stored; call model.eval() or "
+    "model.gradient_checkpointing_disable() before generating.",
     "inputs_embeds": "the call passed inputs_embeds without input_ids, and prefixes are found by token ids; pass "
     "input_ids to reuse prefixes.",
     "images_batch": "the call had images and several rows (a batch, beams or num_return_sequences); prompts with "

@@ -23,22 +23,23 @@ see one state of the store (step 2).
 
 from __future__ import annotations
 
-import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
+from .. import _compat
 from ..config import CacheOptions, ModelStateSpec, StateKey
-from ..hashing import BlockHash, root_hash
+from ..hashing import BlockHash
 from ..kernels.paged_copy import KVBlock
 from ..stats import PrefixCacheStats
 from ..store import EvictionPolicy, Hit, LayerState, Placement, PrefixStore, layer_devices
 from . import explain
 from .calls import CallGate, CallScopes
 from .history import Eviction, EvictionLog, WeightsHistory
+from .roots import WeightsRoots
 from .rows import Row, store_row_blocks, store_row_checkpoint
 from .weights import WeightsTracker
 
@@ -46,14 +47,12 @@ if TYPE_CHECKING:
     from ..remote import RemoteTier
     from ..remote.fetch import TierReach
 
-logger = logging.getLogger("hf_hybridcache")
 
-
-class CacheCore(CallScopes):
+class CacheCore(CallScopes, WeightsRoots):
     """What a cache, its :meth:`~hf_hybridcache.HybridPrefixCache.with_salt` views and any other caller of the store
     (a serving engine) share: one store under one budget, the roots of the block hash chains (seed, model identity,
-    weights state, salt), the remote tier, the counters and the locks. Nothing else reaches these. A request goes
-    through it in the order the module docstring gives.
+    weights state, salt: :class:`~hf_hybridcache.core.roots.WeightsRoots`), the remote tier, the counters and the
+    locks. Nothing else reaches these. A request goes through it in the order the module docstring gives.
 
     Args:
         spec: the model's layers and per-entry byte sizes.
@@ -118,64 +117,13 @@ class CacheCore(CallScopes):
         self.warned_masked_prompt = False
         self._warned_generation = -1
 
-    # ------------------------------------------------------------------ roots and the model
+    # ------------------------------------------------------------------ the model
 
-    def root(self, salt: str | None) -> BlockHash:
-        """The root of the block hash chains of requests under ``salt`` with the current weights state."""
-        return root_hash(self.seed, f"{self.identity}|{self.weights.fingerprint}", salt)
-
-    def request_root(self, salt: str | None) -> BlockHash:
-        """The root of :meth:`request_start` alone (a lookup that stores nothing)."""
-        return self.request_start(salt)[0]
-
-    def request_start(self, salt: str | None) -> tuple[BlockHash, int]:
-        """Re-read the model's weights state (:mod:`~hf_hybridcache.core.weights`) and return the root a new request
-        under ``salt`` chains its blocks from, with the weights generation it runs under (its rows'
-        ``weights_generation``: :meth:`check_weights`)."""
-        with self.store_lock:
-            before = self.weights.fingerprint
-            changed = self.weights.refresh()
-            if changed:
-                self.weights_history.weights_changed(before)
-            root, generation = self.root(salt), self.weights.generation
-        if changed:
-            logger.warning(
-                "The model's weights or adapters changed since the last request: prefixes stored under other weights "
-                "are not served (they are again if those weights come back; cache.clear() drops them)."
-            )
-        self.weights_history.saw_root(root, salt)
-        return root, generation
-
-    def check_weights(self, rows: Iterable[Row]) -> None:
-        """Before storing what a forward computed for ``rows``: a row whose request began under an earlier weights
-        generation (the weights were edited while it ran) stores nothing more (``row.stale``), since its states mix
-        two weights states and its root names the first. Costs one :func:`~hf_hybridcache.core.weights.weights_key`."""
-        rows = [row for row in rows if not row.stale and row.storing]  # a row storing nothing cannot go stale
-        if not rows:
-            return
-        with self.store_lock:
-            generation = self.weights.observe()
-        stale = [row for row in rows if row.weights_generation != generation]
-        for row in stale:
-            row.stale = True
-        if stale and self._warned_generation != generation:
-            self._warned_generation = generation
-            logger.warning("The model's weights changed while requests ran: they go on under the new weights, and "
-                           "nothing more of them is stored (docs/concurrency.md: weights updated while serving).")
-
-    def previous_roots(self, root: BlockHash) -> list[BlockHash]:
-        """The roots a request given ``root`` by :meth:`request_root` would have had under each remembered earlier
-        weights state, the most recent first (none when its salt is no longer remembered)."""
-        known, salt = self.weights_history.salt_of(root)
-        if not known:
-            return []
-        current = self.weights.fingerprint
-        return [root_hash(self.seed, f"{self.identity}|{fingerprint}", salt)
-                for fingerprint in self.weights_history.previous if fingerprint != current]
-
-    def check_model(self, model: torch.nn.Module) -> None:
+    def check_model(self, model: torch.nn.Module) -> str | None:
         """Refuse a request when ``model`` changed dtype or devices since the cache was built (stored entries would
-        not fit it).
+        not fit it). Returns why its forwards may not restore or store now (a key of
+        :data:`~hf_hybridcache.core.explain.NOT_CACHEABLE`: training mode with dropout on, ...;
+        :func:`~hf_hybridcache._compat.uncached_cause`), or None.
 
         Raises:
             ValueError: with what to do.
@@ -192,6 +140,7 @@ class CacheCore(CallScopes):
                 f"The model's layers moved to other devices since this HybridPrefixCache was built (layer: was -> now "
                 f"{moved}); move them back or build a new HybridPrefixCache after placing the model."
             )
+        return _compat.uncached_cause(model)
 
     # ------------------------------------------------------------------ the store
 
@@ -238,9 +187,13 @@ class CacheCore(CallScopes):
     def _tail(self, tail_tokens: int | None) -> int:
         return self.options.min_tail_tokens if tail_tokens is None else tail_tokens
 
-    def report(self, token_ids: list[int], root: BlockHash, hit: Hit) -> explain.HitReport:
+    def report(self, token_ids: list[int], root: BlockHash, hit: Hit, uncached: str | None = None
+               ) -> explain.HitReport:
         """Why the hit of ``token_ids`` under ``root`` is ``hit`` (what :meth:`lookup` or :meth:`peek` returned, before
-        anything else changes the store): :func:`~hf_hybridcache.core.explain.make_report`."""
+        anything else changes the store): :func:`~hf_hybridcache.core.explain.make_report`; ``uncached``: a cause
+        (a key of :data:`~hf_hybridcache.core.explain.NOT_CACHEABLE`) for which nothing was looked up."""
+        if uncached is not None:
+            return explain.not_cacheable(len(token_ids), uncached)
         return explain.make_report(self, token_ids, root, hit)
 
     def pin(self, block_ids) -> None:

@@ -27,12 +27,18 @@ version counter (writes through ``param.data``, as peft's ``merge_and_unload`` d
 CPU (131-322 tensors), under 0.3% of a 64-token forward. Not seen between those points: a sparse write through
 ``param.data`` (a few rows; call ``cache.clear()`` after one) and a write into accelerate's offload maps of an
 offloaded model (construction, ``save()``, ``load()`` and ``clear()`` read them).
+
+A trainer, whose every optimizer step changes every weight, declares its steps instead
+(:meth:`WeightsTracker.declare_step`, reached through ``hf_hybridcache.post_training``): each step is a new weights
+state named without reading a weight, and requests read nothing until ``clear()`` or ``save()`` read the weights
+again (``benchmarks/grpo_rollouts.py`` measures both ways beside a trainer's step).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import secrets
 
 import torch
 
@@ -165,13 +171,17 @@ def weights_key(model: torch.nn.Module, views: dict[int, tuple] | None = None) -
 
 
 class WeightsTracker:
-    """The weights state of one model, re-read at every request.
+    """The weights state of one model, re-read at every request, or declared by a trainer once per step.
 
     Attributes:
         identity: :func:`weights_identity` of the weights as last computed (hex SHA-256).
-        fingerprint: names the current weights state (identity + adapter state); mixed into root hashes.
-        generation: counts the changes of :func:`weights_key` seen so far (cheap to read again: :meth:`observe`); a
-            request stores what it computes only while the generation it began under is the current one.
+        fingerprint: names the current weights state (identity + adapter state, or the declared step); mixed into
+            root hashes.
+        generation: counts the changes of :func:`weights_key` seen so far (cheap to read again: :meth:`observe`) and
+            the declared steps; a request stores what it computes only while the generation it began under is the
+            current one.
+        declared_steps: steps declared since the weights were last read in full (:meth:`declare_step`); 0 when the
+            weights are read at every request.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -181,12 +191,30 @@ class WeightsTracker:
         self.generation = 0
         self._identity_generation = -1
         self.fingerprint = ""
+        self.declared_steps = 0
+        self._nonce = secrets.token_hex(16)  # declared states are this tracker's own: no other process shares them
+        self._declared_total = 0  # never reset: a step declared after a full read must not reuse an earlier name
         self.refresh(full=True)
+
+    def declare_step(self) -> int:
+        """The weights changed and the caller says so (a trainer's optimizer step): the weights state becomes step
+        ``declared_steps + 1`` of this tracker, named without reading any weight (O(1)); from now until
+        :meth:`refresh` with ``full``, :meth:`observe` and :meth:`refresh` read nothing either, so an edit between
+        two declared steps is not seen. Returns the step's number."""
+        self.declared_steps += 1
+        self._declared_total += 1
+        self.generation += 1
+        state = f"declared|{self._nonce}|{self._declared_total}"
+        self.fingerprint = hashlib.sha256(state.encode()).hexdigest()
+        return self.declared_steps
 
     def observe(self) -> int:
         """Re-read :func:`weights_key` (not the identity) and return the generation: one more than before when the
         key changed since the last look. An in-place write bumps a tensor's version counter, so a write that was
-        undone in place still counts; a write through ``.data`` undone before the next look does not."""
+        undone in place still counts; a write through ``.data`` undone before the next look does not. Between
+        declared steps nothing is read."""
+        if self.declared_steps:
+            return self.generation
         key = weights_key(self._model, self._views)
         if key != self._key:
             self._key = key
@@ -197,7 +225,11 @@ class WeightsTracker:
         """Re-read the weights state: the identity is computed again when the generation moved (:meth:`observe`), or
         always with ``full`` or when accelerate offloaded some weights (:func:`weights_key` does not see those: an edit
         to them is seen by the next request, not by a running one). True when the fingerprint changed since the last
-        call."""
+        call. Between declared steps (:meth:`declare_step`) nothing is read unless ``full``, which returns to reading
+        the weights at every request."""
+        if self.declared_steps and not full:
+            return False
+        self.declared_steps = 0
         offloaded = any(t.device.type == "meta" for t in _compat.module_tensors(self._model))
         if self.observe() != self._identity_generation or full or offloaded:
             self._identity_generation = self.generation

@@ -283,20 +283,20 @@ class Engine:
             return False
         core, tokens, bs = self.core, request.key_tokens, self.block_size
         try:
-            core.check_model(self.cache.model)
+            cause = core.check_model(self.cache.model)  # dropout on in training mode: nothing reused or stored
         except ValueError as error:
             return self._refuse(request, str(error))
         root, generation = core.request_start(request.salt)
         self.inflight.hash_chain(request, root)
         with core.store_lock:
-            hit = stored = core.lookup(tokens, root)
+            hit = stored = core.lookup(tokens, root, None if cause is None else len(tokens))
             if request.score_prompt is not None:  # it restores only what the scores of its prompt are kept for
                 tail = core.options.min_tail_tokens
                 hit = self.scores.restorable(request, hit, lambda b: core.store.find(tokens[: b + tail], root,
                                                                                      tail).hit_tokens)
-            if self.inflight.waits_for(request, hit.hit_tokens // bs):
+            if cause is None and self.inflight.waits_for(request, hit.hit_tokens // bs):
                 return False
-            report = None if request.counted else core.report(tokens, root, stored)
+            report = None if request.counted else core.report(tokens, root, stored, cause)
             if report is not None and request.score_prompt is not None:
                 report = scored_report(report, hit.hit_tokens)
             pages = core.store.page_table(hit.block_ids).tolist()
@@ -311,7 +311,7 @@ class Engine:
         request.past, request.fresh = hit.hit_tokens, hit.hit_tokens == 0
         request.row = Row(request.retention_prompt_tokens, token_ids=tokens[: hit.hit_tokens], hit_tokens=hit.hit_tokens,
                           root=root, block_ids=list(hit.block_ids), block_hashes=list(hit.block_hashes),
-                          divergence_tokens=hit.divergence_tokens, weights_generation=generation)
+                          divergence_tokens=hit.divergence_tokens, weights_generation=generation, storing=not cause)
         if not request.counted:
             core.count_request(len(request.prompt), hit.hit_tokens, [report.reason])
             request.counted, request.hit_tokens, request.hit_report = True, hit.hit_tokens, report

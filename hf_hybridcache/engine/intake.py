@@ -21,9 +21,11 @@ def new_requests(manager, input_ids, request_id: str, max_new_tokens: int | None
                  logprobs: int | None, prompt_logprobs: int | None, grammar, images, sampling: dict,
                  num_speculative_tokens: int | None = None) -> list[EngineRequest]:
     """The requests of one :meth:`~hf_hybridcache.engine.ContinuousBatchingManager.add_request` call of ``manager``
-    (its arguments, ``sampling`` its logits-processor kwargs): children ``{request_id}__child#{k}`` first, the parent
-    last. When the call is invalid every one has ``status=FAILED`` and the reason in ``error``."""
+    (its arguments, ``sampling`` its logits-processor kwargs; without a ``seed``, the one ``input_ids`` carries as an
+    attribute, if any): children ``{request_id}__child#{k}`` first, the parent last. When the call is invalid every
+    one has ``status=FAILED`` and the reason in ``error``."""
     model, config = manager.model, manager.generation_config
+    seed = getattr(input_ids, "seed", None) if seed is None else seed  # a trainer's rollout carries its own seed
     vocab_size = model.get_input_embeddings().num_embeddings
     prompt = input_ids.reshape(-1).tolist() if isinstance(input_ids, torch.Tensor) else input_ids
     max_new_tokens, error = new_tokens(config, prompt, max_new_tokens)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _compat
 from ..core import HitReport, not_cacheable
 from ..hashing import BlockHash, chain_hashes
 from ..store import Hit, PrefixStore, last_boundary, retained_boundaries
@@ -55,8 +56,9 @@ def explain(cache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
     """One report per row of ``input_ids`` ``[B, T]`` (``attention_mask`` ``[B, T]`` or None) under ``salt``. The
     caller has checked the ids and holds the core's lock."""
     lengths = mask_lengths(input_ids, attention_mask)
-    if cache.model.training:
-        return [not_cacheable(n, "training") for n in lengths]
+    cause = _compat.uncached_cause(cache.model, grad=False)  # as generate() runs: without autograd
+    if cause is not None:
+        return [not_cacheable(n, cause) for n in lengths]
     rows = unpadded_rows(input_ids, attention_mask)
     if rows is None:
         return [not_cacheable(n, "padding") for n in lengths]

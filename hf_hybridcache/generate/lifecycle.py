@@ -75,10 +75,11 @@ def begin_request(
     """Start the request of a ``generate()`` call that will feed at most ``decode_tokens`` tokens after its prompt,
     looked up and stored by the token keys of its ``images`` (:mod:`~hf_hybridcache.generate.images`); returns the
     restored tokens of its first row."""
-    if use_cache is False or cache.model.training:
-        # use_cache=False: each step re-feeds the whole sequence, nothing is cached between steps. Training mode:
-        # states may be computed with dropout. Either way nothing is looked up or stored.
-        cause = "training" if cache.model.training else "use_cache"
+    cause = "use_cache" if use_cache is False else _compat.uncached_cause(cache.model)
+    if cause is not None:
+        # use_cache=False: each step re-feeds the whole sequence, nothing is cached between steps. Training mode with
+        # dropout (or 5.23's activation checkpointing): states are not the tokens' own (_compat.training). Either way
+        # nothing is looked up or stored; training mode without them reuses prefixes as eval mode does.
         start_request(cache, None, None, input_ids.shape[0], prompt_tokens=input_ids.shape[1], uncached=cause)
         return 0
     if images is not None and images.uncached:
@@ -111,7 +112,8 @@ def forward_call(cache, *, input_ids, inputs_embeds, use_cache):
                 num_rows, num_tokens = ids_or_embeds.shape[:2]
                 if use_cache is False:
                     _begin_uncached_forward(cache)
-                _before_forward(cache, input_ids, num_rows, num_tokens, storing=not cache.model.training)
+                storing = _compat.uncached_cause(cache.model) is None
+                _before_forward(cache, input_ids, num_rows, num_tokens, storing=storing)
                 if cache.core.remote is not None and num_rows == 1 and num_tokens > 1:
                     started = time.perf_counter()
             yield
@@ -153,8 +155,8 @@ def _before_forward(cache, input_ids: torch.Tensor | None, num_rows: int, num_to
                      weights_generation=cache.live.weights_generation)] if tracking else []
         _make_live(cache, LiveRequest(cache, rows, tracking))
     if not storing:
-        # Training mode: dropout may be on and gradient checkpointing drops the cache inside the layers, so nothing
-        # of this forward may be stored and served to eval requests later.
+        # A training forward (autograd on), dropout on, or layers that drop the cache: nothing of this forward may be
+        # stored and served to eval requests later.
         cache.live.request.stop_tracking("a forward in training mode")
     cache.live.request.before_forward(input_ids, num_rows, num_tokens)
 

@@ -149,7 +149,11 @@ def _checkpointing_forward(variant: Mamba2Variant, mixer, original, *args, **kwa
     args, kwargs = _compat.with_local_mixer_mask(args, kwargs)  # Mamba-2's model hands over its whole mask
     hidden_states, cache, attention_mask = _compat.split_mixer_call(args, kwargs)
     seq_len = hidden_states.shape[1]
-    if cache is None or mixer.training or cache.is_recording_past(mixer.layer_idx):
+    # A training forward (training mode with autograd) runs upstream's code. Without autograd the mode changes nothing
+    # here (the mixer has no dropout; upstream's fused training kernel runs only without a cache), so a rollout of a
+    # model in training mode hands its checkpoints over as in eval mode; whether anything is stored is the caller's
+    # decision (_compat.uncached_cause: dropout elsewhere in the model).
+    if cache is None or (mixer.training and torch.is_grad_enabled()) or cache.is_recording_past(mixer.layer_idx):
         return original(*args, **kwargs)
     if seq_len == 1:
         if not fused_decode.wanted(hidden_states, cache):
