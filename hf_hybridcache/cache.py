@@ -21,6 +21,7 @@ from .core import CacheCore, HitReport, WeightsTracker, load_cache, save_cache
 from .generate import HOOKS, LiveCache, LiveState, explain_call, lifecycle, replays_by_default
 from .hashing import hash_seed, model_identity
 from .models import decode_linear, support_for
+from .models import deterministic as determinism
 from .remote import RemoteTier, remote_config
 from .remote import attach as attach_remote
 from .stats import PrefixCacheStats
@@ -55,6 +56,9 @@ class HybridPrefixCache(LiveCache):
             and after its own checkpoint, and the running request's blocks never go.
         replay_replies: store replies from one prefill of their tokens when ``generate()`` has its output, and leave
             two tokens to a hit's tail (:mod:`hf_hybridcache.generate.reply_replay`); None: on in bf16/fp16, see there.
+        deterministic: a request's tokens and logprobs are the same bits whatever was restored, whatever shared its
+            batch and whichever path (``generate()``, the engine) ran it (docs/deterministic.md); the pure Mamba-1
+            families on CPU only, every other model is refused (:mod:`hf_hybridcache.models.deterministic`).
 
     Attributes:
         core: the :class:`~hf_hybridcache.core.CacheCore` this cache and its views share: the interface for code
@@ -66,7 +70,9 @@ class HybridPrefixCache(LiveCache):
         ValueError: unsupported model (or transformers version, or Hub kernels handed the cache: load with
             ``use_kernels=False``); invalid ``block_size``, ``retention_interval``, ``max_cache_bytes``, ``seed``,
             ``offload``, ``admit_divergence``, ``eviction``, ``replay_replies`` or ``remote``; a budget smaller than
-            one KV block plus one checkpoint; a ``block_size`` longer than a sliding attention window of the model.
+            one KV block plus one checkpoint; a ``block_size`` longer than a sliding attention window of the model;
+            ``deterministic=True`` for a model or machine it cannot hold for (the message names the missing
+            ingredient), or a model that already serves a cache of the other mode.
         TypeError: ``remote`` is not a URL, a redis-py client or a ``RemoteConfig``.
         ImportError: ``remote`` is a URL and redis-py is not installed (``pip install redis``).
     """
@@ -84,6 +90,7 @@ class HybridPrefixCache(LiveCache):
         eviction: str = "flop_aware",
         remote=None,
         replay_replies: bool | None = None,
+        deterministic: bool = False,
     ) -> None:
         _compat.check_version()
         support = support_for(model)
@@ -95,14 +102,20 @@ class HybridPrefixCache(LiveCache):
         options = CacheOptions(block_size, retention_interval, budget, admit_divergence, eviction, replay)
         self.spec = support.spec_for(model, block_size)
         self.spec.check_budget(options.max_cache_bytes)
+        if deterministic:
+            determinism.check(model, self.spec)  # before anything is patched
+        determinism.claim(model, deterministic)
         if replay_replies is None:
             options = replace(options, replay_replies=replays_by_default(model.dtype, self.spec))
         devices = layer_devices(model, [layer.layer_idx for layer in (*self.spec.attention, *self.spec.mamba)])
         placement = Placement(devices, offload)
         self.model = model
         support.install(model)
-        decode_linear.install(model)
-        support.explain_kernels(model, devices.values())
+        if deterministic:
+            determinism.install(model)  # its own kernels: the default paths' notices do not apply
+        else:
+            decode_linear.install(model)
+            support.explain_kernels(model, devices.values())
         _compat.install_hooks(model, HOOKS)
         super().__init__(layers=_compat.new_live_layers(model.config))
         policy = make_eviction(options.eviction, FlopModel.from_model(model, self.spec))

@@ -28,6 +28,7 @@ import torch
 
 from .. import _compat
 from ..kernels.decode_linear import MAX_ROWS, decode_linear, weight_qualifies
+from .deterministic import is_deterministic
 
 
 #: The intra-op thread count a decode forward under :func:`decode_threads` gives back to its wide weights' reads.
@@ -44,9 +45,11 @@ def decode_threads(model: torch.nn.Module, num_tokens: int) -> Iterator[None]:
     with ``OMP_WAIT_POLICY=PASSIVE`` every one of them that torch parallelizes wakes the sleeping threads, which costs
     more than the op: an ``exp`` of 8,192 values takes 65-90 us on two threads, 5-11 us on one. The weight reads,
     bound by memory bandwidth, keep every thread. The thread count changes no result of these ops (each output
-    element is computed by one thread either way); float32 only, so reduced precision stays bit-identical to stock."""
+    element is computed by one thread either way); float32 only, so reduced precision stays bit-identical to stock.
+    Not for a deterministic model (:func:`~hf_hybridcache.models.deterministic.is_deterministic`): its products
+    keep the thread count its prefills and its row-invariance probe ran at."""
     threads = torch.get_num_threads()
-    if (threads == 1 or num_tokens > MAX_ROWS or _WIDE_THREADS.get() is not None
+    if (threads == 1 or is_deterministic(model) or num_tokens > MAX_ROWS or _WIDE_THREADS.get() is not None
             or getattr(model, "dtype", None) != torch.float32 or getattr(model, "device", None) is None
             or model.device.type != "cpu"):
         yield
