@@ -124,7 +124,7 @@ def test_chat_turn_with_the_reply_replayed_equals_cold(family, dtype):
 
 
 def test_padded_generate_batch_rows_equal_each_alone(family, dtype):
-    """A left-padded generate() batch of 3 prompts (the mode off: every row differs here from its run alone)."""
+    """Each row of a left-padded generate() batch of 3 prompts equals that prompt alone."""
     prompts = [PROMPTS[i] for i in (3, 1, 6)]
     width = max(map(len, prompts))
     batch = torch.tensor([[0] * (width - len(p)) + p for p in prompts])

@@ -1,7 +1,7 @@
 """Deterministic mode (issue 46): which models it accepts, what it refuses and why, and what it installs.
 
 ``HybridPrefixCache(model, deterministic=True)`` calls :func:`check` before anything is patched and :func:`install`
-after the family's own patches. The mode is accepted only where every op of the model's forward has a row-invariant,
+after the family's own patches (:mod:`.paths`). The mode is accepted only where every op of the model's forward has a row-invariant,
 path-invariant form here (docs/deterministic.md, "The ingredients"): today the pure Mamba-1 families (Mamba,
 Falcon-Mamba: embeddings, RMSNorms, the mixer of :mod:`.mamba1_deterministic`, the LM head), on CPU, in float32,
 bfloat16 and float16. Every other family is refused with the ingredients it lacks named, and so is a model whose
@@ -68,7 +68,7 @@ def check(model: torch.nn.Module, spec: ModelStateSpec) -> None:
     Raises:
         ValueError: the family lacks ingredients (named, with what to do); a Hub kernel library is swapped in;
             a parameter is off the CPU or of a dtype other than float32 / bfloat16 / float16; this BLAS sums a
-            linear layer's row differently at some row count; the model already serves a cache of the other mode.
+            linear layer's row differently at some row count.
     """
     name = type(model).__name__
     missing = missing_ingredients(model, spec)
@@ -95,10 +95,14 @@ def check(model: torch.nn.Module, spec: ModelStateSpec) -> None:
             except RuntimeError as error:
                 raise ValueError(f"deterministic=True refuses {name} here: {error} Build the cache with "
                                  "deterministic=False.") from error
-    _check_mode(model, True)
 
 
-def _check_mode(model: torch.nn.Module, deterministic: bool) -> None:
+def check_served_mode(model: torch.nn.Module, deterministic: bool) -> None:
+    """Raise unless ``model`` serves no cache yet or serves ``deterministic``'s mode.
+
+    Raises:
+        ValueError: it serves the other mode (its forward patches are that mode's).
+    """
     served = getattr(model, MODE_ATTR, None)
     if served is not None and served != deterministic:
         raise ValueError(
@@ -114,7 +118,7 @@ def claim(model: torch.nn.Module, deterministic: bool) -> None:
     Raises:
         ValueError: the model already serves the other mode (its patches are installed for that one).
     """
-    _check_mode(model, deterministic)
+    check_served_mode(model, deterministic)
     setattr(model, MODE_ATTR, deterministic)
 
 
