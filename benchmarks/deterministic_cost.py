@@ -58,8 +58,7 @@ def measure(name: str, dtype: torch.dtype, num_requests: int, rounds: int, new_t
     """Best-round engine tokens/s ``(off, on)`` for ``num_requests`` concurrent requests."""
     off_model = _model(name, dtype)
     on_model = copy.deepcopy(off_model)
-    HybridPrefixCache(off_model)
-    HybridPrefixCache(on_model, deterministic=True)
+    caches = HybridPrefixCache(off_model), HybridPrefixCache(on_model, deterministic=True)  # alive while serving
     prompts = _prompts(num_requests, off_model.config.vocab_size)
     for model in (off_model, on_model):  # warm-up: first-call costs out of the rounds
         _tokens_per_s(model, prompts, 2)
@@ -67,6 +66,7 @@ def measure(name: str, dtype: torch.dtype, num_requests: int, rounds: int, new_t
     for _ in range(rounds):
         for on, model in ((False, off_model), (True, on_model)):
             best[on] = max(best[on], _tokens_per_s(model, prompts, new_tokens))
+    del caches
     return best[False], best[True]
 
 

@@ -15,6 +15,10 @@ row-invariant ingredient:
 - Falcon-Mamba's weightless dt/B/C RMS norms as upstream runs them (measured row-invariant on this CPU: a row is
   reduced alone whatever the row count, ``benchmarks/batch_invariance.py``).
 
+In an engine decode step the elementwise ops run on one intra-op thread
+(:func:`~hf_hybridcache.models.decode_linear.decode_threads`; an element's IEEE result does not depend on the thread
+that computes it, and each reduction here is over one row's last dim) and the products on all of them.
+
 The padding masks, the states' dtypes and what reaches the cache (the conv window, the float32 SSM state, the
 checkpoints after ``positions`` tokens) are those of the package's other paths. :data:`_OFF` is the private switch of
 the power tests: an ingredient named there runs the package's default op instead (``"linear"``: ``F.linear``;
@@ -34,6 +38,7 @@ from ..kernels.conv_invariant import causal_conv_invariant
 from ..kernels.mamba1_invariant import selective_scan_invariant, selective_step_invariant
 from ..kernels.state_update import causal_conv1d_update, selective_state_update
 from .jamba import selective_norms
+from .decode_linear import wide_threads
 from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_states_at
 
 #: Ingredients switched off (private: the power tests name them here; empty in use).
@@ -41,7 +46,10 @@ _OFF: set[str] = set()
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, weight, bias) if "linear" in _OFF else invariant_linear(x, weight, bias)
+    if "linear" in _OFF:
+        return F.linear(x, weight, bias)
+    with wide_threads():  # an engine decode step's other ops run on one thread; products on all, as in a prefill
+        return invariant_linear(x, weight, bias)
 
 
 def lm_head_forward(module: torch.nn.Linear, original, hidden_states: torch.Tensor) -> torch.Tensor:

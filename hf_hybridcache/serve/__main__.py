@@ -62,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cache.add_argument("--offload", default=None, help='"cpu" to keep stored entries in host memory')
     cache.add_argument("--remote", default=None,
                        help="redis://... for the shared second tier (redis+cluster://host:port,... for a cluster)")
+    cache.add_argument("--deterministic", action="store_true",
+                       help="the same tokens and logprobs bit for bit whatever was cached or shared a step (Mamba and "
+                       "Falcon-Mamba on CPU; other models are refused: docs/deterministic.md)")
     cache.add_argument("--no-cache", action="store_true",
                        help="no prefix cache and no engine: one plain generate() at a time (the stock baseline)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
@@ -76,7 +79,8 @@ def make_app(args: argparse.Namespace):
 
     Raises:
         StartupError: the model or tokenizer cannot be loaded (:func:`~hf_hybridcache.serve.loading.load`).
-        ValueError: an option the model or the memory refuses (an empty ``--api-key``, ``--max-model-len`` too long),
+        ValueError: an option the model or the memory refuses (an empty ``--api-key``, ``--max-model-len`` too long,
+            ``--deterministic`` for a model it cannot hold for or with ``--no-cache``),
             or a transformers outside the tested window (refused before the model loads).
     """
     from .. import HybridPrefixCache
@@ -91,6 +95,8 @@ def make_app(args: argparse.Namespace):
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     if api_key is not None and not api_key:
         raise ValueError("--api-key must not be empty; omit it to serve without a key.")
+    if args.deterministic and args.no_cache:
+        raise ValueError("--deterministic is a mode of the prefix cache and its engine; drop --no-cache.")
     if not args.no_cache:
         check_version()  # an untested transformers is refused before minutes of loading, not after
     model, tokenizer = load(args.model, args.dtype, args.device_map, args.tokenizer, args.trust_remote_code,
@@ -109,7 +115,8 @@ def make_app(args: argparse.Namespace):
         backend = SequentialBackend(model, eos, **limit)
     else:
         cache = HybridPrefixCache(model, args.block_size, args.retention_interval, args.max_cache_bytes,
-                                  eviction=args.eviction, offload=args.offload, remote=args.remote)
+                                  eviction=args.eviction, offload=args.offload, remote=args.remote,
+                                  deterministic=args.deterministic)
         backend = EngineBackend(cache, eos, args.max_running_requests, args.max_batch_tokens, args.max_model_len)
     app = build_app(backend, tokenizer, name, cache, args.max_tokens, vision)
     if api_key:
