@@ -16,7 +16,8 @@ import torch
 from .. import _compat
 from .._compat.hub_kernels import kernels_from_hub
 from ..config import ModelStateSpec
-from ..kernels.batch_invariant import check_row_invariance
+from ..kernels.batch_invariant import check_row_invariance, check_thread_invariance
+from ..kernels.decode_linear import weight_qualifies
 from .mamba1 import DETERMINISTIC_FORWARD
 from .mamba1_deterministic import deterministic_forward, lm_head_forward
 from .wrappers import decoder_model_type
@@ -64,13 +65,14 @@ def check(model: torch.nn.Module, spec: ModelStateSpec) -> None:
     """Refuse ``model`` for deterministic mode unless every ingredient is in place and measured to hold here.
 
     Probes each distinct linear weight shape and dtype with
-    :func:`~hf_hybridcache.kernels.batch_invariant.check_row_invariance` (once per process; a few products of up to
-    256 rows).
+    :func:`~hf_hybridcache.kernels.batch_invariant.check_row_invariance` and, for the products an engine decode step
+    runs on one thread, :func:`~hf_hybridcache.kernels.batch_invariant.check_thread_invariance` (once per process; a
+    few products of up to 256 rows).
 
     Raises:
         ValueError: the family lacks ingredients (named, with what to do); a Hub kernel library is swapped in;
             a parameter is off the CPU or of a dtype other than float32 / bfloat16; this BLAS sums a
-            linear layer's row differently at some row count.
+            linear layer's row differently at some row count or on one thread.
     """
     name = type(model).__name__
     missing = missing_ingredients(model, spec)
@@ -94,6 +96,8 @@ def check(model: torch.nn.Module, spec: ModelStateSpec) -> None:
         if isinstance(module, torch.nn.Linear):
             try:
                 check_row_invariance(module.weight, module.bias)
+                if not weight_qualifies(tuple(module.weight.shape)):  # run on one thread in an engine decode step
+                    check_thread_invariance(module.weight, module.bias)
             except RuntimeError as error:
                 raise ValueError(f"deterministic=True refuses {name} here: {error} Build the cache with "
                                  "deterministic=False.") from error

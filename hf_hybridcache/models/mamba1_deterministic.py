@@ -17,7 +17,9 @@ row-invariant ingredient:
 
 In an engine decode step the elementwise ops run on one intra-op thread
 (:func:`~hf_hybridcache.models.decode_linear.decode_threads`; an element's IEEE result does not depend on the thread
-that computes it, and each reduction here is over one row's last dim) and the products on all of them.
+that computes it, and each reduction here is over one row's last dim), and so do the products of the weights the
+package's decode route leaves alone (small or wide ones, probed equal on one thread and on all at construction); the
+others run on all threads, as in a prefill.
 
 The padding masks, the states' dtypes and what reaches the cache (the conv window, the float32 SSM state, the
 checkpoints after ``positions`` tokens) are those of the package's other paths. :data:`_OFF` is the private switch of
@@ -35,10 +37,11 @@ from .. import _compat
 from ..kernels import selective_scan
 from ..kernels.batch_invariant import invariant_linear
 from ..kernels.conv_invariant import causal_conv_invariant
+from ..kernels.decode_linear import weight_qualifies
 from ..kernels.mamba1_invariant import selective_scan_invariant, selective_step_invariant
 from ..kernels.state_update import causal_conv1d_update, selective_state_update
-from .jamba import selective_norms
 from .decode_linear import wide_threads
+from .jamba import selective_norms
 from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_states_at
 
 #: Ingredients switched off (private: the power tests name them here; empty in use).
@@ -48,7 +51,9 @@ _OFF: set[str] = set()
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     if "linear" in _OFF:
         return F.linear(x, weight, bias)
-    with wide_threads():  # an engine decode step's other ops run on one thread; products on all, as in a prefill
+    if not weight_qualifies(tuple(weight.shape)):  # small: probed equal on one thread (deterministic.check)
+        return invariant_linear(x, weight, bias)
+    with wide_threads():  # an engine decode step's other ops run on one thread; wide products on all, as in prefill
         return invariant_linear(x, weight, bias)
 
 
