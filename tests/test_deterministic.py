@@ -1,7 +1,7 @@
 """deterministic=True on the pure Mamba-1 families (issue 46): a request's tokens and logits / logprobs are the same
 bits cold and after hits of several lengths (block boundaries, dense checkpoints), with a reply replayed in a chat,
-decoded or prefilled, alone in generate() or among 1-8 other requests in the engine at several prefill chunk sizes;
-in float32 and bfloat16, on long-memory models (DESIGN.md's test doctrine). Every other family and every machine or
+decoded or prefilled, alone in generate() or among 1-8 other requests in the engine at several prefill chunk sizes
+(and in speculative steps); in float32 and bfloat16, on long-memory models (DESIGN.md's test doctrine). Every other family and every machine or
 model the guarantee cannot hold for is refused at construction.
 
 Power (each ingredient switched off alone through the private ``mamba1_deterministic._OFF``, or the mode off; measured
@@ -16,10 +16,11 @@ on the 2-core AVX-512 CPU, torch 2.13 with MKL; docs/deterministic.md has the ta
 
 import pytest
 import torch
-from engine_scenarios import ids
+from engine_scenarios import finals, ids
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache.engine import NgramDrafter, Speculation
 from hf_hybridcache.kernels import batch_invariant
 from hf_hybridcache.models import mamba1_deterministic
 from hf_hybridcache.toy import build_model
@@ -147,7 +148,29 @@ def test_engine_requests_equal_generate_alone_in_any_batch(family, dtype, max_ba
         assert engine_case(family, dtype, prompts, max_batch_tokens), f"{len(prompts)} requests"
 
 
-def test_engine_hit_equals_cold(family):
+def test_speculative_engine_steps_equal_generate_alone(dtype):
+    """Drafts verified in one multi-token forward (n-gram drafts of repetitive prompts) give each request the tokens
+    and logprobs of generate() alone."""
+    loop = ids(10, seed=4640)
+    prompts = [loop * 4 + ids(3, seed=4641), ids(20, seed=4642) + loop * 3, ids(33, seed=4643)]
+    _, cache = fresh("mamba", dtype)
+    manager = cache.init_continuous_batching(GenerationConfig(max_new_tokens=12, **GREEDY),
+                                             ContinuousBatchingConfig(return_logprobs=True),
+                                             speculation=Speculation(NgramDrafter(), 4))
+    manager.start()
+    try:
+        names = manager.add_requests(prompts, max_new_tokens=12)
+        outputs = finals(manager, names)
+    finally:
+        manager.stop()
+    assert manager.batch_processor.speculator.stats.verify_segments > 0
+    for name, prompt in zip(names, prompts):
+        tokens, logits = cold("mamba", dtype, prompt, 12, floor=False)
+        assert outputs[name].generated_tokens == tokens
+        assert list(outputs[name].logprobs) == logprobs(tokens, logits)
+
+
+def test_engine_requests_hit_each_others_prefix(family):
     outputs = engine_outputs(family, torch.bfloat16, PROMPTS, 48)
     assert sorted(o.hit_tokens for o in outputs[:2]) == [0, 32]
 
