@@ -7,6 +7,9 @@ previous one's store) with :data:`NEW_TOKENS` greedy tokens each, so the time is
 The two modes alternate round by round; a cell is the best round's generated tokens per second (all requests
 together), and ``ratio`` is on / off. Read a ratio under 0.7 as the mode missing the issue's bar there.
 
+A second table times one ``generate()`` prefill of :data:`PREFILL_TOKENS` tokens (one new token, the store cleared
+before each run) per model and dtype, the same way: in the mode every prompt token runs the decode step's arithmetic.
+
     OMP_WAIT_POLICY=PASSIVE PYTHONPATH=. python benchmarks/deterministic_cost.py
     OMP_WAIT_POLICY=PASSIVE PYTHONPATH=. python benchmarks/deterministic_cost.py --models toy --rounds 2
 """
@@ -30,6 +33,7 @@ from benchmarks.model_shapes import build_shape_model
 
 PROMPT_TOKENS = 8
 NEW_TOKENS = 32
+PREFILL_TOKENS = 256
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MODELS = ("toy", "mamba-130m")
 
@@ -70,6 +74,22 @@ def measure(name: str, dtype: torch.dtype, num_requests: int, rounds: int, new_t
     return best[False], best[True]
 
 
+def measure_prefill(name: str, dtype: torch.dtype, rounds: int) -> tuple[float, float]:
+    """Best-round seconds of a :data:`PREFILL_TOKENS`-token ``generate()`` prefill ``(off, on)``."""
+    off_model = _model(name, dtype)
+    on_model = copy.deepcopy(off_model)
+    caches = HybridPrefixCache(off_model), HybridPrefixCache(on_model, deterministic=True)
+    ids = torch.tensor(_prompts(1, off_model.config.vocab_size)[0] * (PREFILL_TOKENS // PROMPT_TOKENS))[None]
+    best = {False: float("inf"), True: float("inf")}
+    for _ in range(rounds):
+        for on, model, cache in ((False, off_model, caches[0]), (True, on_model, caches[1])):
+            cache.clear()
+            start = time.perf_counter()
+            model.generate(ids, past_key_values=cache, max_new_tokens=1, do_sample=False, pad_token_id=0)
+            best[on] = min(best[on], time.perf_counter() - start)
+    return best[False], best[True]
+
+
 def main(argv: list[str] | None = None) -> list[tuple]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
@@ -90,6 +110,12 @@ def main(argv: list[str] | None = None) -> list[tuple]:
                 rows.append((name, dtype_name, num_requests, off, on))
                 print(f"{name:<12} {dtype_name:<5} {num_requests:>8} {off:>10.1f} {on:>10.1f} {on / off:>5.2f}x",
                       flush=True)
+    print(f"\ngenerate() prefill of {PREFILL_TOKENS} tokens, seconds (best of {args.rounds} alternating rounds)")
+    print(f"{'model':<12} {'dtype':<5} {'off s':>8} {'on s':>8} {'on/off':>7}")
+    for name in args.models:
+        for dtype_name in args.dtypes:
+            off, on = measure_prefill(name, DTYPES[dtype_name], args.rounds)
+            print(f"{name:<12} {dtype_name:<5} {off:>8.3f} {on:>8.3f} {on / off:>6.2f}x", flush=True)
     return rows
 
 
