@@ -100,3 +100,14 @@ def test_the_thread_probe_passes_here_and_fails_closed_on_a_thread_variant_produ
         (x.shape[0], w.shape[0]), float(torch.get_num_threads()), dtype=w.dtype))
     with pytest.raises(RuntimeError, match=r"differently on 1 thread than on 2"):
         bi.check_thread_invariance(weight, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_transposed_view_gives_the_rows_of_its_contiguous_copy(dtype):
+    """A mixer's ``x.transpose(1, 2)`` of one row reshapes to a column-major view ``[T, K]``; its product must be the
+    bits of the same rows stored contiguously (float16 on this CPU took another kernel for it: 4 rows of a
+    ``[64, 128]`` weight differed before the rows were made contiguous)."""
+    _, weight, b = _setup((64, 128), dtype, False)
+    view = torch.randn(128, 4, generator=torch.Generator().manual_seed(3)).to(dtype).t()
+    assert not view.is_contiguous()
+    assert torch.equal(bi.invariant_linear(view, weight, b), bi.invariant_linear(view.contiguous(), weight, b))

@@ -1,7 +1,7 @@
 """deterministic=True on the pure Mamba-1 families (issue 46): a request's tokens and logits / logprobs are the same
 bits cold and after hits of several lengths (block boundaries, dense checkpoints), with a reply replayed in a chat,
 decoded or prefilled, alone in generate() or among 1-8 other requests in the engine at several prefill chunk sizes
-(and in speculative steps); in float32 and bfloat16, on long-memory models (DESIGN.md's test doctrine). Every other family and every machine or
+(and in speculative steps); in float32, bfloat16 and float16, on long-memory models (DESIGN.md's test doctrine). Every other family and every machine or
 model the guarantee cannot hold for is refused at construction.
 
 Power (each ingredient switched off alone through the private ``mamba1_deterministic._OFF``, or the mode off; measured
@@ -36,7 +36,7 @@ def family(request):
     return request.param
 
 
-@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.fixture(params=[torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def dtype(request):
     return request.param
 
@@ -212,9 +212,8 @@ def test_invalid_combinations_are_refused(monkeypatch):
     model.backbone.norm_f._kernel_repo = "kernels-community/rmsnorm"  # what `kernels` leaves on a swapped module
     with pytest.raises(ValueError, match="Hub kernels are swapped in"):
         HybridPrefixCache(model, deterministic=True)
-    for dtype in (torch.float16, torch.float64):
-        with pytest.raises(ValueError, match="on CPU in float32 and bfloat16 only"):
-            HybridPrefixCache(build_model("mamba", seed=0, dtype=dtype), deterministic=True)
+    with pytest.raises(ValueError, match="on CPU in float32, bfloat16 and float16 only"):
+        HybridPrefixCache(build_model("mamba", seed=0, dtype=torch.float64), deterministic=True)
     monkeypatch.setattr(batch_invariant, "_CHECKED", set())
     monkeypatch.setattr(batch_invariant, "row_invariance_failures", lambda weight, bias=None: [1, 2, 3])
     with pytest.raises(ValueError, match=r"sums a row differently at \[1, 2, 3\] rows"):

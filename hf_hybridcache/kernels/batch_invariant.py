@@ -52,7 +52,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     Raises:
         RuntimeError: as ``F.linear`` does for mismatched shapes, dtypes or devices.
     """
-    rows = x.reshape(-1, x.shape[-1])
+    rows = x.reshape(-1, x.shape[-1]).contiguous()  # a column-major view took another kernel in float16 here
     num_rows = rows.shape[0]
     pad_rows = -num_rows % ROW_TILE
     if pad_rows:

@@ -3,8 +3,8 @@
 ``HybridPrefixCache(model, deterministic=True)`` calls :func:`check` before anything is patched and :func:`install`
 after the family's own patches (:mod:`.paths`). The mode is accepted only where every op of the model's forward has a row-invariant,
 path-invariant form here (docs/deterministic.md, "The ingredients"): today the pure Mamba-1 families (Mamba,
-Falcon-Mamba: embeddings, RMSNorms, the mixer of :mod:`.mamba1_deterministic`, the LM head), on CPU, in float32
-and bfloat16. Every other family is refused with the ingredients it lacks named, and so is a model whose
+Falcon-Mamba: embeddings, RMSNorms, the mixer of :mod:`.mamba1_deterministic`, the LM head), on CPU, in float32,
+bfloat16 and float16. Every other family is refused with the ingredients it lacks named, and so is a model whose
 kernels or BLAS would break the guarantee: refusing, never warning and continuing, is the point of the mode (vLLM's
 batch-invariant mode likewise fails closed on layers it has no kernel for).
 """
@@ -24,9 +24,8 @@ from .wrappers import decoder_model_type
 
 #: model_type -> the mixer classes whose forward :mod:`.mamba1_deterministic` stands in for.
 SUPPORTED = {"mamba": "MambaMixer", "falcon_mamba": "FalconMambaMixer"}
-#: The dtypes the mode's tests hold in. float16 is not among them: a float16 Mamba's engine logprobs and a hit's
-#: logits still moved by float16 round-off (an op not found yet), so it is refused rather than promised.
-DTYPES = (torch.float32, torch.bfloat16)
+#: The dtypes the mode's tests hold in.
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: Set on a model once a cache was built for it: True in deterministic mode. A model serves one mode for its life.
 MODE_ATTR = "_hf_hybridcache_deterministic"
 
@@ -71,7 +70,7 @@ def check(model: torch.nn.Module, spec: ModelStateSpec) -> None:
 
     Raises:
         ValueError: the family lacks ingredients (named, with what to do); a Hub kernel library is swapped in;
-            a parameter is off the CPU or of a dtype other than float32 / bfloat16; this BLAS sums a
+            a parameter is off the CPU or of a dtype other than float32 / bfloat16 / float16; this BLAS sums a
             linear layer's row differently at some row count or on one thread.
     """
     name = type(model).__name__
@@ -89,7 +88,7 @@ def check(model: torch.nn.Module, spec: ModelStateSpec) -> None:
                          "model.reset_kernels(), or build the cache with deterministic=False.")
     for param_name, param in model.named_parameters():
         if param.device.type != "cpu" or param.dtype not in DTYPES:
-            raise ValueError(f"deterministic=True holds on CPU in float32 and bfloat16 only; {name}'s "
+            raise ValueError(f"deterministic=True holds on CPU in float32, bfloat16 and float16 only; {name}'s "
                              f"{param_name} is {param.dtype} on {param.device}. Move the model to the CPU in one of "
                              "those dtypes, or build the cache with deterministic=False.")
     for module in model.modules():
