@@ -39,6 +39,7 @@ CONFIG_CLASSES = {
     "falcon_h1": "FalconH1Config",
     "granitemoehybrid": "GraniteMoeHybridConfig",
     "jamba": "JambaConfig",
+    "mamba": "MambaConfig",
     "zamba2": "Zamba2Config",
 }
 
@@ -155,6 +156,15 @@ SHAPES: dict[str, dict[str, Shape]] = {
                 mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256,
                 position_embedding_type="nope", tie_word_embeddings=True, max_position_embeddings=32768,
             ),
+        ),
+    },
+    "mamba": {
+        # state-spaces/mamba-130m-hf: 24 Mamba-1 layers of hidden 768 (intermediate 1536), state 16, conv 4, dt rank
+        # 48, a 50280-token vocabulary, tied embeddings; no attention and no MLP.
+        "130m": Shape(
+            "state-spaces/mamba-130m-hf",
+            dict(vocab_size=50280, hidden_size=768, num_hidden_layers=24, state_size=16, expand=2, conv_kernel=4,
+                 time_step_rank=48, tie_word_embeddings=True),
         ),
     },
     "jamba": {

@@ -20,7 +20,8 @@ from .config import DEFAULT_MAX_CACHE_BYTES, CacheOptions
 from .core import CacheCore, HitReport, WeightsTracker, load_cache, save_cache
 from .generate import HOOKS, LiveCache, LiveState, explain_call, lifecycle, replays_by_default
 from .hashing import hash_seed, model_identity
-from .models import decode_linear, support_for
+from .models import support_for
+from .models.paths import check_mode, install_forward_paths
 from .remote import RemoteTier, remote_config
 from .remote import attach as attach_remote
 from .stats import PrefixCacheStats
@@ -55,6 +56,8 @@ class HybridPrefixCache(LiveCache):
             and after its own checkpoint, and the running request's blocks never go.
         replay_replies: store replies from one prefill of their tokens when ``generate()`` has its output, and leave
             two tokens to a hit's tail (:mod:`hf_hybridcache.generate.reply_replay`); None: on in bf16/fp16, see there.
+        deterministic: a request's tokens and logprobs are the same bits whatever was restored or shared its batch,
+            in ``generate()`` and the engine (docs/deterministic.md); Mamba and Falcon-Mamba on CPU, others refused.
 
     Attributes:
         core: the :class:`~hf_hybridcache.core.CacheCore` this cache and its views share: the interface for code
@@ -66,7 +69,8 @@ class HybridPrefixCache(LiveCache):
         ValueError: unsupported model (or transformers version, or Hub kernels handed the cache: load with
             ``use_kernels=False``); invalid ``block_size``, ``retention_interval``, ``max_cache_bytes``, ``seed``,
             ``offload``, ``admit_divergence``, ``eviction``, ``replay_replies`` or ``remote``; a budget smaller than
-            one KV block plus one checkpoint; a ``block_size`` longer than a sliding attention window of the model.
+            one KV block plus one checkpoint; a ``block_size`` longer than a sliding attention window of the model;
+            ``deterministic`` where it cannot hold (named) or unlike the mode the model already serves.
         TypeError: ``remote`` is not a URL, a redis-py client or a ``RemoteConfig``.
         ImportError: ``remote`` is a URL and redis-py is not installed (``pip install redis``).
     """
@@ -84,6 +88,7 @@ class HybridPrefixCache(LiveCache):
         eviction: str = "flop_aware",
         remote=None,
         replay_replies: bool | None = None,
+        deterministic: bool = False,
     ) -> None:
         _compat.check_version()
         support = support_for(model)
@@ -95,14 +100,14 @@ class HybridPrefixCache(LiveCache):
         options = CacheOptions(block_size, retention_interval, budget, admit_divergence, eviction, replay)
         self.spec = support.spec_for(model, block_size)
         self.spec.check_budget(options.max_cache_bytes)
+        check_mode(model, self.spec, deterministic)  # before anything is patched
         if replay_replies is None:
             options = replace(options, replay_replies=replays_by_default(model.dtype, self.spec))
         devices = layer_devices(model, [layer.layer_idx for layer in (*self.spec.attention, *self.spec.mamba)])
         placement = Placement(devices, offload)
         self.model = model
         support.install(model)
-        decode_linear.install(model)
-        support.explain_kernels(model, devices.values())
+        install_forward_paths(model, support, devices.values(), deterministic)
         _compat.install_hooks(model, HOOKS)
         super().__init__(layers=_compat.new_live_layers(model.config))
         policy = make_eviction(options.eviction, FlopModel.from_model(model, self.spec))
@@ -275,16 +280,9 @@ class HybridPrefixCache(LiveCache):
             save_cache(self, path)
 
     @classmethod
-    def load(
-        cls,
-        path: str | os.PathLike,
-        model: torch.nn.Module,
-        *,
-        max_cache_bytes: int | None = None,
-        retention_interval: int | str | None = None,
-        offload: str | None = None,
-        remote=None,
-    ) -> HybridPrefixCache:
+    def load(cls, path: str | os.PathLike, model: torch.nn.Module, *, max_cache_bytes: int | None = None,
+             retention_interval: int | str | None = None, offload: str | None = None, remote=None
+             ) -> HybridPrefixCache:
         """A new cache for ``model`` holding what :meth:`save` wrote to ``path`` (a warm start after a restart).
 
         Args:

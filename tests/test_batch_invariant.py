@@ -87,3 +87,27 @@ def test_power_the_probe_fails_closed_on_a_row_variant_product(monkeypatch):
     monkeypatch.setattr(bi, "row_invariance_failures", lambda w, b=None: failures)
     with pytest.raises(RuntimeError, match=r"\[512, 128\] torch.float32 weight on cpu .* not row-invariant"):
         bi.check_row_invariance(torch.zeros(512, 128), torch.zeros(512))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_thread_probe_passes_here_and_fails_closed_on_a_thread_variant_product(dtype, monkeypatch):
+    """A small product gives the same bits on one thread and on two here; a product that does not is refused."""
+    torch.set_num_threads(2)  # the suite runs on one; restored by conftest's fixture
+    _, weight, b = _setup((256, 64), dtype, True)
+    bi.check_thread_invariance(weight, b)
+    monkeypatch.setattr(bi, "_THREAD_CHECKED", set())
+    monkeypatch.setattr(bi, "invariant_linear", lambda x, w, bias=None: torch.full(
+        (x.shape[0], w.shape[0]), float(torch.get_num_threads()), dtype=w.dtype))
+    with pytest.raises(RuntimeError, match=r"differently on 1 thread than on 2"):
+        bi.check_thread_invariance(weight, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_transposed_view_gives_the_rows_of_its_contiguous_copy(dtype):
+    """A mixer's ``x.transpose(1, 2)`` of one row reshapes to a column-major view ``[T, K]``; its product must be the
+    bits of the same rows stored contiguously (float16 on this CPU took another kernel for it: 4 rows of a
+    ``[64, 128]`` weight differed before the rows were made contiguous)."""
+    _, weight, b = _setup((64, 128), dtype, False)
+    view = torch.randn(128, 4, generator=torch.Generator().manual_seed(3)).to(dtype).t()
+    assert not view.is_contiguous()
+    assert torch.equal(bi.invariant_linear(view, weight, b), bi.invariant_linear(view.contiguous(), weight, b))

@@ -57,6 +57,20 @@ def refuse_cache_kernels_from_hub(model: torch.nn.Module) -> None:
         )
 
 
+def kernels_from_hub(model: torch.nn.Module) -> list[str]:
+    """``"<module class> (<repository>)"`` / ``"<module class>.<function> (<repository>)"`` for every Hub kernel
+    ``kernels`` swapped into ``model`` (any module, whether or not it is handed the cache); empty when none was."""
+    found = []
+    for module in model.modules():
+        own = vars(module)
+        if KERNEL_REPO_ATTR in own:
+            found.append(f"{type(module).__name__} ({own[KERNEL_REPO_ATTR]})")
+        for name, wrapper in own.get("_kernel_funcs", {}).items():
+            if KERNEL_REPO_ATTR in vars(wrapper):
+                found.append(f"{type(module).__name__}.{name} ({vars(wrapper)[KERNEL_REPO_ATTR]})")
+    return sorted(set(found))
+
+
 def _takes_cache(forward) -> bool:
     try:
         parameters = inspect.signature(forward).parameters

@@ -52,7 +52,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     Raises:
         RuntimeError: as ``F.linear`` does for mismatched shapes, dtypes or devices.
     """
-    rows = x.reshape(-1, x.shape[-1])
+    rows = x.reshape(-1, x.shape[-1]).contiguous()  # a column-major view took another kernel in float16 here
     num_rows = rows.shape[0]
     pad_rows = -num_rows % ROW_TILE
     if pad_rows:
@@ -106,3 +106,36 @@ def check_row_invariance(weight: torch.Tensor, bias: torch.Tensor | None = None)
             "guaranteed here."
         )
     _CHECKED.add(key)
+
+
+_THREAD_CHECKED: set[tuple] = set()
+
+
+def check_thread_invariance(weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """Raise unless :func:`invariant_linear` gives ``weight``'s product the same bits on one intra-op thread as on
+    ``torch.get_num_threads()`` (probed once per weight shape, dtype, device, bias presence and thread count, at
+    :data:`PROBE_ROWS` rows). A caller that runs a small product on one thread in one path (a decode step) and on all
+    of them in another (a prefill) needs it.
+
+    Raises:
+        RuntimeError: some row count gave other bits on one thread; names the shape, dtype, device and counts.
+    """
+    threads = torch.get_num_threads()
+    key = (tuple(weight.shape), weight.dtype, str(weight.device), bias is not None, threads)
+    if key in _THREAD_CHECKED or threads == 1:
+        return
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(max(PROBE_ROWS), weight.shape[1], generator=gen).to(weight.dtype).to(weight.device)
+    wide = {m: invariant_linear(x[:m], weight, bias) for m in PROBE_ROWS}
+    torch.set_num_threads(1)
+    try:
+        failures = [m for m in PROBE_ROWS if not torch.equal(invariant_linear(x[:m], weight, bias), wide[m])]
+    finally:
+        torch.set_num_threads(threads)
+    if failures:
+        raise RuntimeError(
+            f"The linear product of a {list(weight.shape)} {weight.dtype} weight on {weight.device} (torch "
+            f"{torch.__version__}) sums a row differently on 1 thread than on {threads} at {failures} rows, so "
+            "deterministic results cannot be guaranteed here."
+        )
+    _THREAD_CHECKED.add(key)

@@ -38,13 +38,15 @@ _WIDE_THREADS: contextvars.ContextVar[int | None] = contextvars.ContextVar("hf_h
 def decode_threads(model: torch.nn.Module, num_tokens: int) -> Iterator[None]:
     """Run a decode forward of ``num_tokens`` tokens (at most
     :data:`~hf_hybridcache.kernels.decode_linear.MAX_ROWS`) of a float32 CPU model on one intra-op thread, its wide
-    weights' reads (:func:`_wide`) on all of them.
+    weights' reads (:func:`wide_threads`) on all of them.
 
     A decode step is a few hundred small ops (norms, the mixers' state updates, the router, attention over one query);
     with ``OMP_WAIT_POLICY=PASSIVE`` every one of them that torch parallelizes wakes the sleeping threads, which costs
     more than the op: an ``exp`` of 8,192 values takes 65-90 us on two threads, 5-11 us on one. The weight reads,
     bound by memory bandwidth, keep every thread. The thread count changes no result of these ops (each output
-    element is computed by one thread either way); float32 only, so reduced precision stays bit-identical to stock."""
+    element is computed by one thread either way); float32 only, so reduced precision stays bit-identical to stock.
+    Deterministic mode's products run under :func:`wide_threads` too, at the thread count of its prefills and of its
+    row-invariance probe."""
     threads = torch.get_num_threads()
     if (threads == 1 or num_tokens > MAX_ROWS or _WIDE_THREADS.get() is not None
             or getattr(model, "dtype", None) != torch.float32 or getattr(model, "device", None) is None
@@ -61,8 +63,8 @@ def decode_threads(model: torch.nn.Module, num_tokens: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _wide() -> Iterator[None]:
-    """All the threads :func:`decode_threads` took away, for one wide weight's read."""
+def wide_threads() -> Iterator[None]:
+    """All the threads :func:`decode_threads` took away, for one wide weight's read (no change outside it)."""
     threads = _WIDE_THREADS.get()
     if threads is None:
         yield
@@ -81,7 +83,7 @@ def _in_decode(hidden_states: torch.Tensor) -> bool:
 
 def _linear_forward(module: torch.nn.Linear, original, hidden_states: torch.Tensor) -> torch.Tensor:
     if _in_decode(hidden_states):
-        with _wide():
+        with wide_threads():
             return decode_linear(hidden_states, module.weight, module.bias)
     return original(hidden_states)
 
@@ -123,7 +125,7 @@ def _experts_forward(module, original, hidden_states, top_k_index, top_k_weights
     if not _in_decode(hidden_states) or module.config._experts_implementation not in _IMPLEMENTATIONS:
         return original(hidden_states, top_k_index, top_k_weights)
     if hidden_states.shape[0] == 1:
-        with _wide():
+        with wide_threads():
             return _one_token_experts(module, hidden_states, top_k_index, top_k_weights)
     final_hidden_states = torch.zeros_like(hidden_states)
     expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=module.num_experts + 1).permute(2, 1, 0)
@@ -132,7 +134,7 @@ def _experts_forward(module, original, hidden_states, top_k_index, top_k_weights
             continue
         top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
         current_state = hidden_states[token_idx]
-        with _wide():
+        with wide_threads():
             current_hidden_states = _expert_mlp(module, expert_idx, current_state)
         current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
         final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))

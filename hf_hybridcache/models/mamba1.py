@@ -32,6 +32,10 @@ KERNELS = dict(
 #: ``(mixer, hidden_states [B, 1, hidden], cache, attention_mask [B, 1] or None) -> mixer output [B, 1, hidden]``, or
 #: None when the cache holds no state yet (the original forward runs then): the mixer's single-token step, in place on
 #: the cached states.
+#: The mixer attribute holding deterministic mode's forward (:mod:`.deterministic`): ``(mixer, hidden_states
+#: [B, T, hidden], cache, attention_mask [B, T] or None) -> [B, T, hidden]``, prefill and decode alike.
+DETERMINISTIC_FORWARD = "_hf_hybridcache_deterministic_forward"
+
 DecodeStep = Callable[..., torch.Tensor | None]
 
 #: ``(mixer, hidden_states [B, T, hidden], cache, attention_mask [B, T] or None, ssm_state or None, positions)
@@ -68,6 +72,9 @@ def _continuing_forward(
     seq_len = hidden_states.shape[1]
     if cache is None or cache.is_recording_past(mixer.layer_idx):
         return original(*args, **kwargs)
+    deterministic = getattr(mixer, DETERMINISTIC_FORWARD, None)
+    if deterministic is not None and hasattr(cache, "checkpoint_positions"):  # this package's caches only
+        return deterministic(mixer, hidden_states, cache, attention_mask)
     if seq_len == 1:
         # Only over this package's caches (they answer checkpoint_positions): another cache runs upstream's decode.
         if decode_step is not None and hasattr(cache, "checkpoint_positions") and get_backend() != "reference":

@@ -63,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cache.add_argument("--offload", default=None, help='"cpu" to keep stored entries in host memory')
     cache.add_argument("--remote", default=None,
                        help="redis://... for the shared second tier (redis+cluster://host:port,... for a cluster)")
+    cache.add_argument("--deterministic", action="store_true",
+                       help="the same tokens and logprobs bit for bit whatever was cached or shared a step (Mamba and "
+                       "Falcon-Mamba on CPU; other models are refused: docs/deterministic.md)")
     cache.add_argument("--no-cache", action="store_true",
                        help="no prefix cache and no engine: one plain generate() at a time (the stock baseline)")
     spec = parser.add_argument_group("speculative decoding (docs/speculative.md; exact: greedy replies unchanged)")
@@ -86,9 +89,10 @@ def make_app(args: argparse.Namespace):
 
     Raises:
         StartupError: the model or tokenizer cannot be loaded (:func:`~hf_hybridcache.serve.loading.load`).
-        ValueError: an option the model or the memory refuses (an empty ``--api-key``, ``--max-model-len`` too long),
-            a speculation flag the server refuses (:func:`~hf_hybridcache.serve.speculation.speculative_args_error`),
-            or a transformers outside the tested window (both refused before the model loads).
+        ValueError: an option the model or the memory refuses (an empty ``--api-key``, ``--max-model-len`` too long,
+            ``--deterministic`` for a model it cannot hold for or with ``--no-cache``), a speculation flag the server
+            refuses (:func:`~hf_hybridcache.serve.speculation.speculative_args_error`), or a transformers outside the
+            tested window (refused before the model loads).
     """
     from .. import HybridPrefixCache
     from .._compat import check_version
@@ -106,6 +110,8 @@ def make_app(args: argparse.Namespace):
     problem = speculative_args_error(args)  # before minutes of loading
     if problem is not None:
         raise ValueError(problem)
+    if args.deterministic and args.no_cache:
+        raise ValueError("--deterministic is a mode of the prefix cache and its engine; drop --no-cache.")
     if not args.no_cache:
         check_version()  # an untested transformers is refused before minutes of loading, not after
     model, tokenizer = load(args.model, args.dtype, args.device_map, args.tokenizer, args.trust_remote_code,
@@ -124,7 +130,8 @@ def make_app(args: argparse.Namespace):
         backend = SequentialBackend(model, eos, **limit)
     else:
         cache = HybridPrefixCache(model, args.block_size, args.retention_interval, args.max_cache_bytes,
-                                  eviction=args.eviction, offload=args.offload, remote=args.remote)
+                                  eviction=args.eviction, offload=args.offload, remote=args.remote,
+                                  deterministic=args.deterministic)
         backend = EngineBackend(cache, eos, args.max_running_requests, args.max_batch_tokens, args.max_model_len,
                                 speculation_for(args, model))
     app = build_app(backend, tokenizer, name, cache, args.max_tokens, vision)

@@ -1,0 +1,138 @@
+"""Deterministic mode (issue 46): which models it accepts, what it refuses and why, and what it installs.
+
+``HybridPrefixCache(model, deterministic=True)`` calls :func:`check` before anything is patched and :func:`install`
+after the family's own patches (:mod:`.paths`). The mode is accepted only where every op of the model's forward has a row-invariant,
+path-invariant form here (docs/deterministic.md, "The ingredients"): today the pure Mamba-1 families (Mamba,
+Falcon-Mamba: embeddings, RMSNorms, the mixer of :mod:`.mamba1_deterministic`, the LM head), on CPU, in float32,
+bfloat16 and float16. Every other family is refused with the ingredients it lacks named, and so is a model whose
+kernels or BLAS would break the guarantee: refusing, never warning and continuing, is the point of the mode (vLLM's
+batch-invariant mode likewise fails closed on layers it has no kernel for).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _compat
+from .._compat.hub_kernels import kernels_from_hub
+from ..config import ModelStateSpec
+from ..kernels.batch_invariant import check_row_invariance, check_thread_invariance
+from ..kernels.decode_linear import weight_qualifies
+from .mamba1 import DETERMINISTIC_FORWARD
+from .mamba1_deterministic import deterministic_forward, lm_head_forward
+from .wrappers import decoder_model_type
+
+#: model_type -> the mixer classes whose forward :mod:`.mamba1_deterministic` stands in for.
+SUPPORTED = {"mamba": "MambaMixer", "falcon_mamba": "FalconMambaMixer"}
+#: The dtypes the mode's tests hold in.
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: Set on a model once a cache was built for it: True in deterministic mode. A model serves one mode for its life.
+MODE_ATTR = "_hf_hybridcache_deterministic"
+
+_ATTENTION = "attention with a fixed reduction order (a prefill query and a decode query summing their keys in one " \
+             "order, independent of the query count and of how the KV is split)"
+_ACTIVATIONS = "row-invariant MLP activations (F.silu gives an element other float32 bits by its offset)"
+_MAMBA2 = "the Mamba-2 mixer wired through its per-token scan (kernels/mamba2_invariant.py) and a row-invariant " \
+          "gated RMSNorm"
+_GDN = "a gated delta net per-token scan"
+_KDA = "a Kimi delta attention (KDA) per-token scan"
+_SHORT_CONV = "the short conv mixer wired through the invariant conv (kernels/conv_invariant.py)"
+#: model_type -> the mixer ingredients its family lacks (attention and MLP activations are added from the model).
+_MIXERS = {
+    **dict.fromkeys(("mamba2", "zamba2", "falcon_h1", "bamba", "granitemoehybrid", "nemotron_h"), (_MAMBA2,)),
+    **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lara_mini"), (_GDN,)),
+    **dict.fromkeys(("kimi_linear", "bailing_hybrid"), (_KDA,)),
+    **dict.fromkeys(("lfm2", "lfm2_moe", "lfm3", "inkling_text", "inkling2_text", "inkling2_loop_text"),
+                    (_SHORT_CONV,)),
+    "jamba": ("Jamba's Mamba-1 mixer (with its dt/B/C norms) and its experts' sum wired to the invariant kernels",),
+    "zamba": ("Zamba's per-head Mamba-1 mixer wired to the invariant kernels",),
+    "zaya": ("ZAYA's CCA conv mixer wired to the invariant conv",),
+}
+
+
+def missing_ingredients(model: torch.nn.Module, spec: ModelStateSpec) -> list[str]:
+    """The ingredients deterministic mode lacks for ``model`` (its decoder's ``model_type``; ``spec`` says whether it
+    has attention layers); empty for the families of :data:`SUPPORTED`."""
+    model_type = decoder_model_type(model.config)
+    if model_type in SUPPORTED:
+        return []
+    missing = list(_MIXERS.get(model_type, (f"a deterministic path for model_type={model_type!r}",)))
+    return missing + ([_ATTENTION, _ACTIVATIONS] if spec.attention else [])
+
+
+def check(model: torch.nn.Module, spec: ModelStateSpec) -> None:
+    """Refuse ``model`` for deterministic mode unless every ingredient is in place and measured to hold here.
+
+    Probes each distinct linear weight shape and dtype with
+    :func:`~hf_hybridcache.kernels.batch_invariant.check_row_invariance` and, for the products an engine decode step
+    runs on one thread, :func:`~hf_hybridcache.kernels.batch_invariant.check_thread_invariance` (once per process; a
+    few products of up to 256 rows).
+
+    Raises:
+        ValueError: the family lacks ingredients (named, with what to do); a Hub kernel library is swapped in;
+            a parameter is off the CPU or of a dtype other than float32 / bfloat16 / float16; this BLAS sums a
+            linear layer's row differently at some row count or on one thread.
+    """
+    name = type(model).__name__
+    missing = missing_ingredients(model, spec)
+    if missing:
+        raise ValueError(
+            f"deterministic=True is not available for {name} yet: it needs {'; '.join(missing)}. Build the cache "
+            "with deterministic=False (the default: tokens equal a cold run, logits within round-off); "
+            f"deterministic mode supports {', '.join(sorted(SUPPORTED))} (docs/deterministic.md)."
+        )
+    swapped = kernels_from_hub(model)
+    if swapped:
+        raise ValueError(f"deterministic=True refuses {name}: Hub kernels are swapped in ({', '.join(swapped)}), "
+                         "whose reduction order is not checked. Load it with use_kernels=False or call "
+                         "model.reset_kernels(), or build the cache with deterministic=False.")
+    for param_name, param in model.named_parameters():
+        if param.device.type != "cpu" or param.dtype not in DTYPES:
+            raise ValueError(f"deterministic=True holds on CPU in float32, bfloat16 and float16 only; {name}'s "
+                             f"{param_name} is {param.dtype} on {param.device}. Move the model to the CPU in one of "
+                             "those dtypes, or build the cache with deterministic=False.")
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            try:
+                check_row_invariance(module.weight, module.bias)
+                if not weight_qualifies(tuple(module.weight.shape)):  # run on one thread in an engine decode step
+                    check_thread_invariance(module.weight, module.bias)
+            except RuntimeError as error:
+                raise ValueError(f"deterministic=True refuses {name} here: {error} Build the cache with "
+                                 "deterministic=False.") from error
+
+
+def check_served_mode(model: torch.nn.Module, deterministic: bool) -> None:
+    """Raise unless ``model`` serves no cache yet or serves ``deterministic``'s mode.
+
+    Raises:
+        ValueError: it serves the other mode (its forward patches are that mode's).
+    """
+    served = getattr(model, MODE_ATTR, None)
+    if served is not None and served != deterministic:
+        raise ValueError(
+            f"This {type(model).__name__} instance already serves a cache with deterministic={served}; one model "
+            f"instance runs one mode. Load another instance (or copy.deepcopy the model) for deterministic="
+            f"{deterministic}."
+        )
+
+
+def claim(model: torch.nn.Module, deterministic: bool) -> None:
+    """Record the mode ``model`` serves (called once a cache is being built for it).
+
+    Raises:
+        ValueError: the model already serves the other mode (its patches are installed for that one).
+    """
+    check_served_mode(model, deterministic)
+    setattr(model, MODE_ATTR, deterministic)
+
+
+def install(model: torch.nn.Module) -> None:
+    """Route ``model``'s Mamba-1 mixers (already patched by their family) through
+    :func:`~hf_hybridcache.models.mamba1_deterministic.deterministic_forward` inside this package's caches, and its
+    LM head through the row-invariant linear everywhere (idempotent). Call after :func:`check`."""
+    mixer_class = SUPPORTED[decoder_model_type(model.config)]
+    for module in model.modules():
+        if type(module).__name__ == mixer_class:
+            setattr(module, DETERMINISTIC_FORWARD, deterministic_forward)
+    _compat.patch_instance_forward(model.get_output_embeddings(), lm_head_forward)

@@ -1,0 +1,136 @@
+"""The Mamba-1 mixer forward of deterministic mode (issue 46): one function for a prefill, a chunk of one and a decode
+step, whose every op gives a token's row the same bits whatever shares its call and however the token arrived.
+
+It is the full-sequence path of ``MambaMixer.forward`` / ``FalconMambaMixer.forward``
+(``transformers/models/mamba/modeling_mamba.py``, ``models/falcon_mamba/modeling_falcon_mamba.py``, 5.23.0 - 5.25.0;
+the package's copy is :func:`~hf_hybridcache.models.jamba.forward_from_state`) with each op replaced by its
+row-invariant ingredient:
+
+- ``in_proj``, ``x_proj``, ``dt_proj`` (its weight; the bias enters the step as ``dt_bias``, as upstream's decode
+  passes it) and ``out_proj`` through :func:`~hf_hybridcache.kernels.batch_invariant.invariant_linear`;
+- the causal conv through :func:`~hf_hybridcache.kernels.conv_invariant.causal_conv_invariant`, for a prefill over the
+  cached window and for a decode step alike;
+- the scan through :func:`~hf_hybridcache.kernels.mamba1_invariant.selective_scan_invariant`, whose prefill is the
+  decode step's own call (:func:`~hf_hybridcache.kernels.mamba1_invariant.selective_step_invariant`) per token;
+- Falcon-Mamba's weightless dt/B/C RMS norms as upstream runs them (measured row-invariant on this CPU: a row is
+  reduced alone whatever the row count, ``benchmarks/batch_invariance.py``).
+
+In an engine decode step the elementwise ops run on one intra-op thread
+(:func:`~hf_hybridcache.models.decode_linear.decode_threads`; an element's IEEE result does not depend on the thread
+that computes it, and each reduction here is over one row's last dim), and so do the products of the weights the
+package's decode route leaves alone (small or wide ones, probed equal on one thread and on all at construction); the
+others run on all threads, as in a prefill.
+
+The padding masks, the states' dtypes and what reaches the cache (the conv window, the float32 SSM state, the
+checkpoints after ``positions`` tokens) are those of the package's other paths. :data:`_OFF` is the private switch of
+the power tests: an ingredient named there runs the package's default op instead (``"linear"``: ``F.linear``;
+``"conv"``: :func:`~hf_hybridcache.models.mamba1.causal_conv` / the fused conv update; ``"scan"``: the chunked scan /
+the fused state update), so a test can show which case each ingredient holds.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import _compat
+from ..kernels import selective_scan
+from ..kernels.batch_invariant import invariant_linear
+from ..kernels.conv_invariant import causal_conv_invariant
+from ..kernels.decode_linear import weight_qualifies
+from ..kernels.mamba1_invariant import selective_scan_invariant, selective_step_invariant
+from ..kernels.state_update import causal_conv1d_update, selective_state_update
+from .decode_linear import wide_threads
+from .jamba import selective_norms
+from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_states_at
+
+#: Ingredients switched off (private: the power tests name them here; empty in use).
+_OFF: set[str] = set()
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if "linear" in _OFF:
+        return F.linear(x, weight, bias)
+    if not weight_qualifies(tuple(weight.shape)):  # small: probed equal on one thread (deterministic.check)
+        return invariant_linear(x, weight, bias)
+    with wide_threads():  # an engine decode step's other ops run on one thread; wide products on all, as in prefill
+        return invariant_linear(x, weight, bias)
+
+
+def lm_head_forward(module: torch.nn.Linear, original, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The LM head (a ``torch.nn.Linear``) of a deterministic model: ``[B, T, hidden] -> [B, T, V]`` through
+    :func:`~hf_hybridcache.kernels.batch_invariant.invariant_linear`, so a row's logits do not depend on the rows
+    beside it (``logits_to_keep`` positions of a packed engine step, a padded ``generate()`` batch)."""
+    return _linear(hidden_states, module.weight, module.bias)
+
+
+@_compat.force_accelerate_hooks(["conv1d", "dt_proj"])
+def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_mask: torch.Tensor | None):
+    """The mixer's output ``[B, T, hidden]`` (the dtype of ``hidden_states`` ``[B, T, hidden]``) for ``T >= 1`` tokens
+    over ``cache`` (one of this package's caches: it answers ``checkpoint_positions``), continuing from its conv and
+    SSM states (zeros where it holds none) and leaving the states after the last token there: a decode step
+    (``T == 1`` over a held state) updates them in place, as the package's decode step does. ``attention_mask``:
+    ``[B, T]`` (1 keeps a token) or None.
+
+    Raises:
+        ValueError: the cached SSM state is not float32 (from the invariant step).
+    """
+    layer_idx, seq_len, dtype = mixer.layer_idx, hidden_states.shape[1], hidden_states.dtype
+    conv_state = cache.get_conv_state(layer_idx)
+    ssm_state = cache.get_recurrent_state(layer_idx)
+    decode = seq_len == 1 and conv_state is not None and ssm_state is not None
+    positions = () if decode else checkpoint_positions(cache, seq_len)
+    hidden_states = apply_padding_mask(hidden_states, attention_mask)
+    x, gate = _linear(hidden_states, mixer.in_proj.weight, mixer.in_proj.bias).transpose(1, 2).chunk(2, dim=1)
+    conv_checkpoints = conv_states_at(x, conv_state, mixer.conv_kernel_size, positions)
+    x = _conv(mixer, x, conv_state, cache, decode)
+    x = apply_padding_mask(x.transpose(1, 2), attention_mask)  # [B, T, I]
+    time_step, B, C = torch.split(_linear(x, mixer.x_proj.weight, mixer.x_proj.bias),
+                                  [mixer.time_step_rank, mixer.ssm_state_size, mixer.ssm_state_size], dim=-1)
+    time_step, B, C = selective_norms(mixer, time_step, B, C)
+    time_step = _linear(time_step, mixer.dt_proj.weight)
+    scan = dict(A=-torch.exp(mixer.A_log.float()), D=mixer.D.float(),
+                dt_bias=None if mixer.dt_proj.bias is None else mixer.dt_proj.bias.float())
+    if decode:
+        y = _step(ssm_state, x[:, 0], time_step[:, 0], B[:, 0], C[:, 0], gate[..., 0], scan)[:, :, None]
+    else:
+        y, final_state, ssm_checkpoints = _scan(x, time_step, B, C, gate, ssm_state, positions, scan)
+        cache.update_recurrent_state(final_state, layer_idx)
+        if positions:
+            cache.capture_states(layer_idx, positions, list(zip(conv_checkpoints, ssm_checkpoints)))
+    return _linear(y.transpose(1, 2).to(dtype), mixer.out_proj.weight, mixer.out_proj.bias)
+
+
+def _conv(mixer, x: torch.Tensor, conv_state: torch.Tensor | None, cache, decode: bool) -> torch.Tensor:
+    """The conv output ``[B, I, T]`` of the raw conv inputs ``x`` ``[B, I, T]``; the window goes to the cache (in
+    place for a decode step, which counts its token as the package's decode step does)."""
+    weight, bias, layer_idx = mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.layer_idx
+    if "conv" in _OFF:
+        if decode:
+            out = causal_conv1d_update(x[..., 0], conv_state, weight, bias, mixer.activation)[..., None]
+            _compat.count_decode_token(cache, layer_idx)
+            return out
+        full = cache.update_conv_state(x, layer_idx, conv_kernel_size=mixer.conv_kernel_size)
+        return causal_conv(full, weight, bias, mixer.activation, x.shape[-1])
+    out, window = causal_conv_invariant(x, weight, bias, mixer.activation, conv_state)
+    if decode:
+        conv_state.copy_(window)
+        _compat.count_decode_token(cache, layer_idx)
+    else:
+        cache.update_conv_state(x, layer_idx, conv_kernel_size=mixer.conv_kernel_size)
+    return out
+
+
+def _step(state, x, time_step, B, C, gate, scan: dict) -> torch.Tensor:
+    """One token in place on the cached SSM state ``[B, I, N]`` float32; returns ``y`` ``[B, I]``."""
+    step = selective_state_update if "scan" in _OFF else selective_step_invariant
+    return step(state, x, time_step, scan["A"], B, C, scan["D"], z=gate, dt_bias=scan["dt_bias"], dt_softplus=True)
+
+
+def _scan(x, time_step, B, C, gate, ssm_state, positions, scan: dict):
+    """``x`` / ``time_step`` ``[B, T, I]``, ``B`` / ``C`` ``[B, T, N]``, ``gate`` ``[B, I, T]``: the scan from
+    ``ssm_state`` (None: zeros) -> ``(y [B, I, T], final state, [state per position])``."""
+    run = selective_scan if "scan" in _OFF else selective_scan_invariant
+    return run(x.transpose(1, 2), time_step.transpose(1, 2), scan["A"], B.transpose(1, 2), C.transpose(1, 2),
+               D=scan["D"], z=gate, delta_bias=scan["dt_bias"], delta_softplus=True, initial_state=ssm_state,
+               emit_positions=positions)
