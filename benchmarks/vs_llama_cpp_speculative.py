@@ -5,17 +5,18 @@ draft accepted and ``k`` drafts a step (issue 44's bars: at least 1.5x llama-ser
     PYTHONPATH=. python benchmarks/vs_llama_cpp_speculative.py --llama-server PATH             # the toy Jamba
     PYTHONPATH=. python benchmarks/vs_llama_cpp_speculative.py --llama-server PATH --shape jamba:tiny-random
 
-The model is saved and converted as ``benchmarks/vs_llama_cpp.py`` does (the same ``--shape`` values). One client
-sends ``--prompts`` completions one after another (``--prompt-tokens`` random one-character tokens each, greedy,
-``--max-tokens`` new tokens, streamed; a short warm-up request first) to each server way in turn, a fresh process
-per way, one process on the machine at a time, the order of the ways reversed every other round. How each way is
-accepted:
+The model is saved and converted as ``benchmarks/vs_llama_cpp.py`` does (the same ``--shape`` values). Every way's
+server runs at once (each idle while another is measured), after a short warm-up request each; one client then
+sends ``--prompts`` completions (``--prompt-tokens`` random one-character tokens each, greedy, ``--max-tokens`` new
+tokens, streamed), each prompt to every way in turn before the next prompt, ``--rounds`` times, the order of the
+ways reversed every other round: two ways' requests on one prompt ran seconds apart, which is what a shared
+machine's load allows to compare. How each way is accepted:
 
 - ``ours plain`` / ``llama plain``: no speculation.
 - ``ours replay``: ``benchmarks/replay_server.py``: the server's engine drafts each prompt's own greedy
   continuation, recorded by a plain engine run before the server listens (``--replay-rate`` 1: every draft true; r:
   each draft token true with probability r, else wrong). The engine verifies every draft, so replies are the model's.
-- ``llama synth``: ``--spec-type draft-simple`` with a 42K-parameter draft model of the same vocabulary (2 layers,
+- ``llama synth``: ``--spec-type draft-simple`` with a draft model of the same vocabulary (a Jamba of 2 layers,
   hidden 32, random weights: the cheapest drafter it has that drafts every step) and ``--spec-draft-n-min/-n-max k``,
   ``--spec-synth-rates`` r, r^2, .., r^k (llama-server's benchmark mode: per position, a draft is accepted with
   that probability whatever the target says; its log warns the output is not valid).
@@ -27,8 +28,8 @@ Measured per request from the stream: decode tokens/s = (completion tokens - 1) 
 chunk), so the prefill is left out; ``end-to-end`` = completion tokens / (last chunk - request sent). ``accepted`` =
 accepted / drafted tokens over the measured requests, from each server's own counters (ours: ``/metrics``'
 ``hf_hybridcache_spec_decode_{draft,accepted}_tokens_total``; llama-server: each response's ``timings.draft_n`` and
-``draft_n_accepted``). Ratios are taken per round (both ways measured in the same round), then the median over
-rounds. Threads: 2 each (``OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE``; llama-server ``-t 2``).
+``draft_n_accepted``). Ratios are taken per request pair (the same prompt and round), then the median over pairs;
+tokens/s are medians over requests. Threads: 2 each (``OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE``; llama-server ``-t 2``).
 """
 
 from __future__ import annotations
@@ -121,55 +122,58 @@ def our_counters(url: str) -> tuple[float, float]:
     return tuple(float(m.group(1)) if m else 0.0 for m in found)
 
 
-def run_way(way: str, paths: dict, prompts: list[str], args, log) -> dict:
-    """The way's medians over the measured prompts, its acceptance and its replies."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+def run_ways(names: list[str], paths: dict, prompts: list[str], args, log) -> dict:
+    """Every way's server at once (idle between its requests), then ``--rounds`` rounds of the prompts, each prompt
+    sent to every way in turn (the order reversed every other round), so the requests any ratio compares ran seconds
+    apart. ``results[way]``: ``samples`` (one dict per round and prompt), ``accepted`` and round 1's ``texts``."""
     env = {**os.environ, "OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": os.getcwd()}
-    with server_process(command(way, paths, port, args), url, env, log):
-        stream(url, prompts[0], 16)
-        before = our_counters(url) if way.startswith("ours") else (0.0, 0.0)
-        records = [stream(url, p, args.max_tokens) for p in prompts[1:]]
-        after = our_counters(url) if way.startswith("ours") else (0.0, 0.0)
-    drafted = after[0] - before[0] + sum(r["drafted"] for r in records)
-    accepted = after[1] - before[1] + sum(r["accepted"] for r in records)
-    return {"decode": statistics.median(r["decode"] for r in records),
-            "end_to_end": statistics.median(r["end_to_end"] for r in records),
-            "accepted": accepted / drafted if drafted else None, "texts": [r["text"] for r in records]}
-
-
-def run_rounds(paths: dict, prompts: list[str], args, log) -> dict:
-    """``results[way]``: one dict per round."""
-    names = way_names(args)
-    results = {name: [] for name in names}
-    for index in range(args.rounds):
-        for name in names if index % 2 == 0 else names[::-1]:
-            results[name].append(run_way(name, paths, prompts, args, log))
-            shown = {k: round(v, 2) for k, v in results[name][-1].items() if isinstance(v, float)}
-            print(f"round {index + 1} {name}: {shown}", file=sys.stderr, flush=True)
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for name in names:
+            port = free_port()
+            urls[name] = f"http://127.0.0.1:{port}"
+            stack.enter_context(server_process(command(name, paths, port, args), urls[name], env, log))
+            stream(urls[name], prompts[0], 16)  # warm-up
+        before = {name: our_counters(url) for name, url in urls.items() if name.startswith("ours")}
+        samples = {name: [] for name in names}
+        for index in range(args.rounds):
+            for prompt in prompts[1:]:
+                for name in names if index % 2 == 0 else names[::-1]:
+                    samples[name].append(stream(urls[name], prompt, args.max_tokens))
+            shown = {name: round(statistics.median(r["decode"] for r in samples[name]), 1) for name in names}
+            print(f"round {index + 1}, decode tokens/s so far (medians): {shown}", file=sys.stderr, flush=True)
+        after = {name: our_counters(urls[name]) for name in before}
+    results = {}
+    for name, records in samples.items():
+        drafted = sum(r["drafted"] for r in records) + (after[name][0] - before[name][0] if name in before else 0)
+        accepted = sum(r["accepted"] for r in records) + (after[name][1] - before[name][1] if name in before else 0)
+        results[name] = {"samples": records, "accepted": accepted / drafted if drafted else None,
+                         "texts": [r["text"] for r in records[: len(prompts) - 1]]}
     return results
 
 
 def print_tables(results: dict, args, description: str) -> None:
-    """The per-way table, then the ratios (per round, median) and whether replies equal ours plain."""
+    """The per-way table (with whether round 1's replies equal the same server's plain ones), then the ratios (per
+    round, median)."""
     print(f"\nvs_llama_cpp_speculative: {description}, float32, one stream, {args.prompt_tokens}-token prompts, "
           f"{args.max_tokens} new tokens, greedy, k={args.num_speculative_tokens}, {args.rounds} rounds "
           f"(medians), 2 threads each\n")
-    print("| way | accepted | decode tokens/s | end-to-end tokens/s | replies equal ours plain |")
+    print("| way | accepted | decode tokens/s | end-to-end tokens/s | replies equal its server's plain ones |")
     print("|---|---:|---:|---:|---|")
-    plain = results["ours plain"][0]["texts"]
-    for name, rounds in results.items():
-        accepted = [r["accepted"] for r in rounds if r["accepted"] is not None]
-        shown = f"{statistics.median(accepted):.2f}" if accepted else "-"
-        equal = "yes" if rounds[0]["texts"] == plain else "no"
-        print(f"| {name} | {shown} | {statistics.median(r['decode'] for r in rounds):.1f} | "
-              f"{statistics.median(r['end_to_end'] for r in rounds):.1f} | {equal} |")
-    print("\n| ours / theirs | decode ratio (median) | per round | end-to-end ratio (median) |")
+    for name, result in results.items():
+        shown = "-" if result["accepted"] is None else f"{result['accepted']:.2f}"
+        plain = results.get(f"{name.split()[0]} plain", result)["texts"]
+        equal = "" if name.endswith("plain") else "yes" if result["texts"] == plain else "no"
+        samples = result["samples"]
+        print(f"| {name} | {shown} | {statistics.median(r['decode'] for r in samples):.1f} | "
+              f"{statistics.median(r['end_to_end'] for r in samples):.1f} | {equal} |")
+    print("\n| ours / theirs | decode ratio (median) | per request | end-to-end ratio (median) |")
     print("|---|---:|---|---:|")
     for ours, theirs in RATIOS:
         if ours in results and theirs in results:
-            decode = [a["decode"] / b["decode"] for a, b in zip(results[ours], results[theirs])]
-            whole = [a["end_to_end"] / b["end_to_end"] for a, b in zip(results[ours], results[theirs])]
+            pairs = list(zip(results[ours]["samples"], results[theirs]["samples"]))
+            decode = [a["decode"] / b["decode"] for a, b in pairs]
+            whole = [a["end_to_end"] / b["end_to_end"] for a, b in pairs]
             print(f"| {ours} / {theirs} | {statistics.median(decode):.2f}x | {' '.join(f'{r:.2f}' for r in decode)} "
                   f"| {statistics.median(whole):.2f}x |")
 
@@ -218,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
         prompts = [texts(f"spec {i}", args.prompt_tokens) for i in range(args.prompts + 1)]
         paths["prompts"] = work / "prompts.json"
         paths["prompts"].write_text(json.dumps(prompts))
-        results = run_rounds(paths, prompts, args, log)
+        results = run_ways(way_names(args), paths, prompts, args, log)
         print_tables(results, args, description)
         return results
 

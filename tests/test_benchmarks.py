@@ -261,3 +261,32 @@ def test_batch_invariance_prints_every_table_and_the_invariant_rows_are_all_equa
     invariant = [line for line in out.splitlines() if line.startswith(ours)]
     assert len(invariant) == 15, out
     assert all(set(line.split("|")[2:-1]) == {" = "} for line in invariant), invariant
+
+
+def test_vs_llama_cpp_speculative_replays_every_draft_through_our_server_and_builds_llama_servers_commands(
+        tmp_path, capsys):
+    """``vs_llama_cpp_speculative.py`` without llama.cpp: our plain and replaying servers (``replay_server.py``) on the
+    toy Jamba saved for both servers give the same greedy replies, the replaying one with every draft accepted by
+    its own ``/metrics``; llama-server's commands carry the synthetic rates r^i; the tables print."""
+    from benchmarks import llama_cpp
+    from benchmarks import vs_llama_cpp_speculative as bench
+
+    llama_cpp.save_for_gguf(build_model("jamba", seed=0), tmp_path / "model")
+    prompts = ["".join(chr(0x4E10 + (7 * i + j) % 200) for j in range(20)) for i in range(2)]
+    paths = {"model": tmp_path / "model", "prompts": tmp_path / "prompts.json", "llama_server": "/bin/llama-server",
+             "gguf": tmp_path / "model.gguf", "draft_gguf": tmp_path / "draft.gguf"}
+    paths["prompts"].write_text(json.dumps(prompts))
+    args = bench.parse_args(["--max-tokens", "12", "--rounds", "1", "--rates", "1.0", "0.5"])
+    results = bench.run_ways(["ours plain", "ours replay 1.0"], paths, prompts, args, None)
+    assert results["ours replay 1.0"]["texts"] == results["ours plain"]["texts"]
+    assert [len(text) for text in results["ours plain"]["texts"]] == [12]  # one character per token, no early end
+    assert results["ours replay 1.0"]["accepted"] == 1.0 and results["ours plain"]["accepted"] is None
+    assert all(len(result["samples"]) == 1 for result in results.values())
+    synth = bench.command("llama synth 0.5", paths, 8080, args)
+    assert synth[synth.index("--spec-synth-rates") + 1] == "0.5,0.25,0.125,0.0625"
+    assert synth[synth.index("-md") + 1] == str(paths["draft_gguf"])
+    assert synth[synth.index("--spec-draft-n-min") + 1] == synth[synth.index("--spec-draft-n-max") + 1] == "4"
+    assert "--spec-type" not in bench.command("llama plain", paths, 8080, args)
+    bench.print_tables(results, args, "toy")
+    out = capsys.readouterr().out
+    assert "| ours replay 1.0 | 1.00 |" in out and "| ours replay 1.0 / ours plain |" in out
