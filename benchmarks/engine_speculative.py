@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             best: dict[str, dict] = {}
             for repeat in range(args.repeats):
                 for name, speculation in ways.items():
-                    run = run_engine(cache, prompts, args.new_tokens, speculation, f"{workload}/{streams}/{name}/{repeat}")
+                    salt = f"{workload}/{streams}/{name}/{repeat}"
+                    run = run_engine(cache, prompts, args.new_tokens, speculation, salt)
                     if name not in best or run["tps"] > best[name]["tps"]:
                         best[name] = run
             for name, run in best.items():

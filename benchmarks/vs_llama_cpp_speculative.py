@@ -29,7 +29,8 @@ chunk), so the prefill is left out; ``end-to-end`` = completion tokens / (last c
 accepted / drafted tokens over the measured requests, from each server's own counters (ours: ``/metrics``'
 ``hf_hybridcache_spec_decode_{draft,accepted}_tokens_total``; llama-server: each response's ``timings.draft_n`` and
 ``draft_n_accepted``). Ratios are taken per request pair (the same prompt and round), then the median over pairs;
-tokens/s are medians over requests. Threads: 2 each (``OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE``; llama-server ``-t 2``).
+tokens/s are medians over requests. Threads: 2 each (``OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE``; llama-server
+``-t 2``).
 """
 
 from __future__ import annotations
@@ -110,8 +111,9 @@ def stream(url: str, prompt: str, max_tokens: int) -> dict:
                 if piece:
                     first, last, text = first or time.perf_counter(), time.perf_counter(), text + piece
     tokens = usage["completion_tokens"]
+    timings = timings or {}
     return {"decode": (tokens - 1) / (last - first), "end_to_end": tokens / (last - sent), "tokens": tokens,
-            "text": text, "drafted": (timings or {}).get("draft_n", 0), "accepted": (timings or {}).get("draft_n_accepted", 0)}
+            "text": text, "drafted": timings.get("draft_n", 0), "accepted": timings.get("draft_n_accepted", 0)}
 
 
 def our_counters(url: str) -> tuple[float, float]:

@@ -2,6 +2,7 @@
 ones the cache gives when the model really runs (it replays the cache's own bookkeeping with meta tensors)."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -290,3 +291,16 @@ def test_vs_llama_cpp_speculative_replays_every_draft_through_our_server_and_bui
     bench.print_tables(results, args, "toy")
     out = capsys.readouterr().out
     assert "| ours replay 1.0 | 1.00 |" in out and "| ours replay 1.0 / ours plain |" in out
+
+
+@pytest.mark.skipif(not os.environ.get("HF_HYBRIDCACHE_LLAMA_SERVER"), reason="HF_HYBRIDCACHE_LLAMA_SERVER names no "
+                    "llama-server binary (built in a llama.cpp tree: benchmarks/llama_cpp.py says how)")
+def test_vs_llama_cpp_speculative_against_llama_server(tmp_path, capsys):
+    """The whole harness, one short round, against a real llama-server: its synthetic acceptance of 1 and ours both
+    keep every draft, by their own counters."""
+    from benchmarks import vs_llama_cpp_speculative as bench
+
+    results = bench.main(["--llama-server", os.environ["HF_HYBRIDCACHE_LLAMA_SERVER"], "--work-dir", str(tmp_path),
+                          "--rounds", "1", "--prompts", "1", "--max-tokens", "16", "--rates", "1.0"])
+    assert results["ours replay 1.0"]["accepted"] == results["llama synth 1.0"]["accepted"] == 1.0
+    assert "| ours replay 1.0 / llama synth 1.0 |" in capsys.readouterr().out
