@@ -248,22 +248,6 @@ def test_engine_speculative_runs_every_way_and_each_equals_the_plain_run(capsys)
     assert "| text | 2 | ceiling k=4 | 1.00 |" in capsys.readouterr().out
 
 
-def test_batch_invariance_prints_every_table_and_the_invariant_rows_are_all_equal(capsys):
-    """``batch_invariance.py`` (issue 46): tables 1-4 print, and the rows of the package's invariant linear, Mamba-1
-    and Mamba-2 scans and conv say ``=`` in every cell (every row count, prefill vs decode, every split)."""
-    from benchmarks import batch_invariance
-
-    batch_invariance.main(["--no-costs"])
-    out = capsys.readouterr().out
-    for title in ("## 1. linear", "## 2. row-wise", "## 3. attention", "## 4. recurrent"):
-        assert title in out, out
-    ours = ("| invariant_linear", "| Mamba-1 selective_scan_invariant", "| Mamba-2 mamba2_scan_invariant",
-            "| causal_conv_invariant")
-    invariant = [line for line in out.splitlines() if line.startswith(ours)]
-    assert len(invariant) == 15, out
-    assert all(set(line.split("|")[2:-1]) == {" = "} for line in invariant), invariant
-
-
 def test_vs_llama_cpp_speculative_replays_every_draft_through_our_server_and_builds_llama_servers_commands(
         tmp_path, capsys):
     """``vs_llama_cpp_speculative.py`` without llama.cpp: our plain and replaying servers (``replay_server.py``) on the
@@ -304,3 +288,20 @@ def test_vs_llama_cpp_speculative_against_llama_server(tmp_path, capsys):
                           "--rounds", "1", "--prompts", "1", "--max-tokens", "16", "--rates", "1.0"])
     assert results["ours replay 1.0"]["accepted"] == results["llama synth 1.0"]["accepted"] == 1.0
     assert "| ours replay 1.0 / llama synth 1.0 |" in capsys.readouterr().out
+
+
+def test_batch_invariance_prints_every_table_and_the_invariant_rows_are_all_equal(capsys):
+    """``batch_invariance.py`` (issue 46): tables 1-4 print, and the rows of the package's invariant linear, Mamba-1
+    and Mamba-2 scans and conv say ``=`` in every cell (every row count, prefill vs decode, every split)."""
+    from benchmarks import batch_invariance
+
+    batch_invariance.main(["--no-costs"])
+    out = capsys.readouterr().out
+    for title in ("## 1. linear", "## 2. row-wise", "## 3. attention", "## 4. recurrent"):
+        assert title in out, out
+    ours = ("| invariant_linear", "| Mamba-1 selective_scan_invariant", "| Mamba-2 mamba2_scan_invariant",
+            "| causal_conv_invariant")
+    invariant = [line for line in out.splitlines() if line.startswith(ours)]
+    assert len(invariant) == 15, out
+    assert all(set(line.split("|")[2:-1]) == {" = "} for line in invariant), invariant
+
