@@ -304,4 +304,3 @@ def test_batch_invariance_prints_every_table_and_the_invariant_rows_are_all_equa
     invariant = [line for line in out.splitlines() if line.startswith(ours)]
     assert len(invariant) == 15, out
     assert all(set(line.split("|")[2:-1]) == {" = "} for line in invariant), invariant
-
