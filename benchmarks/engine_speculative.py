@@ -73,7 +73,7 @@ def _model(args, seed: int = 0):
     return model, "toy jamba (hidden 128, 8 layers)"
 
 
-def _run(cache, prompts: list[list[int]], new_tokens: int, speculation, salt: str) -> dict:
+def run_engine(cache, prompts: list[list[int]], new_tokens: int, speculation, salt: str) -> dict:
     """One run of ``prompts`` added at once; their tokens, decode tokens/s and what speculation kept."""
     generation = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                   pad_token_id=0)
@@ -155,13 +155,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for workload in args.workloads:
         for streams in args.streams:
             prompts = _prompts(model, workload, streams, args.prompt_tokens, args.new_tokens, vocab_size)
-            reference = _run(cache, prompts, args.new_tokens, None, f"{workload}/{streams}/reference")
+            reference = run_engine(cache, prompts, args.new_tokens, None, f"{workload}/{streams}/reference")
             continuations = {tuple(p): t for p, t in zip(prompts, reference["tokens"])}
             ways = _ways(args, workload, continuations, vocab_size, draft_cache)
             best: dict[str, dict] = {}
             for repeat in range(args.repeats):
                 for name, speculation in ways.items():
-                    run = _run(cache, prompts, args.new_tokens, speculation, f"{workload}/{streams}/{name}/{repeat}")
+                    salt = f"{workload}/{streams}/{name}/{repeat}"
+                    run = run_engine(cache, prompts, args.new_tokens, speculation, salt)
                     if name not in best or run["tps"] > best[name]["tps"]:
                         best[name] = run
             for name, run in best.items():

@@ -2,6 +2,7 @@
 ones the cache gives when the model really runs (it replays the cache's own bookkeeping with meta tensors)."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -245,6 +246,48 @@ def test_engine_speculative_runs_every_way_and_each_equals_the_plain_run(capsys)
     assert all(row["identical"] for row in rows)
     assert all(row["accepted"] == 1.0 for row in rows if row["way"] == "ceiling k=4")
     assert "| text | 2 | ceiling k=4 | 1.00 |" in capsys.readouterr().out
+
+
+def test_vs_llama_cpp_speculative_replays_every_draft_through_our_server_and_builds_llama_servers_commands(
+        tmp_path, capsys):
+    """``vs_llama_cpp_speculative.py`` without llama.cpp: our plain and replaying servers (``replay_server.py``) on the
+    toy Jamba saved for both servers give the same greedy replies, the replaying one with every draft accepted by
+    its own ``/metrics``; llama-server's commands carry the synthetic rates r^i; the tables print."""
+    from benchmarks import llama_cpp
+    from benchmarks import vs_llama_cpp_speculative as bench
+
+    llama_cpp.save_for_gguf(build_model("jamba", seed=0), tmp_path / "model")
+    prompts = ["".join(chr(0x4E10 + (7 * i + j) % 200) for j in range(20)) for i in range(2)]
+    paths = {"model": tmp_path / "model", "prompts": tmp_path / "prompts.json", "llama_server": "/bin/llama-server",
+             "gguf": tmp_path / "model.gguf", "draft_gguf": tmp_path / "draft.gguf"}
+    paths["prompts"].write_text(json.dumps(prompts))
+    args = bench.parse_args(["--max-tokens", "12", "--rounds", "1", "--rates", "1.0", "0.5"])
+    results = bench.run_ways(["ours plain", "ours replay 1.0"], paths, prompts, args, None)
+    assert results["ours replay 1.0"]["texts"] == results["ours plain"]["texts"]
+    assert [len(text) for text in results["ours plain"]["texts"]] == [12]  # one character per token, no early end
+    assert results["ours replay 1.0"]["accepted"] == 1.0 and results["ours plain"]["accepted"] is None
+    assert all(len(result["samples"]) == 1 for result in results.values())
+    synth = bench.command("llama synth 0.5", paths, 8080, args)
+    assert synth[synth.index("--spec-synth-rates") + 1] == "0.5,0.25,0.125,0.0625"
+    assert synth[synth.index("-md") + 1] == str(paths["draft_gguf"])
+    assert synth[synth.index("--spec-draft-n-min") + 1] == synth[synth.index("--spec-draft-n-max") + 1] == "4"
+    assert "--spec-type" not in bench.command("llama plain", paths, 8080, args)
+    bench.print_tables(results, args, "toy")
+    out = capsys.readouterr().out
+    assert "| ours replay 1.0 | 1.00 |" in out and "| ours replay 1.0 / ours plain |" in out
+
+
+@pytest.mark.skipif(not os.environ.get("HF_HYBRIDCACHE_LLAMA_SERVER"), reason="HF_HYBRIDCACHE_LLAMA_SERVER names no "
+                    "llama-server binary (built in a llama.cpp tree: benchmarks/llama_cpp.py says how)")
+def test_vs_llama_cpp_speculative_against_llama_server(tmp_path, capsys):
+    """The whole harness, one short round, against a real llama-server: its synthetic acceptance of 1 and ours both
+    keep every draft, by their own counters."""
+    from benchmarks import vs_llama_cpp_speculative as bench
+
+    results = bench.main(["--llama-server", os.environ["HF_HYBRIDCACHE_LLAMA_SERVER"], "--work-dir", str(tmp_path),
+                          "--rounds", "1", "--prompts", "1", "--max-tokens", "16", "--rates", "1.0"])
+    assert results["ours replay 1.0"]["accepted"] == results["llama synth 1.0"]["accepted"] == 1.0
+    assert "| ours replay 1.0 / llama synth 1.0 |" in capsys.readouterr().out
 
 
 def test_batch_invariance_prints_every_table_and_the_invariant_rows_are_all_equal(capsys):
