@@ -632,3 +632,71 @@ def test_bf16_replies_are_stored_from_a_replay_as_without_speculation():
     second = model.generate_batch([turn], generation_config=config(max_new_tokens=4, eos_token_id=-1))["req_0"]
     assert second.hit_tokens == 48
     check_store(cache)
+
+
+class FaultyDrafter(Drafter):
+    """Drafts each request's true continuation, except for the requests named in ``bad`` (``{request id: what to
+    propose}``) and every request once ``raises`` is set."""
+
+    def __init__(self, reference, bad: dict, raises: bool = False) -> None:
+        self.reference, self.bad, self.raises = reference, bad, raises
+
+    def propose(self, requests, num_tokens):
+        if self.raises:
+            raise RuntimeError("the draft server is down")
+        return [self.bad.get(r.request_id, self.reference(r.prompt)[len(r.generated) : len(r.generated) + n])
+                for r, n in zip(requests, num_tokens)]
+
+
+@pytest.mark.parametrize("bad", [[VOCAB_SIZE], [-5], ["a"], [1.5], [torch.tensor([3])]],
+                         ids=["past_vocab", "negative", "str", "float", "1d_tensor"])
+def test_a_drafter_proposing_what_is_not_a_token_fails_that_request_alone(bad):
+    """A draft token outside the vocabulary (or not an int) fails the request it was proposed for, with a sentence
+    naming the drafter; the request beside it finishes with its greedy tokens. Before, the forward raised an index
+    error, the isolation retried it, and every request of the step failed (or the engine's loop died on a str)."""
+    model, cold = build_model("jamba", seed=0), build_model("jamba", seed=0)
+    reference = references(cold, 12)
+    cache = HybridPrefixCache(model)
+    prompts = {"good": ids(20, seed=950), "bad": ids(21, seed=951)}
+    manager = cache.init_continuous_batching(config(max_new_tokens=12, eos_token_id=-1),
+                                             speculation=Speculation(FaultyDrafter(reference, {"bad": bad}), K))
+    manager.start()
+    try:
+        for name, prompt in prompts.items():
+            manager.add_request(prompt, request_id=name)
+        outputs = finals(manager, list(prompts))
+    finally:
+        manager.stop()
+    assert "The drafter FaultyDrafter proposed" in outputs["bad"].error and "token id" in outputs["bad"].error
+    assert outputs["good"].error is None and outputs["good"].generated_tokens == reference(prompts["good"])
+    check_store(cache)
+
+
+def test_a_drafter_that_raises_fails_the_requests_it_drafts_for_and_the_engine_goes_on():
+    model, cold = build_model("jamba", seed=0), build_model("jamba", seed=0)
+    reference = references(cold, 8)
+    cache = HybridPrefixCache(model)
+    drafter = FaultyDrafter(reference, {}, raises=True)
+    manager = cache.init_continuous_batching(config(max_new_tokens=8, eos_token_id=-1),
+                                             speculation=Speculation(drafter, K))
+    manager.start()
+    try:
+        manager.add_request(ids(20, seed=952), request_id="first")
+        first = finals(manager, ["first"])["first"]
+        drafter.raises = False
+        manager.add_request(ids(20, seed=953), request_id="second", num_speculative_tokens=0)
+        manager.add_request(ids(22, seed=954), request_id="third")
+        later = finals(manager, ["second", "third"])
+    finally:
+        manager.stop()
+    assert "The drafter FaultyDrafter.propose raised RuntimeError: the draft server is down" in first.error
+    assert later["second"].generated_tokens == reference(ids(20, seed=953))
+    assert later["third"].generated_tokens == reference(ids(22, seed=954))
+    check_store(cache)
+
+
+def test_a_draft_model_drafter_takes_a_cache():
+    with pytest.raises(TypeError, match=r"HybridPrefixCache\(small_model\)\)\), got JambaFor"):
+        DraftModelDrafter(build_model("jamba"))
+    with pytest.raises(TypeError, match="got str"):
+        DraftModelDrafter("toy:jamba")

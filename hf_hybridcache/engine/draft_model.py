@@ -28,6 +28,7 @@ from transformers import GenerationConfig
 
 from .._compat.continuous_batching import ContinuousBatchingConfig, RequestStatus, logits_processors
 from .._compat.engine_attention import install_router
+from ..core import CacheCore
 from .drafters import Drafter
 from .engine import Engine
 from .grouping import wrap_stateful_modules
@@ -47,11 +48,19 @@ class DraftModelDrafter(Drafter):
         limits: the draft engine's :class:`~hf_hybridcache.engine.EngineLimits` (None: the target engine's, with
             room for the draft tokens).
 
+    Raises:
+        TypeError: ``cache`` is not a ``HybridPrefixCache`` (a model, a path), or ``limits`` not ``EngineLimits``.
+
     Attributes:
         engine: the draft engine while the target engine runs, else None.
     """
 
     def __init__(self, cache, limits: EngineLimits | None = None) -> None:
+        if not isinstance(getattr(cache, "core", None), CacheCore) or not hasattr(cache, "model"):
+            raise TypeError(f"DraftModelDrafter takes the draft model's HybridPrefixCache "
+                            f"(DraftModelDrafter(HybridPrefixCache(small_model))), got {type(cache).__name__}.")
+        if limits is not None and not isinstance(limits, EngineLimits):
+            raise TypeError(f"limits must be an EngineLimits or None, got {type(limits).__name__}.")
         self.cache, self.limits = cache, limits
         self.engine: Engine | None = None
         self._vocab_size = 0

@@ -166,7 +166,7 @@ class Engine:
         if self.inflight:
             for request in self.scheduler.waiting:
                 self.inflight.ask_for_checkpoint(request)
-        self.speculator.draft(self.scheduler.running)
+        self.speculator.draft(self.scheduler.running, self._refuse)  # a drafter's fault fails its requests alone
         own = sum(len(r.own_pages) for r in self.scheduler.running)
         chunks = self.scheduler.choose(
             self.limits.max_running_pages - own, lambda: self.slots.num_free > 0, self.admit, self.preempt

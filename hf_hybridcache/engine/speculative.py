@@ -22,6 +22,7 @@ vision-language wrapper's image placeholder ids (fed without their image they wo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -134,6 +135,7 @@ class Speculator:
         self.placeholders = engine.placeholders  # a vision-language wrapper's: drafts stop before one
         self.stats = SpeculationStats()
         self.runner = engine.runner
+        self.vocab_size = engine.cache.model.get_input_embeddings().num_embeddings
         self.runner.keep_hidden = self.drafter is not None and self.drafter.wants_hidden_states  # an MTP head's
         if self.drafter is not None:
             self.drafter.start(engine)
@@ -146,11 +148,16 @@ class Speculator:
             return 0
         return max(min(wanted, request.max_new_tokens - len(request.generated) - 1), 0)
 
-    def draft(self, running: list[EngineRequest]) -> None:
+    def draft(self, running: list[EngineRequest], fail: Callable[[EngineRequest, str], object]) -> None:
         """Set ``request.draft`` of every running request: its drafter's drafts when it is decoding and speculates,
-        else none."""
+        else none. ``fail(request, why)`` fails a request: every request the drafter was asked for when it raised,
+        a request alone when its draft holds what is not a token id of the target's vocabulary."""
+        for request, why in self._drafts(running):
+            fail(request, why)
+
+    def _drafts(self, running: list[EngineRequest]) -> list[tuple[EngineRequest, str]]:
         if self.drafter is None:
-            return
+            return []
         wanted = []
         for request in running:
             request.draft, request.draft_probs = (), None
@@ -158,14 +165,29 @@ class Speculator:
             if n:
                 wanted.append((request, n))
         if not wanted:
-            return
-        drafts = self.drafter.propose([r for r, _ in wanted], [n for _, n in wanted])
+            return []
+        name = type(self.drafter).__name__
+        try:
+            drafts = list(self.drafter.propose([r for r, _ in wanted], [n for _, n in wanted]))
+            if len(drafts) != len(wanted):
+                raise ValueError(f"it returned {len(drafts)} drafts for {len(wanted)} requests")
+        except Exception as error:  # noqa: BLE001 - a drafter's fault fails the requests it drafts for, not the engine
+            reason = f"The drafter {name}.propose raised {type(error).__name__}: {error}"
+            return [(request, reason) for request, _ in wanted]
+        failed = []
         for (request, n), draft in zip(wanted, drafts):
             tokens, probs = (draft.tokens, draft.probs) if isinstance(draft, Draft) else (tuple(draft), None)
-            tokens = tuple(int(t) for t in tokens[:n])
+            tokens = tuple(tokens[:n])
+            bad = next((t for t in tokens if not _is_token_id(t, self.vocab_size)), None)
+            if bad is not None:
+                failed.append((request, f"The drafter {name} proposed {bad!r}, which is not a token id of the model's "
+                               f"vocabulary (an int in [0, {self.vocab_size})); fix the drafter's propose()."))
+                continue
+            tokens = tuple(int(t) for t in tokens)
             cut = next((i for i, t in enumerate(tokens) if t in self.placeholders), len(tokens))
             request.draft = tokens[:cut]
             request.draft_probs = None if probs is None or not cut else probs[:cut]
+        return failed
 
     @staticmethod
     def positions(segment: Segment, kept: tuple[int, ...]) -> tuple[int, ...]:
@@ -213,6 +235,17 @@ class Speculator:
     def close(self) -> None:
         if self.drafter is not None:
             self.drafter.close()
+
+
+def _is_token_id(token, vocab_size: int) -> bool:
+    """Whether ``token`` (a Python or NumPy int, or a 0-d integer tensor) is an id in ``[0, vocab_size)``."""
+    if isinstance(token, torch.Tensor):
+        if token.ndim != 0 or token.is_floating_point() or token.is_complex() or token.dtype == torch.bool:
+            return False
+        token = token.item()
+    if isinstance(token, bool) or not hasattr(token, "__index__"):
+        return False
+    return 0 <= token.__index__() < vocab_size
 
 
 def drafted_probs(segment: Segment) -> torch.Tensor | None:
