@@ -221,6 +221,9 @@ def test_attach_refuses_what_it_cannot_serve():
     with pytest.raises(ValueError, match="another model"):
         attach(make_trainer("grpo", build_model("mamba"), steps=1, bf16=False), cache)
     trainer = make_trainer("rloo", model, steps=1, bf16=False)
+    for wrong in (None, model):
+        with pytest.raises(TypeError, match=r"attach\(trainer, HybridPrefixCache\(model\)\)\), got"):
+            attach(trainer, wrong)
     attach(trainer, cache)
     with pytest.raises(ValueError, match="attach once"):
         attach(trainer, cache)

@@ -112,8 +112,8 @@ def check_served_mode(model: torch.nn.Module, deterministic: bool) -> None:
     if served is not None and served != deterministic:
         raise ValueError(
             f"This {type(model).__name__} instance already serves a cache with deterministic={served}; one model "
-            f"instance runs one mode. Load another instance (or copy.deepcopy the model) for deterministic="
-            f"{deterministic}."
+            f"instance runs one mode. Load another instance (from_pretrained again; a copy.deepcopy of this one "
+            f"carries its mode) for deterministic={deterministic}."
         )
 
 

@@ -18,7 +18,10 @@ def check_mode(model: torch.nn.Module, spec: ModelStateSpec, on: bool) -> None:
     Raises:
         ValueError: :func:`~hf_hybridcache.models.deterministic.check`'s refusals when ``on``; in either mode, the
             model already serves a cache of the other one.
+        TypeError: ``on`` is not a bool.
     """
+    if not isinstance(on, bool):
+        raise TypeError(f"deterministic must be True or False, got {on!r}.")
     if on:
         deterministic.check(model, spec)
     deterministic.check_served_mode(model, on)

@@ -19,6 +19,7 @@ from transformers import TrainerCallback
 
 from .. import _compat
 from .._compat import trl
+from ..core import CacheCore
 from ..store import last_boundary
 from .steps import weights_step
 
@@ -173,8 +174,12 @@ def attach(trainer, cache, *, retire: bool = True, seed: int | None = None,
     Raises:
         ValueError: not a GRPO or RLOO trainer generating through ``generate_batch``; a trainer on another model; a
             cache built in another dtype than the trainer generates in; attached already.
+        TypeError: ``cache`` is not a ``HybridPrefixCache``.
     """
     kind = trl.trainer_kind(trainer)
+    if not isinstance(getattr(cache, "core", None), CacheCore):
+        raise TypeError(f"attach takes the model's HybridPrefixCache as its second argument (attach(trainer, "
+                        f"HybridPrefixCache(model))), got {type(cache).__name__}.")
     if trainer.model is not cache.model:
         raise ValueError(f"This {kind} trains another model than the one the HybridPrefixCache was built for; build "
                          "the cache for the model you pass to the trainer (and keep a reference to both).")
