@@ -350,10 +350,13 @@ def test_three_browser_sessions_chat_at_once(app_url, tmp_path):
                 )
                 pages.append(_open(context, app_url))
             boxes = [page.locator("#msg textarea") for page in pages]
-            for box, message in zip(boxes, messages):  # typed first, sent together: the pages' requests overlap
-                box.fill(message)  # however fast the engine answers one alone
-            for box in boxes:
-                box.press("Enter")
+            for box, message in zip(boxes, messages):
+                box.fill(message)
+            # Typed first, then sent at one moment of the clock the pages share: pressing Enter page by page spread
+            # the three sends over more time than a quiet machine takes to answer one alone (they ran one by one).
+            at = int(time.time() * 1000) + 500
+            for page in pages:
+                page.evaluate("at => setTimeout(() => document.querySelector('#send').click(), at - Date.now())", at)
             rows = [_wait_turns(page, 1)[0] for page in pages]
             chats = [" ".join(page.locator("#chatbot").inner_text().split()) for page in pages]
         finally:
