@@ -9,7 +9,8 @@ inside a group call (a context variable set by :func:`group_attention`), replace
 by the group's mask and calls the original function: transformers' ``sdpa_attention_forward``, or the module's own
 ``eager_attention_forward`` for eager models. Everything else (grouped-query packing, position biases, softcaps,
 scaling) stays transformers'. Outside a group call the router calls the original unchanged, so other models and
-``generate()`` calls in other threads are untouched.
+``generate()`` calls in other threads are untouched. A module that carries :data:`ATTENTION_ATTR` (deterministic
+mode, :mod:`.invariant_attention`) is answered by it, in and outside group calls.
 
 Private names used: ``AttentionInterface.register``/``get``, the module-level ``eager_attention_forward`` of each
 modeling file (what ``get_interface("eager", eager_attention_forward)`` falls back to).
@@ -29,6 +30,10 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 
 #: The attention implementations the engine serves (flash implementations take no 4D masks).
 SUPPORTED = ("sdpa", "eager")
+#: An attention module attribute holding ``(original, module, query, key, value, attention_mask, *args, **kwargs)
+#: -> (output, weights)``, which the router calls instead of ``original`` (deterministic mode's attention,
+#: :mod:`.invariant_attention`), with the step's mask inside a group call.
+ATTENTION_ATTR = "_hf_hybridcache_attention"
 
 
 class GroupAttention(Protocol):
@@ -80,6 +85,9 @@ def _route(original: Callable | None, eager: bool, module, query, key, value, at
     group = _GROUP.get()
     if group is not None:
         attention_mask = group.attention_mask(query, key, explicit=eager)
+    marked = getattr(module, ATTENTION_ATTR, None)
+    if marked is not None:
+        return marked(function, module, query, key, value, attention_mask, *args, **kwargs)
     return function(module, query, key, value, attention_mask, *args, **kwargs)
 
 

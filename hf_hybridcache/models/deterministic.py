@@ -3,8 +3,9 @@
 ``HybridPrefixCache(model, deterministic=True)`` calls :func:`check` before anything is patched and :func:`install`
 after the family's own patches (:mod:`.paths`). The mode is accepted only where every op of the model's forward has a row-invariant,
 path-invariant form here (docs/deterministic.md, "The ingredients"): today the pure Mamba-1 families (Mamba,
-Falcon-Mamba: embeddings, RMSNorms, the mixer of :mod:`.mamba1_deterministic`, the LM head), on CPU, in float32,
-bfloat16 and float16. Every other family is refused with the ingredients it lacks named, and so is a model whose
+Falcon-Mamba: embeddings, RMSNorms, the mixer of :mod:`.mamba1_deterministic`, the LM head) and Jamba (its Mamba-1
+mixers, and the attention, MLPs and routed experts of :mod:`.hybrid_deterministic`), on CPU, in float32, bfloat16
+and float16. Every other family is refused with the ingredients it lacks named, and so is a model whose
 kernels or BLAS would break the guarantee: refusing, never warning and continuing, is the point of the mode (vLLM's
 batch-invariant mode likewise fails closed on layers it has no kernel for).
 """
@@ -18,20 +19,22 @@ from .._compat.hub_kernels import kernels_from_hub
 from ..config import ModelStateSpec
 from ..kernels.batch_invariant import check_row_invariance, check_thread_invariance
 from ..kernels.decode_linear import weight_qualifies
+from . import hybrid_deterministic
 from .mamba1 import DETERMINISTIC_FORWARD
 from .mamba1_deterministic import deterministic_forward, lm_head_forward
 from .wrappers import decoder_model_type
 
 #: model_type -> the mixer classes whose forward :mod:`.mamba1_deterministic` stands in for.
-SUPPORTED = {"mamba": "MambaMixer", "falcon_mamba": "FalconMambaMixer"}
+SUPPORTED = {"mamba": "MambaMixer", "falcon_mamba": "FalconMambaMixer", "jamba": "JambaMambaMixer"}
 #: The dtypes the mode's tests hold in.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: Set on a model once a cache was built for it: True in deterministic mode. A model serves one mode for its life.
 MODE_ATTR = "_hf_hybridcache_deterministic"
 
-_ATTENTION = "attention with a fixed reduction order (a prefill query and a decode query summing their keys in one " \
-             "order, independent of the query count and of how the KV is split)"
-_ACTIVATIONS = "row-invariant MLP activations (F.silu gives an element other float32 bits by its offset)"
+_ATTENTION = "its attention layers wired to the attention with a fixed reduction order " \
+             "(kernels/attention_invariant.py, as Jamba's are)"
+_ACTIVATIONS = "its MLPs wired to the row-invariant linear and SiLU (F.silu gives an element other float32 bits by " \
+               "its offset; models/hybrid_deterministic.py, as Jamba's are)"
 _MAMBA2 = "the Mamba-2 mixer wired through its per-token scan (kernels/mamba2_invariant.py) and a row-invariant " \
           "gated RMSNorm"
 _GDN = "a gated delta net per-token scan"
@@ -44,7 +47,6 @@ _MIXERS = {
     **dict.fromkeys(("kimi_linear", "bailing_hybrid"), (_KDA,)),
     **dict.fromkeys(("lfm2", "lfm2_moe", "lfm3", "inkling_text", "inkling2_text", "inkling2_loop_text"),
                     (_SHORT_CONV,)),
-    "jamba": ("Jamba's Mamba-1 mixer (with its dt/B/C norms) and its experts' sum wired to the invariant kernels",),
     "zamba": ("Zamba's per-head Mamba-1 mixer wired to the invariant kernels",),
     "zaya": ("ZAYA's CCA conv mixer wired to the invariant conv",),
 }
@@ -91,15 +93,22 @@ def check(model: torch.nn.Module, spec: ModelStateSpec) -> None:
             raise ValueError(f"deterministic=True holds on CPU in float32, bfloat16 and float16 only; {name}'s "
                              f"{param_name} is {param.dtype} on {param.device}. Move the model to the CPU in one of "
                              "those dtypes, or build the cache with deterministic=False.")
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            try:
-                check_row_invariance(module.weight, module.bias)
-                if not weight_qualifies(tuple(module.weight.shape)):  # run on one thread in an engine decode step
-                    check_thread_invariance(module.weight, module.bias)
-            except RuntimeError as error:
-                raise ValueError(f"deterministic=True refuses {name} here: {error} Build the cache with "
-                                 "deterministic=False.") from error
+    model_type = decoder_model_type(model.config)
+    products = [(m.weight, m.bias) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if model_type in hybrid_deterministic.FAMILIES:
+        problems = hybrid_deterministic.refusals(model, model_type)
+        if problems:
+            raise ValueError(f"deterministic=True refuses {name}: {'; '.join(problems)}. Build the cache with "
+                             "deterministic=False.")
+        products += [(weight, None) for weight in hybrid_deterministic.product_weights(model, model_type)]
+    for weight, bias in products:
+        try:
+            check_row_invariance(weight, bias)
+            if not weight_qualifies(tuple(weight.shape)):  # run on one thread in an engine decode step
+                check_thread_invariance(weight, bias)
+        except RuntimeError as error:
+            raise ValueError(f"deterministic=True refuses {name} here: {error} Build the cache with "
+                             "deterministic=False.") from error
 
 
 def check_served_mode(model: torch.nn.Module, deterministic: bool) -> None:
@@ -129,10 +138,13 @@ def claim(model: torch.nn.Module, deterministic: bool) -> None:
 
 def install(model: torch.nn.Module) -> None:
     """Route ``model``'s Mamba-1 mixers (already patched by their family) through
-    :func:`~hf_hybridcache.models.mamba1_deterministic.deterministic_forward` inside this package's caches, and its
-    LM head through the row-invariant linear everywhere (idempotent). Call after :func:`check`."""
-    mixer_class = SUPPORTED[decoder_model_type(model.config)]
+    :func:`~hf_hybridcache.models.mamba1_deterministic.deterministic_forward` inside this package's caches, its LM
+    head through the row-invariant linear everywhere, and a hybrid's other layers (attention, MLPs, experts) through
+    :mod:`.hybrid_deterministic` (idempotent). Call after :func:`check`."""
+    model_type = decoder_model_type(model.config)
     for module in model.modules():
-        if type(module).__name__ == mixer_class:
+        if type(module).__name__ == SUPPORTED[model_type]:
             setattr(module, DETERMINISTIC_FORWARD, deterministic_forward)
     _compat.patch_instance_forward(model.get_output_embeddings(), lm_head_forward)
+    if model_type in hybrid_deterministic.FAMILIES:
+        hybrid_deterministic.install(model, model_type)

@@ -1,0 +1,75 @@
+"""Deterministic mode's attention (issue 46) behind transformers' attention-function convention.
+
+transformers' attention modules call ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)``
+(``modeling_utils.py``, 5.23 - 5.25) as ``f(module, query [B, H, T, D], key [B, Hkv, K, D], value, attention_mask,
+dropout=..., scaling=..., **kwargs) -> (output [B, T, H, Dv], weights or None)``. The model's implementation
+(``"sdpa"`` or ``"eager"``) is routed once by :func:`~hf_hybridcache._compat.engine_attention.install_router`, the
+router the engine already uses for its steps' masks; a module marked by :func:`mark` is then answered by its mark
+(``original`` is the function it would have run), inside an engine step with the step's masks, in ``generate()`` with
+the model's own. So ``generate()``, the engine's prefill chunks, decode rows and verify groups reach one kernel,
+:func:`~hf_hybridcache.kernels.attention_invariant.attention_invariant`; other models and unmarked modules run as
+before.
+
+Masks, as transformers hands them over: a bool mask (True: attend, the sdpa masks), an additive float mask (0:
+attend, the eager masks and the engine's), or None: plain causal attention of the last ``T`` of ``K`` positions
+(transformers' ``is_causal`` for sdpa; the engine's fresh prefill groups) or, for one query, every key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..kernels.attention_invariant import attention_invariant, causal_visible
+from .engine_attention import ATTENTION_ATTR, install_router
+#: The attention implementations :func:`mark` can route.
+ROUTED = ("sdpa", "eager")
+
+
+def mark(model: torch.nn.Module, modules, forward: Callable) -> None:
+    """Answer ``modules``' attention calls (attention modules of ``model``) with ``forward`` (idempotent).
+
+    ``forward`` must be a module-level function (a ``copy.deepcopy`` of the model keeps it, as the package's other
+    instance patches).
+
+    Raises:
+        ValueError: the model's attention implementation is not ``"sdpa"`` or ``"eager"``.
+    """
+    if model.config._attn_implementation not in ROUTED + ("paged|eager",):
+        raise ValueError(f"{type(model).__name__} uses attn_implementation={model.config._attn_implementation!r}; "
+                         "deterministic mode routes 'sdpa' and 'eager' only: load it with attn_implementation='sdpa' "
+                         "(or call model.set_attn_implementation('sdpa')).")
+    install_router(model)
+    for module in modules:
+        setattr(module, ATTENTION_ATTR, forward)
+
+
+def invariant_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                                scaling: float | None = None, softcap: float | None = None,
+                                sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature around
+    :func:`~hf_hybridcache.kernels.attention_invariant.attention_invariant`: ``query`` ``[B, H, T, D]``, ``key``
+    ``[B, Hkv, K, D]``, ``value`` ``[B, Hkv, K, Dv]`` -> ``([B, T, H, Dv]`` in ``query``'s dtype, ``None)``. Other
+    keyword arguments (position ids, flash-attention lengths) are not read.
+
+    Raises:
+        ValueError: dropout is on (a training forward), or a logit softcap or a sliding window is asked for (not
+            supported by the kernel yet).
+    """
+    if dropout:
+        raise ValueError("Deterministic attention runs inference only: call model.eval() (dropout is on).")
+    if softcap is not None or sliding_window is not None:
+        raise ValueError(f"Deterministic attention has no logit softcap or sliding window yet; "
+                         f"{type(module).__name__} asked for softcap={softcap}, sliding_window={sliding_window}.")
+    num_queries, num_keys = query.shape[-2], key.shape[-2]
+    if attention_mask is None and num_queries > 1 and getattr(module, "is_causal", True):
+        visible = causal_visible(num_queries, num_keys, query.device)
+    elif attention_mask is None:
+        visible = torch.ones(1, 1, num_queries, num_keys, dtype=torch.bool, device=query.device)
+    else:
+        mask = attention_mask[:, :, :, :num_keys]
+        visible = mask if mask.dtype == torch.bool else mask == 0
+    out = attention_invariant(query, key, value, visible, query.shape[-1] ** -0.5 if scaling is None else scaling)
+    return out.transpose(1, 2).contiguous(), None

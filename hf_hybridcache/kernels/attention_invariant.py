@@ -1,0 +1,117 @@
+"""Attention whose output for a query does not depend on how many other queries share the call, on how its keys are
+split or padded, or on whether it arrives in a prefill, a prefill chunk, a decode step or a verify group (issue 46,
+deterministic mode's attention ingredient).
+
+``F.scaled_dot_product_attention`` picks its kernel and its split of the keys by the call's shape: on this project's
+CPU a query's output moves by float32 round-off between a causal prefill and a decode step, and by a bf16 ulp
+(``benchmarks/batch_invariance.py``, table 3). Batch-invariant attention (Thinking Machines Lab, "Defeating
+Nondeterminism in LLM Inference", 2025; vLLM's ``VLLM_BATCH_INVARIANT`` attention) fixes the reduction order by
+splitting the keys in fixed-size blocks counted from position 0. Here, per query row:
+
+- the keys are re-aligned so that key ``j`` of a row is the row's ``j``-th real token (the row's leading padding, the
+  keys its last query does not see, is shifted out), then cut in blocks of :data:`KV_BLOCK` keys anchored at 0;
+- within a block, each score is ``sum_d q_d k_d`` and each output ``sum_s p_s v_s``, a product of materialized
+  float32 terms summed over a contiguous last dim of fixed length (a reduction whose order depends only on that
+  length, not on how many rows are reduced), never a matrix product, whose kernel depends on the row count;
+- across blocks, an online softmax in block order (Milakov and Gimelshein, "Online normalizer calculation for
+  softmax", 2018; the FlashAttention recurrence): a running max, a rescaled running sum and a rescaled output;
+- a key the query may not see gets the probability ``+0`` and contributes a ``+0`` term in its slot: the reduction
+  tree is the same whichever keys are masked, and a block with no visible key leaves the running values unchanged,
+  so the extra keys of a longer prefill (the future of a query) change nothing.
+
+So a query at absolute position ``p`` is summed over the same blocks, in the same order, with the same terms in the
+same slots, whatever the call. Elementwise ops are IEEE operations and ``exp``, whose vectorized body and tail agree
+here (``benchmarks/batch_invariance.py``, table 2). Everything is computed in float32 and rounded once to the query's
+dtype. Not supported: sliding windows and logit softcaps (no family in deterministic mode has them yet), dropout.
+
+Shapes (the package's legend): ``query`` ``[B, H, T, D]``, ``key`` ``[B, Hkv, K, D]``, ``value`` ``[B, Hkv, K, Dv]``
+with ``H`` a multiple of ``Hkv`` (grouped-query attention: query head ``h`` reads KV head ``h // (H // Hkv)``),
+``visible`` ``[B or 1, 1 or H, T, K]`` bool.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+#: Keys per block of the fixed reduction order. A multiple of an AVX-512 vector of floats; the per-block score
+#: tensor is ``[B, H, T, KV_BLOCK, D]`` float32, so larger blocks cost memory in long prefills.
+KV_BLOCK = 32
+
+
+def causal_visible(num_queries: int, num_keys: int, device: torch.device | None = None) -> torch.Tensor:
+    """``[1, 1, T, K]`` bool: the causal mask of ``T`` queries that are the last ``T`` of ``K`` keys (a prefill over
+    a cached past, or a decode step), True where a query sees a key."""
+    return torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril(num_keys - num_queries)[None, None]
+
+
+def attention_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,
+                        scaling: float) -> torch.Tensor:
+    """Softmax attention ``softmax(scaling * q k^T) v`` over the keys ``visible`` allows, in the fixed order of the
+    module docstring.
+
+    Args:
+        query: ``[B, H, T, D]``; key: ``[B, Hkv, K, D]``; value: ``[B, Hkv, K, Dv]`` (one float dtype, one device).
+        visible: ``[B or 1, 1 or H, T, K]`` bool, True where a query sees a key. Each row's keys must be its
+            tokens from absolute position 0 on, after any left padding the row's last query does not see (as
+            ``generate()``'s caches and the engine's page reads lay them out).
+        scaling: the scores' factor (usually ``D ** -0.5``).
+
+    Returns:
+        ``[B, H, T, Dv]`` in ``query``'s dtype; zeros for a query that sees no key.
+
+    Raises:
+        ValueError: ``H`` is not a multiple of ``Hkv``, or ``visible``'s shape does not broadcast to the call.
+    """
+    batch, heads, num_queries, _ = query.shape
+    kv_heads, num_keys = key.shape[1], key.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"attention_invariant needs the query heads ({heads}) to be a multiple of the key heads "
+                         f"({kv_heads}).")
+    if visible.dim() != 4 or visible.shape[-2:] != (num_queries, num_keys) or visible.shape[0] not in (1, batch):
+        raise ValueError(f"visible must be [B or 1, 1 or H, {num_queries}, {num_keys}] bool, got "
+                         f"{list(visible.shape)}.")
+    groups = heads // kv_heads
+    key, value, visible = _anchor(key.float(), value.float(), visible.expand(batch, -1, -1, -1))
+    q = (query.float() * scaling).view(batch, kv_heads, groups, num_queries, 1, -1)  # [B, Hkv, G, T, 1, D]
+    visible = visible.reshape(batch, 1 if visible.shape[1] == 1 else kv_heads, -1, num_queries, visible.shape[-1])
+    shape = (batch, kv_heads, groups, num_queries)
+    running_max = query.new_full(shape, float("-inf"), dtype=torch.float32)
+    running_sum = query.new_zeros(shape, dtype=torch.float32)
+    out = query.new_zeros((*shape, value.shape[-1]), dtype=torch.float32)
+    for start in range(0, key.shape[2], KV_BLOCK):
+        keys = key[:, :, None, None, start : start + KV_BLOCK]  # [B, Hkv, 1, 1, S, D]
+        seen = visible[..., start : start + KV_BLOCK]  # [B, 1 or Hkv, 1 or G, T, S]
+        scores = (q * keys).sum(-1).masked_fill(~seen, float("-inf"))  # [B, Hkv, G, T, S]
+        new_max = torch.maximum(running_max, scores.amax(-1))
+        anchor = torch.where(new_max == float("-inf"), 0.0, new_max)
+        probs = torch.exp(scores - anchor[..., None])  # +0 where masked
+        rescale = torch.exp(running_max - anchor)
+        values = value[:, :, None, None, start : start + KV_BLOCK].transpose(-1, -2)  # [B, Hkv, 1, 1, Dv, S]
+        terms = (probs[..., None, :] * values).masked_fill(~seen[..., None, :], 0.0)  # +0 terms, never -0
+        running_sum = running_sum * rescale + probs.sum(-1)
+        out = out * rescale[..., None] + terms.sum(-1)
+        running_max = new_max
+    out = out / torch.where(running_sum == 0, 1.0, running_sum)[..., None]
+    return out.view(batch, heads, num_queries, -1).to(query.dtype)
+
+
+def _anchor(key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor):
+    """Shift each row's keys left by its leading padding (the keys before the first one its last query sees), pad
+    the key count to a multiple of :data:`KV_BLOCK` with zero keys nobody sees, and return the three re-laid out."""
+    batch, num_keys = key.shape[0], key.shape[2]
+    first = visible[:, :, -1].any(1).int().argmax(-1)  # [B] first key the last query sees (0 when it sees none)
+    padded = -(-num_keys // KV_BLOCK) * KV_BLOCK
+    if bool((first == 0).all()):
+        pad = padded - num_keys
+        return F.pad(key, (0, 0, 0, pad)), F.pad(value, (0, 0, 0, pad)), F.pad(visible, (0, pad), value=False)
+    index = torch.arange(padded, device=key.device)[None] + first[:, None]  # [B, padded]
+    inside = index < num_keys
+    index = index.clamp(max=num_keys - 1)
+
+    def take(x: torch.Tensor, dim: int, shape) -> torch.Tensor:
+        taken = torch.gather(x, dim, index.view(shape).expand(*x.shape[:dim], padded, *x.shape[dim + 1:]))
+        return torch.where(inside.view(shape), taken, torch.zeros((), dtype=x.dtype, device=x.device))
+
+    return (take(key, 2, (batch, 1, padded, 1)), take(value, 2, (batch, 1, padded, 1)),
+            take(visible, 3, (batch, 1, 1, padded)))

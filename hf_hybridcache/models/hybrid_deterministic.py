@@ -1,0 +1,117 @@
+"""The layers a hybrid adds to its mixers in deterministic mode (issue 46): attention, MLP activations, linear layers
+and routed experts, each with a row-invariant, path-invariant form (docs/deterministic.md, "The ingredients").
+
+- Every ``torch.nn.Linear`` (attention projections, MLPs, the LM head) runs through
+  :func:`~hf_hybridcache.models.mamba1_deterministic.lm_head_forward` (the row-invariant linear).
+- The attention modules of :data:`FAMILIES` answer through
+  :func:`~hf_hybridcache._compat.invariant_attention.invariant_attention_forward` (keys summed in fixed blocks
+  anchored at position 0, whatever the call), in ``generate()`` and in the engine's steps alike.
+- The MLP activations (``SiLUActivation`` / ``nn.SiLU`` modules) run as
+  :func:`~hf_hybridcache.kernels.mamba1_invariant.silu_invariant` in float32, rounded once to the input dtype:
+  ``F.silu`` gives an element other float32 bits by its offset in the tensor (its vectorized body and scalar tail
+  differ; ``benchmarks/batch_invariance.py``, table 2), so a token's MLP output moved with the number of tokens
+  beside it.
+- A routed-experts block (Jamba's ``JambaSparseMoeBlock``, transformers 5.23 - 5.25) runs :func:`sparse_moe_forward`:
+  upstream's router and experts, each expert's products on the rows routed to it through the row-invariant linear, and
+  each token's experts summed in the order of its own top-k choice (upstream sums in expert order, also fixed per
+  token; the order here needs no scatter).
+
+The RMSNorms, softmaxes, embeddings and residual adds run as upstream (measured row-invariant here). :data:`_OFF` is
+the private switch of the power tests: ``"attention"`` runs the model's own attention function, ``"activation"``
+``F.silu``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import _compat
+from .._compat.invariant_attention import invariant_attention_forward, mark
+from ..kernels.mamba1_invariant import silu_invariant
+from .mamba1_deterministic import _linear, lm_head_forward
+
+#: model_type -> (attention module class, routed-experts block class or None): the hybrids whose layers this module
+#: knows (their mixers are wired by :mod:`.deterministic`).
+FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock")}
+#: The activation modules replaced by the invariant SiLU (transformers' ``ACT2FN["silu"]`` and torch's).
+SILU_MODULES = ("SiLUActivation", "SiLU")
+#: Ingredients switched off (private: the power tests name them here; empty in use).
+_OFF: set[str] = set()
+
+
+def refusals(model: torch.nn.Module, model_type: str) -> list[str]:
+    """What keeps ``model``'s layers (of a family in :data:`FAMILIES`) from deterministic mode; empty when none."""
+    config, problems = model.config.get_text_config(), []
+    if model.config._attn_implementation not in ("sdpa", "eager", "paged|eager"):
+        problems.append(f"attn_implementation={model.config._attn_implementation!r} (load the model with "
+                        "attn_implementation='sdpa')")
+    if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
+        problems.append(f"hidden_act={config.hidden_act!r} (only SiLU has an invariant form here)")
+    if getattr(config, "sliding_window", None) is not None:
+        problems.append(f"sliding_window={config.sliding_window} (the invariant attention has no window yet)")
+    return problems
+
+
+def product_weights(model: torch.nn.Module, model_type: str) -> list[torch.Tensor]:
+    """The weights of the products :func:`sparse_moe_forward` runs outside ``torch.nn.Linear`` modules (the router,
+    one expert's gate-up and down projections per block), for the row-invariance probes."""
+    experts_class = FAMILIES[model_type][1]
+    weights = []
+    for module in model.modules():
+        if type(module).__name__ == experts_class:
+            weights += [module.router.weight, module.experts.gate_up_proj[0], module.experts.down_proj[0]]
+    return weights
+
+
+def install(model: torch.nn.Module, model_type: str) -> None:
+    """Route ``model``'s linear layers, activations, attention and routed experts through their deterministic forms
+    (idempotent; after :func:`refusals` came back empty)."""
+    attention_class, experts_class = FAMILIES[model_type]
+    for module in model.modules():
+        name = type(module).__name__
+        if isinstance(module, torch.nn.Linear):
+            _compat.patch_instance_forward(module, lm_head_forward)
+        elif name in SILU_MODULES:
+            _compat.patch_instance_forward(module, silu_forward)
+        elif name == experts_class:
+            _compat.patch_instance_forward(module, sparse_moe_forward)
+    mark(model, [m for m in model.modules() if type(m).__name__ == attention_class], attention_forward)
+
+
+def attention_forward(original, module, query, key, value, attention_mask, *args, **kwargs):
+    """An attention module's call (transformers' attention-function convention) through the invariant attention."""
+    if "attention" in _OFF:
+        return original(module, query, key, value, attention_mask, *args, **kwargs)
+    return invariant_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def silu_forward(module: torch.nn.Module, original, x: torch.Tensor) -> torch.Tensor:
+    """``silu(x)`` for ``x`` of any shape and float dtype: computed in float32 as ``x / (1 + exp(-x))`` and rounded
+    once to ``x``'s dtype, the same bits for an element wherever it sits in the tensor."""
+    if "activation" in _OFF:
+        return F.silu(x)
+    return silu_invariant(x.float()).to(x.dtype)
+
+
+def sparse_moe_forward(block: torch.nn.Module, original, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A routed-experts block's output ``[B, T, hidden]`` (``hidden_states``' dtype) for ``hidden_states``
+    ``[B, T, hidden]``: the router's softmax over ``F.linear``'s logits in float32 and its top-k (weights left
+    unnormalized, as ``JambaTopKRouter``), then per token ``sum_k w_k expert_k(x)`` in the token's top-k order, each
+    expert ``down(act(gate(x)) * up(x))`` on the rows routed to it through the row-invariant linear."""
+    batch, seq_len, hidden = hidden_states.shape
+    x = hidden_states.reshape(-1, hidden)
+    router, experts = block.router, block.experts
+    probs = torch.softmax(_linear(x, router.weight), dim=-1, dtype=torch.float)
+    weights, chosen = torch.topk(probs, router.top_k, dim=-1)  # [N, k], each token's choices by weight
+    weights = weights.to(x.dtype)
+    picked = x.new_zeros(x.shape[0], router.top_k, hidden)
+    for expert in chosen.unique().tolist():
+        token, slot = torch.where(chosen == expert)
+        gate, up = _linear(x[token], experts.gate_up_proj[expert]).chunk(2, dim=-1)
+        out = _linear(experts.act_fn(gate) * up, experts.down_proj[expert])
+        picked[token, slot] = out * weights[token, slot, None]
+    total = picked[:, 0]
+    for slot in range(1, router.top_k):
+        total = total + picked[:, slot]
+    return total.reshape(batch, seq_len, hidden)
