@@ -42,7 +42,7 @@ def dtype(request):
 
 
 #: Config overrides of a family's toy in this bank: Jamba with routed experts (its toy has one MLP per layer).
-OVERRIDES = {"jamba": dict(num_experts=4, num_experts_per_tok=2, intermediate_size=100)}
+OVERRIDES = {"jamba": dict(num_experts=4, num_experts_per_tok=2, intermediate_size=104)}
 
 
 def fresh(family, dtype, deterministic=True, **kwargs):
