@@ -1,7 +1,7 @@
 """Which ops of the supported families' forwards give a row a result that depends on the batch, the chunking or the
 path (issue 46, deterministic mode): measured bit for bit on this machine's torch.
 
-Four tables, each cell ``=`` (bitwise equal) or the largest absolute difference:
+Five tables, each cell ``=`` (bitwise equal) or the largest absolute difference:
 
 1. ``F.linear`` (and :func:`~hf_hybridcache.kernels.batch_invariant.invariant_linear`, the package's fixed-tile form)
    at M rows: is every row equal to the same row computed in a product of 64 rows? (``M=1`` is a decode step of one
@@ -10,9 +10,14 @@ Four tables, each cell ``=`` (bitwise equal) or the largest absolute difference:
    activations (``F.silu``, ``F.softplus``, ``sigmoid``, ``exp`` and the package's invariant forms) on rows of
    ``WIDTH`` elements, and a batched matrix-vector product (the C contraction of a Mamba-1 decode step): row 0 alone
    against row 0 among M rows.
+2b. The MLP activation at element offsets: ``F.silu`` and the invariant form on a slice of an MLP's gate that starts
+   at another element of the tensor (a token's row at another index among the rows), at an MLP width off the vector
+   width (104) and on it (128).
 3. Attention (``F.scaled_dot_product_attention``): the query at position t run in a causal prefill of 48 queries
    against the same query alone in a decode step over the first t + 1 keys; one query among 1 / 8 / 64 queries over the
-   same keys; and a decode query whose 48 keys are split in two and merged by log-sum-exp (split-KV decoding).
+   same keys; and a decode query whose 48 keys are split in two and merged by log-sum-exp (split-KV decoding). Then
+   deterministic mode's attention (:mod:`hf_hybridcache.kernels.attention_invariant`) in the same cases, in a prefill
+   chunk, and as a left-padded decode row beside another.
 4. The package's recurrent kernels (:mod:`hf_hybridcache.kernels`): the last token of a 40-token prefill against the
    same token as a decode step after a 39-token prefill (prefill vs decode), and one 40-token prefill against one
    split at token s, the second part starting from the first's state (the chunk grid starting at another offset, as
@@ -20,9 +25,9 @@ Four tables, each cell ``=`` (bitwise equal) or the largest absolute difference:
    final recurrent state (float32).
 
 Read a row of ``=`` as "no ingredient needed for this op on this machine"; anything else is a place where deterministic
-mode must fix the reduction order. Timings: the fixed-tile linear against ``F.linear`` at 1, 8 and 64 rows (table 5)
-and the invariant Mamba-1 scan and step against the package's own (table 6), each pair timed in alternating rounds
-in one run (best round).
+mode must fix the reduction order. Timings: the fixed-tile linear against ``F.linear`` at 1, 8 and 64 rows (table 5),
+the invariant Mamba-1 scan and step against the package's own (table 6) and the invariant attention against SDPA
+(table 7), each pair timed in alternating rounds in one run (best round).
 
     OMP_WAIT_POLICY=PASSIVE PYTHONPATH=. python benchmarks/batch_invariance.py
     OMP_WAIT_POLICY=PASSIVE PYTHONPATH=. python benchmarks/batch_invariance.py --no-costs   # tables 1-4 only
@@ -41,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_hybridcache.kernels import chunk_gated_delta_rule, mamba2_chunk_scan, selective_scan
+from hf_hybridcache.kernels.attention_invariant import attention_invariant, causal_visible
 from hf_hybridcache.kernels.batch_invariant import invariant_linear
 from hf_hybridcache.kernels.conv_invariant import causal_conv_invariant
 from hf_hybridcache.kernels.mamba1_invariant import (
@@ -150,7 +156,69 @@ def attention_table() -> list[str]:
             cases[key].append(_cell(many[:, :, 0], alone[:, :, 0]))
         split = _split_kv_decode(q[:, :, :1], k[:, :, :48], v[:, :, :48], 32)
         cases["decode, 48 keys split 32+16 vs whole"].append(_cell(split, alone))
+        for key, cell in _invariant_attention_cells(q, k, v).items():
+            cases.setdefault(key, []).append(cell)
     lines += [_row(key, cells) for key, cells in cases.items()]
+    return lines
+
+
+def _invariant_attention_cells(q, k, v) -> dict[str, str]:
+    """The same comparisons for deterministic mode's attention (and a left-padded decode row beside another)."""
+    def run(query, keys, values, visible):
+        return attention_invariant(query, keys, values, visible, q.shape[-1] ** -0.5)
+
+    prefill = run(q[:, :, :48], k[:, :, :48], v[:, :, :48], causal_visible(48, 48))
+    cells = {}
+    for t in (47, 20):
+        step = run(q[:, :, t : t + 1], k[:, :, : t + 1], v[:, :, : t + 1], causal_visible(1, t + 1))
+        cells[f"attention_invariant: prefill query t={t} vs decode step"] = _cell(prefill[:, :, t], step[:, :, 0])
+    chunk = run(q[:, :, 17:48], k[:, :, :48], v[:, :, :48], causal_visible(31, 48))
+    cells["attention_invariant: prefill chunk 17:48 vs whole prefill"] = _cell(chunk, prefill[:, :, 17:])
+    padded = torch.cat([torch.zeros_like(k[:, :, :5]), k[:, :, :21]], 2), torch.cat([v[:, :, :5], v[:, :, :21]], 2)
+    visible = torch.ones(2, 1, 1, 26, dtype=torch.bool)
+    visible[0, ..., :5] = False
+    batch = run(q[:, :, 20:22].transpose(0, 2), *(x.expand(2, -1, -1, -1) for x in padded), visible)
+    cells["attention_invariant: decode row left-padded by 5 vs prefill"] = _cell(batch[0, :, 0], prefill[0, :, 20])
+    return cells
+
+
+def offset_table(widths=(104, 128), offsets=range(1, 33)) -> list[str]:
+    """SiLU of an MLP's ``[M, I]`` gate (I = 104, off the vector width, or 128) where a token's row starts at another
+    element offset of the tensor (its index among the rows): the elements at each offset against the whole tensor's."""
+    lines = [_row("op, dtype", [f"I={w}" for w in widths]), "|---|---|---|"]
+    for name, dtype in DTYPES.items():
+        gen = torch.Generator().manual_seed(3)
+        for op_name, op in (("F.silu", F.silu), ("silu_invariant (float32, rounded)",
+                                                 lambda t: silu_invariant(t.float()).to(t.dtype))):
+            cells = []
+            for width in widths:
+                flat = (torch.randn(40 * width, generator=gen) * 3).to(dtype)
+                whole = op(flat)
+                bad = [o for o in offsets if not torch.equal(op(flat[o : o + 3 * width]), whole[o : o + 3 * width])]
+                cells.append("=" if not bad else f"{len(bad)}/{len(offsets)} offsets")
+            lines.append(_row(f"{op_name}, {name}", cells))
+    return lines
+
+
+def attention_cost_table(tokens: int = 256) -> list[str]:
+    """SDPA (transformers' path: keys repeated per query head) against the invariant attention: a prefill of
+    ``tokens`` and one decode step of 1 and 8 rows over ``tokens`` keys; 8 query heads over 2 KV heads of 64."""
+    lines = ["| call, dtype | SDPA ms | attention_invariant ms | ratio |", "|---|---|---|---|"]
+    for name in ("fp32", "bf16"):
+        gen = torch.Generator().manual_seed(4)
+        dtype = DTYPES[name]
+        q = torch.randn(8, 8, tokens, 64, generator=gen).to(dtype)
+        k, v = (torch.randn(8, 2, tokens, 64, generator=gen).to(dtype) for _ in range(2))
+        calls = [(f"prefill {tokens}, 1 row", q[:1], k[:1], v[:1], causal_visible(tokens, tokens))]
+        calls += [(f"decode over {tokens}, {r} {'row' if r == 1 else 'rows'}", q[:r, :, -1:], k[:r], v[:r],
+                   causal_visible(1, tokens)) for r in (1, 8)]
+        for label, query, keys, values, visible in calls:
+            def sdpa():
+                return F.scaled_dot_product_attention(query, keys.repeat_interleave(4, 1),
+                                                      values.repeat_interleave(4, 1), attn_mask=visible)
+
+            base, ours = _ms_pair(sdpa, lambda: attention_invariant(query, keys, values, visible, 0.125), repeats=3)
+            lines.append(f"| {label}, {name} | {base:.3f} | {ours:.3f} | {ours / base:.2f} |")
     return lines
 
 
@@ -378,11 +446,13 @@ def main(argv: list[str] | None = None) -> None:
           f"{'MKL' if torch.backends.mkl.is_available() else 'other'}\n")
     tables = [("1. linear rows vs the same rows among 64", linear_table),
               ("2. row-wise ops, row 0 among M vs alone", reduction_table),
+              ("2b. MLP activation, a token's row at another element offset", offset_table),
               ("3. attention", attention_table),
               ("4. recurrent kernels: prefill vs decode, and the chunk grid's offset", scan_table)]
     if not args.no_costs:
         tables += [("5. cost of the fixed-tile linear", cost_table),
-                   ("6. cost of the invariant scans, steps and conv", scan_cost_table)]
+                   ("6. cost of the invariant scans, steps and conv", scan_cost_table),
+                   ("7. cost of the invariant attention", attention_cost_table)]
     for title, table in tables:
         print(f"## {title}\n")
         print("\n".join(table()), end="\n\n")

@@ -1,6 +1,7 @@
 """What deterministic mode costs the engine (issue 46's bar: tokens/s with the mode on at least 0.7x off).
 
-For each model (the toy Mamba and Mamba-130M's shape, random weights), dtype and request count, two model instances
+For each model (the toy Mamba, Mamba-130M's shape, the toy Jamba with routed experts and Jamba's ``small`` benchmark
+shape of :mod:`benchmarks.model_shapes`, random weights), dtype and request count, two model instances
 with the same weights serve ``HybridPrefixCache(model)`` and ``HybridPrefixCache(model, deterministic=True)``; each
 runs ``generate_batch`` on ``R`` prompts of :data:`PROMPT_TOKENS` tokens (shorter than a block, so no round hits the
 previous one's store) with :data:`NEW_TOKENS` greedy tokens each, so the time is mostly decode steps of ``R`` rows.
@@ -35,12 +36,16 @@ PROMPT_TOKENS = 8
 NEW_TOKENS = 32
 PREFILL_TOKENS = 256
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-MODELS = ("toy", "mamba-130m")
+MODELS = ("toy", "mamba-130m", "jamba-toy", "jamba-small")
 
 
 def _model(name: str, dtype: torch.dtype):
     if name == "toy":
         return build_model("mamba", seed=0, dtype=dtype)
+    if name == "jamba-toy":  # with routed experts (4, top 2) on every other layer
+        return build_model("jamba", seed=0, dtype=dtype, num_experts=4, num_experts_per_tok=2)
+    if name == "jamba-small":
+        return build_shape_model("jamba", "small", dtype=dtype)[0]
     return build_shape_model("mamba", "130m", dtype=dtype)[0]
 
 
