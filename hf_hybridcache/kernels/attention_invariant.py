@@ -37,6 +37,9 @@ import torch.nn.functional as F
 #: Keys per block of the fixed reduction order. A multiple of an AVX-512 vector of floats; the per-block score
 #: tensor is ``[B, H, T, KV_BLOCK, D]`` float32, so larger blocks cost memory in long prefills.
 KV_BLOCK = 32
+#: Queries computed together (each query's arithmetic is its own; this only bounds the per-block terms,
+#: ``[B, H, QUERY_CHUNK, KV_BLOCK, D]`` float32, to stay in cache).
+QUERY_CHUNK = 32
 
 
 def causal_visible(num_queries: int, num_keys: int, device: torch.device | None = None) -> torch.Tensor:
@@ -75,25 +78,39 @@ def attention_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     key, value, visible = _anchor(key.float(), value.float(), visible.expand(batch, -1, -1, -1))
     q = (query.float() * scaling).view(batch, kv_heads, groups, num_queries, 1, -1)  # [B, Hkv, G, T, 1, D]
     visible = visible.reshape(batch, 1 if visible.shape[1] == 1 else kv_heads, -1, num_queries, visible.shape[-1])
-    shape = (batch, kv_heads, groups, num_queries)
-    running_max = query.new_full(shape, float("-inf"), dtype=torch.float32)
-    running_sum = query.new_zeros(shape, dtype=torch.float32)
-    out = query.new_zeros((*shape, value.shape[-1]), dtype=torch.float32)
-    for start in range(0, key.shape[2], KV_BLOCK):
-        keys = key[:, :, None, None, start : start + KV_BLOCK]  # [B, Hkv, 1, 1, S, D]
-        seen = visible[..., start : start + KV_BLOCK]  # [B, 1 or Hkv, 1 or G, T, S]
-        scores = (q * keys).sum(-1).masked_fill(~seen, float("-inf"))  # [B, Hkv, G, T, S]
+    blocks = [(start, key[:, :, None, None, start : start + KV_BLOCK],  # [B, Hkv, 1, 1, S, D]
+               value[:, :, None, None, start : start + KV_BLOCK].transpose(-1, -2))  # [B, Hkv, 1, 1, Dv, S]
+              for start in range(0, key.shape[2], KV_BLOCK)]
+    out = torch.cat([_query_chunk(q[:, :, :, begin : begin + QUERY_CHUNK], blocks,
+                                  visible[..., begin : begin + QUERY_CHUNK, :])
+                     for begin in range(0, num_queries, QUERY_CHUNK)], dim=3)
+    return out.view(batch, heads, num_queries, -1).to(query.dtype)
+
+
+def _query_chunk(q: torch.Tensor, blocks, visible: torch.Tensor) -> torch.Tensor:
+    """Float32 outputs ``[B, Hkv, G, Tc, Dv]`` of the queries ``q`` ``[B, Hkv, G, Tc, 1, D]`` (scaled) over the
+    ``(start, keys, values^T)`` blocks, ``visible`` ``[B, 1 or Hkv, 1 or G, Tc, K]``. Each query's arithmetic is its
+    own (every op is per query row), so cutting the queries in chunks changes no bit; it keeps a chunk's per-block
+    terms in cache. A block no query of the chunk sees is skipped: it would leave every running value unchanged."""
+    shape = q.shape[:4]
+    running_max = q.new_full(shape, float("-inf"))
+    running_sum = q.new_zeros(shape)
+    out = q.new_zeros((*shape, blocks[0][2].shape[-2]))
+    needed = visible.reshape(-1, visible.shape[-1]).any(0)
+    for start, keys, values in blocks:
+        if not bool(needed[start : start + KV_BLOCK].any()):
+            continue
+        hidden = ~visible[..., start : start + KV_BLOCK]  # [B, 1 or Hkv, 1 or G, Tc, S]
+        scores = (q * keys).sum(-1).masked_fill_(hidden, float("-inf"))  # [B, Hkv, G, Tc, S]
         new_max = torch.maximum(running_max, scores.amax(-1))
         anchor = torch.where(new_max == float("-inf"), 0.0, new_max)
-        probs = torch.exp(scores - anchor[..., None])  # +0 where masked
+        probs = torch.exp(scores - anchor[..., None])  # +0 where hidden
         rescale = torch.exp(running_max - anchor)
-        values = value[:, :, None, None, start : start + KV_BLOCK].transpose(-1, -2)  # [B, Hkv, 1, 1, Dv, S]
-        terms = (probs[..., None, :] * values).masked_fill(~seen[..., None, :], 0.0)  # +0 terms, never -0
+        terms = (probs[..., None, :] * values).masked_fill_(hidden[..., None, :], 0.0)  # +0 terms, never -0
         running_sum = running_sum * rescale + probs.sum(-1)
         out = out * rescale[..., None] + terms.sum(-1)
         running_max = new_max
-    out = out / torch.where(running_sum == 0, 1.0, running_sum)[..., None]
-    return out.view(batch, heads, num_queries, -1).to(query.dtype)
+    return out / torch.where(running_sum == 0, 1.0, running_sum)[..., None]
 
 
 def _anchor(key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor):
