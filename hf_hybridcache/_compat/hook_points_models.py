@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-from .hook_checks import HookPoint, dotted, exists, fields, named_parameters, parameters, resolve
+from .hook_checks import HookPoint, dotted, exists, fields, named_parameters, parameters, refers_to, resolve
 
 _CACHE_NAMES = ("past_key_values", "cache", "cache_params")
 
@@ -242,5 +242,43 @@ def _drops_mtp(target: str):
     return check
 
 
+_JAMBA = "transformers.models.jamba.modeling_jamba"
+_DETERMINISTIC = "hf_hybridcache.models.hybrid_deterministic (deterministic mode's Jamba layers)"
+
+
+def _deterministic() -> list[HookPoint]:
+    return [
+        HookPoint(f"{_JAMBA}.JambaAttention.forward[attention interface]",
+                  refers_to(f"{_JAMBA}:JambaAttention.forward", "ALL_ATTENTION_FUNCTIONS", "get_interface", "scaling"),
+                  f"{_DETERMINISTIC}: its attention calls reach the routed function, which answers them with the "
+                  "invariant attention"),
+        HookPoint(f"{_JAMBA}.JambaSparseMoeBlock[router, experts]", _expert_block_fields,
+                  f"{_DETERMINISTIC}: sparse_moe_forward reads the router's weight and top_k and the experts' "
+                  "[E, 2I, H] gate-up and [E, H, I] down weights and act_fn"),
+        HookPoint("transformers.activations.SiLUActivation", exists("transformers.activations:SiLUActivation"),
+                  f"{_DETERMINISTIC}: the MLPs' activation modules replaced by the invariant SiLU, found by name"),
+    ]
+
+
+def _expert_block_fields() -> str | None:
+    config = resolve(f"{_JAMBA}:JambaConfig")(hidden_size=8, intermediate_size=4, num_experts=3,
+                                               num_experts_per_tok=2)
+    block = resolve(f"{_JAMBA}:JambaSparseMoeBlock")(config)
+    router, experts = getattr(block, "router", None), getattr(block, "experts", None)
+
+    def shape(owner, name: str) -> tuple:
+        return tuple(getattr(getattr(owner, name, None), "shape", ()))
+
+    found = {
+        "router.weight [3, 8]": shape(router, "weight") == (3, 8),
+        "router.top_k 2": getattr(router, "top_k", None) == 2,
+        "experts.gate_up_proj [3, 8, 8]": shape(experts, "gate_up_proj") == (3, 8, 8),
+        "experts.down_proj [3, 8, 4]": shape(experts, "down_proj") == (3, 8, 4),
+        "experts.act_fn": callable(getattr(experts, "act_fn", None)),
+    }
+    missing = [name for name, ok in found.items() if not ok]
+    return f"no {', '.join(missing)}" if missing else None
+
+
 MODEL_HOOK_POINTS: tuple[HookPoint, ...] = (*(p for family in FAMILIES for p in family.hook_points()), *_wrappers(),
-                                            *_mtp())
+                                            *_mtp(), *_deterministic())
