@@ -55,7 +55,9 @@ Private APIs touched, and why each is needed (transformers 5.23 - 5.25; :mod:`.h
   (:mod:`.kernel_notices`).
 - transformers' continuous batching (:mod:`.continuous_batching`, :mod:`.engine_attention`): an instance-level
   ``init_continuous_batching`` returning the engine's manager, its data classes and logits processors, and the
-  attention implementation re-registered in ``AttentionInterface`` to apply an engine step's masks.
+  attention implementation re-registered in ``AttentionInterface`` to apply an engine step's masks; the same router
+  answers the attention modules deterministic mode marks with the invariant attention (:mod:`.invariant_attention`,
+  in ``generate()`` and the engine alike).
 - What ``model.train()`` changes (:mod:`.training`): the attention modules' ``attention_dropout`` and
   ``nn.Dropout`` modules (a forward with dropout on stores nothing), and ``GradientCheckpointingLayer``, which drops
   the cache in training mode on 5.23 even without autograd.
