@@ -9,7 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_hybridcache.kernels.attention_invariant import KV_BLOCK, attention_invariant, causal_visible
+from hf_hybridcache.kernels.attention_invariant import (
+    KV_BLOCK,
+    attention_invariant,
+    causal_visible,
+    invariance_failures,
+)
 
 HEADS, KV_HEADS, HEAD_DIM, LENGTH, SCALE = 4, 2, 16, 90, 0.25
 #: Positions at and around the block edges, and the last one.
@@ -71,6 +76,12 @@ def test_a_query_gets_the_same_bits_in_every_call(dtype):
 
 def test_sdpa_fails_the_same_check(dtype):
     assert differing_cases(sdpa, dtype)
+
+
+def test_the_construction_probe_passes_here_and_catches_sdpa(dtype):
+    """What deterministic mode runs when a cache is built (it refuses where the probe finds a case)."""
+    assert invariance_failures(dtype) == []
+    assert invariance_failures(dtype, attention=lambda q, k, v, visible, scale: sdpa(q, k, v, visible))
 
 
 def test_it_is_attention_within_round_off(dtype):

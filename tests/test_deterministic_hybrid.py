@@ -34,6 +34,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.engine import NgramDrafter, Speculation
+from hf_hybridcache.kernels import attention_invariant
 from hf_hybridcache.models import hybrid_deterministic
 from hf_hybridcache.toy import build_model
 
@@ -163,8 +164,12 @@ def test_with_the_mode_off_some_case_differs(dtype):
     assert not all(case(FAMILY, dtype, deterministic=False) for case in cases)
 
 
-def test_layers_it_cannot_hold_for_are_refused():
+def test_layers_it_cannot_hold_for_are_refused(monkeypatch):
     model = build_model(FAMILY, seed=0, hidden_act="gelu")
     with pytest.raises(ValueError, match="(?s)hidden_act='gelu'.*deterministic=False"):
         HybridPrefixCache(model, deterministic=True)
     HybridPrefixCache(model)  # nothing was patched: the default mode still builds
+    monkeypatch.setattr(attention_invariant, "_CHECKED", set())
+    monkeypatch.setattr(attention_invariant, "invariance_failures", lambda dtype: ["decode at 31"])
+    with pytest.raises(ValueError, match=r"(?s)other bits in torch.float32.*decode at 31.*deterministic=False"):
+        HybridPrefixCache(build_model(FAMILY, seed=0), deterministic=True)

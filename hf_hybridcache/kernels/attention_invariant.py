@@ -132,3 +132,43 @@ def _anchor(key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor):
 
     return (take(key, 2, (batch, 1, padded, 1)), take(value, 2, (batch, 1, padded, 1)),
             take(visible, 3, (batch, 1, 1, padded)))
+
+
+def invariance_failures(dtype: torch.dtype, length: int = 90, attention=None) -> list[str]:
+    """The cases in which ``attention`` (default :func:`attention_invariant`; the signature is its own) gives a query
+    other bits than in one causal prefill of ``length`` random queries (4 heads over 2 KV heads of 16, CPU): a decode
+    step and a prefill chunk starting at the query, early, at block edges and at the last position (where SDPA
+    differs here in each dtype). Empty where it holds.
+    """
+    attention = attention_invariant if attention is None else attention
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, length, 16, generator=gen).to(dtype) for heads in (4, 2, 2))
+    full = attention(q, k, v, causal_visible(length, length), 0.25)
+    failures = []
+    for p in (0, 5, KV_BLOCK - 1, KV_BLOCK, KV_BLOCK + 1, 2 * KV_BLOCK, length - 1):
+        step = attention(q[:, :, p : p + 1], k[:, :, : p + 1], v[:, :, : p + 1], causal_visible(1, p + 1), 0.25)
+        chunk = attention(q[:, :, p:], k, v, causal_visible(length - p, length), 0.25)[:, :, :1]
+        failures += [f"{name} at {p}" for name, out in (("decode", step), ("chunk", chunk))
+                     if not torch.equal(out, full[:, :, p : p + 1])]
+    return failures
+
+
+_CHECKED: set[tuple] = set()
+
+
+def check_invariance(dtype: torch.dtype) -> None:
+    """Raise unless :func:`attention_invariant` holds here in ``dtype`` (:func:`invariance_failures`, probed once per
+    dtype and intra-op thread count in a process).
+
+    Raises:
+        RuntimeError: some case differs; names the dtype, the torch version and the cases.
+    """
+    key = (dtype, torch.get_num_threads())
+    if key in _CHECKED:
+        return
+    failures = invariance_failures(dtype)
+    if failures:
+        raise RuntimeError(f"The invariant attention gives a query other bits in {dtype} on torch "
+                           f"{torch.__version__} ({', '.join(failures)}), so deterministic results cannot be "
+                           "guaranteed here.")
+    _CHECKED.add(key)

@@ -17,6 +17,7 @@ import torch
 from .. import _compat
 from .._compat.hub_kernels import kernels_from_hub
 from ..config import ModelStateSpec
+from ..kernels.attention_invariant import check_invariance as check_attention_invariance
 from ..kernels.batch_invariant import check_row_invariance, check_thread_invariance
 from ..kernels.decode_linear import weight_qualifies
 from . import hybrid_deterministic
@@ -73,7 +74,8 @@ def check(model: torch.nn.Module, spec: ModelStateSpec) -> None:
     Raises:
         ValueError: the family lacks ingredients (named, with what to do); a Hub kernel library is swapped in;
             a parameter is off the CPU or of a dtype other than float32 / bfloat16 / float16; this BLAS sums a
-            linear layer's row differently at some row count or on one thread.
+            linear layer's row differently at some row count or on one thread; the invariant attention gives a
+            query other bits in a decode step or a prefill chunk here (a hybrid's probe).
     """
     name = type(model).__name__
     missing = missing_ingredients(model, spec)
@@ -101,6 +103,11 @@ def check(model: torch.nn.Module, spec: ModelStateSpec) -> None:
             raise ValueError(f"deterministic=True refuses {name}: {'; '.join(problems)}. Build the cache with "
                              "deterministic=False.")
         products += [(weight, None) for weight in hybrid_deterministic.product_weights(model, model_type)]
+        try:
+            check_attention_invariance(model.get_input_embeddings().weight.dtype)
+        except RuntimeError as error:
+            raise ValueError(f"deterministic=True refuses {name} here: {error} Build the cache with "
+                             "deterministic=False.") from error
     for weight, bias in products:
         try:
             check_row_invariance(weight, bias)
