@@ -30,7 +30,8 @@ from test_deterministic import (
     logprobs,
     run,
 )
-from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers import AttentionInterface, ContinuousBatchingConfig, GenerationConfig
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.engine import NgramDrafter, Speculation
@@ -169,6 +170,11 @@ def test_layers_it_cannot_hold_for_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="(?s)hidden_act='gelu'.*deterministic=False"):
         HybridPrefixCache(model, deterministic=True)
     HybridPrefixCache(model)  # nothing was patched: the default mode still builds
+    AttentionInterface.register("test_custom_attention", sdpa_attention_forward)  # a name no other test uses
+    model = build_model(FAMILY, seed=0)
+    model.set_attn_implementation("test_custom_attention")
+    with pytest.raises(ValueError, match="(?s)attn_implementation='test_custom_attention'.*'sdpa'"):
+        HybridPrefixCache(model, deterministic=True)
     monkeypatch.setattr(attention_invariant, "_CHECKED", set())
     monkeypatch.setattr(attention_invariant, "invariance_failures", lambda dtype: ["decode at 31"])
     with pytest.raises(ValueError, match=r"(?s)other bits in torch.float32.*decode at 31.*deterministic=False"):

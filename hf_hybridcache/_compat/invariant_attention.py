@@ -27,6 +27,15 @@ from .engine_attention import ATTENTION_ATTR, install_router
 ROUTED = ("sdpa", "eager")
 
 
+def unroutable(model: torch.nn.Module) -> str | None:
+    """Why :func:`mark` cannot route ``model``'s attention (its implementation, with what to do), or None."""
+    name = model.config._attn_implementation
+    if name in ROUTED + ("paged|eager",):
+        return None
+    return (f"attn_implementation={name!r} (deterministic mode routes 'sdpa' and 'eager' only: load the model with "
+            "attn_implementation='sdpa' or call model.set_attn_implementation('sdpa'))")
+
+
 def mark(model: torch.nn.Module, modules, forward: Callable) -> None:
     """Answer ``modules``' attention calls (attention modules of ``model``) with ``forward`` (idempotent).
 
@@ -34,12 +43,11 @@ def mark(model: torch.nn.Module, modules, forward: Callable) -> None:
     instance patches).
 
     Raises:
-        ValueError: the model's attention implementation is not ``"sdpa"`` or ``"eager"``.
+        ValueError: the model's attention implementation is not ``"sdpa"`` or ``"eager"`` (:func:`unroutable`).
     """
-    if model.config._attn_implementation not in ROUTED + ("paged|eager",):
-        raise ValueError(f"{type(model).__name__} uses attn_implementation={model.config._attn_implementation!r}; "
-                         "deterministic mode routes 'sdpa' and 'eager' only: load it with attn_implementation='sdpa' "
-                         "(or call model.set_attn_implementation('sdpa')).")
+    problem = unroutable(model)
+    if problem is not None:
+        raise ValueError(f"{type(model).__name__} cannot run deterministic attention: {problem}.")
     install_router(model)
     for module in modules:
         setattr(module, ATTENTION_ATTR, forward)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _compat
-from .._compat.invariant_attention import invariant_attention_forward, mark
+from .._compat.invariant_attention import invariant_attention_forward, mark, unroutable
 from ..kernels.mamba1_invariant import silu_invariant
 from .mamba1_deterministic import _linear, lm_head_forward
 
@@ -42,10 +42,8 @@ _OFF: set[str] = set()
 
 def refusals(model: torch.nn.Module, model_type: str) -> list[str]:
     """What keeps ``model``'s layers (of a family in :data:`FAMILIES`) from deterministic mode; empty when none."""
-    config, problems = model.config.get_text_config(), []
-    if model.config._attn_implementation not in ("sdpa", "eager", "paged|eager"):
-        problems.append(f"attn_implementation={model.config._attn_implementation!r} (load the model with "
-                        "attn_implementation='sdpa')")
+    config = model.config.get_text_config()
+    problems = [problem] if (problem := unroutable(model)) is not None else []
     if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
         problems.append(f"hidden_act={config.hidden_act!r} (only SiLU has an invariant form here)")
     if getattr(config, "sliding_window", None) is not None:
