@@ -5,6 +5,7 @@ bfloat16; a model the mode cannot hold for, or ``--no-cache``, is refused at sta
 
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 from test_serve import Server
 
@@ -29,6 +30,7 @@ def test_completions_are_bitwise_alone_concurrent_and_after_a_hit(dtype):
             together = list(pool.map(lambda prompt: _complete(server.client(), prompt), PROMPTS))
         assert together == alone
         assert [_complete(client, prompt) for prompt in reversed(PROMPTS)] == alone[::-1]
+        assert httpx.get(f"{server.url}/server_info").json()["deterministic"] is True
     finally:
         server.close()
 

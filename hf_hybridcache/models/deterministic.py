@@ -117,6 +117,11 @@ def check_served_mode(model: torch.nn.Module, deterministic: bool) -> None:
         )
 
 
+def serves_deterministic(model: torch.nn.Module) -> bool:
+    """Whether ``model`` serves a cache in deterministic mode (False before any cache was built for it)."""
+    return bool(getattr(model, MODE_ATTR, False))
+
+
 def claim(model: torch.nn.Module, deterministic: bool) -> None:
     """Record the mode ``model`` serves (called once a cache is being built for it).
 
