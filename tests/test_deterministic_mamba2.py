@@ -1,0 +1,96 @@
+"""deterministic=True on the pure Mamba-2 family (``mamba2``, issue 46): test_deterministic.py's bank run on the toy
+Mamba-2 (4 heads of 32 in 2 groups, ``chunk_size=24``, off the 16-token block grid): a request's tokens and logits /
+logprobs are the same bits cold and after hits of several lengths (block boundaries, one inside a scan chunk), with a
+reply replayed in a chat, decoded or prefilled, as a row of a padded generate() batch, and among 1-8 other requests
+in the engine at prefill chunks of 16, 48 and 512 tokens and in speculative steps; in float32, bfloat16 and float16.
+
+Power (each ingredient switched off alone through the private ``mamba2_deterministic._OFF``, or the mode off; at two
+intra-op threads on the 2-core AVX-512 CPU, torch 2.13 with MKL; ``x``: the case differs; docs/deterministic.md has
+the table):
+
+- the row-invariant linear: float32 hits, decoded tokens and the engine differ (bf16 / fp16: none);
+- the invariant conv: a decoded token differs from the same token prefilled in every dtype;
+- the per-token scan: float32 and float16 hits, decoded tokens and the engine differ; bf16 decoded tokens;
+- the gated RMSNorm: no case here (the toy's 128 channels fill whole vectors, so ``F.silu`` has no scalar tail);
+  tests/test_mamba2_invariant.py shows upstream's norm moving a row's bits at a width of 1000;
+- the mode off: every case in float32 and float16; decoded tokens and the engine in bfloat16.
+"""
+
+import pytest
+import torch
+from test_deterministic import (
+    PROMPTS,
+    decode_vs_prefill_case,
+    engine_case,
+    engine_outputs,
+    hit_case,
+    speculative_case,
+)
+from test_deterministic import test_chat_turn_with_the_reply_replayed_equals_cold as chat_bank
+from test_deterministic import test_hits_of_several_lengths_equal_cold_bit_for_bit as hits_bank
+from test_deterministic import test_padded_generate_batch_rows_equal_each_alone as padded_bank
+
+from hf_hybridcache.models import mamba2_deterministic
+
+FAMILY = "mamba2"
+
+
+@pytest.fixture(params=[torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def dtype(request):
+    return request.param
+
+
+@pytest.mark.parametrize("length", [16, 24, 47, 89])  # 24: the scan's chunk_size, which the mode does not use
+def test_hits_of_several_lengths_equal_cold_bit_for_bit(dtype, length):
+    hits_bank(FAMILY, dtype, length)
+
+
+def test_identical_prompt_and_decoded_tokens_equal_cold_and_prefilled(dtype):
+    assert hit_case(FAMILY, dtype)
+    assert decode_vs_prefill_case(FAMILY, dtype)
+
+
+def test_chat_turn_with_the_reply_replayed_equals_cold(dtype):
+    chat_bank(FAMILY, dtype)
+
+
+def test_padded_generate_batch_rows_equal_each_alone(dtype):
+    padded_bank(FAMILY, dtype)
+
+
+@pytest.mark.parametrize("max_batch_tokens", [16, 48, 512])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_engine_requests_equal_generate_alone_in_any_batch(dtype, max_batch_tokens, threads):
+    """The engine's tokens and logprobs for 1, 3 and 8 concurrent requests equal each one alone in generate()."""
+    torch.set_num_threads(threads)
+    for prompts in (PROMPTS[:1], PROMPTS[2:5], PROMPTS):
+        assert engine_case(FAMILY, dtype, prompts, max_batch_tokens), f"{len(prompts)} requests"
+
+
+def test_speculative_engine_steps_equal_generate_alone(dtype):
+    speculative_case(FAMILY, dtype)
+
+
+def test_engine_requests_hit_each_others_prefix():
+    outputs = engine_outputs(FAMILY, torch.bfloat16, PROMPTS, 48)
+    assert sorted(o.hit_tokens for o in outputs[:2]) == [0, 32]
+
+
+@pytest.mark.parametrize("off, dtype, case", [
+    ("linear", torch.float32, hit_case),
+    ("conv", torch.float32, decode_vs_prefill_case),
+    ("conv", torch.bfloat16, decode_vs_prefill_case),
+    ("scan", torch.float32, hit_case),
+    ("scan", torch.bfloat16, decode_vs_prefill_case),
+], ids=["linear-fp32-hit", "conv-fp32-decode", "conv-bf16-decode", "scan-fp32-hit", "scan-bf16-decode"])
+def test_each_ingredient_off_alone_breaks_a_case(monkeypatch, off, dtype, case):
+    torch.set_num_threads(2)  # MKL's float32 1-row product sums in another order at 2 threads (the suite runs 1)
+    assert case(FAMILY, dtype)
+    monkeypatch.setattr(mamba2_deterministic, "_OFF", {off})
+    assert not case(FAMILY, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_with_the_mode_off_some_case_differs(dtype):
+    cases = (decode_vs_prefill_case, engine_case, hit_case)
+    assert not all(case(FAMILY, dtype, deterministic=False) for case in cases)
