@@ -4,9 +4,10 @@
 after the family's own patches (:mod:`.paths`). The mode is accepted only where every op of the model's forward has a row-invariant,
 path-invariant form here (docs/deterministic.md, "The ingredients"): today the pure Mamba-1 families (Mamba,
 Falcon-Mamba: embeddings, RMSNorms, the mixer of :mod:`.mamba1_deterministic`, the LM head) and the pure Mamba-2 one
-(the mixer of :mod:`.mamba2_deterministic`), on CPU, in float32, bfloat16 and float16. Every other family is refused with the ingredients it lacks named, and so is a model whose
-kernels or BLAS would break the guarantee: refusing, never warning and continuing, is the point of the mode (vLLM's
-batch-invariant mode likewise fails closed on layers it has no kernel for).
+(the mixer of :mod:`.mamba2_deterministic`), on CPU, in float32, bfloat16 and float16. Every other family is refused
+with the ingredients it lacks named, and so is a model whose kernels or BLAS would break the guarantee: refusing,
+never warning and continuing, is the point of the mode (vLLM's batch-invariant mode likewise fails closed on layers it
+has no kernel for).
 """
 
 from __future__ import annotations
