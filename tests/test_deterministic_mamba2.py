@@ -19,18 +19,22 @@ the table):
 import pytest
 import torch
 from test_deterministic import (
+    BASE,
     PROMPTS,
     decode_vs_prefill_case,
     engine_case,
     engine_outputs,
     hit_case,
+    run,
     speculative_case,
 )
 from test_deterministic import test_chat_turn_with_the_reply_replayed_equals_cold as chat_bank
 from test_deterministic import test_hits_of_several_lengths_equal_cold_bit_for_bit as hits_bank
 from test_deterministic import test_padded_generate_batch_rows_equal_each_alone as padded_bank
 
+from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.models import mamba2_deterministic
+from hf_hybridcache.toy import build_model
 
 FAMILY = "mamba2"
 
@@ -38,6 +42,20 @@ FAMILY = "mamba2"
 @pytest.fixture(params=[torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def dtype(request):
     return request.param
+
+
+@pytest.mark.parametrize("overrides", [{}, {"time_step_limit": (0.0, 0.05)}], ids=["default", "dt-clamped"])
+def test_the_mode_computes_the_default_paths_prefill_within_round_off(overrides):
+    """The same mixer as the package's Mamba-2 path (groups, dt_bias, softplus, the time_step_limit clamp, the D skip,
+    the gated norm): a prefill's logits within float32 round-off of the default mode's, with the clamp biting too
+    (0.05 is below most of the long-memory toy's time steps). Only the prefill: upstream's decode step ignores
+    time_step_limit, which the chunked prefill and the mode apply."""
+    prompt = BASE[:40]
+    logits = {}
+    for on in (False, True):
+        model = build_model(FAMILY, seed=0, **overrides)
+        logits[on] = run(model, HybridPrefixCache(model, deterministic=on), prompt, new_tokens=1)[1]
+    torch.testing.assert_close(logits[True], logits[False], rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("length", [16, 24, 47, 89])  # 24: the scan's chunk_size, which the mode does not use
