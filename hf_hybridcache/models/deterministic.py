@@ -19,8 +19,8 @@ from .._compat.hub_kernels import kernels_from_hub
 from ..config import ModelStateSpec
 from ..kernels.batch_invariant import check_row_invariance, check_thread_invariance
 from ..kernels.decode_linear import weight_qualifies
-from .mamba1 import DETERMINISTIC_FORWARD
 from . import mamba1_deterministic, mamba2_deterministic
+from .mamba1 import DETERMINISTIC_FORWARD
 from .wrappers import decoder_model_type
 
 #: model_type -> (the mixer class, the module whose ``deterministic_forward`` stands in for its forward and whose
