@@ -18,6 +18,7 @@ the table):
 
 import pytest
 import torch
+from conftest import assert_restored_states_match
 from test_deterministic import (
     BASE,
     PROMPTS,
@@ -56,6 +57,17 @@ def test_the_mode_computes_the_default_paths_prefill_within_round_off(overrides)
         model = build_model(FAMILY, seed=0, **overrides)
         logits[on] = run(model, HybridPrefixCache(model, deterministic=on), prompt, new_tokens=1)[1]
     torch.testing.assert_close(logits[True], logits[False], rtol=0, atol=1e-4)
+
+
+def test_checkpoints_hold_the_states_of_an_upstream_cold_forward():
+    """What the mode stores is what the default path stores: the conv window and the float32 SSM state ``[H, P, N]``
+    at a block boundary equal an unpatched model's (transformers' own chunked scan) within fp32 round-off. In float32
+    only: in bf16 upstream's chunked scan rounds its products to bf16 where the per-token step keeps float32 (the
+    states were 5.6e-3 apart)."""
+    model = build_model(FAMILY, seed=0)
+    cache = HybridPrefixCache(model, deterministic=True, retention_interval="dense")
+    run(model, cache, BASE)
+    assert_restored_states_match(cache, build_model(FAMILY, seed=0), torch.tensor([BASE[:70]]), expected_hit=64)
 
 
 @pytest.mark.parametrize("length", [16, 24, 47, 89])  # 24: the scan's chunk_size, which the mode does not use
