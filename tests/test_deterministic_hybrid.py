@@ -2,7 +2,7 @@
 top 2) and plain MLPs, on the long-memory toy with an MLP width (104) off the CPU's vector width. A request's tokens
 and logits / logprobs are the same bits cold and after hits, decoded or prefilled, as a row of a left-padded
 generate() batch, and among 1-8 concurrent engine requests at prefill chunk sizes 16, 48 and 512 (and in speculative
-verify groups) against generate() alone; float32 and bfloat16 throughout, float16 for hits and decode.
+verify groups) against generate() alone; float32 and bfloat16 throughout, float16 for hits, decode and the engine.
 
 Power (each ingredient switched off alone through the private ``hybrid_deterministic._OFF``; measured on the 2-core
 AVX-512 CPU, torch 2.13 with MKL, 1 and 2 threads alike; docs/deterministic.md has the table):
@@ -98,6 +98,11 @@ def test_engine_requests_equal_generate_alone_in_any_batch(dtype, max_batch_toke
     equal each one alone in generate()."""
     for prompts in (PROMPTS[:1], PROMPTS[2:5], PROMPTS):
         assert engine_case(FAMILY, dtype, prompts, max_batch_tokens), f"{len(prompts)} requests"
+
+
+@pytest.mark.parametrize("max_batch_tokens", [16, 48, 512])
+def test_engine_in_float16_equals_generate_alone(max_batch_tokens):
+    assert engine_case(FAMILY, torch.float16, PROMPTS, max_batch_tokens)
 
 
 def test_engine_at_two_threads_equals_generate_alone():
