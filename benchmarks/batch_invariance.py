@@ -183,13 +183,15 @@ def _invariant_attention_cells(q, k, v) -> dict[str, str]:
 
 
 def offset_table(widths=(104, 128), offsets=range(1, 33)) -> list[str]:
-    """SiLU of an MLP's ``[M, I]`` gate (I = 104, off the vector width, or 128) where a token's row starts at another
-    element offset of the tensor (its index among the rows): the elements at each offset against the whole tensor's."""
+    """SiLU (and GELU, Zamba's MLP activation) of an MLP's ``[M, I]`` gate (I = 104, off the vector width, or 128)
+    where a token's row starts at another element offset of the tensor (its index among the rows): the elements at
+    each offset against the whole tensor's."""
     lines = [_row("op, dtype", [f"I={w}" for w in widths]), "|---|---|---|"]
     for name, dtype in DTYPES.items():
         gen = torch.Generator().manual_seed(3)
         for op_name, op in (("F.silu", F.silu), ("silu_invariant (float32, rounded)",
-                                                 lambda t: silu_invariant(t.float()).to(t.dtype))):
+                                                 lambda t: silu_invariant(t.float()).to(t.dtype)),
+                            ("F.gelu (erf)", F.gelu), ("F.gelu (tanh)", lambda t: F.gelu(t, approximate="tanh"))):
             cells = []
             for width in widths:
                 flat = (torch.randn(40 * width, generator=gen) * 3).to(dtype)
