@@ -21,7 +21,7 @@ from ..config import ModelStateSpec
 from ..kernels.attention_invariant import check_invariance as check_attention_invariance
 from ..kernels.batch_invariant import check_row_invariance, check_thread_invariance
 from ..kernels.decode_linear import weight_qualifies
-from . import hybrid_deterministic, mamba1_deterministic, mamba2_deterministic
+from . import hybrid_deterministic, mamba1_deterministic, mamba2_deterministic, zamba_deterministic
 from .mamba1 import DETERMINISTIC_FORWARD
 from .wrappers import decoder_model_type
 
@@ -32,6 +32,7 @@ SUPPORTED = {
     "falcon_mamba": ("FalconMambaMixer", mamba1_deterministic),
     "mamba2": ("Mamba2Mixer", mamba2_deterministic),
     "jamba": ("JambaMambaMixer", mamba1_deterministic),
+    "zamba": ("ZambaMambaMixer", zamba_deterministic),
 }
 #: The dtypes the mode's tests hold in.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -54,7 +55,6 @@ _MIXERS = {
     **dict.fromkeys(("kimi_linear", "bailing_hybrid"), (_KDA,)),
     **dict.fromkeys(("lfm2", "lfm2_moe", "lfm3", "inkling_text", "inkling2_text", "inkling2_loop_text"),
                     (_SHORT_CONV,)),
-    "zamba": ("Zamba's per-head Mamba-1 mixer wired to the invariant kernels",),
     "zaya": ("ZAYA's CCA conv mixer wired to the invariant conv",),
 }
 

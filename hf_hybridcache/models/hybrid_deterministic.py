@@ -1,5 +1,6 @@
-"""The layers a hybrid adds to its mixers in deterministic mode (issue 46): attention, MLP activations, linear layers
-and routed experts, each with a row-invariant, path-invariant form (docs/deterministic.md, "The ingredients").
+"""The layers a hybrid adds to its mixers in deterministic mode (issue 46; Jamba and Zamba): attention, MLP
+activations, linear layers and routed experts, each with a row-invariant, path-invariant form (docs/deterministic.md,
+"The ingredients").
 
 - Every ``torch.nn.Linear`` (attention projections, MLPs, the LM head) runs through
   :func:`~hf_hybridcache.models.mamba1_deterministic.lm_head_forward` (the row-invariant linear).
@@ -9,8 +10,9 @@ and routed experts, each with a row-invariant, path-invariant form (docs/determi
 - The MLP activations (``SiLUActivation`` / ``nn.SiLU`` modules) run as
   :func:`~hf_hybridcache.kernels.mamba1_invariant.silu_invariant` in float32, rounded once to the input dtype:
   ``F.silu`` gives an element other float32 bits by its offset in the tensor (its vectorized body and scalar tail
-  differ; ``benchmarks/batch_invariance.py``, table 2), so a token's MLP output moved with the number of tokens
-  beside it.
+  differ; ``benchmarks/batch_invariance.py``, table 2b), so a token's MLP output moved with the number of tokens
+  beside it. ``GELUActivation`` (Zamba's, the erf form) runs ``F.gelu`` in float32, rounded once: float32's is
+  offset-invariant here, float16's is not.
 - A routed-experts block (Jamba's ``JambaSparseMoeBlock``, transformers 5.23 - 5.25) runs :func:`sparse_moe_forward`:
   upstream's router and experts, each expert's products on the rows routed to it through the row-invariant linear, and
   each token's experts summed in the order of its own top-k choice (upstream sums in expert order, also fixed per
@@ -18,7 +20,7 @@ and routed experts, each with a row-invariant, path-invariant form (docs/determi
 
 The RMSNorms, softmaxes, embeddings and residual adds run as upstream (measured row-invariant here). :data:`_OFF` is
 the private switch of the power tests: ``"attention"`` runs the model's own attention function, ``"activation"``
-``F.silu``.
+``F.silu`` / the model's GELU.
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ from .mamba1_deterministic import _linear, lm_head_forward
 
 #: model_type -> (attention module class, routed-experts block class or None): the hybrids whose layers this module
 #: knows (their mixers are wired by :mod:`.deterministic`).
-FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock")}
-#: The activation modules replaced by the invariant SiLU (transformers' ``ACT2FN["silu"]`` and torch's).
-SILU_MODULES = ("SiLUActivation", "SiLU")
+FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock"), "zamba": ("ZambaAttention", None)}
+#: The activations with an invariant form here (transformers' ``ACT2FN["silu"]`` / ``ACT2FN["gelu"]`` and torch's).
+ACTIVATIONS = ("silu", "swish", "gelu")
 #: Ingredients switched off (private: the power tests name them here; empty in use).
 _OFF: set[str] = set()
 
@@ -44,21 +46,24 @@ def refusals(model: torch.nn.Module, model_type: str) -> list[str]:
     """What keeps ``model``'s layers (of a family in :data:`FAMILIES`) from deterministic mode; empty when none."""
     config = model.config.get_text_config()
     problems = [problem] if (problem := unroutable(model)) is not None else []
-    if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
-        problems.append(f"hidden_act={config.hidden_act!r} (only SiLU has an invariant form here)")
+    if getattr(config, "hidden_act", "silu") not in ACTIVATIONS:
+        problems.append(f"hidden_act={config.hidden_act!r} (only SiLU and GELU have an invariant form here)")
     if getattr(config, "sliding_window", None) is not None:
         problems.append(f"sliding_window={config.sliding_window} (the invariant attention has no window yet)")
     return problems
 
 
 def product_weights(model: torch.nn.Module, model_type: str) -> list[torch.Tensor]:
-    """The weights of the products :func:`sparse_moe_forward` runs outside ``torch.nn.Linear`` modules (the router,
-    one expert's gate-up and down projections per block), for the row-invariance probes."""
+    """The weights of the products the mode runs outside ``torch.nn.Linear`` modules, for the row-invariance probes:
+    :func:`sparse_moe_forward`'s (the router, one expert's gate-up and down projections per block) and a per-head
+    mixer's (one head's ``x_proj_weight`` and ``dt_proj_weight``, Zamba's)."""
     experts_class = FAMILIES[model_type][1]
     weights = []
     for module in model.modules():
         if type(module).__name__ == experts_class:
             weights += [module.router.weight, module.experts.gate_up_proj[0], module.experts.down_proj[0]]
+        if isinstance(getattr(module, "x_proj_weight", None), torch.nn.Parameter):
+            weights += [module.x_proj_weight[0], module.dt_proj_weight[0]]
     return weights
 
 
@@ -70,9 +75,11 @@ def install(model: torch.nn.Module, model_type: str) -> None:
         name = type(module).__name__
         if isinstance(module, torch.nn.Linear):
             _compat.patch_instance_forward(module, lm_head_forward)
-        elif name in SILU_MODULES:
+        elif name in ("SiLUActivation", "SiLU"):
             _compat.patch_instance_forward(module, silu_forward)
-        elif name == experts_class:
+        elif name == "GELUActivation":  # ACT2FN["gelu"], the erf form
+            _compat.patch_instance_forward(module, gelu_forward)
+        elif experts_class is not None and name == experts_class:
             _compat.patch_instance_forward(module, sparse_moe_forward)
     mark(model, [m for m in model.modules() if type(m).__name__ == attention_class], attention_forward)
 
@@ -90,6 +97,14 @@ def silu_forward(module: torch.nn.Module, original, x: torch.Tensor) -> torch.Te
     if "activation" in _OFF:
         return F.silu(x)
     return silu_invariant(x.float()).to(x.dtype)
+
+
+def gelu_forward(module: torch.nn.Module, original, x: torch.Tensor) -> torch.Tensor:
+    """``gelu(x)`` (erf form) for ``x`` of any shape and float dtype, computed in float32 and rounded once to ``x``'s
+    dtype: float32's erf gives an element the same bits wherever it sits, float16's does not (table 2b)."""
+    if "activation" in _OFF:
+        return original(x)
+    return F.gelu(x.float()).to(x.dtype)
 
 
 def sparse_moe_forward(block: torch.nn.Module, original, hidden_states: torch.Tensor) -> torch.Tensor:
