@@ -18,9 +18,10 @@ __all__ = ["deterministic_forward", "lm_head_forward"]
 
 @_compat.force_accelerate_hooks(["conv1d"])
 def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_mask: torch.Tensor | None):
-    """:func:`~hf_hybridcache.models.mamba1_deterministic.deterministic_forward` for Zamba's per-head mixer (``ZambaMambaMixer``; the package's copy of its
-    full-sequence path is :func:`~hf_hybridcache.models.zamba._forward_from_state`): the interleaved ``in_proj``
-    (even channels feed the conv, odd ones are the gate), one conv over all channels, then per head its own
+    """:func:`~hf_hybridcache.models.mamba1_deterministic.deterministic_forward` for Zamba's per-head mixer
+    (``ZambaMambaMixer``; the package's copy of its full-sequence path is
+    :func:`~hf_hybridcache.models.zamba._forward_from_state`): the interleaved ``in_proj`` (even channels feed the
+    conv, odd ones are the gate), one conv over all channels, then per head its own
     ``x_proj_weight`` / ``dt_proj_weight`` products through the row-invariant linear and its own invariant scan or step
     on its slice of the SSM state ``[B, H, I/H, N]`` float32. Same arguments, returns and raises."""
     layer_idx, (batch, seq_len, _), dtype = mixer.layer_idx, hidden_states.shape, hidden_states.dtype
