@@ -1,7 +1,8 @@
 """What deterministic mode costs the engine (issue 46's bar: tokens/s with the mode on at least 0.7x off).
 
-For each model of a family (``--family``: Mamba, Mamba-2 or Jamba; its toy, Jamba's with 4 routed experts (top 2),
-and its 130M checkpoint's shape or, for Jamba, the ``small`` shape of :mod:`benchmarks.model_shapes`; random weights),
+For each model of a family (``--family``: Mamba, Mamba-2, Jamba or Zamba; its toy, Jamba's with 4 routed experts (top
+2), and its 130M checkpoint's shape or, for Jamba, the ``small`` shape of :mod:`benchmarks.model_shapes`; Zamba: the
+toy only; random weights),
 dtype and request count, two model instances
 with the same weights serve ``HybridPrefixCache(model)`` and ``HybridPrefixCache(model, deterministic=True)``; each
 runs ``generate_batch`` on ``R`` prompts of :data:`PROMPT_TOKENS` tokens (shorter than a block, so no round hits the
@@ -40,7 +41,7 @@ NEW_TOKENS = 32
 PREFILL_TOKENS = 256
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: family -> the models ``--models`` may name (the first ones are the default).
-MODELS = {"mamba": ("toy", "130m"), "mamba2": ("toy", "130m"), "jamba": ("toy", "small")}
+MODELS = {"mamba": ("toy", "130m"), "mamba2": ("toy", "130m"), "jamba": ("toy", "small"), "zamba": ("toy",)}
 FAMILIES = tuple(MODELS)
 #: Config overrides of a family's toy here: Jamba's toy gets routed experts (its default has one MLP per layer).
 TOY_OVERRIDES = {"jamba": dict(num_experts=4, num_experts_per_tok=2)}
