@@ -1,5 +1,5 @@
 """A linear layer whose result for a row does not depend on how many rows share the product (issue 46, the first
-ingredient of deterministic mode; not used by any forward yet).
+ingredient of deterministic mode).
 
 A matrix product's library picks its kernel, and with it the order in which each output's ``K`` terms are summed,
 from the shape of the call. On this project's CPU (torch 2.13, MKL) ``F.linear`` in float32 sums a row one way at
@@ -8,15 +8,26 @@ rows, so a request's logits move by float32 round-off with the number of request
 (``benchmarks/batch_invariance.py`` prints the table; bf16 and fp16 went through one kernel at every row count
 measured). Batch-invariant inference (Thinking Machines Lab, "Defeating Nondeterminism in LLM Inference", 2025;
 their ``batch_invariant_ops``, the kernels behind vLLM's and SGLang's batch-invariant modes) fixes the reduction order
-by fixing the kernel's tile shape. Here the same idea is reached from above with the library's own kernel: every call
-gets a row count that is a multiple of :data:`ROW_TILE` (zero rows appended), a count at which every row is summed in
-one order. Whether the library really does so for a weight is measured, not assumed: :func:`check_row_invariance`
-runs the product at :data:`PROBE_ROWS` rows and raises where any row differs, so a mode built on this fails closed on
-another BLAS, another torch or another device instead of silently losing its guarantee.
+by fixing the kernel's tile shape. Here the same idea is reached from above with the libraries' own kernels: every
+call gets a row count that is a multiple of :data:`ROW_TILE` (zero rows appended), a count at which every row is
+summed in one order, by one of two products chosen per weight (:func:`product_form`, never per call):
 
-Cost on the 2-core CPU (``benchmarks/batch_invariance.py``, table 5): in float32 one row pays for the
-:data:`ROW_TILE`-row product instead of the matrix-vector one (about 3x on a ``[4096, 1024]`` weight); at 8 rows and in
-bf16 the cost is within noise.
+- ``"onednn"``: oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``, the op torch's own compiler emits for a CPU
+  linear) for float32 CPU weights of at least :data:`ONEDNN_MIN_ELEMENTS` elements. Measured on this CPU it sums a row
+  one way at every row count from 2 up (1 row is a matrix-vector kernel), and at 4 rows it reads a large weight at
+  0.5-0.7x the time of MKL's 4-row product (``benchmarks/batch_invariance.py``, table 5): an ``in_proj`` of
+  Mamba-130M, ``[3072, 768]``, or its ``[50280, 768]`` LM head at one row of a decode step;
+- ``"blas"``: ``F.linear`` (MKL in float32, oneDNN in bf16 / fp16) for every other weight: a small float32 weight
+  (below the threshold oneDNN's per-call set-up costs more than it saves), any bf16 / fp16 one, a torch without
+  oneDNN.
+
+Whether a product really is row-invariant for a weight is measured, not assumed: :func:`check_row_invariance` runs
+it at :data:`PROBE_ROWS` rows and raises where any row differs, so a mode built on this fails closed on another BLAS,
+another torch or another device instead of silently losing its guarantee.
+
+Cost on the 2-core CPU (``benchmarks/batch_invariance.py``, table 5): one row of a large float32 weight pays 1.3-2x
+the default's matrix-vector read; at 8 rows it costs less than the default's product; a small float32 weight's row
+pays MKL's 4-row product (about 2x a matrix-vector one); bf16 is within noise at 1 and 8 rows.
 
 Shapes: ``x`` ``[..., K]`` (M rows in all), ``weight`` ``[N, K]``, ``bias`` ``[N]``; any float dtype and device that
 ``F.linear`` takes.
@@ -31,23 +42,65 @@ import torch.nn.functional as F
 #: float32 product summed every row as it does at 64 rows (measured: 1-3, 5-7 and 9-11 rows differ, every multiple
 #: of 4 agrees), and a 4-row product costs less than an 8-row one at decode sizes.
 ROW_TILE = 4
+#: Float32 CPU weights of at least this many elements (2 MiB) run oneDNN's product (:func:`product_form`); below it,
+#: measured on this CPU, oneDNN's per-call set-up (~0.03 ms) outweighs the faster read.
+ONEDNN_MIN_ELEMENTS = 1 << 19
 #: Row counts :func:`check_row_invariance` compares (each a multiple of :data:`ROW_TILE`): a decode step of one to a
 #: few requests, odd tile counts, and prefill-chunk sizes.
 PROBE_ROWS = (4, 8, 12, 16, 28, 64, 256)
 
 
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+_ONEDNN = _onednn_available()
+
+
+def product_form(weight: torch.Tensor) -> str:
+    """The product :func:`invariant_linear` runs for ``weight`` ``[N, K]``: ``"onednn"`` for a float32 CPU weight of at
+    least :data:`ONEDNN_MIN_ELEMENTS` elements where this torch has oneDNN's linear, else ``"blas"`` (``F.linear``).
+    A function of the weight alone, so every call on it, at any row count, runs one product."""
+    if (_ONEDNN and weight.dim() == 2 and weight.dtype == torch.float32 and weight.device.type == "cpu"
+            and weight.numel() >= ONEDNN_MIN_ELEMENTS):
+        return "onednn"
+    return "blas"
+
+
+class _OneDnnLinear(torch.autograd.Function):
+    """oneDNN's linear (which has no autograd formula of its own) with the plain products as its backward, so a forward
+    under autograd gives the bits of one without it."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, bias):
+        ctx.save_for_backward(rows, weight)
+        ctx.has_bias = bias is not None
+        return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weight = ctx.saved_tensors
+        return grad @ weight, grad.t() @ rows, grad.sum(0) if ctx.has_bias else None
+
+
+def _onednn_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (rows, weight, bias)):
+        return _OneDnnLinear.apply(rows, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+
+
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` run on ``x``'s rows padded with zero rows to a multiple of :data:`ROW_TILE`, so
-    that a row's result is the same bits whatever other rows share the call, wherever
-    :func:`check_row_invariance` passes for ``weight``.
+    """``F.linear(x, weight, bias)`` run on ``x``'s rows padded with zero rows to a multiple of :data:`ROW_TILE`, by
+    :func:`product_form`'s product for ``weight``, so that a row's result is the same bits whatever other rows share
+    the call, wherever :func:`check_row_invariance` passes for ``weight``.
 
     Args:
         x: ``[..., K]``, the dtype and device of ``weight``.
         weight: ``[N, K]``; bias: ``[N]`` or None.
 
     Returns:
-        ``[..., N]`` in ``x``'s dtype, equal to ``F.linear``'s result within its round-off (bitwise where
-        ``F.linear`` already runs a multiple of :data:`ROW_TILE` rows).
+        ``[..., N]`` in ``x``'s dtype, equal to ``F.linear``'s result within its round-off (bitwise where the form is
+        ``"blas"`` and ``F.linear`` already runs a multiple of :data:`ROW_TILE` rows).
 
     Raises:
         RuntimeError: as ``F.linear`` does for mismatched shapes, dtypes or devices.
@@ -57,7 +110,11 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     pad_rows = -num_rows % ROW_TILE
     if pad_rows:
         rows = torch.cat([rows, rows.new_zeros(pad_rows, rows.shape[1])])
-    out = F.linear(rows, weight, bias)
+    if (product_form(weight) == "onednn" and rows.dtype == weight.dtype and rows.device == weight.device
+            and rows.shape[1] == weight.shape[1] and (bias is None or bias.dtype == weight.dtype)):
+        out = _onednn_linear(rows, weight, bias)
+    else:  # F.linear also raises the documented errors for mismatched inputs
+        out = F.linear(rows, weight, bias)
     if pad_rows:
         out = out[:num_rows]
     return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -100,8 +157,8 @@ def check_row_invariance(weight: torch.Tensor, bias: torch.Tensor | None = None)
     failures = row_invariance_failures(weight, bias)
     if failures:
         raise RuntimeError(
-            f"The linear product of a {list(weight.shape)} {weight.dtype} weight on {weight.device} (torch "
-            f"{torch.__version__}) sums a row differently at {failures} rows than at {max(PROBE_ROWS)}: this "
+            f"The linear product ({product_form(weight)!r}) of a {list(weight.shape)} {weight.dtype} weight on "
+            f"{weight.device} (torch {torch.__version__}) sums a row differently at {failures} rows than at {max(PROBE_ROWS)}: this "
             "library's kernels are not row-invariant at a fixed row tile, so deterministic results cannot be "
             "guaranteed here."
         )
@@ -134,8 +191,8 @@ def check_thread_invariance(weight: torch.Tensor, bias: torch.Tensor | None = No
         torch.set_num_threads(threads)
     if failures:
         raise RuntimeError(
-            f"The linear product of a {list(weight.shape)} {weight.dtype} weight on {weight.device} (torch "
-            f"{torch.__version__}) sums a row differently on 1 thread than on {threads} at {failures} rows, so "
+            f"The linear product ({product_form(weight)!r}) of a {list(weight.shape)} {weight.dtype} weight on "
+            f"{weight.device} (torch {torch.__version__}) sums a row differently on 1 thread than on {threads} at {failures} rows, so "
             "deterministic results cannot be guaranteed here."
         )
     _THREAD_CHECKED.add(key)
