@@ -120,20 +120,21 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def row_invariance_failures(weight: torch.Tensor, bias: torch.Tensor | None = None, linear=invariant_linear,
+def row_invariance_failures(weight: torch.Tensor, bias: torch.Tensor | None = None, linear=None,
                             seed: int = 0) -> list[int]:
     """The row counts of :data:`PROBE_ROWS` (and every count from 1 to :data:`ROW_TILE` * 3) at which ``linear``
     gives some row other bits than the same row in a product of ``max(PROBE_ROWS)`` rows; empty where it is
     row-invariant for this weight.
 
     Args:
-        weight: ``[N, K]``; bias: ``[N]`` or None; linear: the product to probe (``F.linear`` shows what the
-            library does without the fixed tile); seed: the seed of the random rows (drawn in float32 on the CPU,
+        weight: ``[N, K]``; bias: ``[N]`` or None; linear: the product to probe (None: :func:`invariant_linear`;
+            ``F.linear`` shows what the library does without the fixed tile); seed: the seed of the random rows (drawn in float32 on the CPU,
             then moved to ``weight``'s dtype and device).
 
     Returns:
         The failing row counts, ascending.
     """
+    linear = invariant_linear if linear is None else linear
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(max(PROBE_ROWS), weight.shape[1], generator=gen).to(weight.dtype).to(weight.device)
     full = linear(x, weight, bias)
