@@ -35,6 +35,9 @@ Shapes: ``x`` ``[..., K]`` (M rows in all), ``weight`` ``[N, K]``, ``bias`` ``[N
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -65,6 +68,19 @@ def product_form(weight: torch.Tensor) -> str:
             and weight.numel() >= ONEDNN_MIN_ELEMENTS):
         return "onednn"
     return "blas"
+
+
+@contextlib.contextmanager
+def mkl_only() -> Iterator[None]:
+    """Inside, every weight's form is ``"blas"`` (the mode's products before the oneDNN form): for
+    ``benchmarks/deterministic_cost.py``'s comparison only. A large float32 weight's rows get other bits inside than
+    outside, so never serve a request across its edge."""
+    global _ONEDNN
+    saved, _ONEDNN = _ONEDNN, False
+    try:
+        yield
+    finally:
+        _ONEDNN = saved
 
 
 class _OneDnnLinear(torch.autograd.Function):
