@@ -14,9 +14,8 @@ summed in one order, by one of two products chosen per weight (:func:`product_fo
 
 - ``"onednn"``: oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``, the op torch's own compiler emits for a CPU
   linear) for float32 CPU weights of at least :data:`ONEDNN_MIN_ELEMENTS` elements. Measured on this CPU it sums a row
-  one way at every row count from 2 up (1 row is a matrix-vector kernel), and at 4 rows it reads a large weight at
-  0.5-0.7x the time of MKL's 4-row product (``benchmarks/batch_invariance.py``, table 5): an ``in_proj`` of
-  Mamba-130M, ``[3072, 768]``, or its ``[50280, 768]`` LM head at one row of a decode step;
+  one way at every row count from 2 to 1024 and on one thread as on two (1 row alone is a matrix-vector kernel,
+  hence the tile), and it reads a large weight faster than MKL's product at 4 rows and more;
 - ``"blas"``: ``F.linear`` (MKL in float32, oneDNN in bf16 / fp16) for every other weight: a small float32 weight
   (below the threshold oneDNN's per-call set-up costs more than it saves), any bf16 / fp16 one, a torch without
   oneDNN.
@@ -25,9 +24,9 @@ Whether a product really is row-invariant for a weight is measured, not assumed:
 it at :data:`PROBE_ROWS` rows and raises where any row differs, so a mode built on this fails closed on another BLAS,
 another torch or another device instead of silently losing its guarantee.
 
-Cost on the 2-core CPU (``benchmarks/batch_invariance.py``, table 5): one row of a large float32 weight pays 1.3-2x
-the default's matrix-vector read; at 8 rows it costs less than the default's product; a small float32 weight's row
-pays MKL's 4-row product (about 2x a matrix-vector one); bf16 is within noise at 1 and 8 rows.
+Cost on the 2-core CPU against plain ``F.linear`` (``benchmarks/batch_invariance.py``, table 5; a ``[4096, 1024]``
+weight): float32 2.0x at 1 row (the 4-row product against MKL's matrix-vector one; MKL's 4-row product was 3.0x),
+0.42x at 8 rows and 0.40x at 64; a small float32 weight's single row pays MKL's 4-row product; bf16 within noise.
 
 Shapes: ``x`` ``[..., K]`` (M rows in all), ``weight`` ``[N, K]``, ``bias`` ``[N]``; any float dtype and device that
 ``F.linear`` takes.
