@@ -72,7 +72,7 @@ def test_power_f_linear_is_not_row_invariant_in_float32_here(shape):
 
 
 def test_the_product_is_chosen_by_the_weight_alone():
-    """Large float32 CPU weights run oneDNN's product, every other weight ``F.linear``'s; the row count plays no part."""
+    """Large float32 CPU weights run oneDNN's product, every other weight ``F.linear``'s; rows play no part."""
     expected_large = "onednn" if bi._onednn_available() else "blas"
     assert bi.product_form(torch.zeros(LARGE)) == expected_large
     assert bi.product_form(torch.zeros(bi.ONEDNN_MIN_ELEMENTS // 256 - 1, 256)) == "blas"

@@ -143,8 +143,8 @@ def row_invariance_failures(weight: torch.Tensor, bias: torch.Tensor | None = No
 
     Args:
         weight: ``[N, K]``; bias: ``[N]`` or None; linear: the product to probe (None: :func:`invariant_linear`;
-            ``F.linear`` shows what the library does without the fixed tile); seed: the seed of the random rows (drawn in float32 on the CPU,
-            then moved to ``weight``'s dtype and device).
+            ``F.linear`` shows what the library does without the fixed tile); seed: the seed of the random rows
+            (drawn in float32 on the CPU, then moved to ``weight``'s dtype and device).
 
     Returns:
         The failing row counts, ascending.
@@ -162,21 +162,21 @@ _CHECKED: set[tuple] = set()
 
 def check_row_invariance(weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
     """Raise unless :func:`invariant_linear` is row-invariant for ``weight`` here (probed once per weight shape,
-    dtype, device and bias presence in a process, with :func:`row_invariance_failures`).
+    dtype, device, bias presence and :func:`product_form` in a process, with :func:`row_invariance_failures`).
 
     Raises:
         RuntimeError: some row count gave a row other bits; names the shape, dtype, device and counts.
     """
-    key = (tuple(weight.shape), weight.dtype, str(weight.device), bias is not None)
+    key = (tuple(weight.shape), weight.dtype, str(weight.device), bias is not None, product_form(weight))
     if key in _CHECKED:
         return
     failures = row_invariance_failures(weight, bias)
     if failures:
         raise RuntimeError(
             f"The linear product ({product_form(weight)!r}) of a {list(weight.shape)} {weight.dtype} weight on "
-            f"{weight.device} (torch {torch.__version__}) sums a row differently at {failures} rows than at {max(PROBE_ROWS)}: this "
-            "library's kernels are not row-invariant at a fixed row tile, so deterministic results cannot be "
-            "guaranteed here."
+            f"{weight.device} (torch {torch.__version__}) sums a row differently at {failures} rows than at "
+            f"{max(PROBE_ROWS)}: this library's kernels are not row-invariant at a fixed row tile, so deterministic "
+            "results cannot be guaranteed here."
         )
     _CHECKED.add(key)
 
@@ -186,7 +186,7 @@ _THREAD_CHECKED: set[tuple] = set()
 
 def check_thread_invariance(weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
     """Raise unless :func:`invariant_linear` gives ``weight``'s product the same bits on one intra-op thread as on
-    ``torch.get_num_threads()`` (probed once per weight shape, dtype, device, bias presence and thread count, at
+    ``torch.get_num_threads()`` (probed once per weight shape, dtype, device, bias presence, form and thread count, at
     :data:`PROBE_ROWS` rows). A caller that runs a small product on one thread in one path (a decode step) and on all
     of them in another (a prefill) needs it.
 
@@ -194,7 +194,7 @@ def check_thread_invariance(weight: torch.Tensor, bias: torch.Tensor | None = No
         RuntimeError: some row count gave other bits on one thread; names the shape, dtype, device and counts.
     """
     threads = torch.get_num_threads()
-    key = (tuple(weight.shape), weight.dtype, str(weight.device), bias is not None, threads)
+    key = (tuple(weight.shape), weight.dtype, str(weight.device), bias is not None, product_form(weight), threads)
     if key in _THREAD_CHECKED or threads == 1:
         return
     gen = torch.Generator().manual_seed(1)
@@ -208,7 +208,7 @@ def check_thread_invariance(weight: torch.Tensor, bias: torch.Tensor | None = No
     if failures:
         raise RuntimeError(
             f"The linear product ({product_form(weight)!r}) of a {list(weight.shape)} {weight.dtype} weight on "
-            f"{weight.device} (torch {torch.__version__}) sums a row differently on 1 thread than on {threads} at {failures} rows, so "
-            "deterministic results cannot be guaranteed here."
+            f"{weight.device} (torch {torch.__version__}) sums a row differently on 1 thread than on {threads} at "
+            f"{failures} rows, so deterministic results cannot be guaranteed here."
         )
     _THREAD_CHECKED.add(key)
