@@ -78,6 +78,9 @@ def test_the_product_is_chosen_by_the_weight_alone():
     assert bi.product_form(torch.zeros(bi.ONEDNN_MIN_ELEMENTS // 256 - 1, 256)) == "blas"
     assert bi.product_form(torch.zeros(LARGE, dtype=torch.bfloat16)) == "blas"
     assert bi.product_form(torch.zeros(LARGE, dtype=torch.float16)) == "blas"
+    with bi.mkl_only():  # the benchmark's comparison: the mode as it was before the oneDNN form
+        assert bi.product_form(torch.zeros(LARGE)) == "blas"
+    assert bi.product_form(torch.zeros(LARGE)) == expected_large
 
 
 def _onednn_unpadded(x, weight, b):
