@@ -43,6 +43,17 @@ from .mamba1 import checkpoint_positions
 NO_RECURRENT_STATE = TensorSpec((0,), torch.float32)
 
 
+#: The most tokens a call runs through :attr:`RecurrenceKernel.stepping` (measured on this project's 2-core CPU, gated
+#: delta net of 8 heads of 96 from a state, one thread: 5 tokens 0.22 ms stepped vs 1.4 ms chunked, 16 tokens 0.6 vs
+#: 6.8 ms; at 32 the chunked form is as fast). In reduced precision the chunked form keeps rounding as a prefill does.
+STEP_TOKENS = 16
+
+
+@functools.cache
+def _parameters(function: Callable) -> frozenset[str]:
+    return frozenset(inspect.signature(function).parameters)
+
+
 @dataclass(frozen=True)
 class RecurrenceKernel:
     """A module-level recurrence function a mixer calls for multi-token forwards.
@@ -67,9 +78,13 @@ class RecurrenceKernel:
     fast_package: str = "fla"
     stepping: Callable | None = None
 
-    @functools.cached_property
-    def emitting_parameters(self) -> frozenset[str]:
-        return frozenset(inspect.signature(self.emitting).parameters) if self.emitting is not None else frozenset()
+    def emitting_for(self, query: torch.Tensor) -> tuple[Callable, frozenset[str]]:
+        """The emitting implementation for a call on ``query`` ``[B, T, ...]`` (``stepping`` for a few float32
+        tokens outside the ``"reference"`` kernel backend, else ``emitting``) and the names of its parameters."""
+        stepped = (self.stepping is not None and query.shape[1] <= STEP_TOKENS and query.dtype == torch.float32
+                   and get_backend() != "reference")
+        function = self.stepping if stepped else self.emitting
+        return function, _parameters(function)
 
     @functools.cached_property
     def uses_fast_package(self) -> bool:
@@ -134,26 +149,13 @@ def route_recurrence(kernel: RecurrenceKernel, original: Callable, *args, **kwar
         return original(*args, **kwargs)
     if kernel.emitting is not None and not kernel.uses_fast_package:
         # transformers' wrapper drops the kwargs its torch path does not take (cu_seqlens=None, ...); so does this.
-        kwargs = {name: value for name, value in kwargs.items() if name in kernel.emitting_parameters}
-        emitting = kernel.stepping if _steps(kernel, args[0]) else kernel.emitting
+        emitting, parameters = kernel.emitting_for(args[0])
+        kwargs = {name: value for name, value in kwargs.items() if name in parameters}
         out, final_state, states = emitting(*args, emit_positions=active.positions, **kwargs)
     else:
         out, final_state, states = _piecewise(kernel, original, active.positions, args, kwargs)
     active.recurrent = states
     return out, final_state
-
-
-#: The most tokens a call runs through :attr:`RecurrenceKernel.stepping` (measured on this project's 2-core CPU, gated
-#: delta net of 8 heads of 96 from a state, one thread: 5 tokens 0.22 ms stepped vs 1.4 ms chunked, 16 tokens 0.6 vs
-#: 6.8 ms; at 32 the chunked form is as fast).
-STEP_TOKENS = 16
-
-
-def _steps(kernel: RecurrenceKernel, query: torch.Tensor) -> bool:
-    """Whether a call on ``query`` ``[B, T, ...]`` runs ``kernel.stepping``: a few float32 tokens, outside the
-    ``"reference"`` kernel backend (in reduced precision the chunked form keeps rounding as a prefill does)."""
-    return (kernel.stepping is not None and query.shape[1] <= STEP_TOKENS and query.dtype == torch.float32
-            and get_backend() != "reference")
 
 
 def _piecewise(kernel: RecurrenceKernel, original: Callable, positions, args: tuple, kwargs: dict):
