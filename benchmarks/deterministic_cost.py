@@ -1,6 +1,7 @@
 """What deterministic mode costs the engine (issue 46's bar: tokens/s with the mode on at least 0.7x off).
 
-For each model (the toy Mamba and Mamba-130M's shape, random weights), dtype and request count, two model instances
+For each model of a family (``--family``: Mamba or Mamba-2; its toy and its 130M checkpoint's shape, random weights),
+dtype and request count, two model instances
 with the same weights serve ``HybridPrefixCache(model)`` and ``HybridPrefixCache(model, deterministic=True)``; each
 runs ``generate_batch`` on ``R`` prompts of :data:`PROMPT_TOKENS` tokens (shorter than a block, so no round hits the
 previous one's store) with :data:`NEW_TOKENS` greedy tokens each, so the time is mostly decode steps of ``R`` rows.
@@ -14,6 +15,7 @@ before each run) per model and dtype, the same way: in the mode every prompt tok
 
     OMP_WAIT_POLICY=PASSIVE PYTHONPATH=. python benchmarks/deterministic_cost.py
     OMP_WAIT_POLICY=PASSIVE PYTHONPATH=. python benchmarks/deterministic_cost.py --models toy --rounds 2
+    OMP_WAIT_POLICY=PASSIVE PYTHONPATH=. python benchmarks/deterministic_cost.py --family mamba2
 """
 
 from __future__ import annotations
@@ -39,13 +41,14 @@ PROMPT_TOKENS = 8
 NEW_TOKENS = 32
 PREFILL_TOKENS = 256
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-MODELS = ("toy", "mamba-130m")
+MODELS = ("toy", "130m")
+FAMILIES = ("mamba", "mamba2")
 
 
-def _model(name: str, dtype: torch.dtype):
+def _model(family: str, name: str, dtype: torch.dtype):
     if name == "toy":
-        return build_model("mamba", seed=0, dtype=dtype)
-    return build_shape_model("mamba", "130m", dtype=dtype)[0]
+        return build_model(family, seed=0, dtype=dtype)
+    return build_shape_model(family, name, dtype=dtype)[0]
 
 
 def _prompts(num_requests: int, vocab_size: int) -> list[list[int]]:
@@ -62,11 +65,11 @@ def _tokens_per_s(model, prompts: list[list[int]], new_tokens: int) -> float:
     return sum(len(o.generated_tokens) for o in outputs.values()) / elapsed
 
 
-def measure(name: str, dtype: torch.dtype, num_requests: int, rounds: int,
+def measure(family: str, name: str, dtype: torch.dtype, num_requests: int, rounds: int,
             new_tokens: int) -> tuple[float, float, float]:
     """Best-round engine tokens/s ``(off, on, on with MKL's products only)`` for ``num_requests`` concurrent
     requests."""
-    off_model = _model(name, dtype)
+    off_model = _model(family, name, dtype)
     on_model = copy.deepcopy(off_model)
     caches = HybridPrefixCache(off_model), HybridPrefixCache(on_model, deterministic=True)  # alive while serving
     prompts = _prompts(num_requests, off_model.config.vocab_size)
@@ -81,10 +84,10 @@ def measure(name: str, dtype: torch.dtype, num_requests: int, rounds: int,
     return best["off"], best["on"], best["mkl"]
 
 
-def measure_prefill(name: str, dtype: torch.dtype, rounds: int) -> tuple[float, float, float]:
+def measure_prefill(family: str, name: str, dtype: torch.dtype, rounds: int) -> tuple[float, float, float]:
     """Best-round seconds of a :data:`PREFILL_TOKENS`-token ``generate()`` prefill ``(off, on, on with MKL's products
     only)``."""
-    off_model = _model(name, dtype)
+    off_model = _model(family, name, dtype)
     on_model = copy.deepcopy(off_model)
     caches = HybridPrefixCache(off_model), HybridPrefixCache(on_model, deterministic=True)
     ids = torch.tensor(_prompts(1, off_model.config.vocab_size)[0] * (PREFILL_TOKENS // PROMPT_TOKENS))[None]
@@ -102,6 +105,7 @@ def measure_prefill(name: str, dtype: torch.dtype, rounds: int) -> tuple[float, 
 
 def main(argv: list[str] | None = None) -> list[tuple]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=FAMILIES, default="mamba")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
     parser.add_argument("--requests", nargs="+", type=int, default=[1, 8])
@@ -115,18 +119,21 @@ def main(argv: list[str] | None = None) -> list[tuple]:
           f"{'mkl tok/s':>10} {'ratio':>6}")
     rows = []
     for name in args.models:
+        label = f"{args.family}-{name}"
         for dtype_name in args.dtypes:
             for num_requests in args.requests:
-                off, on, mkl = measure(name, DTYPES[dtype_name], num_requests, args.rounds, args.new_tokens)
+                off, on, mkl = measure(args.family, name, DTYPES[dtype_name], num_requests, args.rounds,
+                                       args.new_tokens)
                 rows.append((name, dtype_name, num_requests, off, on))
-                print(f"{name:<12} {dtype_name:<5} {num_requests:>8} {off:>10.1f} {on:>10.1f} {on / off:>5.2f}x "
+                print(f"{label:<12} {dtype_name:<5} {num_requests:>8} {off:>10.1f} {on:>10.1f} {on / off:>5.2f}x "
                       f"{mkl:>10.1f} {mkl / off:>5.2f}x", flush=True)
     print(f"\ngenerate() prefill of {PREFILL_TOKENS} tokens, seconds (best of {args.rounds} alternating rounds)")
     print(f"{'model':<12} {'dtype':<5} {'off s':>8} {'on s':>8} {'on/off':>7} {'mkl s':>8} {'mkl/off':>7}")
     for name in args.models:
+        label = f"{args.family}-{name}"
         for dtype_name in args.dtypes:
-            off, on, mkl = measure_prefill(name, DTYPES[dtype_name], args.rounds)
-            print(f"{name:<12} {dtype_name:<5} {off:>8.3f} {on:>8.3f} {on / off:>6.2f}x {mkl:>8.3f} {mkl / off:>6.2f}x",
+            off, on, mkl = measure_prefill(args.family, name, DTYPES[dtype_name], args.rounds)
+            print(f"{label:<12} {dtype_name:<5} {off:>8.3f} {on:>8.3f} {on / off:>6.2f}x {mkl:>8.3f} {mkl / off:>6.2f}x",
                   flush=True)
     return rows
 

@@ -40,6 +40,7 @@ CONFIG_CLASSES = {
     "granitemoehybrid": "GraniteMoeHybridConfig",
     "jamba": "JambaConfig",
     "mamba": "MambaConfig",
+    "mamba2": "Mamba2Config",
     "zamba2": "Zamba2Config",
 }
 
@@ -165,6 +166,15 @@ SHAPES: dict[str, dict[str, Shape]] = {
             "state-spaces/mamba-130m-hf",
             dict(vocab_size=50280, hidden_size=768, num_hidden_layers=24, state_size=16, expand=2, conv_kernel=4,
                  time_step_rank=48, tie_word_embeddings=True),
+        ),
+    },
+    "mamba2": {
+        # state-spaces/mamba2-130m: 24 Mamba-2 layers of hidden 768 (24 heads of 64, one group), state 128, conv 4,
+        # chunks of 256, a 50288-token vocabulary, tied embeddings; no attention and no MLP.
+        "130m": Shape(
+            "state-spaces/mamba2-130m",
+            dict(vocab_size=50288, hidden_size=768, num_hidden_layers=24, num_heads=24, head_dim=64, state_size=128,
+                 n_groups=1, expand=2, conv_kernel=4, chunk_size=256, tie_word_embeddings=True),
         ),
     },
     "jamba": {

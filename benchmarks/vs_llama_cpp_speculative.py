@@ -4,6 +4,7 @@ draft accepted and ``k`` drafts a step (issue 44's bars: at least 1.5x llama-ser
 
     PYTHONPATH=. python benchmarks/vs_llama_cpp_speculative.py --llama-server PATH             # the toy Jamba
     PYTHONPATH=. python benchmarks/vs_llama_cpp_speculative.py --llama-server PATH --shape jamba:tiny-random
+    PYTHONPATH=. python benchmarks/vs_llama_cpp_speculative.py --llama-server PATH --streams 8   # 8 chats at once
 
 The model is saved and converted as ``benchmarks/vs_llama_cpp.py`` does (the same ``--shape`` values). Every way's
 server runs at once (each idle while another is measured), after a short warm-up request each; one client then
@@ -29,7 +30,9 @@ chunk), so the prefill is left out; ``end-to-end`` = completion tokens / (last c
 accepted / drafted tokens over the measured requests, from each server's own counters (ours: ``/metrics``'
 ``hf_hybridcache_spec_decode_{draft,accepted}_tokens_total``; llama-server: each response's ``timings.draft_n`` and
 ``draft_n_accepted``). Ratios are taken per request pair (the same prompt and round), then the median over pairs;
-tokens/s are medians over requests. Threads: 2 each (``OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE``; llama-server
+tokens/s are medians over requests. With ``--streams N``, each measurement is N prompts streamed at once (N clients;
+llama-server gets N slots, ``-np N``): decode tokens/s is all streams' tokens after their first over the span from the
+first stream's first text to the last one's last, end-to-end all tokens over the span from sending. Threads: 2 each (``OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE``; llama-server
 ``-t 2``).
 """
 
@@ -44,6 +47,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -80,7 +84,7 @@ def command(way: str, paths: dict, port: int, args) -> list[str]:
         return [sys.executable, "-m", "benchmarks.replay_server", "--replay-prompts", str(paths["prompts"]),
                 "--replay-tokens", str(args.max_tokens), "--replay-rate", way.split()[-1],
                 "--num-speculative-tokens", k, *serve]
-    base = llama_cpp.llama_server_command(paths["llama_server"], paths["gguf"], port, 1)
+    base = llama_cpp.llama_server_command(paths["llama_server"], paths["gguf"], port, args.streams)
     if way == "llama plain":
         return base
     spec = ["--spec-type", "draft-simple", "--spec-draft-n-min", k, "--spec-draft-n-max", k]
@@ -91,9 +95,9 @@ def command(way: str, paths: dict, port: int, args) -> list[str]:
     return [*base, *spec, "-md", str(paths["draft_gguf"]), "--spec-synth-rates", rates]
 
 
-def stream(url: str, prompt: str, max_tokens: int) -> dict:
+def stream(url: str, prompt: str, max_tokens: int, timed: bool = False) -> dict:
     """One greedy streamed ``/v1/completions`` request: decode and end-to-end tokens/s, and llama-server's draft
-    counts (``timings``, when the stream carries them)."""
+    counts (``timings``, when the stream carries them); ``timed``: also the clock at its first and last text."""
     body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     first = last = usage = timings = None
@@ -112,8 +116,25 @@ def stream(url: str, prompt: str, max_tokens: int) -> dict:
                     first, last, text = first or time.perf_counter(), time.perf_counter(), text + piece
     tokens = usage["completion_tokens"]
     timings = timings or {}
-    return {"decode": (tokens - 1) / (last - first), "end_to_end": tokens / (last - sent), "tokens": tokens,
-            "text": text, "drafted": timings.get("draft_n", 0), "accepted": timings.get("draft_n_accepted", 0)}
+    record = {"decode": (tokens - 1) / (last - first), "end_to_end": tokens / (last - sent), "tokens": tokens,
+              "text": text, "drafted": timings.get("draft_n", 0), "accepted": timings.get("draft_n_accepted", 0)}
+    return {**record, "first": first, "last": last} if timed else record
+
+
+def batch(url: str, prompts: list[str], max_tokens: int) -> dict:
+    """``prompts`` streamed at once (one client each): the batch's decode tokens/s (every stream's tokens after its
+    first, over the span from the first stream's first text to the last stream's last) and end-to-end tokens/s (all
+    tokens over the span from the requests sent to the last text), the streams' texts and draft counts."""
+    if len(prompts) == 1:
+        return stream(url, prompts[0], max_tokens)
+    sent = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        records = list(pool.map(lambda prompt: stream(url, prompt, max_tokens, timed=True), prompts))
+    first, last = min(r["first"] for r in records), max(r["last"] for r in records)
+    return {"decode": sum(r["tokens"] - 1 for r in records) / (last - first),
+            "end_to_end": sum(r["tokens"] for r in records) / (last - sent),
+            "tokens": sum(r["tokens"] for r in records), "text": tuple(r["text"] for r in records),
+            "drafted": sum(r["drafted"] for r in records), "accepted": sum(r["accepted"] for r in records)}
 
 
 def our_counters(url: str) -> tuple[float, float]:
@@ -138,10 +159,11 @@ def run_ways(names: list[str], paths: dict, prompts: list[str], args, log) -> di
             stream(urls[name], prompts[0], 16)  # warm-up
         before = {name: our_counters(url) for name, url in urls.items() if name.startswith("ours")}
         samples = {name: [] for name in names}
+        groups = [prompts[i:i + args.streams] for i in range(1, len(prompts), args.streams)]
         for index in range(args.rounds):
-            for prompt in prompts[1:]:
+            for group in groups:
                 for name in names if index % 2 == 0 else names[::-1]:
-                    samples[name].append(stream(urls[name], prompt, args.max_tokens))
+                    samples[name].append(batch(urls[name], group, args.max_tokens))
             shown = {name: round(statistics.median(r["decode"] for r in samples[name]), 1) for name in names}
             print(f"round {index + 1}, decode tokens/s so far (medians): {shown}", file=sys.stderr, flush=True)
         after = {name: our_counters(urls[name]) for name in before}
@@ -150,14 +172,15 @@ def run_ways(names: list[str], paths: dict, prompts: list[str], args, log) -> di
         drafted = sum(r["drafted"] for r in records) + (after[name][0] - before[name][0] if name in before else 0)
         accepted = sum(r["accepted"] for r in records) + (after[name][1] - before[name][1] if name in before else 0)
         results[name] = {"samples": records, "accepted": accepted / drafted if drafted else None,
-                         "texts": [r["text"] for r in records[: len(prompts) - 1]]}
+                         "texts": [r["text"] for r in records[: len(groups)]]}
     return results
 
 
 def print_tables(results: dict, args, description: str) -> None:
     """The per-way table (with whether round 1's replies equal the same server's plain ones), then the ratios (per
     round, median)."""
-    print(f"\nvs_llama_cpp_speculative: {description}, float32, one stream, {args.prompt_tokens}-token prompts, "
+    streams = "one stream" if args.streams == 1 else f"{args.streams} streams at once (tokens/s of all together)"
+    print(f"\nvs_llama_cpp_speculative: {description}, float32, {streams}, {args.prompt_tokens}-token prompts, "
           f"{args.max_tokens} new tokens, greedy, k={args.num_speculative_tokens}, {args.rounds} rounds "
           f"(medians), 2 threads each\n")
     print("| way | accepted | decode tokens/s | end-to-end tokens/s | replies equal its server's plain ones |")
@@ -187,7 +210,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--llama-server", help="a llama-server binary (default: build it, as vs_llama_cpp.py does)")
     parser.add_argument("--llama-cpp-dir", default=str(llama_cpp.DEFAULT_DIR))
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--prompts", type=int, default=3, help="measured requests per way and round")
+    parser.add_argument("--prompts", type=int, default=3, help="measured requests (batches) per way and round")
+    parser.add_argument("--streams", type=int, default=1,
+                        help="requests sent at once per measurement (llama-server gets as many slots, -np)")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
@@ -221,7 +246,7 @@ def main(argv: list[str] | None = None) -> dict:
         paths["draft_gguf"] = llama_cpp.convert(llama_cpp.sources_of(paths["llama_server"]) or
                                                 llama_cpp.sources(args.llama_cpp_dir), work / "draft",
                                                 work / "draft.gguf", log)
-        prompts = [texts(f"spec {i}", args.prompt_tokens) for i in range(args.prompts + 1)]
+        prompts = [texts(f"spec {i}", args.prompt_tokens) for i in range(args.prompts * args.streams + 1)]
         paths["prompts"] = work / "prompts.json"
         paths["prompts"].write_text(json.dumps(prompts))
         results = run_ways(way_names(args), paths, prompts, args, log)

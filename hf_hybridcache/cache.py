@@ -57,7 +57,8 @@ class HybridPrefixCache(LiveCache):
         replay_replies: store replies from one prefill of their tokens when ``generate()`` has its output, and leave
             two tokens to a hit's tail (:mod:`hf_hybridcache.generate.reply_replay`); None: on in bf16/fp16, see there.
         deterministic: a request's tokens and logprobs are the same bits whatever was restored or shared its batch,
-            in ``generate()`` and the engine (docs/deterministic.md); Mamba and Falcon-Mamba on CPU, others refused.
+            in ``generate()`` and the engine (docs/deterministic.md); Mamba, Falcon-Mamba and Mamba-2 on CPU, others
+            refused.
 
     Attributes:
         core: the :class:`~hf_hybridcache.core.CacheCore` this cache and its views share: the interface for code

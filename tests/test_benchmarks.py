@@ -276,6 +276,21 @@ def test_vs_llama_cpp_speculative_replays_every_draft_through_our_server_and_bui
     out = capsys.readouterr().out
     assert "| ours replay 1.0 | 1.00 |" in out and "| ours replay 1.0 / ours plain |" in out
 
+    # --streams 2: both measured prompts at once, each still every draft kept and the plain reply; llama-server
+    # gets two slots
+    prompts.append("".join(chr(0x4E10 + (5 * j) % 200) for j in range(20)))
+    paths["prompts"].write_text(json.dumps(prompts))
+    args = bench.parse_args(["--max-tokens", "12", "--rounds", "1", "--rates", "1.0", "--streams", "2"])
+    results = bench.run_ways(["ours plain", "ours replay 1.0"], paths, prompts, args, None)
+    assert [len(texts) for texts in results["ours plain"]["texts"][0]] == [12, 12]
+    assert results["ours replay 1.0"]["texts"] == results["ours plain"]["texts"]
+    assert results["ours replay 1.0"]["accepted"] == 1.0
+    assert all(len(result["samples"]) == 1 for result in results.values())
+    plain = bench.command("llama plain", paths, 8080, args)
+    assert plain[plain.index("-np") + 1] == "2"
+    bench.print_tables(results, args, "toy")
+    assert "2 streams at once" in capsys.readouterr().out
+
 
 @pytest.mark.skipif(not os.environ.get("HF_HYBRIDCACHE_LLAMA_SERVER"), reason="HF_HYBRIDCACHE_LLAMA_SERVER names no "
                     "llama-server binary (built in a llama.cpp tree: benchmarks/llama_cpp.py says how)")

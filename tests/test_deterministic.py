@@ -149,11 +149,15 @@ def test_engine_requests_equal_generate_alone_in_any_batch(family, dtype, max_ba
 
 
 def test_speculative_engine_steps_equal_generate_alone(dtype):
+    speculative_case("mamba", dtype)
+
+
+def speculative_case(family, dtype):
     """Drafts verified in one multi-token forward (n-gram drafts of repetitive prompts) give each request the tokens
     and logprobs of generate() alone."""
     loop = ids(10, seed=4640)
     prompts = [loop * 4 + ids(3, seed=4641), ids(20, seed=4642) + loop * 3, ids(33, seed=4643)]
-    _, cache = fresh("mamba", dtype)
+    _, cache = fresh(family, dtype)
     manager = cache.init_continuous_batching(GenerationConfig(max_new_tokens=12, **GREEDY),
                                              ContinuousBatchingConfig(return_logprobs=True),
                                              speculation=Speculation(NgramDrafter(), 4))
@@ -165,7 +169,7 @@ def test_speculative_engine_steps_equal_generate_alone(dtype):
         manager.stop()
     assert manager.batch_processor.speculator.stats.verify_segments > 0
     for name, prompt in zip(names, prompts):
-        tokens, logits = cold("mamba", dtype, prompt, 12, floor=False)
+        tokens, logits = cold(family, dtype, prompt, 12, floor=False)
         assert outputs[name].generated_tokens == tokens
         assert list(outputs[name].logprobs) == logprobs(tokens, logits)
 
@@ -199,7 +203,7 @@ def test_with_the_mode_off_some_case_differs(dtype):
 
 @pytest.mark.parametrize("family, named", [
     ("jamba", "attention with a fixed reduction order"),
-    ("mamba2", "Mamba-2 mixer"),
+    ("bamba", "Mamba-2 mixer"),
     ("qwen3_next", "gated delta net per-token scan"),
     ("kimi_linear", "Kimi delta attention"),
     ("lfm2", "short conv"),

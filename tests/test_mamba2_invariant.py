@@ -1,7 +1,13 @@
 """Mamba-2's scan with one arithmetic per token (hf_hybridcache/kernels/mamba2_invariant.py, issue 46): a token's
 output and state are the same bits in a prefill, at any offset of a split prompt, or in a decode step, whatever rows
 share the call; the scan agrees with the chunked SSD scan within round-off. Power: the same checks on the package's
-default paths (``mamba2_chunk_scan`` for a prefill, ``mamba2_state_update`` for a decode step) fail on this CPU."""
+default paths (``mamba2_chunk_scan`` for a prefill, ``mamba2_state_update`` for a decode step) fail on this CPU.
+
+The gated RMSNorm after the scan (``gated_rms_norm_invariant``) gives a row the same bits alone or among others, at
+one or two threads; upstream's (``Mamba2RMSNormGated``, taken from a toy model) does not at a width of 1000 on two
+threads, where ``F.silu``'s scalar tail falls inside a row at a thread's boundary."""
+
+import functools
 
 import pytest
 import torch
@@ -9,6 +15,7 @@ import torch
 from hf_hybridcache.kernels import mamba2_chunk_scan
 from hf_hybridcache.kernels import mamba2_invariant as inv
 from hf_hybridcache.kernels.state_update import mamba2_state_update
+from hf_hybridcache.toy import build_model
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 CLOSE = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-5},
@@ -113,3 +120,63 @@ def test_power_the_chunked_scan_depends_on_where_its_grid_starts():
         _, head_state, _ = _chunked(p, 0, split)
         differs.append(not torch.equal(_chunked(p, split, T, head_state)[1], final))
     assert any(differs)
+
+
+#: (rows, tokens) of the norm's calls: a decode step's rows, prefills of one and several rows (up to 128 x 1000
+#: channels, past the 32,768 elements at which torch splits an elementwise op between threads).
+NORM_CALLS = [(1, 1), (4, 1), (8, 1), (1, 37), (3, 13), (2, 64)]
+
+
+def _norm_inputs(dtype, width, rows, tokens, seed):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(rows, tokens, width, generator=g)  # float32: the scan's output, in every model dtype
+    projected = torch.randn(rows, tokens, width + 37, generator=g).to(dtype)
+    return y, projected[..., :width]  # the gate: a strided view of the projection, as in the mixer
+
+
+def _worst_row_difference(norm, width, dtype) -> float:
+    """Largest difference between a row's norm computed alone and inside each call of :data:`NORM_CALLS`."""
+    worst = 0.0
+    for seed, (rows, tokens) in enumerate(NORM_CALLS):
+        y, gate = _norm_inputs(dtype, width, rows, tokens, seed)
+        together = norm(y, gate)
+        for r in range(rows):
+            for t in range(tokens):
+                alone = norm(y[r : r + 1, t : t + 1].clone(), gate[r : r + 1, t : t + 1].clone())
+                worst = max(worst, (alone - together[r : r + 1, t : t + 1]).abs().max().item())
+    return worst
+
+
+def _upstream_norm(width, groups, dtype):
+    """The model's own gated norm class (``Mamba2RMSNormGated``), at ``width`` channels, with a random weight."""
+    norm_class = type(build_model("mamba2", seed=0).backbone.layers[0].mixer.norm)
+    norm = norm_class(width, group_size=width // groups).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(width, generator=torch.Generator().manual_seed(7)))
+    return norm
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("width, groups", [(128, 2), (1000, 1), (200, 2)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gated_norm_gives_a_row_the_same_bits_whatever_shares_its_call(dtype, width, groups, threads):
+    torch.set_num_threads(threads)
+    upstream = _upstream_norm(width, groups, dtype)
+    invariant = functools.partial(inv.gated_rms_norm_invariant, weight=upstream.weight, group_size=width // groups,
+                                  eps=upstream.variance_epsilon)
+    with torch.no_grad():
+        assert _worst_row_difference(invariant, width, dtype) == 0.0
+        y, gate = _norm_inputs(dtype, width, 3, 13, seed=9)
+        torch.testing.assert_close(invariant(y, gate), upstream(y, gate), **CLOSE[dtype])
+
+
+def test_power_upstreams_gated_norm_moves_a_row_with_its_batch():
+    """Measured: 1.2e-7 in float32 at a width of 1000 on two threads."""
+    torch.set_num_threads(2)
+    with torch.no_grad():
+        assert _worst_row_difference(_upstream_norm(1000, 1, torch.float32), 1000, torch.float32) > 0
+
+
+def test_gated_norm_refuses_a_width_its_groups_do_not_divide():
+    with pytest.raises(ValueError, match="not a multiple of its group size"):
+        inv.gated_rms_norm_invariant(torch.zeros(1, 10), torch.zeros(1, 10), torch.ones(10), 4, 1e-6)

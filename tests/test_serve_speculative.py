@@ -103,8 +103,8 @@ def test_every_draft_of_a_copy_is_accepted_and_metrics_count_by_position(servers
     assert after[f"{prefix}acceptance_rate_per_position"] == dict.fromkeys(range(K), 1.0)
     assert not spec_metrics(servers["plain"])  # a server without speculation exports none
     info = [httpx.get(f"{servers[name].url}/server_info").json() for name in ("draft", "plain")]
-    assert [(i["speculative_drafter"], i["speculative_num_draft_tokens"]) for i in info] == [
-        ("DraftModelDrafter", K), (None, 0)]
+    assert [(i["speculative_drafter"], i["speculative_num_draft_tokens"], i["deterministic"]) for i in info] == [
+        ("DraftModelDrafter", K, False), (None, 0, False)]
 
 
 def test_a_request_opts_out_and_bad_values_are_a_400(servers, cold_model):
@@ -255,7 +255,8 @@ def test_startup_refuses_what_cannot_run(capsys, monkeypatch, tmp_path):
         (["--speculative", "eagle"], "is not a drafter: use ngram, draft:PATH"),
         (["--speculative", "draft:"], "is not a drafter"),
         (["--speculative", f"draft:{tmp_path / 'nowhere'}"], "no such folder"),
-        (["--speculative", "draft:toy:nothing"], "No tiny config for family 'nothing'"),
+        (["--speculative", "draft:toy:nothing"],
+         "the draft model (--speculative draft:PATH) toy:nothing: No tiny config for family 'nothing'"),
     ]
     for flags, message in cases:
         assert message in _startup_error(capsys, monkeypatch, "--model", MODEL, *flags), flags

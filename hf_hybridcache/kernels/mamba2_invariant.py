@@ -1,5 +1,6 @@
-"""Mamba-2's scan with one arithmetic for a token, however it arrives (issue 46, an ingredient of deterministic mode;
-not used by any forward yet).
+"""Mamba-2's scan with one arithmetic for a token, however it arrives, and its gated RMSNorm with one arithmetic for
+a row, whatever shares its call (issue 46, ingredients of deterministic mode; wired in
+:mod:`hf_hybridcache.models.mamba2_deterministic`).
 
 A Mamba-2 prefill runs the chunked SSD scan (:func:`~hf_hybridcache.kernels.mamba2_chunk_scan`; Dao & Gu 2024,
 "Transformers are SSMs"), whose float32 sums follow a chunk grid that starts where the call starts, and a decode step
@@ -18,6 +19,13 @@ Cost: a step per token instead of chunk-sized matrix products, so a long float32
 chunked scan (table 6 of the benchmark); a chunk grid anchored to absolute positions is the faster design to measure
 against it (docs/deterministic.md).
 
+The gated RMSNorm after the scan (``Mamba2RMSNormGated``, ``models/mamba2/modeling_mamba2.py``; ``MambaRMSNormGated``
+in 5.23) reduces each group of a row alone, but gates with ``F.silu``, whose float32 bits for an element depend on
+its offset in a vectorized loop (body or scalar tail) and so on where a thread's share of the tensor ends: measured
+1.2e-7 apart for one row alone and inside a batch at a width of 1000 on two threads (none at the toy's 128, nor at
+1536 or 4096, whose rows fill whole vectors). :func:`gated_rms_norm_invariant` is upstream's arithmetic with
+:func:`~hf_hybridcache.kernels.mamba1_invariant.silu_invariant` for the gate.
+
 Shapes: B rows, T tokens, H heads, P head dim, G groups (divides H), N state size. Mamba's names are kept: ``B`` /
 ``C`` are the input / output projections and ``D`` the skip weight per head.
 """
@@ -28,7 +36,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .mamba1_invariant import softplus_invariant
+from .mamba1_invariant import silu_invariant, softplus_invariant
 from .scan_steps import check_emit_positions
 
 
@@ -127,3 +135,31 @@ def mamba2_scan_invariant(
         if t + 1 in emit:
             emitted.append(state.clone())
     return torch.stack(outputs, dim=1), state, emitted
+
+
+def gated_rms_norm_invariant(
+    y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float
+) -> torch.Tensor:
+    """Mamba-2's gated RMSNorm, ``weight * rmsnorm_per_group(y * silu(gate))`` in float32 with the result rounded to
+    ``y``'s dtype before the weight, as ``Mamba2RMSNormGated.forward`` (transformers 5.23.0 - 5.25.0, there
+    ``MambaRMSNormGated`` in 5.23) computes it, with the gate's silu taken from ``exp`` (bitwise the same at any
+    offset in the tensor); every other op is elementwise or reduces one group of one row.
+
+    Args:
+        y: ``[..., I]`` (the scan output; any float dtype); gate: ``[..., I]``, any float dtype and strides.
+        weight: ``[I]``; group_size: channels per group (``I / n_groups``); eps: the variance epsilon.
+
+    Returns:
+        ``[..., I]`` in the promotion of ``weight``'s and ``y``'s dtypes (as upstream).
+
+    Raises:
+        ValueError: ``I`` is not a multiple of ``group_size``.
+    """
+    width = y.shape[-1]
+    if width % group_size:
+        raise ValueError(f"The gated norm's width {width} is not a multiple of its group size {group_size}.")
+    input_dtype = y.dtype
+    hidden = y.float() * silu_invariant(gate.float())
+    groups = hidden.reshape(*hidden.shape[:-1], width // group_size, group_size)
+    groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * groups.reshape(hidden.shape).to(input_dtype)

@@ -3,10 +3,11 @@
 ``HybridPrefixCache(model, deterministic=True)`` calls :func:`check` before anything is patched and :func:`install`
 after the family's own patches (:mod:`.paths`). The mode is accepted only where every op of the model's forward has a row-invariant,
 path-invariant form here (docs/deterministic.md, "The ingredients"): today the pure Mamba-1 families (Mamba,
-Falcon-Mamba: embeddings, RMSNorms, the mixer of :mod:`.mamba1_deterministic`, the LM head), on CPU, in float32,
-bfloat16 and float16. Every other family is refused with the ingredients it lacks named, and so is a model whose
-kernels or BLAS would break the guarantee: refusing, never warning and continuing, is the point of the mode (vLLM's
-batch-invariant mode likewise fails closed on layers it has no kernel for).
+Falcon-Mamba: embeddings, RMSNorms, the mixer of :mod:`.mamba1_deterministic`, the LM head) and the pure Mamba-2 one
+(the mixer of :mod:`.mamba2_deterministic`), on CPU, in float32, bfloat16 and float16. Every other family is refused
+with the ingredients it lacks named, and so is a model whose kernels or BLAS would break the guarantee: refusing,
+never warning and continuing, is the point of the mode (vLLM's batch-invariant mode likewise fails closed on layers it
+has no kernel for).
 """
 
 from __future__ import annotations
@@ -18,12 +19,17 @@ from .._compat.hub_kernels import kernels_from_hub
 from ..config import ModelStateSpec
 from ..kernels.batch_invariant import check_row_invariance, check_thread_invariance
 from ..kernels.decode_linear import weight_qualifies
+from . import mamba1_deterministic, mamba2_deterministic
 from .mamba1 import DETERMINISTIC_FORWARD
-from .mamba1_deterministic import deterministic_forward, lm_head_forward
 from .wrappers import decoder_model_type
 
-#: model_type -> the mixer classes whose forward :mod:`.mamba1_deterministic` stands in for.
-SUPPORTED = {"mamba": "MambaMixer", "falcon_mamba": "FalconMambaMixer"}
+#: model_type -> (the mixer class, the module whose ``deterministic_forward`` stands in for its forward and whose
+#: ``lm_head_forward`` for the LM head's).
+SUPPORTED = {
+    "mamba": ("MambaMixer", mamba1_deterministic),
+    "falcon_mamba": ("FalconMambaMixer", mamba1_deterministic),
+    "mamba2": ("Mamba2Mixer", mamba2_deterministic),
+}
 #: The dtypes the mode's tests hold in.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: Set on a model once a cache was built for it: True in deterministic mode. A model serves one mode for its life.
@@ -32,14 +38,14 @@ MODE_ATTR = "_hf_hybridcache_deterministic"
 _ATTENTION = "attention with a fixed reduction order (a prefill query and a decode query summing their keys in one " \
              "order, independent of the query count and of how the KV is split)"
 _ACTIVATIONS = "row-invariant MLP activations (F.silu gives an element other float32 bits by its offset)"
-_MAMBA2 = "the Mamba-2 mixer wired through its per-token scan (kernels/mamba2_invariant.py) and a row-invariant " \
-          "gated RMSNorm"
+_MAMBA2 = "its Mamba-2 mixer wired to the deterministic Mamba-2 forward (models/mamba2_deterministic.py: per-token " \
+          "scan, invariant conv, row-invariant gated RMSNorm)"
 _GDN = "a gated delta net per-token scan"
 _KDA = "a Kimi delta attention (KDA) per-token scan"
 _SHORT_CONV = "the short conv mixer wired through the invariant conv (kernels/conv_invariant.py)"
 #: model_type -> the mixer ingredients its family lacks (attention and MLP activations are added from the model).
 _MIXERS = {
-    **dict.fromkeys(("mamba2", "zamba2", "falcon_h1", "bamba", "granitemoehybrid", "nemotron_h"), (_MAMBA2,)),
+    **dict.fromkeys(("zamba2", "falcon_h1", "bamba", "granitemoehybrid", "nemotron_h"), (_MAMBA2,)),
     **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lara_mini"), (_GDN,)),
     **dict.fromkeys(("kimi_linear", "bailing_hybrid"), (_KDA,)),
     **dict.fromkeys(("lfm2", "lfm2_moe", "lfm3", "inkling_text", "inkling2_text", "inkling2_loop_text"),
@@ -117,6 +123,11 @@ def check_served_mode(model: torch.nn.Module, deterministic: bool) -> None:
         )
 
 
+def serves_deterministic(model: torch.nn.Module) -> bool:
+    """Whether ``model`` serves a cache in deterministic mode (False before any cache was built for it)."""
+    return bool(getattr(model, MODE_ATTR, False))
+
+
 def claim(model: torch.nn.Module, deterministic: bool) -> None:
     """Record the mode ``model`` serves (called once a cache is being built for it).
 
@@ -128,11 +139,11 @@ def claim(model: torch.nn.Module, deterministic: bool) -> None:
 
 
 def install(model: torch.nn.Module) -> None:
-    """Route ``model``'s Mamba-1 mixers (already patched by their family) through
-    :func:`~hf_hybridcache.models.mamba1_deterministic.deterministic_forward` inside this package's caches, and its
-    LM head through the row-invariant linear everywhere (idempotent). Call after :func:`check`."""
-    mixer_class = SUPPORTED[decoder_model_type(model.config)]
+    """Route ``model``'s mixers (already patched by their family) through their family's ``deterministic_forward``
+    (:data:`SUPPORTED`) inside this package's caches, and its LM head through the row-invariant linear everywhere
+    (idempotent). Call after :func:`check`."""
+    mixer_class, forwards = SUPPORTED[decoder_model_type(model.config)]
     for module in model.modules():
         if type(module).__name__ == mixer_class:
-            setattr(module, DETERMINISTIC_FORWARD, deterministic_forward)
-    _compat.patch_instance_forward(model.get_output_embeddings(), lm_head_forward)
+            setattr(module, DETERMINISTIC_FORWARD, forwards.deterministic_forward)
+    _compat.patch_instance_forward(model.get_output_embeddings(), forwards.lm_head_forward)

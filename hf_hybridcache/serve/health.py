@@ -32,6 +32,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from .._version import __version__
+from ..models.deterministic import serves_deterministic
 from .lifecycle import Phase
 
 
@@ -101,8 +102,8 @@ def _model(backend, cache):
 
 def server_fields(backend, model_id: str, cache, tokenizer) -> dict:
     """SGLang's ``/server_info`` fields a gateway reads (``ServerInfo`` in SMG's ``discover_metadata.rs``), and what
-    this worker adds: the engine's name, whether it has a shared tier, and its speculation (the drafter's class and
-    the draft tokens per step at most, None and 0 without)."""
+    this worker adds: the engine's name, whether it has a shared tier, its speculation (the drafter's class and
+    the draft tokens per step at most, None and 0 without) and whether its cache runs deterministic mode."""
     model = _model(backend, cache)
     manager = getattr(backend, "manager", None)
     limits = None if manager is None else manager.limits
@@ -123,6 +124,7 @@ def server_fields(backend, model_id: str, cache, tokenizer) -> dict:
         "remote_tier": cache is not None and cache.remote is not None,
         "speculative_drafter": _drafter_name(manager),
         "speculative_num_draft_tokens": backend.num_speculative_tokens,
+        "deterministic": cache is not None and serves_deterministic(cache.model),
     }
 
 

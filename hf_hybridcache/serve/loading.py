@@ -56,7 +56,10 @@ def load(model_id: str, dtype: str = "auto", device_map: str | None = None, toke
         from ..toy import build_model, byte_tokenizer
 
         torch_dtype = torch.float32 if dtype == "auto" else DTYPES[dtype]
-        model = build_model(model_id[len(TOY_PREFIX):], seed=0, dtype=torch_dtype)
+        try:
+            model = build_model(model_id[len(TOY_PREFIX):], seed=0, dtype=torch_dtype)
+        except ValueError as error:  # an unknown family: say which option named it
+            raise ValueError(f"{flag} {model_id}: {error}") from None
         if device_map not in (None, "auto"):
             model = model.to(device_map)
         if not with_tokenizer:
