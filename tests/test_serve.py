@@ -17,6 +17,7 @@ import pytest
 import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+from speculation_runs import serve_flags
 
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.serve import EngineBackend, ReplyMemory, SequentialBackend, build_app, chat_prompt_ids
@@ -60,7 +61,7 @@ def cold_model():
 
 
 @pytest.fixture(scope="module")
-def served():
+def served(speculation):  # built again for the speculation runs
     model = build_model("jamba", seed=0)
     tokenizer = byte_tokenizer()
     cache = HybridPrefixCache(model)
@@ -254,13 +255,13 @@ def test_a_non_streaming_client_that_goes_away_cancels_its_request():
         server.close()
 
 
-def test_the_command_says_where_it_serves():
+def test_the_command_says_where_it_serves(speculation):
     """``python -m hf_hybridcache.serve`` prints the URL clients use (uvicorn's own line is below its log level)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     process = subprocess.Popen([sys.executable, "-m", "hf_hybridcache.serve", "--model", "toy:jamba", "--port",
-                                str(port)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                                str(port), *serve_flags(speculation)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = process.stdout.readline()
         assert line.strip() == (f"hf_hybridcache.serve: toy:jamba at http://127.0.0.1:{port}/v1 (OpenAI API; "
