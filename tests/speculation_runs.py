@@ -7,10 +7,11 @@ A test of a module in :data:`SPECULATION_MODULES` is parametrized by the module-
 - every manager a cache builds (``cache.init_continuous_batching``, and through it ``model.init_continuous_batching``,
   ``generate_batch``, ``continuous_batching_context_manager``) speculates by default with :class:`MixedDrafter`,
   ``k = 4``; a test that passes its own ``speculation=`` keeps it;
-- every server's :class:`~hf_hybridcache.serve.EngineBackend` given no speculation gets what the server's
-  ``--speculative ngram --num-speculative-tokens 4`` makes (``speculation_for`` over those flags), so servers built
-  with ``make_app(parse_args([...]))`` or ``EngineBackend(...)`` verify n-gram drafts; a server started as a
-  subprocess takes :func:`serve_flags`.
+- a server made from its command line (``make_app(parse_args([...]))``, or started as a subprocess) takes
+  :func:`serve_flags`: ``--speculative ngram --num-speculative-tokens 4`` (n-gram lookup keeps few drafts on the toy
+  models' replies);
+- every other server's :class:`~hf_hybridcache.serve.EngineBackend` (``EngineBackend(cache, ...)`` given no
+  ``speculation=``) speculates with :class:`MixedDrafter`, ``k = 4``, as managers do.
 
 A module-scoped fixture that builds a manager or a server must ask for ``speculation`` too, so it is built again for
 the ``spec`` runs. Every verify step is counted (``SpeculationStats.count``): each test's drafted and kept tokens go
@@ -124,8 +125,6 @@ def parametrize(metafunc) -> None:
 def switch_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make managers and servers speculate by default (see the module's docstring)."""
     from hf_hybridcache.serve import EngineBackend  # the serve extra: imported only where a run speculates
-    from hf_hybridcache.serve.__main__ import parse_args
-    from hf_hybridcache.serve.speculation import speculation_for
 
     init_continuous_batching = HybridPrefixCache.init_continuous_batching
     backend_init = EngineBackend.__init__
@@ -140,8 +139,7 @@ def switch_on(monkeypatch: pytest.MonkeyPatch) -> None:
     def speculating_backend(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs)
         if bound.arguments.get("speculation") is None:
-            flags = parse_args(["--model", "toy:jamba", *SERVE_FLAGS])  # --model is not read for ngram
-            bound.arguments["speculation"] = speculation_for(flags, bound.arguments["cache"].model)
+            bound.arguments["speculation"] = Speculation(MixedDrafter(), NUM_SPECULATIVE_TOKENS)
         backend_init(*bound.args, **bound.kwargs)
 
     def counting(self, num_drafted, num_accepted, num_emitted):
