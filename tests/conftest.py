@@ -166,7 +166,8 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_collection_modifyitems(config, items):
     """Mark the tests of :data:`VERSION_SPECIFIC_MODULES` ``transformers_version``; skip the tests of a family of
     :data:`NEEDS_NEWER_TRANSFORMERS` that the installed transformers lacks; leave out the ``needs_attention_layers``
-    tests of the families without attention layers."""
+    tests of the families without attention layers, and the speculation runs of the families a module does not run
+    with speculation (tests/speculation_runs.py's ``SPEC_FAMILIES``)."""
     kept, left_out = [], []
     for item in items:
         if item.module.__name__.rsplit(".", 1)[-1] in VERSION_SPECIFIC_MODULES:
@@ -175,7 +176,7 @@ def pytest_collection_modifyitems(config, items):
         if family in NEEDS_NEWER_TRANSFORMERS and family not in TINY_CONFIGS:
             item.add_marker(pytest.mark.skip(reason=NEEDS_NEWER_TRANSFORMERS[family]))
         no_kv = family in PURE_SSM_FAMILIES and item.get_closest_marker("needs_attention_layers") is not None
-        (left_out if no_kv else kept).append(item)
+        (left_out if no_kv or speculation_runs.left_out(item) else kept).append(item)
     if left_out:
         config.hook.pytest_deselected(items=left_out)
         items[:] = kept

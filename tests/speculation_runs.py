@@ -40,6 +40,14 @@ SPECULATION_MODULES = {
     "test_engine_reentry", "test_engine_scoring", "test_engine_serving", "test_engine_vision",
     "test_structured_engine", "test_serve", "test_serve_completions", "test_serve_images", "test_serve_lifecycle",
 }
+#: With speculation on, the modules whose tests run a few families each run these only: the families' rollbacks are
+#: test_engine_families' (every family) and test_engine_speculative's; these modules' scenarios (preemption, faults,
+#: clear(), scoring, grammars, streaming, sampling) do not depend on the family, and every family more adds about a
+#: minute to the suite. Vision-language wrappers: those of under 5 s each (their text models are all in
+#: test_engine_families).
+SPEC_FAMILIES = {"test_engine_families": None, "test_engine_vision": {"qwen3_5", "lfm2_vl", "lfm3_vl",
+                                                                      "nemotron_h_omni"}}
+DEFAULT_SPEC_FAMILIES = {"jamba"}
 #: Draft tokens per request and step with speculation on.
 NUM_SPECULATIVE_TOKENS = 4
 #: The server flags of the ``spec`` runs.
@@ -61,6 +69,8 @@ class MixedDrafter(NgramDrafter):
 
     #: Continuations computed again at most, per request, after its tokens left the first.
     MAX_RECOMPUTED = 2
+    #: Tokens computed ahead at a time (a request of many tokens does not hold the engine's thread for long).
+    AHEAD = 8
 
     def __init__(self) -> None:
         super().__init__()
@@ -76,30 +86,33 @@ class MixedDrafter(NgramDrafter):
     def _draft(self, request, n: int) -> list[int]:
         tokens = request.tokens
         rng = random.Random(len(tokens) * 1_000_003 + sum(tokens[-4:]))
-        known = self._continuation(request, tokens)
+        known = self._continuation(request, tokens, n)
         if known is None:
             draft = self.lookup(request, tokens, n)
             return draft + [rng.choice(tokens) for _ in range(n - len(draft))]
         right = rng.randint(0, n)
         return known[:right] + [(t + 1) % self.vocab_size for t in known[right:n]]
 
-    def _continuation(self, request, tokens: list[int]) -> list[int] | None:
-        """The greedy tokens after ``tokens`` (None: not computed), from the request's continuation if it still
-        follows it."""
+    def _continuation(self, request, tokens: list[int], n: int) -> list[int] | None:
+        """The greedy tokens after ``tokens``, at least ``n`` where the request may still emit them (None: not
+        computed), from the request's continuation while it still follows it, extended :data:`AHEAD` at a time."""
         whole, recomputed = self.continuations.get(request, (None, 0))
-        if whole is not None and whole[: len(tokens)] == tokens and len(whole) > len(tokens):
+        follows = whole is not None and whole[: len(tokens)] == tokens
+        if follows and len(whole) - len(tokens) >= n:
             return whole[len(tokens):]
-        if recomputed > self.MAX_RECOMPUTED:
-            return None
+        if not follows:
+            if recomputed > self.MAX_RECOMPUTED:
+                return None
+            recomputed += 1
         left = request.max_new_tokens - len(request.generated)
         try:
             with torch.no_grad():
-                out = self.model.generate(torch.tensor([tokens]), max_new_tokens=max(left, 1), do_sample=False,
-                                          pad_token_id=0)
+                out = self.model.generate(torch.tensor([tokens]), max_new_tokens=max(min(left, self.AHEAD), 1),
+                                          do_sample=False, pad_token_id=0)
         except Exception:  # noqa: BLE001 - image placeholder ids without their images: drafts by lookup instead
             self.continuations[request] = (None, self.MAX_RECOMPUTED + 1)
             return None
-        self.continuations[request] = (out[0].tolist(), recomputed + 1)
+        self.continuations[request] = (out[0].tolist(), recomputed)
         return out[0, len(tokens):].tolist()
 
     def release(self, request) -> None:
@@ -120,6 +133,16 @@ def parametrize(metafunc) -> None:
     plain_only = metafunc.definition.get_closest_marker("plain_only") is not None
     runs = ["plain"] if plain_only else ["plain", "spec"]
     metafunc.parametrize("speculation", runs, indirect=True, scope="module")
+
+
+def left_out(item) -> bool:
+    """Whether ``item`` is a ``spec`` run of a family its module does not run with speculation
+    (:data:`SPEC_FAMILIES`; deselected, so the run's summary counts it)."""
+    params = getattr(item, "callspec", None) and item.callspec.params
+    if not params or params.get("speculation") != "spec" or "family" not in params:
+        return False
+    families = SPEC_FAMILIES.get(item.module.__name__.rsplit(".", 1)[-1], DEFAULT_SPEC_FAMILIES)
+    return families is not None and params["family"] not in families
 
 
 def switch_on(monkeypatch: pytest.MonkeyPatch) -> None:

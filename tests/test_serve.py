@@ -17,7 +17,6 @@ import pytest
 import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
-from speculation_runs import serve_flags
 
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.serve import EngineBackend, ReplyMemory, SequentialBackend, build_app, chat_prompt_ids
@@ -255,13 +254,14 @@ def test_a_non_streaming_client_that_goes_away_cancels_its_request():
         server.close()
 
 
-def test_the_command_says_where_it_serves(speculation):
+@pytest.mark.plain_only("reads the command's first line and /health only: the flags' startup is test_serve_speculative's")
+def test_the_command_says_where_it_serves():
     """``python -m hf_hybridcache.serve`` prints the URL clients use (uvicorn's own line is below its log level)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     process = subprocess.Popen([sys.executable, "-m", "hf_hybridcache.serve", "--model", "toy:jamba", "--port",
-                                str(port), *serve_flags(speculation)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                                str(port)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = process.stdout.readline()
         assert line.strip() == (f"hf_hybridcache.serve: toy:jamba at http://127.0.0.1:{port}/v1 (OpenAI API; "
@@ -329,6 +329,7 @@ def test_every_bad_input_gets_its_json_error_and_disturbs_no_one(server, cold_mo
     assert text == expected
 
 
+@pytest.mark.plain_only("every request is refused before it reaches the engine: nothing is decoded")
 def test_a_prompt_that_leaves_no_room_is_a_400_whoever_computed_max_tokens(served):
     """A prompt at or over the engine's limit is a 400 ``context_length_exceeded`` whether the client sent
     ``max_tokens`` or the server computed it (chat's default capped by the room left reached the engine as 0 and -9, a
@@ -427,6 +428,7 @@ def test_metrics_parse_and_add_up(server):
         assert name in after
 
 
+@pytest.mark.plain_only("--no-cache's sequential baseline has no engine (--speculative with --no-cache is refused)")
 def test_the_sequential_baseline_serves_the_same_text(cold_model):
     tokenizer = byte_tokenizer()
     server = Server(build_app(SequentialBackend(cold_model, [tokenizer.eos_token_id]), tokenizer, MODEL))
