@@ -122,7 +122,7 @@ def pytest_configure(config):
     )
     config.addinivalue_line(
         "markers", "plain_only(reason): a test of speculation_runs.SPECULATION_MODULES that runs without speculation "
-        "only (bf16: outside the speculation exactness bar)"
+        "only (bf16, or it never reaches the engine): the reason says which"
     )
 
 

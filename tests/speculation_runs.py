@@ -7,20 +7,22 @@ A test of a module in :data:`SPECULATION_MODULES` is parametrized by the module-
 - every manager a cache builds (``cache.init_continuous_batching``, and through it ``model.init_continuous_batching``,
   ``generate_batch``, ``continuous_batching_context_manager``) speculates by default with :class:`MixedDrafter`,
   ``k = 4``; a test that passes its own ``speculation=`` keeps it;
-- a server made from its command line (``make_app(parse_args([...]))``, or started as a subprocess) takes
-  :func:`serve_flags`: ``--speculative ngram --num-speculative-tokens 4`` (n-gram lookup keeps few drafts on the toy
-  models' replies);
-- every other server's :class:`~hf_hybridcache.serve.EngineBackend` (``EngineBackend(cache, ...)`` given no
-  ``speculation=``) speculates with :class:`MixedDrafter`, ``k = 4``, as managers do.
+- a server made from its command line with :func:`serve_flags` (test_serve_images' server) runs with
+  ``--speculative ngram --num-speculative-tokens 4`` (n-gram lookup keeps few drafts on the toy models' replies);
+- every other server's :class:`~hf_hybridcache.serve.EngineBackend` (``EngineBackend(cache, ...)`` or
+  ``make_app(parse_args([...]))`` given no speculation) speculates with :class:`MixedDrafter`, ``k = 4``, as
+  managers do.
+
+The modules whose tests run a few families each run their ``spec`` runs on :data:`SPEC_FAMILIES` (the others are
+deselected). Tests that never reach the engine (refused requests, ``--no-cache``) and bf16 tests stay plain
+(``@pytest.mark.plain_only(reason)``): issue 44's bar is fp32, and a bf16 verify step rounds like a prefill
+(docs/speculative.md, "What stays exact").
 
 A module-scoped fixture that builds a manager or a server must ask for ``speculation`` too, so it is built again for
 the ``spec`` runs. Every verify step is counted (``SpeculationStats.count``): each test's drafted and kept tokens go
 into its report, the run's summary adds them up and names the ``spec`` tests that verified no draft, and a run whose
 ``spec`` tests verified at least :data:`MIN_DRAFTS_CHECKED` drafts fails unless some were kept and some rejected (so
 both paths of the rollback ran).
-
-bf16 tests stay plain (``@pytest.mark.plain_only(reason)``): the bar is fp32, and a bf16 verify step rounds like a
-prefill (docs/speculative.md, "What stays exact").
 """
 
 from __future__ import annotations
