@@ -254,7 +254,8 @@ def test_a_non_streaming_client_that_goes_away_cancels_its_request():
         server.close()
 
 
-@pytest.mark.plain_only("reads the command's first line and /health only: the flags' startup is test_serve_speculative's")
+@pytest.mark.plain_only("reads the command's first line and /health only (the speculation flags' startup: "
+                        "test_serve_speculative.py)")
 def test_the_command_says_where_it_serves():
     """``python -m hf_hybridcache.serve`` prints the URL clients use (uvicorn's own line is below its log level)."""
     with socket.socket() as sock:
