@@ -62,9 +62,9 @@ _counted = {"segments": 0, "drafted": 0, "accepted": 0}
 
 class MixedDrafter(NgramDrafter):
     """Drafts of which a step keeps 0 to ``k`` (both paths of the rollback): the model's own greedy continuation of the
-    request (one ``generate()`` without a cache, done again only where the request's tokens left it: a sampled
-    request, a grammar's), of which the first ``c`` tokens are proposed as they are and the rest changed into other
-    tokens, ``c`` drawn in ``0 .. k`` by a generator seeded with the request's tokens. Drafts depend on a request's
+    request (``generate()`` without a cache, :data:`AHEAD` tokens at a time, computed again from where the request's
+    tokens left it: a sampled request, a grammar's), of which the first ``c`` tokens are proposed as they are and the
+    rest changed into other tokens, ``c`` drawn in ``0 .. k`` by a generator seeded with the request's tokens. Drafts depend on a request's
     tokens only, as a seeded request's must (its draws follow its drafts). Where that continuation cannot be computed
     (a vision-language wrapper's placeholder ids without their images), or a request left it too often, n-gram
     lookup topped up with tokens drawn from the request's own."""
