@@ -167,7 +167,7 @@ def pytest_collection_modifyitems(config, items):
     """Mark the tests of :data:`VERSION_SPECIFIC_MODULES` ``transformers_version``; skip the tests of a family of
     :data:`NEEDS_NEWER_TRANSFORMERS` that the installed transformers lacks; leave out the ``needs_attention_layers``
     tests of the families without attention layers, and the speculation runs of the families a module does not run
-    with speculation (tests/speculation_runs.py's ``SPEC_FAMILIES``)."""
+    with speculation (tests/speculation_runs.py's ``SPEC_FAMILIES``, empty today)."""
     kept, left_out = [], []
     for item in items:
         if item.module.__name__.rsplit(".", 1)[-1] in VERSION_SPECIFIC_MODULES:
