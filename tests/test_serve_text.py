@@ -38,10 +38,19 @@ def byte_fallback_tokenizer(strip: bool = False) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
+def cleaning(tokenizer, force: bool):
+    """``tokenizer`` with ``clean_up_tokenization_spaces`` on (a BPE tokenizer gets it only when ``force``d)."""
+    tokenizer.clean_up_tokenization_spaces = True
+    tokenizer.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = force
+    return tokenizer
+
+
 #: name: (the tokenizer, whether its ids can split a character); "letters" is the llama-server benchmarks' tokenizer
 TOKENIZERS = {"byte-level": (byte_tokenizer, True), "byte-fallback": (byte_fallback_tokenizer, True),
               "letters": (lambda: letter_tokenizer(300), False),
-              "strip (whole decode)": (lambda: byte_fallback_tokenizer(True), True)}
+              "strip (whole decode)": (lambda: byte_fallback_tokenizer(True), True),
+              "byte-level asking for a clean-up (ignored for BPE)": (lambda: cleaning(byte_tokenizer(), False), True),
+              "byte-level, clean-up forced (whole decode)": (lambda: cleaning(byte_tokenizer(), True), True)}
 
 
 @pytest.fixture(scope="module", params=list(TOKENIZERS))
@@ -54,7 +63,7 @@ def tokenizer(request):
 
 def random_ids(tokenizer, rng: random.Random, length: int) -> list[int]:
     """Ids of text with multi-byte characters, random ids (lone bytes of a character: invalid UTF-8) and specials."""
-    text = "".join(rng.choice(["a", " the", "é", "中", "😀", "ß", "x", "\n"]) for _ in range(length))
+    text = "".join(rng.choice(["a", " the", "é", "中", "😀", "ß", "x", "\n", " .", " 's"]) for _ in range(length))
     ids = tokenizer.encode(text, add_special_tokens=False)
     specials = tokenizer.all_special_ids
     for _ in range(length // 4):

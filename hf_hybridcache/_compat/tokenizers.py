@@ -2,7 +2,8 @@
 last point where the text so far can no longer change (:class:`~hf_hybridcache.serve.text.TextStream`).
 
 transformers' fast tokenizer decodes with the ``tokenizers`` backend and then, when ``clean_up_tokenization_spaces``
-is on, rewrites spaces across the whole text (``TokenizersBackend._decode``); a subclass may override ``_decode``.
+is on (and the backend is not BPE, or insists), rewrites spaces across the whole text (``TokenizersBackend._decode``);
+a subclass may override ``_decode``.
 Only the plain path (no override, no clean-up) is splittable, and then only for the backend decoders whose output is
 a concatenation of per-token pieces:
 
@@ -27,12 +28,13 @@ _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 def split_decoding(tokenizer) -> frozenset[int] | None:
     """The ids a decoded piece must not end in to be final (``ByteFallback``'s byte and special tokens; none for
-    ``ByteLevel``),
-    or None when ``tokenizer.decode(ids, skip_special_tokens=True)`` cannot be taken in pieces (see the module
-    docstring): the caller then decodes all ids each time."""
-    if not isinstance(tokenizer, PreTrainedTokenizerFast) or tokenizer.clean_up_tokenization_spaces:
+    ``ByteLevel``), or None when ``tokenizer.decode(ids, skip_special_tokens=True)`` cannot be taken in pieces (see
+    the module docstring): the caller then decodes all ids each time."""
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
         return None
     if type(tokenizer)._decode is not PreTrainedTokenizerFast._decode:
+        return None
+    if _cleans_up(tokenizer):
         return None
     backend = tokenizer.backend_tokenizer.decoder
     decoder = {} if backend is None else json.loads(backend.__getstate__())  # its JSON, as tokenizer.json holds it
@@ -50,3 +52,15 @@ def _per_token(decoder: dict) -> bool:
         pattern = decoder.get("pattern", {})
         return len(pattern.get("String", "")) == 1  # a piece of one token never meets the next token's
     return decoder.get("type") in ("ByteFallback", "Fuse")
+
+
+def _cleans_up(tokenizer) -> bool:
+    """Whether ``decode`` rewrites spaces across the text: ``clean_up_tokenization_spaces``, which transformers
+    5.23 - 5.25 ignore for a BPE backend unless the tokenizer sets
+    ``clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output`` (Llama 3's tokenizer asks for the
+    clean-up and gets none)."""
+    if not tokenizer.clean_up_tokenization_spaces:
+        return False
+    bpe = type(tokenizer.backend_tokenizer.model).__name__ == "BPE"
+    forced = getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
+    return not bpe or bool(forced)
