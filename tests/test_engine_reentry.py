@@ -4,11 +4,13 @@ end-of-sequence token) and the vision tower (run when a request with images is a
 for good; ``generate()`` with the cache ran a whole call inside the step. Each now raises ``RuntimeError`` at once,
 saying what to do; ``reset()`` and ``load()`` (a new cache) wait for nothing the step holds and run. An output
 callback runs on its own event loop, not in the engine's thread: ``clear()`` there runs between two steps. A handler
-whose event loop closed no longer ends the engine's thread.
+whose event loop closed no longer ends the engine's thread, and a busy event loop is woken once for all the outputs
+it has not run yet.
 
 Each test waits for its outputs with a timeout, so the old hang is a failure, not a stuck run."""
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -200,6 +202,51 @@ def test_a_result_handler_whose_event_loop_closed_does_not_end_the_engine(family
     assert manager.batch_processor.find("gone") is None  # cancelled, its slot given back
     manager.stop()
     check_store(cache)
+
+
+class CountingLoop(asyncio.SelectorEventLoop):
+    """An event loop that counts the wake-ups other threads ask of it."""
+
+    wakes = 0
+
+    def call_soon_threadsafe(self, *args, **kwargs):
+        self.wakes += 1
+        return super().call_soon_threadsafe(*args, **kwargs)
+
+
+@pytest.mark.parametrize("family", ["jamba"])
+def test_a_busy_event_loop_is_woken_once_for_the_outputs_it_has_not_run(family, model, cold_model):
+    """A streamed request's outputs that arrive while its handler's loop is busy join the wake-up already pending
+    (each wake-up is a write to the loop's self-pipe from the engine's thread), and reach the handler in order."""
+    cache = HybridPrefixCache(model)
+    manager = cache.init_continuous_batching(config(NEW_TOKENS, eos_token_id=-1))
+    manager.start()
+    loop, seen = CountingLoop(), []
+
+    async def read() -> None:
+        finished = loop.create_future()
+
+        def on_output(output) -> None:
+            seen.append(list(output.generated_tokens))
+            if output.is_finished():
+                finished.set_result(output)
+
+        request_id = manager.add_request(PROMPT, streaming=True, request_id="busy")
+        manager.register_result_handler(request_id, on_output)
+        deadline = time.monotonic() + TIMEOUT_S
+        while manager.batch_processor.find(request_id) is not None and time.monotonic() < deadline:
+            time.sleep(0.01)  # the loop is busy: it runs nothing while the engine generates every token
+        time.sleep(0.1)
+        await asyncio.wait_for(finished, TIMEOUT_S)
+
+    try:
+        loop.run_until_complete(read())
+    finally:
+        loop.close()
+        manager.stop()
+    assert len(seen) == NEW_TOKENS and [len(tokens) for tokens in seen] == list(range(1, NEW_TOKENS + 1))
+    assert all(later[:-1] == earlier for earlier, later in zip(seen, seen[1:]))
+    assert loop.wakes <= 2, loop.wakes  # one per step (6) before
 
 
 def test_clear_from_the_vision_tower_raises_at_once():

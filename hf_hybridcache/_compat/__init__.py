@@ -71,6 +71,9 @@ Private APIs touched, and why each is needed (transformers 5.23 - 5.25; :mod:`.h
   a checkpoint ships, which transformers drops at load (``_keys_to_ignore_on_load_unexpected``), is rebuilt from
   them (its routed experts fused as the loader fuses the main model's), and a forward hook on ``get_decoder()``
   hands an MTP drafter the target's final hidden states.
+- ``TokenizersBackend._decode`` (:mod:`.tokenizers`): a fast tokenizer's ``decode`` is its ``tokenizers``
+  backend's decode and then, when asked, a clean-up of spaces; the server's streamed text decodes only the newest ids
+  where the backend's decoder allows it, and only when no subclass overrides ``_decode``.
 
 Everything here is reached through the names this package re-exports; the model is wrapped per instance (other
 instances and the classes are untouched). Each of these internals is a named check in :mod:`.hook_points`

@@ -304,6 +304,11 @@ def _integrations() -> list[HookPoint]:
                   "hf_hybridcache._compat.accelerate (instance patches sit under accelerate's hooks; offloaded "
                   "weights and layer devices are read from them)"),
         *_hub_kernels(),
+        HookPoint("transformers.tokenization_utils_tokenizers.TokenizersBackend._decode",
+                  source_mentions("transformers.tokenization_utils_tokenizers:TokenizersBackend._decode",
+                                  "self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)",
+                                  "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"),
+                  "hf_hybridcache._compat.tokenizers (a fast tokenizer's decode is its backend's, then a clean-up)"),
         HookPoint("transformers.modeling_outputs.BaseModelOutputWithPooling",
                   parameters("transformers.modeling_outputs:BaseModelOutputWithPooling.__init__", "pooler_output"),
                   "hf_hybridcache.multimodal.prompt, hf_hybridcache.engine.images (mm_encoder_outputs)"),

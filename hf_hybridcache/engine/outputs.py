@@ -7,6 +7,10 @@ takes them without disturbing other readers (no re-queueing). A handler whose ev
 away: an ``asyncio.run`` that returned, a server shutting down) is dropped with its outputs and its request is named
 to the caller, which cancels it: delivering runs in the engine's thread, and the closed loop's ``RuntimeError`` used
 to end that thread, failing every request.
+
+A loop is woken once for all the outputs that arrive before it runs them: an output for a loop that already has a
+wake-up pending joins that batch instead of writing to the loop's self-pipe again (``call_soon_threadsafe``, where
+the engine's thread waits for the GIL while the loop runs).
 """
 
 from __future__ import annotations
@@ -37,11 +41,12 @@ class OutputRouter:
         self._cond = threading.Condition()
         self._queue: deque[GenerationOutput] = deque()
         self._handlers: dict[str, tuple[Callable, asyncio.AbstractEventLoop]] = {}
+        self._pending: dict[asyncio.AbstractEventLoop, list] = {}  # (callback, output) a woken loop has not run yet
 
     def deliver(self, outputs: list[GenerationOutput]) -> list[str]:
         """Hand ``outputs`` to their handlers or the queue, in order; returns the ids of requests whose handler's event
         loop is closed (their handlers and these outputs are dropped: no one reads them)."""
-        calls: dict[asyncio.AbstractEventLoop, list] = {}
+        wake = []
         with self._cond:
             for output in outputs:
                 entry = self._handlers.get(output.request_id)
@@ -49,17 +54,40 @@ class OutputRouter:
                     self._queue.append(output)
                     continue
                 callback, loop = entry
-                calls.setdefault(loop, []).append((callback, output))
+                if self._add_pending(loop, [(callback, output)]):
+                    wake.append(loop)
                 if output.is_finished():
                     del self._handlers[output.request_id]
             self._cond.notify_all()
         gone = []
-        for loop, batch in calls.items():
-            try:
-                loop.call_soon_threadsafe(_run_all, batch)
-            except RuntimeError:  # the loop is closed
-                gone += self._drop_loop(loop, batch)
+        for loop in wake:
+            gone += self._wake(loop)
         return gone
+
+    def _add_pending(self, loop: asyncio.AbstractEventLoop, calls: list) -> bool:
+        """Add ``calls`` to ``loop``'s pending batch (under the lock); True if the loop must be woken for it."""
+        batch = self._pending.get(loop)
+        if batch is not None:
+            batch.extend(calls)
+            return False
+        self._pending[loop] = list(calls)
+        return True
+
+    def _wake(self, loop: asyncio.AbstractEventLoop) -> list[str]:
+        """Have ``loop`` run its pending batch; the request ids dropped if it is closed."""
+        try:
+            loop.call_soon_threadsafe(self._run_pending, loop)
+        except RuntimeError:  # the loop is closed
+            with self._cond:
+                batch = self._pending.pop(loop, [])
+            return self._drop_loop(loop, batch)
+        return []
+
+    def _run_pending(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._cond:
+            batch = self._pending.pop(loop, [])
+        for callback, output in batch:
+            callback(output)
 
     def _drop_loop(self, loop: asyncio.AbstractEventLoop, batch: list) -> list[str]:
         """Forget the handlers on the closed ``loop``; returns their request ids and those of ``batch``."""
@@ -82,8 +110,10 @@ class OutputRouter:
                 self._queue.remove(output)
             if not any(o.is_finished() for o in queued):
                 self._handlers[request_id] = (callback, loop)
-        if queued:
-            loop.call_soon_threadsafe(_run_all, [(callback, o) for o in queued])
+            # Through the pending batch, so a later output never runs before these.
+            wake = bool(queued) and self._add_pending(loop, [(callback, o) for o in queued])
+        if wake:
+            loop.call_soon_threadsafe(self._run_pending, loop)
 
     def get(self, request_id: str | None, timeout: float | None, alive: Callable[[], bool]) -> GenerationOutput | None:
         """The next queued output (of ``request_id`` if given), waiting up to ``timeout`` seconds while ``alive()``;
@@ -104,8 +134,3 @@ class OutputRouter:
         """Wake the readers (the loop stopped)."""
         with self._cond:
             self._cond.notify_all()
-
-
-def _run_all(batch: list) -> None:
-    for callback, output in batch:
-        callback(output)
