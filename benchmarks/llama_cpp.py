@@ -129,10 +129,15 @@ def build_llama_server(source_dir: Path, log=None) -> Path:
 
 
 def convert(source_dir: Path, model_dir: str | Path, out: str | Path, log=None) -> Path:
-    """Convert the saved model in ``model_dir`` to a GGUF f32 file ``out`` with the sources' converter."""
+    """Convert the saved model in ``model_dir`` to a GGUF f32 file ``out`` with the sources' converter (``--no-mtp``
+    for a Qwen3.5 / Qwen3-Next config without MTP layers, which the converter otherwise asserts it has)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(source_dir / "gguf-py"), os.environ.get("PYTHONPATH", "")])}
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    no_mtp = config.get("model_type", "").startswith(("qwen3_5", "qwen3_next")) and not config.get(
+        "mtp_num_hidden_layers")
     subprocess.run([sys.executable, str(source_dir / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", "f32",
-                    "--outfile", str(out)], check=True, env=env, stdout=log, stderr=log)
+                    "--outfile", str(out), *(["--no-mtp"] if no_mtp else [])], check=True, env=env, stdout=log,
+                   stderr=log)
     return Path(out)
 
 
