@@ -17,8 +17,7 @@ depends on the row count on this CPU). A token's output and state are then the s
 a split prompt or a decode step, whatever rows share the call. The states the functions take and return keep the
 package's layout ``[B, Hv, Dk, Dv]`` (the cache's); transposing is a copy, exact.
 
-Cost: a step per token instead of chunk-sized matrix products (measured in
-docs/deterministic.md has the measured cost).
+Cost: a step per token instead of chunk-sized matrix products (docs/deterministic.md has the measured cost).
 
 The gated RMSNorm after the rule (``Qwen3_5RMSNormGated`` / ``Qwen3NextRMSNormGated``, norm first, then the gate)
 reduces each head of a row alone but gates with ``F.silu``, whose float32 bits for an element depend on its offset in

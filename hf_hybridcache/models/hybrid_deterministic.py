@@ -11,6 +11,11 @@ and routed experts, each with a row-invariant, path-invariant form (docs/determi
   ``F.silu`` gives an element other float32 bits by its offset in the tensor (its vectorized body and scalar tail
   differ; ``benchmarks/batch_invariance.py``, table 2), so a token's MLP output moved with the number of tokens
   beside it.
+- A gated attention module (Qwen3.5's ``Qwen3_5Attention``, transformers 5.23 - 5.25) runs
+  :func:`gated_attention_forward`: upstream's forward with its output gate ``sigmoid(gate)`` taken as
+  :func:`~hf_hybridcache.kernels.gated_delta_invariant.sigmoid_invariant` in float32, rounded once to the gate's
+  dtype (``torch.sigmoid`` gives an element other float32 bits by its offset in the tensor); its q/k RMSNorms and
+  rotary embedding (``cos`` / ``sin``, measured the same bits at any offset) as upstream.
 - A routed-experts block (Jamba's ``JambaSparseMoeBlock``, transformers 5.23 - 5.25) runs :func:`sparse_moe_forward`:
   upstream's router and experts, each expert's products on the rows routed to it through the row-invariant linear, and
   each token's experts summed in the order of its own top-k choice (upstream sums in expert order, also fixed per
@@ -18,7 +23,7 @@ and routed experts, each with a row-invariant, path-invariant form (docs/determi
 
 The RMSNorms, softmaxes, embeddings and residual adds run as upstream (measured row-invariant here). :data:`_OFF` is
 the private switch of the power tests: ``"attention"`` runs the model's own attention function, ``"activation"``
-``F.silu``.
+``F.silu``, ``"gate"`` the gated attention's ``torch.sigmoid``.
 """
 
 from __future__ import annotations
@@ -27,13 +32,16 @@ import torch
 import torch.nn.functional as F
 
 from .. import _compat
-from .._compat.invariant_attention import invariant_attention_forward, mark, unroutable
+from .._compat.invariant_attention import gated_attention_parts, invariant_attention_forward, mark, unroutable
+from ..kernels.gated_delta_invariant import sigmoid_invariant
 from ..kernels.mamba1_invariant import silu_invariant
 from .mamba1_deterministic import _linear, lm_head_forward
 
 #: model_type -> (attention module class, routed-experts block class or None): the hybrids whose layers this module
 #: knows (their mixers are wired by :mod:`.deterministic`).
-FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock")}
+FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock"), "qwen3_5_text": ("Qwen3_5Attention", None)}
+#: The attention classes whose forward gates its output with a sigmoid (:func:`gated_attention_forward`).
+GATED_ATTENTION = ("Qwen3_5Attention",)
 #: The activation modules replaced by the invariant SiLU (transformers' ``ACT2FN["silu"]`` and torch's).
 SILU_MODULES = ("SiLUActivation", "SiLU")
 #: Ingredients switched off (private: the power tests name them here; empty in use).
@@ -56,6 +64,8 @@ def product_weights(model: torch.nn.Module, model_type: str) -> list[torch.Tenso
     one expert's gate-up and down projections per block), for the row-invariance probes."""
     experts_class = FAMILIES[model_type][1]
     weights = []
+    if experts_class is None:
+        return weights
     for module in model.modules():
         if type(module).__name__ == experts_class:
             weights += [module.router.weight, module.experts.gate_up_proj[0], module.experts.down_proj[0]]
@@ -74,6 +84,8 @@ def install(model: torch.nn.Module, model_type: str) -> None:
             _compat.patch_instance_forward(module, silu_forward)
         elif name == experts_class:
             _compat.patch_instance_forward(module, sparse_moe_forward)
+        elif name in GATED_ATTENTION:
+            _compat.patch_instance_forward(module, gated_attention_forward)
     mark(model, [m for m in model.modules() if type(m).__name__ == attention_class], attention_forward)
 
 
@@ -82,6 +94,30 @@ def attention_forward(original, module, query, key, value, attention_mask, *args
     if "attention" in _OFF:
         return original(module, query, key, value, attention_mask, *args, **kwargs)
     return invariant_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def gated_attention_forward(module: torch.nn.Module, original, hidden_states: torch.Tensor,
+                            position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask=None, **kwargs):
+    """A gated attention module's ``(output [B, T, hidden], None)`` for ``hidden_states`` ``[B, T, hidden]`` and the
+    rotary ``(cos, sin)``: ``Qwen3_5Attention.forward`` (transformers 5.23 - 5.25), its gate through
+    :func:`~hf_hybridcache.kernels.gated_delta_invariant.sigmoid_invariant`; the attention call goes through the
+    model's attention function, which deterministic mode routes to the invariant attention."""
+    cache, kwargs, apply_rotary, attention, update = gated_attention_parts(module, kwargs)
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, module.head_dim)
+    query, gate = torch.chunk(module.q_proj(hidden_states).view(*input_shape, -1, module.head_dim * 2), 2, dim=-1)
+    gate = gate.reshape(*input_shape, -1)
+    query = module.q_norm(query.view(hidden_shape)).transpose(1, 2)
+    key = module.k_norm(module.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+    value = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    query, key = apply_rotary(query, key, *position_embeddings)
+    if cache is not None:
+        key, value = update(key, value)
+    dropout = module.attention_dropout if module.training else 0.0
+    out, _ = attention(module, query, key, value, attention_mask, dropout=dropout, scaling=module.scaling, **kwargs)
+    out = out.reshape(*input_shape, -1).contiguous()
+    gated = torch.sigmoid(gate) if "gate" in _OFF else sigmoid_invariant(gate.float()).to(gate.dtype)
+    return module.o_proj(out * gated), None
 
 
 def silu_forward(module: torch.nn.Module, original, x: torch.Tensor) -> torch.Tensor:
