@@ -41,8 +41,12 @@ def dtype(request):
     return request.param
 
 
-#: Config overrides of a family's toy in this bank: Jamba with routed experts (its toy has one MLP per layer).
-OVERRIDES = {"jamba": dict(num_experts=4, num_experts_per_tok=2, intermediate_size=104)}
+#: Config overrides of a family's toy in this bank: Jamba with routed experts (its toy has one MLP per layer); Qwen3.5
+#: with widths off the CPU's vector width (an MLP of 104, 3 attention heads of 16, value heads of 20), so that F.silu
+#: and torch.sigmoid meet a vectorized loop's scalar tail and the power tests can see them.
+OVERRIDES = {"jamba": dict(num_experts=4, num_experts_per_tok=2, intermediate_size=104),
+             "qwen3_5_text": dict(intermediate_size=104, num_attention_heads=3, num_key_value_heads=1,
+                                  linear_value_head_dim=20)}
 
 
 def fresh(family, dtype, deterministic=True, **kwargs):

@@ -22,7 +22,7 @@ the ``q|k|v`` inputs, the float32 state ``[B, Hv, Dk, Dv]``, the checkpoints aft
 :mod:`.linear_attention`.
 
 :data:`_OFF` is the private switch of the power tests: an ingredient named there runs the package's default op instead
-(``"linear"``: ``F.linear``; ``"conv"``: the upstream conv (``F.conv1d`` / the fused conv update); ``"rule"``: the
+(``"linear"``: ``F.linear``; ``"conv"``: :func:`~hf_hybridcache.models.mamba1.causal_conv` / the fused conv update; ``"rule"``: the
 chunked rule / the recurrent step; ``"norm"``: the mixer's own ``Qwen3_5RMSNormGated``; ``"gates"``:
 ``torch.sigmoid`` / ``F.softplus``).
 """
@@ -43,7 +43,7 @@ from ..kernels.gated_delta_invariant import (
 )
 from ..kernels.mamba1_invariant import softplus_invariant
 from ..kernels.state_update import causal_conv1d_update
-from .mamba1 import apply_padding_mask, checkpoint_positions, conv_states_at
+from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_states_at
 from .mamba1_deterministic import _linear as _invariant_linear
 from .mamba1_deterministic import lm_head_forward  # noqa: F401 (deterministic.install reads it from here)
 
@@ -113,8 +113,7 @@ def _conv(mixer, x: torch.Tensor, conv_state: torch.Tensor | None, cache, decode
             _compat.count_decode_token(cache, layer_idx)
             return out
         full = cache.update_conv_state(x, layer_idx, conv_kernel_size=mixer.conv_kernel_size)
-        out = F.conv1d(full.to(weight.dtype), weight[:, None], bias, groups=full.shape[1])[..., -x.shape[-1]:]
-        return F.silu(out).to(x.dtype)
+        return causal_conv(full, weight, bias, mixer.activation, x.shape[-1])
     out, window = causal_conv_invariant(x, weight, bias, mixer.activation, conv_state)
     if decode:
         conv_state.copy_(window)
