@@ -36,6 +36,7 @@ from test_deterministic import (
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.models import gated_delta_deterministic, hybrid_deterministic
 from hf_hybridcache.toy import build_model
+from hf_hybridcache.toy.vision import build_vlm
 
 FAMILY = "qwen3_5_text"
 DTYPES3 = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
@@ -173,3 +174,5 @@ def test_layers_it_cannot_hold_for_are_refused():
     HybridPrefixCache(model)  # nothing was patched: the default mode still builds
     with pytest.raises(ValueError, match="(?s)gated delta net mixer.*deterministic=False"):
         HybridPrefixCache(build_model("qwen3_5_moe_text", seed=0), deterministic=True)
+    with pytest.raises(ValueError, match="(?s)vision tower.*Qwen3_5ForCausalLM.*deterministic=False"):
+        HybridPrefixCache(build_vlm("qwen3_5", seed=0), deterministic=True)

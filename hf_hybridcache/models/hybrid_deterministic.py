@@ -54,6 +54,9 @@ def refusals(model: torch.nn.Module, model_type: str) -> list[str]:
     problems = [problem] if (problem := unroutable(model)) is not None else []
     if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
         problems.append(f"hidden_act={config.hidden_act!r} (only SiLU has an invariant form here)")
+    if getattr(model.config, "vision_config", None) is not None:
+        problems.append("a vision tower (its attention and merger have no invariant form here; load the text model, "
+                        "e.g. Qwen3_5ForCausalLM, for text requests)")
     if getattr(config, "sliding_window", None) is not None:
         problems.append(f"sliding_window={config.sliding_window} (the invariant attention has no window yet)")
     return problems
