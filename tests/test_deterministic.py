@@ -46,7 +46,9 @@ def dtype(request):
 #: and torch.sigmoid meet a vectorized loop's scalar tail and the power tests can see them.
 OVERRIDES = {"jamba": dict(num_experts=4, num_experts_per_tok=2, intermediate_size=104),
              "qwen3_5_text": dict(intermediate_size=104, num_attention_heads=3, num_key_value_heads=1,
-                                  linear_value_head_dim=20)}
+                                  linear_value_head_dim=20),
+             "qwen3_5_moe_text": dict(moe_intermediate_size=56, shared_expert_intermediate_size=104,
+                                      num_attention_heads=3, num_key_value_heads=1, linear_value_head_dim=20)}
 
 
 def fresh(family, dtype, deterministic=True, **kwargs):

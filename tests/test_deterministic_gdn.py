@@ -1,5 +1,5 @@
-"""deterministic=True on Qwen3.5's text model (``qwen3_5_text``, issue 46): gated delta net layers around a gated
-full-attention layer, dense MLPs; the long-memory toy with widths off the CPU's vector width (test_deterministic.py's
+"""deterministic=True on Qwen3.5's text models (``qwen3_5_text``, issue 46; ``qwen3_5_moe_text`` for hits, decode
+and the engine): gated delta net layers around a gated full-attention layer, dense MLPs (routed + shared experts); the long-memory toy with widths off the CPU's vector width (test_deterministic.py's
 ``OVERRIDES``: an MLP of 104, 3 attention heads, value heads of 20 over grouped key heads). A request's tokens and
 logits / logprobs are the same bits cold and after hits of several lengths, with a reply replayed in a chat, decoded
 or prefilled, as a row of a left-padded generate() batch, and among 1-8 concurrent engine requests at prefill chunks
@@ -11,7 +11,7 @@ Power (each ingredient switched off alone through the private ``gated_delta_dete
 docs/deterministic.md has the table): the row-invariant linear, the invariant conv, the per-token rule, the gated
 RMSNorm's SiLU, the sigmoid / softplus gates, the invariant attention, the MLP's SiLU and the attention's output gate
 each make some float32 case differ (:data:`POWER` names one per ingredient; the rule also in float16, the conv and the
-attention in every dtype).
+attention in every dtype); on Qwen3.5-MoE the shared expert's sigmoid gate and the experts' SiLU too.
 """
 
 import pytest
@@ -39,6 +39,7 @@ from hf_hybridcache.toy import build_model
 from hf_hybridcache.toy.vision import build_vlm
 
 FAMILY = "qwen3_5_text"
+MOE = "qwen3_5_moe_text"
 DTYPES3 = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 
 
@@ -139,32 +140,57 @@ def test_checkpoints_hold_the_states_of_an_upstream_cold_forward():
     assert_restored_states_match(cache, plain, torch.tensor([BASE[:70]]), expected_hit=64)
 
 
-#: (module, ingredient, dtype, a case it breaks when switched off alone), measured at 2 threads.
+@DTYPES3
+def test_moe_hit_and_decoded_tokens_equal_cold_and_prefilled(dtype):
+    """Qwen3.5-MoE (4 routed experts of 56, top 2, a shared expert of 104 behind its sigmoid gate)."""
+    assert hit_case(MOE, dtype)
+    assert decode_vs_prefill_case(MOE, dtype)
+
+
+@pytest.mark.parametrize("max_batch_tokens", [16, 48, 512])
+def test_moe_engine_requests_equal_generate_alone(dtype, max_batch_tokens):
+    assert engine_case(MOE, dtype, PROMPTS, max_batch_tokens)
+
+
+def test_moe_mode_is_the_model_within_round_off():
+    model, cache = fresh(MOE, torch.float32)
+    plain = build_model(MOE, seed=0, **OVERRIDES[MOE])
+    _, logits = run(model, cache, BASE[:40], new_tokens=1)
+    with torch.no_grad():
+        expected = plain(torch.tensor([BASE[:40]])).logits[0, -1]
+    torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=0)
+
+
+#: (family, module, ingredient, dtype, a case it breaks when switched off alone), measured at 2 threads.
 POWER = [
-    (gated_delta_deterministic, "linear", torch.float32, hit_case),
-    (gated_delta_deterministic, "conv", torch.bfloat16, decode_vs_prefill_case),
-    (gated_delta_deterministic, "rule", torch.float32, hit_case),
-    (gated_delta_deterministic, "rule", torch.float16, engine_case),
-    (gated_delta_deterministic, "norm", torch.float32, engine_case),
-    (gated_delta_deterministic, "gates", torch.float32, engine_case),
-    (hybrid_deterministic, "attention", torch.bfloat16, engine_case),
-    (hybrid_deterministic, "activation", torch.float32, decode_vs_prefill_case),
-    (hybrid_deterministic, "gate", torch.float32, decode_vs_prefill_case),
+    (FAMILY, gated_delta_deterministic, "linear", torch.float32, hit_case),
+    (FAMILY, gated_delta_deterministic, "conv", torch.bfloat16, decode_vs_prefill_case),
+    (FAMILY, gated_delta_deterministic, "rule", torch.float32, hit_case),
+    (FAMILY, gated_delta_deterministic, "rule", torch.float16, engine_case),
+    (FAMILY, gated_delta_deterministic, "norm", torch.float32, engine_case),
+    (FAMILY, gated_delta_deterministic, "gates", torch.float32, engine_case),
+    (FAMILY, hybrid_deterministic, "attention", torch.bfloat16, engine_case),
+    (FAMILY, hybrid_deterministic, "activation", torch.float32, decode_vs_prefill_case),
+    (FAMILY, hybrid_deterministic, "gate", torch.float32, decode_vs_prefill_case),
+    (MOE, hybrid_deterministic, "shared_gate", torch.float32, engine_case),
+    (MOE, hybrid_deterministic, "activation", torch.float32, decode_vs_prefill_case),
 ]
 
 
-@pytest.mark.parametrize("module, off, dtype, case", POWER,
-                         ids=[f"{off}-{str(dtype)[6:]}-{case.__name__}" for _, off, dtype, case in POWER])
-def test_each_ingredient_off_alone_breaks_a_case(monkeypatch, module, off, dtype, case):
+@pytest.mark.parametrize("family, module, off, dtype, case", POWER,
+                         ids=[f"{family}-{off}-{str(dtype)[6:]}-{case.__name__}"
+                              for family, _, off, dtype, case in POWER])
+def test_each_ingredient_off_alone_breaks_a_case(monkeypatch, family, module, off, dtype, case):
     torch.set_num_threads(2)  # MKL's float32 1-row product sums in another order at 2 threads (the suite runs 1)
-    assert case(FAMILY, dtype)
+    assert case(family, dtype)
     monkeypatch.setattr(module, "_OFF", {off})
-    assert not case(FAMILY, dtype)
+    assert not case(family, dtype)
 
 
-def test_with_the_mode_off_some_case_differs(dtype):
+@pytest.mark.parametrize("family", [FAMILY, MOE])
+def test_with_the_mode_off_some_case_differs(family, dtype):
     cases = (decode_vs_prefill_case, engine_case, hit_case)
-    assert not all(case(FAMILY, dtype, deterministic=False) for case in cases)
+    assert not all(case(family, dtype, deterministic=False) for case in cases)
 
 
 def test_layers_it_cannot_hold_for_are_refused():
@@ -173,6 +199,6 @@ def test_layers_it_cannot_hold_for_are_refused():
         HybridPrefixCache(model, deterministic=True)
     HybridPrefixCache(model)  # nothing was patched: the default mode still builds
     with pytest.raises(ValueError, match="(?s)gated delta net mixer.*deterministic=False"):
-        HybridPrefixCache(build_model("qwen3_5_moe_text", seed=0), deterministic=True)
+        HybridPrefixCache(build_model("qwen3_next", seed=0), deterministic=True)
     with pytest.raises(ValueError, match="(?s)vision tower.*Qwen3_5ForCausalLM.*deterministic=False"):
         HybridPrefixCache(build_vlm("qwen3_5", seed=0), deterministic=True)

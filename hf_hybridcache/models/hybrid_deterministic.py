@@ -16,6 +16,9 @@ and routed experts, each with a row-invariant, path-invariant form (docs/determi
   :func:`~hf_hybridcache.kernels.gated_delta_invariant.sigmoid_invariant` in float32, rounded once to the gate's
   dtype (``torch.sigmoid`` gives an element other float32 bits by its offset in the tensor); its q/k RMSNorms and
   rotary embedding (``cos`` / ``sin``, measured the same bits at any offset) as upstream.
+- A routed + shared experts block (Qwen3.5-MoE's ``Qwen3_5MoeSparseMoeBlock``) runs :func:`shared_moe_forward`: the
+  routed experts as below (the top-k weights renormalized, as its router does) plus the shared expert gated by
+  ``sigmoid_invariant``.
 - A routed-experts block (Jamba's ``JambaSparseMoeBlock``, transformers 5.23 - 5.25) runs :func:`sparse_moe_forward`:
   upstream's router and experts, each expert's products on the rows routed to it through the row-invariant linear, and
   each token's experts summed in the order of its own top-k choice (upstream sums in expert order, also fixed per
@@ -23,7 +26,7 @@ and routed experts, each with a row-invariant, path-invariant form (docs/determi
 
 The RMSNorms, softmaxes, embeddings and residual adds run as upstream (measured row-invariant here). :data:`_OFF` is
 the private switch of the power tests: ``"attention"`` runs the model's own attention function, ``"activation"``
-``F.silu``, ``"gate"`` the gated attention's ``torch.sigmoid``.
+``F.silu``, ``"gate"`` the gated attention's ``torch.sigmoid``, ``"shared_gate"`` the shared expert's.
 """
 
 from __future__ import annotations
@@ -39,9 +42,10 @@ from .mamba1_deterministic import _linear, lm_head_forward
 
 #: model_type -> (attention module class, routed-experts block class or None): the hybrids whose layers this module
 #: knows (their mixers are wired by :mod:`.deterministic`).
-FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock"), "qwen3_5_text": ("Qwen3_5Attention", None)}
+FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock"), "qwen3_5_text": ("Qwen3_5Attention", None),
+            "qwen3_5_moe_text": ("Qwen3_5MoeAttention", "Qwen3_5MoeSparseMoeBlock")}
 #: The attention classes whose forward gates its output with a sigmoid (:func:`gated_attention_forward`).
-GATED_ATTENTION = ("Qwen3_5Attention",)
+GATED_ATTENTION = ("Qwen3_5Attention", "Qwen3_5MoeAttention")
 #: The activation modules replaced by the invariant SiLU (transformers' ``ACT2FN["silu"]`` and torch's).
 SILU_MODULES = ("SiLUActivation", "SiLU")
 #: Ingredients switched off (private: the power tests name them here; empty in use).
@@ -71,7 +75,7 @@ def product_weights(model: torch.nn.Module, model_type: str) -> list[torch.Tenso
         return weights
     for module in model.modules():
         if type(module).__name__ == experts_class:
-            weights += [module.router.weight, module.experts.gate_up_proj[0], module.experts.down_proj[0]]
+            weights += [_router(module).weight, module.experts.gate_up_proj[0], module.experts.down_proj[0]]
     return weights
 
 
@@ -86,7 +90,8 @@ def install(model: torch.nn.Module, model_type: str) -> None:
         elif name in SILU_MODULES:
             _compat.patch_instance_forward(module, silu_forward)
         elif name == experts_class:
-            _compat.patch_instance_forward(module, sparse_moe_forward)
+            moe_forward = shared_moe_forward if hasattr(module, "shared_expert") else sparse_moe_forward
+            _compat.patch_instance_forward(module, moe_forward)
         elif name in GATED_ATTENTION:
             _compat.patch_instance_forward(module, gated_attention_forward)
     mark(model, [m for m in model.modules() if type(m).__name__ == attention_class], attention_forward)
@@ -131,6 +136,29 @@ def silu_forward(module: torch.nn.Module, original, x: torch.Tensor) -> torch.Te
     return silu_invariant(x.float()).to(x.dtype)
 
 
+def _router(block: torch.nn.Module) -> torch.nn.Module:
+    """A routed-experts block's router (Jamba's ``router``, Qwen3.5-MoE's ``gate``)."""
+    return block.router if hasattr(block, "router") else block.gate
+
+
+def shared_moe_forward(block: torch.nn.Module, original, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A routed + shared experts block's output ``[B, T, hidden]`` (``hidden_states``' dtype) for ``hidden_states``
+    ``[B, T, hidden]``: ``Qwen3_5MoeSparseMoeBlock.forward`` (transformers 5.23 - 5.25): the router's softmax in
+    float32, its top-k renormalized to sum to one and rounded to the logits' dtype, the routed experts as
+    :func:`sparse_moe_forward` sums them, plus the shared expert (its linears and SiLU patched) times
+    ``sigmoid(shared_expert_gate(x))`` from ``exp`` (``F.sigmoid`` moves a float32 element with its offset)."""
+    batch, seq_len, hidden = hidden_states.shape
+    x = hidden_states.reshape(-1, hidden)
+    shared = block.shared_expert(x)
+    logits = _linear(x, block.gate.weight)
+    weights, chosen = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), block.gate.top_k, dim=-1)
+    weights = (weights / weights.sum(dim=-1, keepdim=True)).to(logits.dtype)
+    gate_logit = block.shared_expert_gate(x)
+    gate = torch.sigmoid(gate_logit) if "shared_gate" in _OFF else sigmoid_invariant(gate_logit.float()).to(x.dtype)
+    routed = _routed_sum(x, block.experts, weights, chosen)
+    return (routed + gate * shared).reshape(batch, seq_len, hidden)
+
+
 def sparse_moe_forward(block: torch.nn.Module, original, hidden_states: torch.Tensor) -> torch.Tensor:
     """A routed-experts block's output ``[B, T, hidden]`` (``hidden_states``' dtype) for ``hidden_states``
     ``[B, T, hidden]``: the router's softmax over ``F.linear``'s logits in float32 and its top-k (weights left
@@ -141,14 +169,20 @@ def sparse_moe_forward(block: torch.nn.Module, original, hidden_states: torch.Te
     router, experts = block.router, block.experts
     probs = torch.softmax(_linear(x, router.weight), dim=-1, dtype=torch.float)
     weights, chosen = torch.topk(probs, router.top_k, dim=-1)  # [N, k], each token's choices by weight
-    weights = weights.to(x.dtype)
-    picked = x.new_zeros(x.shape[0], router.top_k, hidden)
+    return _routed_sum(x, experts, weights.to(x.dtype), chosen).reshape(batch, seq_len, hidden)
+
+
+def _routed_sum(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """``sum_k w_k expert_k(x)`` ``[N, hidden]`` per token in its top-k order for ``x`` ``[N, hidden]``, ``weights`` /
+    ``chosen`` ``[N, k]``; each expert's products on the rows routed to it through the row-invariant linear."""
+    top_k, hidden = chosen.shape[1], x.shape[1]
+    picked = x.new_zeros(x.shape[0], top_k, hidden)
     for expert in chosen.unique().tolist():
         token, slot = torch.where(chosen == expert)
         gate, up = _linear(x[token], experts.gate_up_proj[expert]).chunk(2, dim=-1)
         out = _linear(experts.act_fn(gate) * up, experts.down_proj[expert])
         picked[token, slot] = out * weights[token, slot, None]
     total = picked[:, 0]
-    for slot in range(1, router.top_k):
+    for slot in range(1, top_k):
         total = total + picked[:, slot]
-    return total.reshape(batch, seq_len, hidden)
+    return total
