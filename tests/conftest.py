@@ -16,6 +16,8 @@ from hf_hybridcache._compat import cache_kwarg
 from hf_hybridcache.models.refused import REFUSED
 from hf_hybridcache.toy import TINY_CONFIGS, VOCAB_SIZE, build_model
 
+import speculation_runs
+
 NEW_TOKENS = 16
 
 # Tiny models gain nothing from intra-op threads, and on a shared CPU the OpenMP workers' spin-waits make the suite
@@ -118,12 +120,54 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "needs_attention_layers: a test of stored KV, not collected for PURE_SSM_FAMILIES (they store none)"
     )
+    config.addinivalue_line(
+        "markers", "plain_only(reason): a test of speculation_runs.SPECULATION_MODULES that runs without speculation "
+        "only (bf16, or it never reaches the engine): the reason says which"
+    )
+
+
+def pytest_generate_tests(metafunc):
+    speculation_runs.parametrize(metafunc)
+
+
+@pytest.fixture(scope="module")
+def speculation(request):
+    """``plain`` or ``spec``: the run of an engine or server exactness test (tests/speculation_runs.py); with ``spec``
+    managers and servers speculate by default. Module-scoped fixtures that build a manager or a server ask for it."""
+    run = getattr(request, "param", "plain")
+    if run == "plain":
+        yield run
+        return
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        speculation_runs.switch_on(monkeypatch)
+        yield run
+
+
+@pytest.fixture(autouse=True)
+def _speculation_counted(request, speculation):
+    """Puts a ``spec`` test's verify steps, drafted and kept tokens into its report (the run's summary adds them)."""
+    before = speculation_runs.counted()
+    yield
+    if speculation == "spec":
+        counts = tuple(after - b for after, b in zip(speculation_runs.counted(), before))
+        request.node.user_properties.append(("speculation", counts))
+
+
+def pytest_runtest_logreport(report):
+    speculation_runs.SUMMARY.add(report)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A run whose speculation runs kept no draft, or every one, fails (both paths must have run)."""
+    if speculation_runs.SUMMARY.problem() and not hasattr(session.config, "workerinput"):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_collection_modifyitems(config, items):
     """Mark the tests of :data:`VERSION_SPECIFIC_MODULES` ``transformers_version``; skip the tests of a family of
     :data:`NEEDS_NEWER_TRANSFORMERS` that the installed transformers lacks; leave out the ``needs_attention_layers``
-    tests of the families without attention layers."""
+    tests of the families without attention layers, and the speculation runs of the families a module does not run
+    with speculation (tests/speculation_runs.py's ``SPEC_FAMILIES``)."""
     kept, left_out = [], []
     for item in items:
         if item.module.__name__.rsplit(".", 1)[-1] in VERSION_SPECIFIC_MODULES:
@@ -132,7 +176,7 @@ def pytest_collection_modifyitems(config, items):
         if family in NEEDS_NEWER_TRANSFORMERS and family not in TINY_CONFIGS:
             item.add_marker(pytest.mark.skip(reason=NEEDS_NEWER_TRANSFORMERS[family]))
         no_kv = family in PURE_SSM_FAMILIES and item.get_closest_marker("needs_attention_layers") is not None
-        (left_out if no_kv else kept).append(item)
+        (left_out if no_kv or speculation_runs.left_out(item) else kept).append(item)
     if left_out:
         config.hook.pytest_deselected(items=left_out)
         items[:] = kept
@@ -143,7 +187,13 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NEEDS_CUDA
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """One line at the end of the run that counts the skipped tests by reason (each reason says how to run them)."""
+    """One line at the end of the run that counts the skipped tests by reason (each reason says how to run them), and
+    the speculation runs' counts (tests/speculation_runs.py)."""
+    for line in speculation_runs.SUMMARY.lines():
+        terminalreporter.write_line(line)
+    problem = speculation_runs.SUMMARY.problem()
+    if problem:
+        terminalreporter.write_line(f"FAILED {problem}", red=True)
     skipped = terminalreporter.stats.get("skipped", [])
     if not skipped:
         return

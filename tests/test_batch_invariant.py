@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from hf_hybridcache.kernels import batch_invariant as bi
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-SHAPES = [(512, 128), (1024, 256), (96, 1000)]  # [N, K]; the last with odd widths
+#: [N, K]: the third with odd widths; the last large enough for the oneDNN product in float32 (product_form).
+SHAPES = [(512, 128), (1024, 256), (96, 1000), (2048, 256)]
+LARGE = (2048, 256)
 ROW_COUNTS = [*range(1, 18), 31, 64, 100]
 
 
@@ -57,15 +59,61 @@ def test_leading_dims_are_kept():
     assert torch.equal(out.view(6, 64), bi.invariant_linear(x[:6], weight, b))
 
 
-def test_power_f_linear_is_not_row_invariant_in_float32_here():
+@pytest.mark.parametrize("shape", [(512, 128), LARGE], ids=str)
+def test_power_f_linear_is_not_row_invariant_in_float32_here(shape):
     """What the fixed tile fixes: the same check as above with ``F.linear`` finds rows that differ (measured on this
-    project's CPU, torch 2.13 with MKL: 1-3, 5-7 and 9-11 rows)."""
-    x, weight, b = _setup((512, 128), torch.float32, False)
+    project's CPU, torch 2.13 with MKL: 1-3, 5-7 and 9-11 rows), for a weight of either product form."""
+    x, weight, b = _setup(shape, torch.float32, False)
     variant = _variant_rows(F.linear, x, weight, b)
     if not variant:
         pytest.skip("F.linear is row-invariant in float32 with this torch build; nothing for the tile to fix here")
     assert 1 not in variant  # every row alone is the reference here, so 1 row trivially agrees
     assert set(variant) & {2, 3, 5}, variant
+
+
+def test_the_product_is_chosen_by_the_weight_alone():
+    """Large float32 CPU weights run oneDNN's product, every other weight ``F.linear``'s; rows play no part."""
+    expected_large = "onednn" if bi._onednn_available() else "blas"
+    assert bi.product_form(torch.zeros(LARGE)) == expected_large
+    assert bi.product_form(torch.zeros(bi.ONEDNN_MIN_ELEMENTS // 256 - 1, 256)) == "blas"
+    assert bi.product_form(torch.zeros(LARGE, dtype=torch.bfloat16)) == "blas"
+    assert bi.product_form(torch.zeros(LARGE, dtype=torch.float16)) == "blas"
+    with bi.mkl_only():  # the benchmark's comparison: the mode as it was before the oneDNN form
+        assert bi.product_form(torch.zeros(LARGE)) == "blas"
+    assert bi.product_form(torch.zeros(LARGE)) == expected_large
+
+
+def _onednn_unpadded(x, weight, b):
+    return torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]).contiguous(), weight, b, "none", [], "")
+
+
+@pytest.mark.skipif(not bi._onednn_available(), reason="this torch has no oneDNN linear")
+def test_power_the_onednn_product_needs_the_row_tile():
+    """oneDNN's product run on the rows as they come (no zero rows appended) sums a row alone in another order than
+    among others (its matrix-vector kernel at 1 row, measured on this CPU), and the probe refuses it; padded to the
+    tile it passes (the tests above)."""
+    x, weight, b = _setup(LARGE, torch.float32, True)
+    assert bi.product_form(weight) == "onednn"
+    assert _variant_rows(_onednn_unpadded, x, weight, b) != []
+    assert 1 in bi.row_invariance_failures(weight, b, linear=_onednn_unpadded)
+    assert bi.row_invariance_failures(weight, b) == []
+
+
+def test_under_autograd_the_product_gives_the_same_bits_and_gradients():
+    """A forward that records a graph (a model called without ``torch.no_grad()``) gives the bits of an inference one;
+    the gradients are ``F.linear``'s within float32 round-off."""
+    x, weight, b = _setup(LARGE, torch.float32, True)
+    x, weight, b = x[:5], weight.requires_grad_(), b.requires_grad_()
+    with torch.no_grad():
+        expected = bi.invariant_linear(x, weight, b)
+    x = x.clone().requires_grad_()
+    out = bi.invariant_linear(x, weight, b)
+    assert out.requires_grad and torch.equal(out.detach(), expected)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+    got = torch.autograd.grad(out, (x, weight, b), grad)
+    want = torch.autograd.grad(F.linear(x, weight, b), (x, weight, b), grad)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

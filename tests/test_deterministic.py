@@ -212,7 +212,7 @@ def test_with_the_mode_off_some_case_differs(dtype):
 
 
 @pytest.mark.parametrize("family, named", [
-    ("zamba", "attention with a fixed reduction order"),
+    ("zamba2", "attention with a fixed reduction order"),
     ("bamba", "Mamba-2 mixer"),
     ("qwen3_next", "gated delta net mixer wired to the deterministic forward"),
     ("kimi_linear", "Kimi delta attention"),

@@ -101,6 +101,13 @@ def test_tenant_salts_separate_the_engine_requests(model, cold_model):
     check_store(cache)
 
 
+#: bf16 tests run without speculation only: issue 44's bar is fp32, and a bf16 verify step rounds like a prefill, not
+#: like the decode step it replaces (docs/speculative.md, "What stays exact"), so its greedy picks may differ from
+#: generate()'s where the two largest logits are that close.
+BF16_PLAIN_ONLY = pytest.mark.plain_only("bf16: a verify step rounds like a prefill (docs/speculative.md)")
+
+
+@BF16_PLAIN_ONLY
 def test_a_bf16_turn_sent_within_the_grace_period_drops_the_replay_and_a_later_one_hits_the_reply():
     """A chat's next turn sent at once starts with the reply: its own prefill stores the reply as a prefill computes
     it, so the waiting replay is dropped (instead of making the turn wait for one more forward). A turn sent after
@@ -132,6 +139,7 @@ def test_a_bf16_turn_sent_within_the_grace_period_drops_the_replay_and_a_later_o
     check_store(cache)
 
 
+@BF16_PLAIN_ONLY
 @pytest.mark.parametrize("family", ["jamba", "lfm2"])
 def test_bf16_replies_are_stored_from_a_replay_and_the_next_turn_hits_inside(family):
     """With replay_replies (bf16's default) a request stores nothing past its first decode step while it runs (a

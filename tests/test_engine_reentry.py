@@ -111,6 +111,12 @@ class ClearingMatcher:
         self.tokens.append(token)
         return True
 
+    def try_accept(self, token: int) -> bool:  # with speculation: masks verified positions too
+        return self.accept(token)
+
+    def rollback(self, num_tokens: int) -> None:
+        del self.tokens[len(self.tokens) - num_tokens:]
+
 
 class ClearingGrammar:
     eos_token_ids = frozenset()

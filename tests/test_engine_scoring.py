@@ -70,9 +70,11 @@ def test_preempted_scoring_requests_score_exactly(model, cold_model):
     the store and their own scores hold."""
     cache = HybridPrefixCache(model)
     cache.max_cache_bytes = 3 * cache.spec.kv_block_bytes + cache.spec.checkpoint_bytes
-    limits = EngineLimits(max_running_requests=4, max_batch_tokens=48, max_running_pages=6, max_request_tokens=160)
+    # 5 pages and 40 new tokens: requests that verify drafts finish in fewer steps, and with 6 pages and 30 tokens
+    # the speculation run preempted none on Jamba
+    limits = EngineLimits(max_running_requests=4, max_batch_tokens=48, max_running_pages=5, max_request_tokens=160)
     prompts = {f"r{i}": ids(20 + 7 * i, seed=990 + i) for i in range(6)}
-    manager = cache.init_continuous_batching(config(max_new_tokens=30), limits=limits)
+    manager = cache.init_continuous_batching(config(max_new_tokens=40), limits=limits)
     manager.start()
     try:
         outputs = run(manager, {n: (p, {"prompt_logprobs": 3, "logprobs": 4}) for n, p in prompts.items()})

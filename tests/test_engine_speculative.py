@@ -479,6 +479,55 @@ def test_grammar_masks_each_verified_position_and_rolls_back(family, cold_model)
     assert manager.batch_processor.speculator.stats.accepted_tokens > 0
 
 
+class AllowingMatcher:
+    """A grammar matcher of one's own that allows every token, without ``try_accept`` and ``rollback``."""
+
+    vocab_size = VOCAB_SIZE
+
+    def __init__(self) -> None:
+        self.tokens = []
+
+    def fill(self, bitmask, row: int) -> None:
+        bitmask[row] = -1
+
+    def accept(self, token: int) -> bool:
+        self.tokens.append(token)
+        return True
+
+
+class AllowingGrammar:
+    eos_token_ids = frozenset()
+    vocab_size = VOCAB_SIZE
+
+    def matcher(self) -> AllowingMatcher:
+        return AllowingMatcher()
+
+
+@pytest.mark.parametrize("family", ["jamba"])
+def test_a_grammar_that_cannot_take_drafts_back_decodes_plainly_beside_speculating_requests(family, model,
+                                                                                          cold_model):
+    """A grammar of one's own whose matcher has no ``try_accept`` and ``rollback`` (the engine takes any object with
+    ``matcher()`` and ``eos_token_ids``): its request decodes without drafts and equals a cold run, while a request
+    without a grammar beside it verifies drafts (it failed with "The grammar raised AttributeError: ... 'try_accept'"
+    when speculation was on)."""
+    cache = HybridPrefixCache(model)
+    prompts = {"grammar": ids(21, seed=4490), "free": ids(30, seed=4491)}
+    drafter = ScriptedDrafter(references(cold_model, 12))
+    manager = cache.init_continuous_batching(config(max_new_tokens=12), speculation=Speculation(drafter, K))
+    manager.start()
+    try:
+        manager.add_request(prompts["grammar"], request_id="grammar", grammar=AllowingGrammar())
+        manager.add_request(prompts["free"], request_id="free")
+        outputs = finals(manager, list(prompts))
+    finally:
+        manager.stop()
+    for name, prompt in prompts.items():
+        assert outputs[name].error is None, outputs[name].error
+        assert outputs[name].generated_tokens == alone(cold_model, prompt, 12), name
+    stats = manager.batch_processor.speculator.stats
+    assert drafter.rounds.get("grammar") is None and drafter.rounds["free"] > 0 and stats.accepted_tokens > 0
+
+
 @pytest.mark.parametrize("family", ["zamba2"])
 def test_n_sequences_and_min_new_tokens_with_speculation(family, model, cold_model):
     """``num_return_sequences=2``: both children verify drafts and equal the cold run; ``min_new_tokens`` holds the

@@ -12,6 +12,7 @@ from hf_hybridcache._compat.modeling import python_function
 from hf_hybridcache.kernels import (
     chunk_gated_delta_rule,
     chunk_kimi_delta_attention,
+    kimi_delta_steps,
     recurrent_kimi_delta_attention,
 )
 
@@ -189,7 +190,8 @@ def test_tolerance_detects_a_state_off_by_one_token(gate, t, shift):
 
 @pytest.mark.parametrize("positions", [[0], [5, 3], [2, 2], [41]], ids=["zero", "unsorted", "repeated", "too-far"])
 @pytest.mark.parametrize(
-    "kernel", [chunk_kimi_delta_attention, recurrent_kimi_delta_attention], ids=["chunk", "recurrent"]
+    "kernel", [chunk_kimi_delta_attention, recurrent_kimi_delta_attention, kimi_delta_steps],
+    ids=["chunk", "recurrent", "steps"],
 )
 def test_bad_emit_positions_raise(kernel, positions):
     args, _ = kda_inputs(1, 40, 1, 4, 4)
@@ -206,3 +208,57 @@ def test_bounded_gate_families_use_the_same_upstream_functions(module):
         ours = inspect.getsource(python_function(getattr(modeling_kimi_linear, name)))
         theirs = inspect.getsource(python_function(getattr(mod, name)))
         assert theirs == ours, f"{module}.{name} differs from modeling_kimi_linear.{name}"
+
+
+STEP_CASES = {
+    # (batch, seq_len, heads, k_dim, v_dim): a decode token, a verify step of 4 drafts in a batch, the longest stepped
+    "one-token": (1, 1, 2, 8, 16),
+    "five-batch": (3, 5, 2, 16, 8),
+    "sixteen": (1, 16, 3, 12, 20),
+}
+
+
+@pytest.mark.parametrize("gate", ["softplus", "bounded"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("from_state", [False, True], ids=["zero-state", "initial-state"])
+@pytest.mark.parametrize("case", STEP_CASES.values(), ids=STEP_CASES.keys())
+def test_steps_match_the_recurrence(case, from_state, dtype, gate):
+    """The stepped form (a verify step's kernel) against the token-by-token reference: outputs, final state and the
+    state after every token, within fp32 round-off; outputs in the inputs' dtype, states float32."""
+    seq_len = case[1]
+    args, h0 = kda_inputs(*case, gate=gate, seed=5, dtype=dtype)
+    kwargs = {"initial_state": h0 if from_state else None, "output_final_state": True, "use_qk_l2norm_in_kernel": True}
+    positions = list(range(1, seq_len + 1))
+    out, final, emitted = kimi_delta_steps(*args, **kwargs, emit_positions=positions)
+    out_ref, final_ref, emitted_ref = recurrent_kimi_delta_attention(*args, **kwargs, emit_positions=positions)
+    assert out.dtype == dtype and out.shape == out_ref.shape and final.dtype == torch.float32
+    tolerance = FP32 if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}  # bf16: the output's rounding
+    torch.testing.assert_close(out, out_ref, **tolerance)
+    torch.testing.assert_close(final, final_ref, **FP32)
+    for t, state, state_ref in zip(positions, emitted, emitted_ref, strict=True):
+        torch.testing.assert_close(state, state_ref, **FP32, msg=lambda m, t=t: f"state after {t} tokens: {m}")
+
+
+def test_steps_leave_their_inputs_and_emitted_states_alone():
+    """Emitted states are not written by later tokens nor aliased with the final state (which the caller writes in
+    place), and the initial state is left as it was; without ``output_final_state`` no final state."""
+    args, h0 = kda_inputs(1, 5, 2, 8, 8, seed=9)
+    h0_before = h0.clone()
+    _, final, emitted = kimi_delta_steps(*args, initial_state=h0, output_final_state=True, emit_positions=[2, 5])
+    _, _, emitted_ref = recurrent_kimi_delta_attention(*args, initial_state=h0, emit_positions=[2, 5])
+    assert torch.equal(h0, h0_before) and emitted[1].data_ptr() != final.data_ptr()
+    final.zero_()
+    for state, state_ref in zip(emitted, emitted_ref, strict=True):
+        torch.testing.assert_close(state, state_ref, **FP32)
+    assert kimi_delta_steps(*args, initial_state=h0)[1] is None
+
+
+@pytest.mark.parametrize("shift", [-1, 1], ids=["one-token-early", "one-token-late"])
+def test_steps_tolerance_detects_a_state_off_by_one_token(shift):
+    """The power of the stepped comparisons: the state one token early or late fails FP32."""
+    args, h0 = kda_inputs(3, 5, 2, 16, 8, seed=5)
+    kwargs = {"initial_state": h0, "use_qk_l2norm_in_kernel": True}
+    _, _, (state,) = kimi_delta_steps(*args, **kwargs, emit_positions=[3])
+    _, _, (wrong,) = recurrent_kimi_delta_attention(*args, **kwargs, emit_positions=[3 + shift])
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(state, wrong, **FP32)

@@ -169,3 +169,18 @@ def test_forward_starting_at_an_unaligned_position(family, model, cold_model):
         assert_restored_states_match(cache, cold_model, second[:, : boundary + 1], boundary)
     assert_matches_cold(model, cold_model, cache, second)
     assert cache.last_hit_tokens == [80]
+
+
+@pytest.mark.parametrize("family", MAMBA2_FAMILIES)
+def test_checkpoint_chunk_size_256_runs_in_cpu_chunks_and_matches_cold_runs(family):
+    """Checkpoints ship ``chunk_size`` 256; on CPU a float32 prefill over the cache runs the package's scan in chunks
+    of at most 64 (8-token prompts of the 130M Mamba-2 shape took 4x less time): a 150-token prompt (three CPU chunks,
+    one upstream chunk), its reply and a hit after it equal cold runs at upstream's 256."""
+    overrides = {CHUNK_SIZE_KEY[family]: 256}
+    model, cold_model = build_model(family, **overrides), build_model(family, **overrides)
+    cache = HybridPrefixCache(model)
+    trunk = random_ids(150, seed=77)
+    assert_matches_cold(model, cold_model, cache, trunk, new_tokens=4)
+    second = torch.cat([trunk, random_ids(9, seed=78)], dim=1)
+    assert_matches_cold(model, cold_model, cache, second, new_tokens=4)
+    assert cache.last_hit_tokens == [144]

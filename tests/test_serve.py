@@ -60,7 +60,7 @@ def cold_model():
 
 
 @pytest.fixture(scope="module")
-def served():
+def served(speculation):  # built again for the speculation runs
     model = build_model("jamba", seed=0)
     tokenizer = byte_tokenizer()
     cache = HybridPrefixCache(model)
@@ -254,6 +254,8 @@ def test_a_non_streaming_client_that_goes_away_cancels_its_request():
         server.close()
 
 
+@pytest.mark.plain_only("reads the command's first line and /health only (the speculation flags' startup: "
+                        "test_serve_speculative.py)")
 def test_the_command_says_where_it_serves():
     """``python -m hf_hybridcache.serve`` prints the URL clients use (uvicorn's own line is below its log level)."""
     with socket.socket() as sock:
@@ -328,6 +330,7 @@ def test_every_bad_input_gets_its_json_error_and_disturbs_no_one(server, cold_mo
     assert text == expected
 
 
+@pytest.mark.plain_only("every request is refused before it reaches the engine: nothing is decoded")
 def test_a_prompt_that_leaves_no_room_is_a_400_whoever_computed_max_tokens(served):
     """A prompt at or over the engine's limit is a 400 ``context_length_exceeded`` whether the client sent
     ``max_tokens`` or the server computed it (chat's default capped by the room left reached the engine as 0 and -9, a
@@ -426,6 +429,7 @@ def test_metrics_parse_and_add_up(server):
         assert name in after
 
 
+@pytest.mark.plain_only("--no-cache's sequential baseline has no engine (--speculative with --no-cache is refused)")
 def test_the_sequential_baseline_serves_the_same_text(cold_model):
     tokenizer = byte_tokenizer()
     server = Server(build_app(SequentialBackend(cold_model, [tokenizer.eos_token_id]), tokenizer, MODEL))

@@ -25,7 +25,7 @@ def cold_model():
 
 
 @pytest.fixture(scope="module")
-def served():
+def served(speculation):  # built again for the speculation runs
     model = build_model("jamba", seed=0)
     tokenizer = byte_tokenizer()
     cache = HybridPrefixCache(model)

@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 import torch
+from speculation_runs import serve_flags
 from test_serve import Server
 
 from hf_hybridcache.serve import ReplyMemory, SequentialBackend, build_app, image_prompt
@@ -55,9 +56,10 @@ def folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def served(folder):
+def served(folder, speculation):  # built again for the speculation runs
     args = parse_args(["--model", str(folder), "--trust-remote-code", "--served-model-name", MODEL,
-                       "--max-image-bytes", str(LIMIT), "--max-running-requests", "8", "--max-batch-tokens", "1024"])
+                       "--max-image-bytes", str(LIMIT), "--max-running-requests", "8", "--max-batch-tokens", "1024",
+                       *serve_flags(speculation)])
     server = Server(make_app(args))
     yield server
     server.close()

@@ -243,7 +243,7 @@ def _drops_mtp(target: str):
 
 
 _JAMBA = "transformers.models.jamba.modeling_jamba"
-_DETERMINISTIC = "hf_hybridcache.models.hybrid_deterministic (deterministic mode's Jamba layers)"
+_DETERMINISTIC = "hf_hybridcache.models.hybrid_deterministic (deterministic mode's hybrid layers)"
 
 
 def _deterministic() -> list[HookPoint]:
@@ -255,8 +255,14 @@ def _deterministic() -> list[HookPoint]:
         HookPoint(f"{_JAMBA}.JambaSparseMoeBlock[router, experts]", _expert_block_fields,
                   f"{_DETERMINISTIC}: sparse_moe_forward reads the router's weight and top_k and the experts' "
                   "[E, 2I, H] gate-up and [E, H, I] down weights and act_fn"),
+        HookPoint("transformers.models.zamba.modeling_zamba.ZambaAttention.forward[attention interface]",
+                  refers_to("transformers.models.zamba.modeling_zamba:ZambaAttention.forward",
+                            "ALL_ATTENTION_FUNCTIONS", "get_interface", "scaling"),
+                  f"{_DETERMINISTIC}: Zamba's shared attention calls reach the routed function"),
         HookPoint("transformers.activations.SiLUActivation", exists("transformers.activations:SiLUActivation"),
                   f"{_DETERMINISTIC}: the MLPs' activation modules replaced by the invariant SiLU, found by name"),
+        HookPoint("transformers.activations.GELUActivation", exists("transformers.activations:GELUActivation"),
+                  f"{_DETERMINISTIC}: Zamba's MLP activation (ACT2FN['gelu']) computed in float32, found by name"),
     ]
 
 

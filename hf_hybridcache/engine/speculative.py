@@ -142,9 +142,10 @@ class Speculator:
 
     def num_tokens(self, request: EngineRequest) -> int:
         """Draft tokens ``request`` may verify in its next step: its own setting (else the default), less than the
-        new tokens it may still emit (one more is always emitted)."""
+        new tokens it may still emit (one more is always emitted); none for a grammar matcher that cannot take a
+        verified draft back (a grammar of your own without ``try_accept`` and ``rollback``)."""
         wanted = self.default if request.num_speculative_tokens is None else request.num_speculative_tokens
-        if request.probe is not None or request.replay_of:
+        if request.probe is not None or request.replay_of or not _takes_drafts_back(request.grammar):
             return 0
         return max(min(wanted, request.max_new_tokens - len(request.generated) - 1), 0)
 
@@ -235,6 +236,13 @@ class Speculator:
     def close(self) -> None:
         if self.drafter is not None:
             self.drafter.close()
+
+
+def _takes_drafts_back(matcher) -> bool:
+    """Whether a request's grammar matcher (None: it has none) can mask verified positions: advance over drafts
+    (``try_accept``) and take them back (``rollback``), as :class:`~hf_hybridcache.structured.GrammarMatcher` does."""
+    return matcher is None or (callable(getattr(matcher, "try_accept", None))
+                               and callable(getattr(matcher, "rollback", None)))
 
 
 def _is_token_id(token, vocab_size: int) -> bool:

@@ -5,8 +5,8 @@ without ``triton`` installed.
 """
 
 from .backend import BACKENDS, get_backend, set_backend, use_backend
-from .gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from .kda import chunk_kimi_delta_attention, recurrent_kimi_delta_attention
+from .gated_delta import chunk_gated_delta_rule, gated_delta_steps, recurrent_gated_delta_rule
+from .kda import chunk_kimi_delta_attention, kimi_delta_steps, recurrent_kimi_delta_attention
 from .mamba1_scan import selective_scan, selective_scan_chunked, selective_scan_ref
 from .mamba2_scan import mamba2_chunk_scan, mamba2_chunk_scan_ref, mamba2_recurrent_ref
 from .paged_copy import (
@@ -24,9 +24,11 @@ __all__ = [
     "chunk_kimi_delta_attention",
     "copy_states",
     "copy_states_ref",
+    "gated_delta_steps",
     "gather_kv_blocks",
     "gather_kv_blocks_ref",
     "get_backend",
+    "kimi_delta_steps",
     "mamba2_chunk_scan",
     "mamba2_chunk_scan_ref",
     "mamba2_recurrent_ref",

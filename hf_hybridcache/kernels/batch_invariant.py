@@ -1,5 +1,5 @@
 """A linear layer whose result for a row does not depend on how many rows share the product (issue 46, the first
-ingredient of deterministic mode; not used by any forward yet).
+ingredient of deterministic mode).
 
 A matrix product's library picks its kernel, and with it the order in which each output's ``K`` terms are summed,
 from the shape of the call. On this project's CPU (torch 2.13, MKL) ``F.linear`` in float32 sums a row one way at
@@ -8,21 +8,34 @@ rows, so a request's logits move by float32 round-off with the number of request
 (``benchmarks/batch_invariance.py`` prints the table; bf16 and fp16 went through one kernel at every row count
 measured). Batch-invariant inference (Thinking Machines Lab, "Defeating Nondeterminism in LLM Inference", 2025;
 their ``batch_invariant_ops``, the kernels behind vLLM's and SGLang's batch-invariant modes) fixes the reduction order
-by fixing the kernel's tile shape. Here the same idea is reached from above with the library's own kernel: every call
-gets a row count that is a multiple of :data:`ROW_TILE` (zero rows appended), a count at which every row is summed in
-one order. Whether the library really does so for a weight is measured, not assumed: :func:`check_row_invariance`
-runs the product at :data:`PROBE_ROWS` rows and raises where any row differs, so a mode built on this fails closed on
-another BLAS, another torch or another device instead of silently losing its guarantee.
+by fixing the kernel's tile shape. Here the same idea is reached from above with the libraries' own kernels: every
+call gets a row count that is a multiple of :data:`ROW_TILE` (zero rows appended), a count at which every row is
+summed in one order, by one of two products chosen per weight (:func:`product_form`, never per call):
 
-Cost on the 2-core CPU (``benchmarks/batch_invariance.py``, table 5): in float32 one row pays for the
-:data:`ROW_TILE`-row product instead of the matrix-vector one (about 3x on a ``[4096, 1024]`` weight); at 8 rows and in
-bf16 the cost is within noise.
+- ``"onednn"``: oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``, the op torch's own compiler emits for a CPU
+  linear) for float32 CPU weights of at least :data:`ONEDNN_MIN_ELEMENTS` elements. Measured on this CPU it sums a row
+  one way at every row count from 2 to 1024 and on one thread as on two (1 row alone is a matrix-vector kernel,
+  hence the tile), and it reads a large weight faster than MKL's product at 4 rows and more;
+- ``"blas"``: ``F.linear`` (MKL in float32, oneDNN in bf16 / fp16) for every other weight: a small float32 weight
+  (below the threshold oneDNN's per-call set-up costs more than it saves), any bf16 / fp16 one, a torch without
+  oneDNN.
+
+Whether a product really is row-invariant for a weight is measured, not assumed: :func:`check_row_invariance` runs
+it at :data:`PROBE_ROWS` rows and raises where any row differs, so a mode built on this fails closed on another BLAS,
+another torch or another device instead of silently losing its guarantee.
+
+Cost on the 2-core CPU against plain ``F.linear`` (``benchmarks/batch_invariance.py``, table 5; a ``[4096, 1024]``
+weight): float32 2.0x at 1 row (the 4-row product against MKL's matrix-vector one; MKL's 4-row product was 3.0x),
+0.42x at 8 rows and 0.40x at 64; a small float32 weight's single row pays MKL's 4-row product; bf16 within noise.
 
 Shapes: ``x`` ``[..., K]`` (M rows in all), ``weight`` ``[N, K]``, ``bias`` ``[N]``; any float dtype and device that
 ``F.linear`` takes.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -31,23 +44,78 @@ import torch.nn.functional as F
 #: float32 product summed every row as it does at 64 rows (measured: 1-3, 5-7 and 9-11 rows differ, every multiple
 #: of 4 agrees), and a 4-row product costs less than an 8-row one at decode sizes.
 ROW_TILE = 4
+#: Float32 CPU weights of at least this many elements (2 MiB) run oneDNN's product (:func:`product_form`); below it,
+#: measured on this CPU, oneDNN's per-call set-up (~0.03 ms) outweighs the faster read.
+ONEDNN_MIN_ELEMENTS = 1 << 19
 #: Row counts :func:`check_row_invariance` compares (each a multiple of :data:`ROW_TILE`): a decode step of one to a
 #: few requests, odd tile counts, and prefill-chunk sizes.
 PROBE_ROWS = (4, 8, 12, 16, 28, 64, 256)
 
 
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+_ONEDNN = _onednn_available()
+
+
+def product_form(weight: torch.Tensor) -> str:
+    """The product :func:`invariant_linear` runs for ``weight`` ``[N, K]``: ``"onednn"`` for a float32 CPU weight of at
+    least :data:`ONEDNN_MIN_ELEMENTS` elements where this torch has oneDNN's linear, else ``"blas"`` (``F.linear``).
+    A function of the weight alone, so every call on it, at any row count, runs one product."""
+    if (_ONEDNN and weight.dim() == 2 and weight.dtype == torch.float32 and weight.device.type == "cpu"
+            and weight.numel() >= ONEDNN_MIN_ELEMENTS):
+        return "onednn"
+    return "blas"
+
+
+@contextlib.contextmanager
+def mkl_only() -> Iterator[None]:
+    """Inside, every weight's form is ``"blas"`` (the mode's products before the oneDNN form): for
+    ``benchmarks/deterministic_cost.py``'s comparison only. A large float32 weight's rows get other bits inside than
+    outside, so never serve a request across its edge."""
+    global _ONEDNN
+    saved, _ONEDNN = _ONEDNN, False
+    try:
+        yield
+    finally:
+        _ONEDNN = saved
+
+
+class _OneDnnLinear(torch.autograd.Function):
+    """oneDNN's linear (which has no autograd formula of its own) with the plain products as its backward, so a forward
+    under autograd gives the bits of one without it."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, bias):
+        ctx.save_for_backward(rows, weight)
+        ctx.has_bias = bias is not None
+        return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weight = ctx.saved_tensors
+        return grad @ weight, grad.t() @ rows, grad.sum(0) if ctx.has_bias else None
+
+
+def _onednn_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (rows, weight, bias)):
+        return _OneDnnLinear.apply(rows, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+
+
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` run on ``x``'s rows padded with zero rows to a multiple of :data:`ROW_TILE`, so
-    that a row's result is the same bits whatever other rows share the call, wherever
-    :func:`check_row_invariance` passes for ``weight``.
+    """``F.linear(x, weight, bias)`` run on ``x``'s rows padded with zero rows to a multiple of :data:`ROW_TILE`, by
+    :func:`product_form`'s product for ``weight``, so that a row's result is the same bits whatever other rows share
+    the call, wherever :func:`check_row_invariance` passes for ``weight``.
 
     Args:
         x: ``[..., K]``, the dtype and device of ``weight``.
         weight: ``[N, K]``; bias: ``[N]`` or None.
 
     Returns:
-        ``[..., N]`` in ``x``'s dtype, equal to ``F.linear``'s result within its round-off (bitwise where
-        ``F.linear`` already runs a multiple of :data:`ROW_TILE` rows).
+        ``[..., N]`` in ``x``'s dtype, equal to ``F.linear``'s result within its round-off (bitwise where the form is
+        ``"blas"`` and ``F.linear`` already runs a multiple of :data:`ROW_TILE` rows).
 
     Raises:
         RuntimeError: as ``F.linear`` does for mismatched shapes, dtypes or devices.
@@ -57,26 +125,31 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     pad_rows = -num_rows % ROW_TILE
     if pad_rows:
         rows = torch.cat([rows, rows.new_zeros(pad_rows, rows.shape[1])])
-    out = F.linear(rows, weight, bias)
+    if (product_form(weight) == "onednn" and rows.dtype == weight.dtype and rows.device == weight.device
+            and rows.shape[1] == weight.shape[1] and (bias is None or bias.dtype == weight.dtype)):
+        out = _onednn_linear(rows, weight, bias)
+    else:  # F.linear also raises the documented errors for mismatched inputs
+        out = F.linear(rows, weight, bias)
     if pad_rows:
         out = out[:num_rows]
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def row_invariance_failures(weight: torch.Tensor, bias: torch.Tensor | None = None, linear=invariant_linear,
+def row_invariance_failures(weight: torch.Tensor, bias: torch.Tensor | None = None, linear=None,
                             seed: int = 0) -> list[int]:
     """The row counts of :data:`PROBE_ROWS` (and every count from 1 to :data:`ROW_TILE` * 3) at which ``linear``
     gives some row other bits than the same row in a product of ``max(PROBE_ROWS)`` rows; empty where it is
     row-invariant for this weight.
 
     Args:
-        weight: ``[N, K]``; bias: ``[N]`` or None; linear: the product to probe (``F.linear`` shows what the
-            library does without the fixed tile); seed: the seed of the random rows (drawn in float32 on the CPU,
-            then moved to ``weight``'s dtype and device).
+        weight: ``[N, K]``; bias: ``[N]`` or None; linear: the product to probe (None: :func:`invariant_linear`;
+            ``F.linear`` shows what the library does without the fixed tile); seed: the seed of the random rows
+            (drawn in float32 on the CPU, then moved to ``weight``'s dtype and device).
 
     Returns:
         The failing row counts, ascending.
     """
+    linear = invariant_linear if linear is None else linear
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(max(PROBE_ROWS), weight.shape[1], generator=gen).to(weight.dtype).to(weight.device)
     full = linear(x, weight, bias)
@@ -89,21 +162,21 @@ _CHECKED: set[tuple] = set()
 
 def check_row_invariance(weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
     """Raise unless :func:`invariant_linear` is row-invariant for ``weight`` here (probed once per weight shape,
-    dtype, device and bias presence in a process, with :func:`row_invariance_failures`).
+    dtype, device, bias presence and :func:`product_form` in a process, with :func:`row_invariance_failures`).
 
     Raises:
         RuntimeError: some row count gave a row other bits; names the shape, dtype, device and counts.
     """
-    key = (tuple(weight.shape), weight.dtype, str(weight.device), bias is not None)
+    key = (tuple(weight.shape), weight.dtype, str(weight.device), bias is not None, product_form(weight))
     if key in _CHECKED:
         return
     failures = row_invariance_failures(weight, bias)
     if failures:
         raise RuntimeError(
-            f"The linear product of a {list(weight.shape)} {weight.dtype} weight on {weight.device} (torch "
-            f"{torch.__version__}) sums a row differently at {failures} rows than at {max(PROBE_ROWS)}: this "
-            "library's kernels are not row-invariant at a fixed row tile, so deterministic results cannot be "
-            "guaranteed here."
+            f"The linear product ({product_form(weight)!r}) of a {list(weight.shape)} {weight.dtype} weight on "
+            f"{weight.device} (torch {torch.__version__}) sums a row differently at {failures} rows than at "
+            f"{max(PROBE_ROWS)}: this library's kernels are not row-invariant at a fixed row tile, so deterministic "
+            "results cannot be guaranteed here."
         )
     _CHECKED.add(key)
 
@@ -113,7 +186,7 @@ _THREAD_CHECKED: set[tuple] = set()
 
 def check_thread_invariance(weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
     """Raise unless :func:`invariant_linear` gives ``weight``'s product the same bits on one intra-op thread as on
-    ``torch.get_num_threads()`` (probed once per weight shape, dtype, device, bias presence and thread count, at
+    ``torch.get_num_threads()`` (probed once per weight shape, dtype, device, bias presence, form and thread count, at
     :data:`PROBE_ROWS` rows). A caller that runs a small product on one thread in one path (a decode step) and on all
     of them in another (a prefill) needs it.
 
@@ -121,7 +194,7 @@ def check_thread_invariance(weight: torch.Tensor, bias: torch.Tensor | None = No
         RuntimeError: some row count gave other bits on one thread; names the shape, dtype, device and counts.
     """
     threads = torch.get_num_threads()
-    key = (tuple(weight.shape), weight.dtype, str(weight.device), bias is not None, threads)
+    key = (tuple(weight.shape), weight.dtype, str(weight.device), bias is not None, product_form(weight), threads)
     if key in _THREAD_CHECKED or threads == 1:
         return
     gen = torch.Generator().manual_seed(1)
@@ -134,8 +207,8 @@ def check_thread_invariance(weight: torch.Tensor, bias: torch.Tensor | None = No
         torch.set_num_threads(threads)
     if failures:
         raise RuntimeError(
-            f"The linear product of a {list(weight.shape)} {weight.dtype} weight on {weight.device} (torch "
-            f"{torch.__version__}) sums a row differently on 1 thread than on {threads} at {failures} rows, so "
-            "deterministic results cannot be guaranteed here."
+            f"The linear product ({product_form(weight)!r}) of a {list(weight.shape)} {weight.dtype} weight on "
+            f"{weight.device} (torch {torch.__version__}) sums a row differently on 1 thread than on {threads} at "
+            f"{failures} rows, so deterministic results cannot be guaranteed here."
         )
     _THREAD_CHECKED.add(key)

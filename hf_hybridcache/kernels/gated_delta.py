@@ -17,7 +17,8 @@ the loop has anyway; the scan itself is untouched, so its outputs stay those of 
 ``transformers/models/qwen3_next/modeling_qwen3_next.py`` (transformers 5.23.0) operation for operation, so its
 outputs and final state are bit-identical to it on CPU (tests/test_gated_delta.py); :func:`recurrent_gated_delta_rule`
 mirrors ``torch_recurrent_gated_delta_rule`` of the same file, the token-by-token recurrence that is the ground truth
-for the emitted states and the decode path. ``modeling_qwen3_5.py``, ``modeling_qwen3_5_moe.py``,
+for the emitted states and the decode path; :func:`gated_delta_steps` is that recurrence in fewer ops (two batched
+products per token), for the few tokens of a verify step. ``modeling_qwen3_5.py``, ``modeling_qwen3_5_moe.py``,
 ``modeling_olmo_hybrid.py`` and ``modeling_qwen4_exp.py`` hold character-for-character the same two functions (and
 ``l2norm``); OLMo-Hybrid's ``allow_neg_eigval`` only doubles ``beta`` before the call.
 
@@ -249,3 +250,57 @@ def recurrent_gated_delta_rule(
     last_recurrent_state = None if not output_final_state else last_recurrent_state
     core_attn_out = core_attn_out.transpose(1, 2).contiguous().to(initial_dtype)
     return core_attn_out, last_recurrent_state, emitted
+
+
+def gated_delta_steps(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    emit_positions: Sequence[int] = (),
+) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+    """:func:`recurrent_gated_delta_rule` with each token's read and write as two batched products per head (the
+    decode step's form, :func:`~hf_hybridcache.kernels.state_update.gated_delta_step_fast`) and the per-token inputs
+    prepared once: for a few tokens (a verify step's last token and drafts) it is several times cheaper than the
+    chunked form, which pads every call to a whole chunk (64 tokens). Equal to the recurrence within float32
+    round-off (the products sum in another order). Same arguments, returns and errors as
+    :func:`recurrent_gated_delta_rule`; the emitted states are new tensors.
+    """
+    initial_dtype = query.dtype
+    batch_size, sequence_length, num_k_heads, k_head_dim = key.shape
+    num_v_heads, v_head_dim = value.shape[-2:]
+    positions = set(check_emit_positions(emit_positions, sequence_length))
+    if num_v_heads % num_k_heads != 0:
+        raise ValueError(
+            f"value has {num_v_heads} heads, which is not a multiple of the {num_k_heads} query/key heads; each "
+            "query/key head must serve the same number of value heads."
+        )
+    query, key, value = (x.float() for x in (query, key, value))  # [B, T, H, D]
+    if num_k_heads != num_v_heads:
+        query = query.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+        key = key.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+    if use_qk_l2norm_in_kernel:
+        query, key = l2norm(query, dim=-1, eps=1e-6), l2norm(key, dim=-1, eps=1e-6)
+    query = query / (query.shape[-1] ** 0.5)
+    decay = g.float().exp()[..., None, None]  # [B, T, Hv, 1, 1]
+    beta = beta.float().unsqueeze(-1)  # [B, T, Hv, 1]
+    if initial_state is None:
+        state = value.new_zeros((batch_size, num_v_heads, k_head_dim, v_head_dim))
+    else:
+        state = initial_state.float()
+
+    outputs, emitted = [], []
+    for i in range(sequence_length):
+        state = state * decay[:, i]  # a new tensor: the state before this token (or an emitted one) stays as it was
+        k_t = key[:, i]
+        kv_mem = torch.matmul(k_t.unsqueeze(-2), state).squeeze(-2)  # [B, Hv, Dv]
+        state.addcmul_(k_t.unsqueeze(-1), ((value[:, i] - kv_mem) * beta[:, i]).unsqueeze(-2))
+        outputs.append(torch.matmul(query[:, i].unsqueeze(-2), state))  # [B, Hv, 1, Dv]
+        if i + 1 in positions:  # the last one is also the final state, which the caller may write in place
+            emitted.append(state if i + 1 < sequence_length else state.clone())
+    core_attn_out = torch.cat(outputs, dim=2).transpose(1, 2).to(initial_dtype)
+    return core_attn_out, state if output_final_state else None, emitted

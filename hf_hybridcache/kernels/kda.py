@@ -14,7 +14,8 @@ has anyway, without touching the scan.
 :func:`chunk_kimi_delta_attention` and :func:`recurrent_kimi_delta_attention` mirror the functions of the same names
 in ``transformers/models/kimi_linear/modeling_kimi_linear.py`` (transformers 5.23.0) operation for operation, so
 outputs and final states are bit-identical to them on CPU (tests/test_kda.py); the recurrence is the ground truth for
-the emitted states and the decode path. ``modeling_bailing_hybrid.py`` and ``modeling_glm5_next.py`` hold
+the emitted states and the decode path. :func:`kimi_delta_steps` is that recurrence in fewer ops (two batched
+products per token), for the few tokens of a verify step. ``modeling_bailing_hybrid.py`` and ``modeling_glm5_next.py`` hold
 character-for-character the same two functions (and ``l2norm``): their bounded ("safe") gate,
 ``lower_bound * sigmoid(exp(A_log) * (x + dt_bias))`` in place of ``-exp(A_log) * softplus(x + dt_bias)``, is
 computed by the layer's forget-gate module before the call, so it only changes the range of ``g`` here. Unlike GDN,
@@ -245,3 +246,48 @@ def recurrent_kimi_delta_attention(
             emitted.append(last_recurrent_state.clone())
 
     return core_attn_out.to(initial_dtype), last_recurrent_state if output_final_state else None, emitted
+
+
+def kimi_delta_steps(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    emit_positions: Sequence[int] = (),
+) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+    """:func:`recurrent_kimi_delta_attention` with each token's read and write as two batched products per head and
+    the per-token inputs prepared once: for a few tokens (a verify step's last token and drafts) several times
+    cheaper than the chunked form, which pads every call to a whole chunk (64 tokens). Equal to the recurrence within
+    float32 round-off (the products sum in another order). Same arguments, returns and errors as
+    :func:`recurrent_kimi_delta_attention`; the emitted states are new tensors.
+    """
+    initial_dtype = query.dtype
+    batch_size, sequence_length, num_heads, k_head_dim = key.shape
+    v_head_dim = value.shape[-1]
+    positions = set(check_emit_positions(emit_positions, sequence_length))
+    query, key, value = (x.float() for x in (query, key, value))  # [B, T, H, D]
+    if use_qk_l2norm_in_kernel:
+        query, key = l2norm(query, dim=-1, eps=1e-6), l2norm(key, dim=-1, eps=1e-6)
+    query = query * (1 / (query.shape[-1] ** 0.5))
+    decay = g.float().exp().unsqueeze(-1)  # [B, T, H, Dk, 1]: row d of the state decays by exp(g_d)
+    beta = beta.float().unsqueeze(-1)  # [B, T, H, 1]
+    if initial_state is None:
+        state = value.new_zeros((batch_size, num_heads, k_head_dim, v_head_dim))
+    else:
+        state = initial_state.float()
+
+    outputs, emitted = [], []
+    for i in range(sequence_length):
+        state = state * decay[:, i]  # a new tensor: the state before this token (or an emitted one) stays as it was
+        k_i = key[:, i]
+        kv_mem = torch.matmul(k_i.unsqueeze(-2), state).squeeze(-2)  # [B, H, Dv]
+        state.addcmul_(k_i.unsqueeze(-1), ((value[:, i] - kv_mem) * beta[:, i]).unsqueeze(-2))
+        outputs.append(torch.matmul(query[:, i].unsqueeze(-2), state))  # [B, H, 1, Dv]
+        if i + 1 in positions:  # the last one is also the final state, which the caller may write in place
+            emitted.append(state if i + 1 < sequence_length else state.clone())
+    core_attn_out = torch.cat(outputs, dim=2).transpose(1, 2).to(initial_dtype)
+    return core_attn_out, state if output_final_state else None, emitted

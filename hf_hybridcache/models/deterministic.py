@@ -23,7 +23,13 @@ from ..config import ModelStateSpec
 from ..kernels.attention_invariant import check_invariance as check_attention_invariance
 from ..kernels.batch_invariant import check_row_invariance, check_thread_invariance
 from ..kernels.decode_linear import weight_qualifies
-from . import gated_delta_deterministic, hybrid_deterministic, mamba1_deterministic, mamba2_deterministic
+from . import (
+    gated_delta_deterministic,
+    hybrid_deterministic,
+    mamba1_deterministic,
+    mamba2_deterministic,
+    zamba_deterministic,
+)
 from .mamba1 import DETERMINISTIC_FORWARD
 from .wrappers import decoder_model_type
 
@@ -34,6 +40,7 @@ SUPPORTED = {
     "falcon_mamba": ("FalconMambaMixer", mamba1_deterministic),
     "mamba2": ("Mamba2Mixer", mamba2_deterministic),
     "jamba": ("JambaMambaMixer", mamba1_deterministic),
+    "zamba": ("ZambaMambaMixer", zamba_deterministic),
     "qwen3_5_text": ("Qwen3_5GatedDeltaNet", gated_delta_deterministic),
     "qwen3_5_moe_text": ("Qwen3_5MoeGatedDeltaNet", gated_delta_deterministic),
 }
@@ -59,7 +66,6 @@ _MIXERS = {
     **dict.fromkeys(("kimi_linear", "bailing_hybrid"), (_KDA,)),
     **dict.fromkeys(("lfm2", "lfm2_moe", "lfm3", "inkling_text", "inkling2_text", "inkling2_loop_text"),
                     (_SHORT_CONV,)),
-    "zamba": ("Zamba's per-head Mamba-1 mixer wired to the invariant kernels",),
     "zaya": ("ZAYA's CCA conv mixer wired to the invariant conv",),
 }
 

@@ -9,12 +9,14 @@ share is the kernel they call, ``torch_chunk_gated_delta_rule``, and the state l
 
 from __future__ import annotations
 
-from ..kernels import chunk_gated_delta_rule
+from ..kernels import chunk_gated_delta_rule, gated_delta_steps
 from .linear_attention import LinearVariant, RecurrenceKernel
 
 #: The chunked gated delta rule every GDN modeling file calls by this name (transformers 5.23.0); on CPU (no
-#: ``fla``) our copy of its torch path emits the states in the same pass.
-GDN_KERNEL = RecurrenceKernel("torch_chunk_gated_delta_rule", emitting=chunk_gated_delta_rule)
+#: ``fla``) our copy of its torch path emits the states in the same pass, and a call of a few float32 tokens (a verify
+#: step) runs the token-by-token form instead.
+GDN_KERNEL = RecurrenceKernel("torch_chunk_gated_delta_rule", emitting=chunk_gated_delta_rule,
+                              stepping=gated_delta_steps)
 
 
 def gdn_conv_shape(mixer) -> tuple[int, int]:

@@ -1,5 +1,6 @@
-"""The layers a hybrid adds to its mixers in deterministic mode (issue 46): attention, MLP activations, linear layers
-and routed experts, each with a row-invariant, path-invariant form (docs/deterministic.md, "The ingredients").
+"""The layers a hybrid adds to its mixers in deterministic mode (issue 46; Jamba, Zamba, Qwen3.5): attention, MLP
+activations, linear layers and routed experts, each with a row-invariant, path-invariant form (docs/deterministic.md,
+"The ingredients").
 
 - Every ``torch.nn.Linear`` (attention projections, MLPs, the LM head) runs through
   :func:`~hf_hybridcache.models.mamba1_deterministic.lm_head_forward` (the row-invariant linear).
@@ -9,8 +10,9 @@ and routed experts, each with a row-invariant, path-invariant form (docs/determi
 - The MLP activations (``SiLUActivation`` / ``nn.SiLU`` modules) run as
   :func:`~hf_hybridcache.kernels.mamba1_invariant.silu_invariant` in float32, rounded once to the input dtype:
   ``F.silu`` gives an element other float32 bits by its offset in the tensor (its vectorized body and scalar tail
-  differ; ``benchmarks/batch_invariance.py``, table 2), so a token's MLP output moved with the number of tokens
-  beside it.
+  differ; ``benchmarks/batch_invariance.py``, table 2b), so a token's MLP output moved with the number of tokens
+  beside it. ``GELUActivation`` (Zamba's, the erf form) runs ``F.gelu`` in float32, rounded once: float32's is
+  offset-invariant here, float16's is not.
 - A gated attention module (Qwen3.5's ``Qwen3_5Attention``, transformers 5.23 - 5.25) runs
   :func:`gated_attention_forward`: upstream's forward with its output gate ``sigmoid(gate)`` taken as
   :func:`~hf_hybridcache.kernels.gated_delta_invariant.sigmoid_invariant` in float32, rounded once to the gate's
@@ -26,7 +28,8 @@ and routed experts, each with a row-invariant, path-invariant form (docs/determi
 
 The RMSNorms, softmaxes, embeddings and residual adds run as upstream (measured row-invariant here). :data:`_OFF` is
 the private switch of the power tests: ``"attention"`` runs the model's own attention function, ``"activation"``
-``F.silu``, ``"gate"`` the gated attention's ``torch.sigmoid``, ``"shared_gate"`` the shared expert's.
+``F.silu`` / the model's GELU, ``"gate"`` the gated attention's ``torch.sigmoid``, ``"shared_gate"`` the shared
+expert's.
 """
 
 from __future__ import annotations
@@ -42,12 +45,15 @@ from .mamba1_deterministic import _linear, lm_head_forward
 
 #: model_type -> (attention module class, routed-experts block class or None): the hybrids whose layers this module
 #: knows (their mixers are wired by :mod:`.deterministic`).
-FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock"), "qwen3_5_text": ("Qwen3_5Attention", None),
+FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock"), "zamba": ("ZambaAttention", None),
+            "qwen3_5_text": ("Qwen3_5Attention", None),
             "qwen3_5_moe_text": ("Qwen3_5MoeAttention", "Qwen3_5MoeSparseMoeBlock")}
 #: The attention classes whose forward gates its output with a sigmoid (:func:`gated_attention_forward`).
 GATED_ATTENTION = ("Qwen3_5Attention", "Qwen3_5MoeAttention")
-#: The activation modules replaced by the invariant SiLU (transformers' ``ACT2FN["silu"]`` and torch's).
-SILU_MODULES = ("SiLUActivation", "SiLU")
+#: The activations with an invariant form here (transformers' ``ACT2FN["silu"]`` / ``ACT2FN["gelu"]`` and torch's).
+ACTIVATIONS = ("silu", "swish", "gelu")
+#: The families whose gated delta net conv runs ``hidden_act``, which has an invariant form there for SiLU only.
+SILU_CONV = ("qwen3_5_text", "qwen3_5_moe_text")
 #: Ingredients switched off (private: the power tests name them here; empty in use).
 _OFF: set[str] = set()
 
@@ -56,8 +62,10 @@ def refusals(model: torch.nn.Module, model_type: str) -> list[str]:
     """What keeps ``model``'s layers (of a family in :data:`FAMILIES`) from deterministic mode; empty when none."""
     config = model.config.get_text_config()
     problems = [problem] if (problem := unroutable(model)) is not None else []
-    if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
-        problems.append(f"hidden_act={config.hidden_act!r} (only SiLU has an invariant form here)")
+    if getattr(config, "hidden_act", "silu") not in ACTIVATIONS:
+        problems.append(f"hidden_act={config.hidden_act!r} (only SiLU and GELU have an invariant form here)")
+    elif model_type in SILU_CONV and config.hidden_act not in ("silu", "swish"):
+        problems.append(f"hidden_act={config.hidden_act!r} (the gated delta net's conv has an invariant SiLU only)")
     if getattr(model.config, "vision_config", None) is not None:
         problems.append("a vision tower (its attention and merger have no invariant form here; load the text model, "
                         "e.g. Qwen3_5ForCausalLM, for text requests)")
@@ -67,8 +75,9 @@ def refusals(model: torch.nn.Module, model_type: str) -> list[str]:
 
 
 def product_weights(model: torch.nn.Module, model_type: str) -> list[torch.Tensor]:
-    """The weights of the products :func:`sparse_moe_forward` runs outside ``torch.nn.Linear`` modules (the router,
-    one expert's gate-up and down projections per block), for the row-invariance probes."""
+    """The weights of the products the mode runs outside ``torch.nn.Linear`` modules, for the row-invariance probes:
+    :func:`sparse_moe_forward`'s (the router, one expert's gate-up and down projections per block) and a per-head
+    mixer's (one head's ``x_proj_weight`` and ``dt_proj_weight``, Zamba's)."""
     experts_class = FAMILIES[model_type][1]
     weights = []
     if experts_class is None:
@@ -76,6 +85,8 @@ def product_weights(model: torch.nn.Module, model_type: str) -> list[torch.Tenso
     for module in model.modules():
         if type(module).__name__ == experts_class:
             weights += [_router(module).weight, module.experts.gate_up_proj[0], module.experts.down_proj[0]]
+        if isinstance(getattr(module, "x_proj_weight", None), torch.nn.Parameter):
+            weights += [module.x_proj_weight[0], module.dt_proj_weight[0]]
     return weights
 
 
@@ -87,9 +98,11 @@ def install(model: torch.nn.Module, model_type: str) -> None:
         name = type(module).__name__
         if isinstance(module, torch.nn.Linear):
             _compat.patch_instance_forward(module, lm_head_forward)
-        elif name in SILU_MODULES:
+        elif name in ("SiLUActivation", "SiLU"):
             _compat.patch_instance_forward(module, silu_forward)
-        elif name == experts_class:
+        elif name == "GELUActivation":  # ACT2FN["gelu"], the erf form
+            _compat.patch_instance_forward(module, gelu_forward)
+        elif experts_class is not None and name == experts_class:
             moe_forward = shared_moe_forward if hasattr(module, "shared_expert") else sparse_moe_forward
             _compat.patch_instance_forward(module, moe_forward)
         elif name in GATED_ATTENTION:
@@ -134,6 +147,14 @@ def silu_forward(module: torch.nn.Module, original, x: torch.Tensor) -> torch.Te
     if "activation" in _OFF:
         return F.silu(x)
     return silu_invariant(x.float()).to(x.dtype)
+
+
+def gelu_forward(module: torch.nn.Module, original, x: torch.Tensor) -> torch.Tensor:
+    """``gelu(x)`` (erf form) for ``x`` of any shape and float dtype, computed in float32 and rounded once to ``x``'s
+    dtype: float32's erf gives an element the same bits wherever it sits, float16's does not (table 2b)."""
+    if "activation" in _OFF:
+        return original(x)
+    return F.gelu(x.float()).to(x.dtype)
 
 
 def _router(block: torch.nn.Module) -> torch.nn.Module:

@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import chunk_kimi_delta_attention
+from ..kernels import chunk_kimi_delta_attention, kimi_delta_steps
 from .base import mla_attention_layer_spec
 from .linear_attention import LinearVariant, RecurrenceKernel, linear_attention_support
 
 #: The chunked KDA both modeling files call by this name (transformers 5.23.0); on CPU (no ``fla``) our copy of its
-#: torch path emits the states in the same pass.
-KDA_KERNEL = RecurrenceKernel("chunk_kimi_delta_attention", emitting=chunk_kimi_delta_attention)
+#: torch path emits the states in the same pass, and a call of a few float32 tokens (a verify step) runs the
+#: token-by-token form instead (5 tokens from a state, 16 heads of 128, one thread: 0.5 ms against 134 ms chunked).
+KDA_KERNEL = RecurrenceKernel("chunk_kimi_delta_attention", emitting=chunk_kimi_delta_attention,
+                              stepping=kimi_delta_steps)
 
 
 def kda_conv_shape(mixer) -> tuple[int, int]:

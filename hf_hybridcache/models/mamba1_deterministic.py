@@ -134,3 +134,4 @@ def _scan(x, time_step, B, C, gate, ssm_state, positions, scan: dict):
     return run(x.transpose(1, 2), time_step.transpose(1, 2), scan["A"], B.transpose(1, 2), C.transpose(1, 2),
                D=scan["D"], z=gate, delta_bias=scan["dt_bias"], delta_softplus=True, initial_state=ssm_state,
                emit_positions=positions)
+

@@ -5,7 +5,9 @@ cached state on a multi-token forward: the causal conv runs over the cached conv
 chunked scan takes the cached SSM state as ``initial_states``. What they cannot do is hand out the state at a block
 boundary inside the forward. The patched mixer therefore calls the original forward whenever no checkpoint is wanted
 (bit-identical), and otherwise runs the same chunk path through :func:`~hf_hybridcache.kernels.mamba2_chunk_scan`,
-which emits the states at arbitrary token positions; its outputs equal the original's.
+which emits the states at arbitrary token positions; its outputs equal the original's. A float32 prefill on CPU
+always runs the package's path, in chunks of at most :data:`CPU_CHUNK_SIZE` tokens: checkpoints' 256-token chunk
+(the CUDA kernels' tile) is the slowest choice for the torch scan (an 8-token prompt paid for 256).
 
 The mixers differ only in how the input projection is scaled and how the gate and norm are applied after the scan,
 so a family file is a :class:`Mamba2Variant` handed to :func:`mamba2_support`.
@@ -131,7 +133,7 @@ def _forward_with_checkpoints(
         -torch.exp(mixer.A_log.float()),
         B.reshape(batch_size, seq_len, mixer.n_groups, mixer.ssm_state_size),
         C.reshape(batch_size, seq_len, mixer.n_groups, mixer.ssm_state_size),
-        chunk_size=mixer.chunk_size,
+        chunk_size=scan_chunk_size(mixer.chunk_size, x.device),
         D=mixer.D,
         dt_bias=mixer.dt_bias,
         dt_softplus=True,
@@ -164,9 +166,30 @@ def _checkpointing_forward(variant: Mamba2Variant, mixer, original, *args, **kwa
         with fused_decode.fused():  # upstream's single-token branch over the fused state updates
             return original(*args, **kwargs)
     positions = checkpoint_positions(cache, seq_len)
-    if not positions:
+    if not positions and not _float32_cpu_over_ours(hidden_states, cache):
         return original(*args, **kwargs)
     return _forward_with_checkpoints(mixer, variant, hidden_states, cache, attention_mask, positions)
+
+
+def _float32_cpu_over_ours(hidden_states: torch.Tensor, cache) -> bool:
+    """A float32 CPU prefill over one of this package's caches (they answer ``checkpoint_positions``; another cache
+    runs upstream's forward)."""
+    return (hidden_states.device.type == "cpu" and hidden_states.dtype == torch.float32
+            and hasattr(cache, "checkpoint_positions"))
+
+
+#: The longest chunk the chunked scan runs on CPU. Upstream's Mamba-2 checkpoints ship ``chunk_size`` 256 (the tile of
+#: the CUDA kernels); on CPU the torch scan's intra-chunk ``[L, L]`` terms make that the slowest choice: one layer of
+#: ``state-spaces/mamba2-130m``'s shape (24 heads of 64, state 128) took 67.5 ms for an 8-token prompt at 256 and
+#: 7.2 ms at 64, 127 / 28 ms for 300 tokens and 284 / 162 ms for 1,024 (2-core CPU). Any chunk size gives the same
+#: result up to float32 round-off.
+CPU_CHUNK_SIZE = 64
+
+
+def scan_chunk_size(chunk_size: int, device: torch.device) -> int:
+    """The chunk the package's scan runs for a mixer of ``chunk_size`` on ``device``: at most
+    :data:`CPU_CHUNK_SIZE` on CPU, ``chunk_size`` elsewhere (the Triton kernel's tile)."""
+    return min(chunk_size, CPU_CHUNK_SIZE) if device.type == "cpu" else chunk_size
 
 
 #: The single-token functions the Mamba-2 mixers call on a decode step (:mod:`hf_hybridcache.models.fused_decode`).
@@ -213,7 +236,8 @@ def mamba2_support(model_types: tuple[str, ...], variant: Mamba2Variant) -> Mode
         model_types=model_types,
         install=functools.partial(install_mixers, variant=variant),
         state_spec=functools.partial(state_spec, variant=variant),
-        scan="prefills that store checkpoints run hf_hybridcache's Mamba-2 chunked scan",
+        scan="prefills that store checkpoints (and every float32 prefill on CPU, in chunks of at most "
+             f"{CPU_CHUNK_SIZE} tokens) run hf_hybridcache's Mamba-2 chunked scan",
         scan_kernels=("mamba_chunk_scan_combined", "causal_conv1d_fn"),
         kernel_packages=("mamba-ssm", "causal-conv1d"),
     )

@@ -116,8 +116,7 @@ class ChoiceRunner:
                     raise APIError(500, f"Generation failed: {progress.error}")
                 now, new = time.perf_counter(), len(progress.token_ids) - seen
                 if new > 0:
-                    histogram = self.metrics.ttft if seen == 0 else self.metrics.token_latency
-                    histogram.observe(now - last if seen == 0 else (now - last) / new)
+                    self._observe_latency(now - last, new, first=seen == 0)
                     last, seen = now, len(progress.token_ids)
                     self.metrics.generation_tokens.inc(new)
                 delta = text.update(progress.token_ids, progress.finished)
@@ -137,6 +136,17 @@ class ChoiceRunner:
                     yield piece(delta)
         finally:
             await stream.aclose()
+
+    def _observe_latency(self, elapsed_s: float, num_tokens: int, first: bool) -> None:
+        """Observe ``num_tokens`` tokens that arrived together ``elapsed_s`` after the last ones (or after the
+        request, ``first``): the time to the first token once, and one time per output token for each later token,
+        so the histogram counts tokens, not arrivals, and its mean is the time per token (a speculative step brings
+        several tokens at once: each is observed at its share of the gap; those that came with the first at 0)."""
+        if first:
+            self.metrics.ttft.observe(elapsed_s)
+            num_tokens, elapsed_s = num_tokens - 1, 0.0
+        for _ in range(num_tokens):
+            self.metrics.token_latency.observe(elapsed_s / num_tokens)
 
     async def _scored(self, job: Job, sampling: Sampling, index: int) -> AsyncIterator[Piece]:
         """The one piece of a choice that scores its prompt and generates nothing (``max_tokens`` 0)."""
