@@ -1,17 +1,18 @@
-"""deterministic=True on Qwen3.5's text models (``qwen3_5_text``, issue 46; ``qwen3_5_moe_text`` for hits, decode
-and the engine): gated delta net layers around a gated full-attention layer, dense MLPs (routed + shared experts); the long-memory toy with widths off the CPU's vector width (test_deterministic.py's
-``OVERRIDES``: an MLP of 104, 3 attention heads, value heads of 20 over grouped key heads). A request's tokens and
-logits / logprobs are the same bits cold and after hits of several lengths, with a reply replayed in a chat, decoded
-or prefilled, as a row of a left-padded generate() batch, and among 1-8 concurrent engine requests at prefill chunks
-of 16, 48 and 512 tokens (and in speculative verify groups) against generate() alone; float32 and bfloat16
-throughout, float16 for hits, decode and the engine.
+"""deterministic=True on Qwen3.5's text models (``qwen3_5_text``, issue 46; ``qwen3_5_moe_text`` for hits, decode and
+the engine): gated delta net layers around a gated full-attention layer, dense MLPs (routed + shared experts); the
+long-memory toy with widths off the CPU's vector width (test_deterministic.py's ``OVERRIDES``: an MLP of 104, 3
+attention heads, value heads of 20 over grouped key heads). A request's tokens and logits / logprobs are the same
+bits cold and after hits of several lengths, with a reply replayed in a chat, decoded or prefilled, as a row of a
+left-padded generate() batch, and among 1-8 concurrent engine requests at prefill chunks of 16, 48 and 512 tokens
+(and in speculative verify groups) against generate() alone; float32 and bfloat16 throughout, float16 for hits,
+decode and the engine.
 
 Power (each ingredient switched off alone through the private ``gated_delta_deterministic._OFF`` or
 ``hybrid_deterministic._OFF``; measured on the 2-core AVX-512 CPU, torch 2.13 with MKL, at 2 intra-op threads;
 docs/deterministic.md has the table): the row-invariant linear, the invariant conv, the per-token rule, the gated
 RMSNorm's SiLU, the sigmoid / softplus gates, the invariant attention, the MLP's SiLU and the attention's output gate
-each make some float32 case differ (:data:`POWER` names one per ingredient; the rule also in float16, the conv and the
-attention in every dtype); on Qwen3.5-MoE the shared expert's sigmoid gate and the experts' SiLU too.
+each make some float32 case differ (:data:`POWER` names one per ingredient; the rule also in float16, the conv and
+the attention in every dtype); on Qwen3.5-MoE the shared expert's sigmoid gate and the experts' SiLU too.
 """
 
 import pytest

@@ -55,7 +55,8 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def _heads(x: torch.Tensor, num_v_heads: int) -> torch.Tensor:
-    """``[..., Hk, D]`` -> float32 ``[..., Hv, D]``, each query/key head serving ``Hv // Hk`` consecutive value heads."""
+    """``[..., Hk, D]`` -> float32 ``[..., Hv, D]``, each query/key head serving ``Hv // Hk`` consecutive value
+    heads."""
     x = x.float()
     return x if x.shape[-2] == num_v_heads else x.repeat_interleave(num_v_heads // x.shape[-2], dim=-2)
 

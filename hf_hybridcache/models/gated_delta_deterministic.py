@@ -22,8 +22,8 @@ the ``q|k|v`` inputs, the float32 state ``[B, Hv, Dk, Dv]``, the checkpoints aft
 :mod:`.linear_attention`.
 
 :data:`_OFF` is the private switch of the power tests: an ingredient named there runs the package's default op instead
-(``"linear"``: ``F.linear``; ``"conv"``: :func:`~hf_hybridcache.models.mamba1.causal_conv` / the fused conv update; ``"rule"``: the
-chunked rule / the recurrent step; ``"norm"``: the mixer's own ``Qwen3_5RMSNormGated``; ``"gates"``:
+(``"linear"``: ``F.linear``; ``"conv"``: :func:`~hf_hybridcache.models.mamba1.causal_conv` / the fused conv update;
+``"rule"``: the chunked rule / the recurrent step; ``"norm"``: the mixer's own ``Qwen3_5RMSNormGated``; ``"gates"``:
 ``torch.sigmoid`` / ``F.softplus``).
 """
 
