@@ -1,11 +1,11 @@
-"""deterministic=True on Qwen3.5's text models (``qwen3_5_text``, issue 46; ``qwen3_5_moe_text`` for hits, decode and
-the engine): gated delta net layers around a gated full-attention layer, dense MLPs (routed + shared experts); the
-long-memory toy with widths off the CPU's vector width (test_deterministic.py's ``OVERRIDES``: an MLP of 104, 3
-attention heads, value heads of 20 over grouped key heads). A request's tokens and logits / logprobs are the same
-bits cold and after hits of several lengths, with a reply replayed in a chat, decoded or prefilled, as a row of a
-left-padded generate() batch, and among 1-8 concurrent engine requests at prefill chunks of 16, 48 and 512 tokens
-(and in speculative verify groups) against generate() alone; float32 and bfloat16 throughout, float16 for hits,
-decode and the engine.
+"""deterministic=True on Qwen3.5's text models (``qwen3_5_text``, issue 46; ``qwen3_5_moe_text`` and ``qwen3_next`` for
+hits, decode and the engine): gated delta net layers around a gated full-attention layer, dense MLPs (routed + shared
+experts); the long-memory toy with widths off the CPU's vector width (test_deterministic.py's ``OVERRIDES``: an MLP
+of 104, 3 attention heads, value heads of 20 over grouped key heads). A request's tokens and logits / logprobs are
+the same bits cold and after hits of several lengths, with a reply replayed in a chat, decoded or prefilled, as a row
+of a left-padded generate() batch, and among 1-8 concurrent engine requests at prefill chunks of 16, 48 and 512
+tokens (and in speculative verify groups) against generate() alone; float32 and bfloat16 throughout, float16 for
+hits, decode and the engine.
 
 Power (each ingredient switched off alone through the private ``gated_delta_deterministic._OFF`` or
 ``hybrid_deterministic._OFF``; measured on the 2-core AVX-512 CPU, torch 2.13 with MKL, at 2 intra-op threads;
@@ -41,6 +41,7 @@ from hf_hybridcache.toy.vision import build_vlm
 
 FAMILY = "qwen3_5_text"
 MOE = "qwen3_5_moe_text"
+NEXT = "qwen3_next"
 DTYPES3 = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 
 
@@ -141,21 +142,27 @@ def test_checkpoints_hold_the_states_of_an_upstream_cold_forward():
     assert_restored_states_match(cache, plain, torch.tensor([BASE[:70]]), expected_hit=64)
 
 
+@pytest.fixture(params=[MOE, NEXT])
+def moe_family(request):
+    return request.param
+
+
 @DTYPES3
-def test_moe_hit_and_decoded_tokens_equal_cold_and_prefilled(dtype):
-    """Qwen3.5-MoE (4 routed experts of 56, top 2, a shared expert of 104 behind its sigmoid gate)."""
-    assert hit_case(MOE, dtype)
-    assert decode_vs_prefill_case(MOE, dtype)
+def test_moe_hit_and_decoded_tokens_equal_cold_and_prefilled(moe_family, dtype):
+    """Qwen3.5-MoE and Qwen3-Next (4 routed experts of 56, top 2, a shared expert of 104 behind its sigmoid gate;
+    Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba``)."""
+    assert hit_case(moe_family, dtype)
+    assert decode_vs_prefill_case(moe_family, dtype)
 
 
 @pytest.mark.parametrize("max_batch_tokens", [16, 48, 512])
-def test_moe_engine_requests_equal_generate_alone(dtype, max_batch_tokens):
-    assert engine_case(MOE, dtype, PROMPTS, max_batch_tokens)
+def test_moe_engine_requests_equal_generate_alone(moe_family, dtype, max_batch_tokens):
+    assert engine_case(moe_family, dtype, PROMPTS, max_batch_tokens)
 
 
-def test_moe_mode_is_the_model_within_round_off():
-    model, cache = fresh(MOE, torch.float32)
-    plain = build_model(MOE, seed=0, **OVERRIDES[MOE])
+def test_moe_mode_is_the_model_within_round_off(moe_family):
+    model, cache = fresh(moe_family, torch.float32)
+    plain = build_model(moe_family, seed=0, **OVERRIDES[moe_family])
     _, logits = run(model, cache, BASE[:40], new_tokens=1)
     with torch.no_grad():
         expected = plain(torch.tensor([BASE[:40]])).logits[0, -1]
@@ -175,6 +182,8 @@ POWER = [
     (FAMILY, hybrid_deterministic, "gate", torch.float32, decode_vs_prefill_case),
     (MOE, hybrid_deterministic, "shared_gate", torch.float32, engine_case),
     (MOE, hybrid_deterministic, "activation", torch.float32, decode_vs_prefill_case),
+    (NEXT, hybrid_deterministic, "shared_gate", torch.float32, engine_case),
+    (NEXT, gated_delta_deterministic, "rule", torch.float32, hit_case),
 ]
 
 
@@ -188,7 +197,7 @@ def test_each_ingredient_off_alone_breaks_a_case(monkeypatch, family, module, of
     assert not case(family, dtype)
 
 
-@pytest.mark.parametrize("family", [FAMILY, MOE])
+@pytest.mark.parametrize("family", [FAMILY, MOE, NEXT])
 def test_with_the_mode_off_some_case_differs(family, dtype):
     cases = (decode_vs_prefill_case, engine_case, hit_case)
     assert not all(case(family, dtype, deterministic=False) for case in cases)
@@ -200,6 +209,6 @@ def test_layers_it_cannot_hold_for_are_refused():
         HybridPrefixCache(model, deterministic=True)
     HybridPrefixCache(model)  # nothing was patched: the default mode still builds
     with pytest.raises(ValueError, match="(?s)gated delta net mixer.*deterministic=False"):
-        HybridPrefixCache(build_model("qwen3_next", seed=0), deterministic=True)
+        HybridPrefixCache(build_model("olmo_hybrid", seed=0), deterministic=True)
     with pytest.raises(ValueError, match="(?s)vision tower.*Qwen3_5ForCausalLM.*deterministic=False"):
         HybridPrefixCache(build_vlm("qwen3_5", seed=0), deterministic=True)

@@ -1,11 +1,11 @@
 """Deterministic mode (issue 46): which models it accepts, what it refuses and why, and what it installs.
 
 ``HybridPrefixCache(model, deterministic=True)`` calls :func:`check` before anything is patched and :func:`install`
-after the family's own patches (:mod:`.paths`). The mode is accepted only where every op of the model's forward has a row-invariant,
-path-invariant form here (docs/deterministic.md, "The ingredients"): today the pure Mamba-1 families (Mamba,
-Falcon-Mamba: embeddings, RMSNorms, the mixer of :mod:`.mamba1_deterministic`, the LM head), the pure Mamba-2 one
-(the mixer of :mod:`.mamba2_deterministic`), Jamba (its Mamba-1 mixers, and the attention, MLPs and routed experts
-of :mod:`.hybrid_deterministic`) and Qwen3.5's text models, dense and MoE (the gated delta net mixer of
+after the family's own patches (:mod:`.paths`). The mode is accepted only where every op of the model's forward has a
+row-invariant, path-invariant form here (docs/deterministic.md, "The ingredients"): today the pure Mamba-1 families
+(Mamba, Falcon-Mamba: embeddings, RMSNorms, the mixer of :mod:`.mamba1_deterministic`, the LM head), the pure Mamba-2
+one (the mixer of :mod:`.mamba2_deterministic`), Jamba (its Mamba-1 mixers, and the attention, MLPs and routed experts
+of :mod:`.hybrid_deterministic`), Qwen3.5's text models, dense and MoE, and Qwen3-Next (the gated delta net mixer of
 :mod:`.gated_delta_deterministic`, the gated attention, MLPs and routed + shared experts of
 :mod:`.hybrid_deterministic`), on CPU, in float32, bfloat16 and float16. Every other family is refused with the
 ingredients it lacks named, and so is a model whose kernels or BLAS would break the guarantee: refusing, never warning
@@ -43,6 +43,7 @@ SUPPORTED = {
     "zamba": ("ZambaMambaMixer", zamba_deterministic),
     "qwen3_5_text": ("Qwen3_5GatedDeltaNet", gated_delta_deterministic),
     "qwen3_5_moe_text": ("Qwen3_5MoeGatedDeltaNet", gated_delta_deterministic),
+    "qwen3_next": ("Qwen3NextGatedDeltaNet", gated_delta_deterministic),
 }
 #: The dtypes the mode's tests hold in.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -62,7 +63,7 @@ _SHORT_CONV = "the short conv mixer wired through the invariant conv (kernels/co
 #: model_type -> the mixer ingredients its family lacks (attention and MLP activations are added from the model).
 _MIXERS = {
     **dict.fromkeys(("zamba2", "falcon_h1", "bamba", "granitemoehybrid", "nemotron_h"), (_MAMBA2,)),
-    **dict.fromkeys(("qwen3_next", "olmo_hybrid", "lara_mini"), (_GDN,)),
+    **dict.fromkeys(("olmo_hybrid", "lara_mini"), (_GDN,)),
     **dict.fromkeys(("kimi_linear", "bailing_hybrid"), (_KDA,)),
     **dict.fromkeys(("lfm2", "lfm2_moe", "lfm3", "inkling_text", "inkling2_text", "inkling2_loop_text"),
                     (_SHORT_CONV,)),

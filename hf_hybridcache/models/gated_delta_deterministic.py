@@ -2,10 +2,12 @@
 decode step and a speculative verify group, whose every op gives a token's row the same bits whatever shares its call
 and however the token arrived.
 
-It is ``Qwen3_5GatedDeltaNet.forward`` (``transformers/models/qwen3_5/modeling_qwen3_5.py``, 5.23.0 - 5.25.0) with
-each op replaced by its row-invariant ingredient:
+It is ``Qwen3_5GatedDeltaNet.forward`` (``transformers/models/qwen3_5/modeling_qwen3_5.py``, 5.23.0 - 5.25.0;
+Qwen3.5-MoE's is the same, Qwen3-Next's differs only in its fused projections) with each op replaced by its
+row-invariant ingredient:
 
-- ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` and ``out_proj`` through
+- ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` (Qwen3-Next: ``in_proj_qkvz``, ``in_proj_ba``) and
+  ``out_proj`` through
   :func:`~hf_hybridcache.kernels.batch_invariant.invariant_linear` (as :mod:`.mamba1_deterministic` runs them);
 - the causal conv over ``q|k|v`` through :func:`~hf_hybridcache.kernels.conv_invariant.causal_conv_invariant`, for a
   prefill over the cached window and for a decode step alike;
@@ -74,9 +76,7 @@ def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_m
     decode = seq_len == 1 and conv_state is not None and recurrent_state is not None
     positions = () if decode else checkpoint_positions(cache, seq_len)
     hidden_states = apply_padding_mask(hidden_states, attention_mask)
-    mixed_qkv = _linear(hidden_states, mixer.in_proj_qkv.weight).transpose(1, 2)
-    z = _linear(hidden_states, mixer.in_proj_z.weight)
-    b, a = _linear(hidden_states, mixer.in_proj_b.weight), _linear(hidden_states, mixer.in_proj_a.weight)
+    mixed_qkv, z, b, a = _projections(mixer, hidden_states)
     conv_checkpoints = conv_states_at(mixed_qkv, conv_state, mixer.conv_kernel_size, positions)
     mixed_qkv = _conv(mixer, mixed_qkv, conv_state, cache, decode).transpose(1, 2)
     query, key, value = torch.split(mixed_qkv, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
@@ -93,6 +93,20 @@ def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_m
             cache.capture_states(layer_idx, positions, list(zip(conv_checkpoints, states)))
     out = _gated_norm(mixer, out.reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
     return _linear(out.reshape(batch, seq_len, -1), mixer.out_proj.weight)
+
+
+def _projections(mixer, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(q|k|v conv inputs [B, C, T], z [B, T, Hv * Dv] or [B, T, Hv, Dv], b [B, T, Hv], a [B, T, Hv])`` of
+    ``hidden_states`` ``[B, T, hidden]``: Qwen3.5's four projections, or Qwen3-Next's fused ``in_proj_qkvz`` /
+    ``in_proj_ba`` regrouped by the mixer's own ``fix_query_key_value_ordering`` (views and splits: exact)."""
+    if hasattr(mixer, "in_proj_qkvz"):
+        query, key, value, z, b, a = mixer.fix_query_key_value_ordering(
+            _linear(hidden_states, mixer.in_proj_qkvz.weight), _linear(hidden_states, mixer.in_proj_ba.weight))
+        mixed_qkv = torch.cat([x.reshape(*x.shape[:2], -1) for x in (query, key, value)], dim=-1)
+        return mixed_qkv.transpose(1, 2), z, b, a
+    return (_linear(hidden_states, mixer.in_proj_qkv.weight).transpose(1, 2),
+            _linear(hidden_states, mixer.in_proj_z.weight), _linear(hidden_states, mixer.in_proj_b.weight),
+            _linear(hidden_states, mixer.in_proj_a.weight))
 
 
 def _gates(mixer, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,13 +47,14 @@ from .mamba1_deterministic import _linear, lm_head_forward
 #: knows (their mixers are wired by :mod:`.deterministic`).
 FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock"), "zamba": ("ZambaAttention", None),
             "qwen3_5_text": ("Qwen3_5Attention", None),
-            "qwen3_5_moe_text": ("Qwen3_5MoeAttention", "Qwen3_5MoeSparseMoeBlock")}
+            "qwen3_5_moe_text": ("Qwen3_5MoeAttention", "Qwen3_5MoeSparseMoeBlock"),
+            "qwen3_next": ("Qwen3NextAttention", "Qwen3NextSparseMoeBlock")}
 #: The attention classes whose forward gates its output with a sigmoid (:func:`gated_attention_forward`).
-GATED_ATTENTION = ("Qwen3_5Attention", "Qwen3_5MoeAttention")
+GATED_ATTENTION = ("Qwen3_5Attention", "Qwen3_5MoeAttention", "Qwen3NextAttention")
 #: The activations with an invariant form here (transformers' ``ACT2FN["silu"]`` / ``ACT2FN["gelu"]`` and torch's).
 ACTIVATIONS = ("silu", "swish", "gelu")
 #: The families whose gated delta net conv runs ``hidden_act``, which has an invariant form there for SiLU only.
-SILU_CONV = ("qwen3_5_text", "qwen3_5_moe_text")
+SILU_CONV = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 #: Ingredients switched off (private: the power tests name them here; empty in use).
 _OFF: set[str] = set()
 
@@ -163,17 +164,20 @@ def _router(block: torch.nn.Module) -> torch.nn.Module:
 
 
 def shared_moe_forward(block: torch.nn.Module, original, hidden_states: torch.Tensor) -> torch.Tensor:
-    """A routed + shared experts block's output ``[B, T, hidden]`` (``hidden_states``' dtype) for ``hidden_states``
-    ``[B, T, hidden]``: ``Qwen3_5MoeSparseMoeBlock.forward`` (transformers 5.23 - 5.25): the router's softmax in
-    float32, its top-k renormalized to sum to one and rounded to the logits' dtype, the routed experts as
-    :func:`sparse_moe_forward` sums them, plus the shared expert (its linears and SiLU patched) times
-    ``sigmoid(shared_expert_gate(x))`` from ``exp`` (``F.sigmoid`` moves a float32 element with its offset)."""
+    """A routed + shared experts block's output ``[B, T, hidden]`` (``hidden_states``' dtype) for ``hidden_states`` ``[B,
+    T, hidden]``: ``Qwen3_5MoeSparseMoeBlock.forward`` / ``Qwen3NextSparseMoeBlock.forward`` (transformers 5.23 -
+    5.25): the router's softmax in float32, its top-k renormalized to sum to one (where ``norm_topk_prob``) and
+    rounded to the logits' dtype, the routed experts as :func:`sparse_moe_forward` sums them, plus the shared expert
+    (its linears and SiLU patched) times ``sigmoid(shared_expert_gate(x))`` from ``exp`` (``F.sigmoid`` moves a
+    float32 element with its offset)."""
     batch, seq_len, hidden = hidden_states.shape
     x = hidden_states.reshape(-1, hidden)
     shared = block.shared_expert(x)
     logits = _linear(x, block.gate.weight)
     weights, chosen = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), block.gate.top_k, dim=-1)
-    weights = (weights / weights.sum(dim=-1, keepdim=True)).to(logits.dtype)
+    if getattr(block.gate, "norm_topk_prob", True):  # Qwen3-Next's config may turn it off; Qwen3.5-MoE's always on
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights.to(logits.dtype)
     gate_logit = block.shared_expert_gate(x)
     gate = torch.sigmoid(gate_logit) if "shared_gate" in _OFF else sigmoid_invariant(gate_logit.float()).to(x.dtype)
     routed = _routed_sum(x, block.experts, weights, chosen)
