@@ -164,8 +164,8 @@ def _router(block: torch.nn.Module) -> torch.nn.Module:
 
 
 def shared_moe_forward(block: torch.nn.Module, original, hidden_states: torch.Tensor) -> torch.Tensor:
-    """A routed + shared experts block's output ``[B, T, hidden]`` (``hidden_states``' dtype) for ``hidden_states`` ``[B,
-    T, hidden]``: ``Qwen3_5MoeSparseMoeBlock.forward`` / ``Qwen3NextSparseMoeBlock.forward`` (transformers 5.23 -
+    """A routed + shared experts block's output ``[B, T, hidden]`` (``hidden_states``' dtype) for ``hidden_states``
+    ``[B, T, hidden]``: ``Qwen3_5MoeSparseMoeBlock.forward`` / ``Qwen3NextSparseMoeBlock.forward`` (transformers 5.23 -
     5.25): the router's softmax in float32, its top-k renormalized to sum to one (where ``norm_topk_prob``) and
     rounded to the logits' dtype, the routed experts as :func:`sparse_moe_forward` sums them, plus the shared expert
     (its linears and SiLU patched) times ``sigmoid(shared_expert_gate(x))`` from ``exp`` (``F.sigmoid`` moves a
