@@ -1,8 +1,8 @@
 """What deterministic mode costs the engine (issue 46's bar: tokens/s with the mode on at least 0.7x off).
 
-For each model of a family (``--family``: Mamba, Mamba-2, Jamba or Zamba; its toy, Jamba's with 4 routed experts (top
-2), and its 130M checkpoint's shape or, for Jamba, the ``small`` shape of :mod:`benchmarks.model_shapes`; Zamba: the
-toy only; random weights),
+For each model of a family (``--family``: Mamba, Mamba-2, Jamba, Zamba or Qwen3.5's text model; its toy, Jamba's
+with 4 routed experts (top 2), and its 130M checkpoint's shape or, for Jamba, the ``small`` shape of
+:mod:`benchmarks.model_shapes`, for Qwen3.5 its ``100m`` shape; Zamba: the toy only; random weights),
 dtype and request count, two model instances
 with the same weights serve ``HybridPrefixCache(model)`` and ``HybridPrefixCache(model, deterministic=True)``; each
 runs ``generate_batch`` on ``R`` prompts of :data:`PROMPT_TOKENS` tokens (shorter than a block, so no round hits the
@@ -19,6 +19,7 @@ before each run) per model and dtype, the same way: in the mode every prompt tok
     OMP_WAIT_POLICY=PASSIVE PYTHONPATH=. python benchmarks/deterministic_cost.py --models toy --rounds 2
     OMP_WAIT_POLICY=PASSIVE PYTHONPATH=. python benchmarks/deterministic_cost.py --family mamba2
     OMP_WAIT_POLICY=PASSIVE PYTHONPATH=. python benchmarks/deterministic_cost.py --family jamba
+    OMP_WAIT_POLICY=PASSIVE PYTHONPATH=. python benchmarks/deterministic_cost.py --family qwen3_5_text
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ NEW_TOKENS = 32
 PREFILL_TOKENS = 256
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: family -> the models ``--models`` may name (the first ones are the default).
-MODELS = {"mamba": ("toy", "130m"), "mamba2": ("toy", "130m"), "jamba": ("toy", "small"), "zamba": ("toy",)}
+MODELS = {"mamba": ("toy", "130m"), "mamba2": ("toy", "130m"), "jamba": ("toy", "small"), "zamba": ("toy",),
+          "qwen3_5_text": ("toy", "100m")}
 FAMILIES = tuple(MODELS)
 #: Config overrides of a family's toy here: Jamba's toy gets routed experts (its default has one MLP per layer).
 TOY_OVERRIDES = {"jamba": dict(num_experts=4, num_experts_per_tok=2)}

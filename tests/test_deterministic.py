@@ -41,8 +41,16 @@ def dtype(request):
     return request.param
 
 
-#: Config overrides of a family's toy in this bank: Jamba with routed experts (its toy has one MLP per layer).
-OVERRIDES = {"jamba": dict(num_experts=4, num_experts_per_tok=2, intermediate_size=104)}
+#: Config overrides of a family's toy in this bank: Jamba with routed experts (its toy has one MLP per layer); Qwen3.5
+#: with widths off the CPU's vector width (an MLP of 104, 3 attention heads of 16, value heads of 20), so that F.silu
+#: and torch.sigmoid meet a vectorized loop's scalar tail and the power tests can see them.
+OVERRIDES = {"jamba": dict(num_experts=4, num_experts_per_tok=2, intermediate_size=104),
+             "qwen3_5_text": dict(intermediate_size=104, num_attention_heads=3, num_key_value_heads=1,
+                                  linear_value_head_dim=20),
+             "qwen3_5_moe_text": dict(moe_intermediate_size=56, shared_expert_intermediate_size=104,
+                                      num_attention_heads=3, num_key_value_heads=1, linear_value_head_dim=20),
+             "qwen3_next": dict(moe_intermediate_size=56, shared_expert_intermediate_size=104,
+                                num_attention_heads=3, num_key_value_heads=1, linear_value_head_dim=20)}
 
 
 def fresh(family, dtype, deterministic=True, **kwargs):
@@ -208,7 +216,7 @@ def test_with_the_mode_off_some_case_differs(dtype):
 @pytest.mark.parametrize("family, named", [
     ("zamba2", "attention with a fixed reduction order"),
     ("bamba", "Mamba-2 mixer"),
-    ("qwen3_next", "gated delta net per-token scan"),
+    ("olmo_hybrid", "gated delta net mixer wired to the deterministic forward"),
     ("kimi_linear", "Kimi delta attention"),
     ("lfm2", "short conv"),
 ])

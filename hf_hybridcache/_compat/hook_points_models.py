@@ -263,7 +263,39 @@ def _deterministic() -> list[HookPoint]:
                   f"{_DETERMINISTIC}: the MLPs' activation modules replaced by the invariant SiLU, found by name"),
         HookPoint("transformers.activations.GELUActivation", exists("transformers.activations:GELUActivation"),
                   f"{_DETERMINISTIC}: Zamba's MLP activation (ACT2FN['gelu']) computed in float32, found by name"),
+        *_gated_delta_deterministic(),
     ]
+
+
+_GDN_MODULES = {"qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe", "qwen3_next": "Qwen3Next"}
+
+
+def _gated_delta_deterministic() -> list[HookPoint]:
+    """What deterministic mode's copies of the Qwen3.5 / Qwen3-Next forwards read
+    (``models/gated_delta_deterministic.py``, ``hybrid_deterministic.gated_attention_forward`` /
+    ``shared_moe_forward``)."""
+    points = []
+    for module, prefix in _GDN_MODULES.items():
+        path = f"transformers.models.{module}.modeling_{module}"
+        projections = ("in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering") if module == "qwen3_next" \
+            else ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        points += [
+            HookPoint(f"{path}.{prefix}GatedDeltaNet.forward[deterministic copy]",
+                      refers_to(f"{path}:{prefix}GatedDeltaNet.forward", *projections, "A_log", "dt_bias", "norm",
+                                "out_proj", "sigmoid", "softplus"),
+                      "hf_hybridcache.models.gated_delta_deterministic: the mixer forward it copies op for op"),
+            HookPoint(f"{path}.{prefix}Attention.forward[gated attention copy]",
+                      refers_to(f"{path}:{prefix}Attention.forward", "apply_rotary_pos_emb", "get_interface",
+                                "q_norm", "k_norm", "o_proj", "sigmoid", "scaling"),
+                      f"{_DETERMINISTIC}: gated_attention_forward copies it with the output gate from exp"),
+        ]
+        if module != "qwen3_5":
+            points.append(HookPoint(
+                f"{path}.{prefix}SparseMoeBlock.forward[routed + shared experts]",
+                refers_to(f"{path}:{prefix}SparseMoeBlock.forward", "gate", "experts", "shared_expert",
+                          "shared_expert_gate", "sigmoid"),
+                f"{_DETERMINISTIC}: shared_moe_forward copies it with the shared gate from exp"))
+    return points
 
 
 def _expert_block_fields() -> str | None:

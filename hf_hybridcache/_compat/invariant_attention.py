@@ -17,12 +17,20 @@ attend, the eager masks and the engine's), or None: plain causal attention of th
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
+import transformers
+from packaging.version import Version
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..kernels.attention_invariant import attention_invariant, causal_visible
-from .engine_attention import ATTENTION_ATTR, install_router
+from .cache_kwargs import CACHE_KWARG_NAMES, find_cache
+from .engine_attention import ATTENTION_ATTR, _module_eager, install_router
+
+#: Attention modules hand ``cache.update`` their call's kwargs (``kwargs=kwargs``) from transformers 5.24 on.
+_UPDATE_TAKES_KWARGS = Version(transformers.__version__) >= Version("5.24.0.dev0")
 #: The attention implementations :func:`mark` can route.
 ROUTED = ("sdpa", "eager")
 
@@ -81,3 +89,21 @@ def invariant_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         visible = mask if mask.dtype == torch.bool else mask == 0
     out = attention_invariant(query, key, value, visible, query.shape[-1] ** -0.5 if scaling is None else scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+def gated_attention_parts(module: torch.nn.Module, kwargs: dict) -> tuple:
+    """What a copy of a gated attention module's forward (Qwen3.5's, Qwen3-Next's: ``Qwen3_5Attention.forward``,
+    transformers 5.23 - 5.25) takes from transformers: ``(cache or None, the call's other kwargs, the modeling file's
+    apply_rotary_pos_emb, the attention function the module's config names, update)``, where
+    ``update(key [B, Hkv, T, D], value) -> (keys, values)`` writes the call's KV to the cache as that release does."""
+    cache = find_cache(kwargs)
+    rest = {name: value for name, value in kwargs.items() if name not in CACHE_KWARG_NAMES}
+    modeling = sys.modules[type(module).__module__]
+    function = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, _module_eager(module))
+
+    def update(key, value):
+        if _UPDATE_TAKES_KWARGS:
+            return cache.update(key, value, module.layer_idx, kwargs=rest)
+        return cache.update(key, value, module.layer_idx)
+
+    return cache, rest, modeling.apply_rotary_pos_emb, function, update

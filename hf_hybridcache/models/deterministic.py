@@ -1,11 +1,13 @@
 """Deterministic mode (issue 46): which models it accepts, what it refuses and why, and what it installs.
 
 ``HybridPrefixCache(model, deterministic=True)`` calls :func:`check` before anything is patched and :func:`install`
-after the family's own patches (:mod:`.paths`). The mode is accepted only where every op of the model's forward has a row-invariant,
-path-invariant form here (docs/deterministic.md, "The ingredients"): today the pure Mamba-1 families (Mamba,
-Falcon-Mamba: embeddings, RMSNorms, the mixer of :mod:`.mamba1_deterministic`, the LM head), the pure Mamba-2 one
-(the mixer of :mod:`.mamba2_deterministic`) and Jamba (its Mamba-1 mixers, and the attention, MLPs and routed experts
-of :mod:`.hybrid_deterministic`), on CPU, in float32, bfloat16 and float16. Every other family is refused with the
+after the family's own patches (:mod:`.paths`). The mode is accepted only where every op of the model's forward has a
+row-invariant, path-invariant form here (docs/deterministic.md, "The ingredients"): today the pure Mamba-1 families
+(Mamba, Falcon-Mamba: embeddings, RMSNorms, the mixer of :mod:`.mamba1_deterministic`, the LM head), the pure Mamba-2
+one (the mixer of :mod:`.mamba2_deterministic`), Jamba (its Mamba-1 mixers, and the attention, MLPs and routed experts
+of :mod:`.hybrid_deterministic`), Qwen3.5's text models, dense and MoE, and Qwen3-Next (the gated delta net mixer of
+:mod:`.gated_delta_deterministic`, the gated attention, MLPs and routed + shared experts of
+:mod:`.hybrid_deterministic`), on CPU, in float32, bfloat16 and float16. Every other family is refused with the
 ingredients it lacks named, and so is a model whose kernels or BLAS would break the guarantee: refusing, never warning
 and continuing, is the point of the mode (vLLM's batch-invariant mode likewise fails closed on layers it has no kernel
 for).
@@ -21,7 +23,13 @@ from ..config import ModelStateSpec
 from ..kernels.attention_invariant import check_invariance as check_attention_invariance
 from ..kernels.batch_invariant import check_row_invariance, check_thread_invariance
 from ..kernels.decode_linear import weight_qualifies
-from . import hybrid_deterministic, mamba1_deterministic, mamba2_deterministic, zamba_deterministic
+from . import (
+    gated_delta_deterministic,
+    hybrid_deterministic,
+    mamba1_deterministic,
+    mamba2_deterministic,
+    zamba_deterministic,
+)
 from .mamba1 import DETERMINISTIC_FORWARD
 from .wrappers import decoder_model_type
 
@@ -33,6 +41,9 @@ SUPPORTED = {
     "mamba2": ("Mamba2Mixer", mamba2_deterministic),
     "jamba": ("JambaMambaMixer", mamba1_deterministic),
     "zamba": ("ZambaMambaMixer", zamba_deterministic),
+    "qwen3_5_text": ("Qwen3_5GatedDeltaNet", gated_delta_deterministic),
+    "qwen3_5_moe_text": ("Qwen3_5MoeGatedDeltaNet", gated_delta_deterministic),
+    "qwen3_next": ("Qwen3NextGatedDeltaNet", gated_delta_deterministic),
 }
 #: The dtypes the mode's tests hold in.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -45,13 +56,14 @@ _ACTIVATIONS = "its MLPs wired to the row-invariant linear and SiLU (F.silu give
                "its offset; models/hybrid_deterministic.py, as Jamba's are)"
 _MAMBA2 = "its Mamba-2 mixer wired to the deterministic Mamba-2 forward (models/mamba2_deterministic.py: per-token " \
           "scan, invariant conv, row-invariant gated RMSNorm)"
-_GDN = "a gated delta net per-token scan"
+_GDN = "its gated delta net mixer wired to the deterministic forward (models/gated_delta_deterministic.py: " \
+       "per-token rule, invariant conv, row-invariant gates and gated RMSNorm, as Qwen3.5's are)"
 _KDA = "a Kimi delta attention (KDA) per-token scan"
 _SHORT_CONV = "the short conv mixer wired through the invariant conv (kernels/conv_invariant.py)"
 #: model_type -> the mixer ingredients its family lacks (attention and MLP activations are added from the model).
 _MIXERS = {
     **dict.fromkeys(("zamba2", "falcon_h1", "bamba", "granitemoehybrid", "nemotron_h"), (_MAMBA2,)),
-    **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lara_mini"), (_GDN,)),
+    **dict.fromkeys(("olmo_hybrid", "lara_mini"), (_GDN,)),
     **dict.fromkeys(("kimi_linear", "bailing_hybrid"), (_KDA,)),
     **dict.fromkeys(("lfm2", "lfm2_moe", "lfm3", "inkling_text", "inkling2_text", "inkling2_loop_text"),
                     (_SHORT_CONV,)),

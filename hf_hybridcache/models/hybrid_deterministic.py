@@ -1,4 +1,4 @@
-"""The layers a hybrid adds to its mixers in deterministic mode (issue 46; Jamba and Zamba): attention, MLP
+"""The layers a hybrid adds to its mixers in deterministic mode (issue 46; Jamba, Zamba, Qwen3.5): attention, MLP
 activations, linear layers and routed experts, each with a row-invariant, path-invariant form (docs/deterministic.md,
 "The ingredients").
 
@@ -13,6 +13,14 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
   differ; ``benchmarks/batch_invariance.py``, table 2b), so a token's MLP output moved with the number of tokens
   beside it. ``GELUActivation`` (Zamba's, the erf form) runs ``F.gelu`` in float32, rounded once: float32's is
   offset-invariant here, float16's is not.
+- A gated attention module (Qwen3.5's ``Qwen3_5Attention``, transformers 5.23 - 5.25) runs
+  :func:`gated_attention_forward`: upstream's forward with its output gate ``sigmoid(gate)`` taken as
+  :func:`~hf_hybridcache.kernels.gated_delta_invariant.sigmoid_invariant` in float32, rounded once to the gate's
+  dtype (``torch.sigmoid`` gives an element other float32 bits by its offset in the tensor); its q/k RMSNorms and
+  rotary embedding (``cos`` / ``sin``, measured the same bits at any offset) as upstream.
+- A routed + shared experts block (Qwen3.5-MoE's ``Qwen3_5MoeSparseMoeBlock``) runs :func:`shared_moe_forward`: the
+  routed experts as below (the top-k weights renormalized, as its router does) plus the shared expert gated by
+  ``sigmoid_invariant``.
 - A routed-experts block (Jamba's ``JambaSparseMoeBlock``, transformers 5.23 - 5.25) runs :func:`sparse_moe_forward`:
   upstream's router and experts, each expert's products on the rows routed to it through the row-invariant linear, and
   each token's experts summed in the order of its own top-k choice (upstream sums in expert order, also fixed per
@@ -20,7 +28,8 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
 
 The RMSNorms, softmaxes, embeddings and residual adds run as upstream (measured row-invariant here). :data:`_OFF` is
 the private switch of the power tests: ``"attention"`` runs the model's own attention function, ``"activation"``
-``F.silu`` / the model's GELU.
+``F.silu`` / the model's GELU, ``"gate"`` the gated attention's ``torch.sigmoid``, ``"shared_gate"`` the shared
+expert's.
 """
 
 from __future__ import annotations
@@ -29,15 +38,23 @@ import torch
 import torch.nn.functional as F
 
 from .. import _compat
-from .._compat.invariant_attention import invariant_attention_forward, mark, unroutable
+from .._compat.invariant_attention import gated_attention_parts, invariant_attention_forward, mark, unroutable
+from ..kernels.gated_delta_invariant import sigmoid_invariant
 from ..kernels.mamba1_invariant import silu_invariant
 from .mamba1_deterministic import _linear, lm_head_forward
 
 #: model_type -> (attention module class, routed-experts block class or None): the hybrids whose layers this module
 #: knows (their mixers are wired by :mod:`.deterministic`).
-FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock"), "zamba": ("ZambaAttention", None)}
+FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock"), "zamba": ("ZambaAttention", None),
+            "qwen3_5_text": ("Qwen3_5Attention", None),
+            "qwen3_5_moe_text": ("Qwen3_5MoeAttention", "Qwen3_5MoeSparseMoeBlock"),
+            "qwen3_next": ("Qwen3NextAttention", "Qwen3NextSparseMoeBlock")}
+#: The attention classes whose forward gates its output with a sigmoid (:func:`gated_attention_forward`).
+GATED_ATTENTION = ("Qwen3_5Attention", "Qwen3_5MoeAttention", "Qwen3NextAttention")
 #: The activations with an invariant form here (transformers' ``ACT2FN["silu"]`` / ``ACT2FN["gelu"]`` and torch's).
 ACTIVATIONS = ("silu", "swish", "gelu")
+#: The families whose gated delta net conv runs ``hidden_act``, which has an invariant form there for SiLU only.
+SILU_CONV = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 #: Ingredients switched off (private: the power tests name them here; empty in use).
 _OFF: set[str] = set()
 
@@ -48,6 +65,11 @@ def refusals(model: torch.nn.Module, model_type: str) -> list[str]:
     problems = [problem] if (problem := unroutable(model)) is not None else []
     if getattr(config, "hidden_act", "silu") not in ACTIVATIONS:
         problems.append(f"hidden_act={config.hidden_act!r} (only SiLU and GELU have an invariant form here)")
+    elif model_type in SILU_CONV and config.hidden_act not in ("silu", "swish"):
+        problems.append(f"hidden_act={config.hidden_act!r} (the gated delta net's conv has an invariant SiLU only)")
+    if getattr(model.config, "vision_config", None) is not None:
+        problems.append("a vision tower (its attention and merger have no invariant form here; load the text model, "
+                        "e.g. Qwen3_5ForCausalLM, for text requests)")
     if getattr(config, "sliding_window", None) is not None:
         problems.append(f"sliding_window={config.sliding_window} (the invariant attention has no window yet)")
     return problems
@@ -59,9 +81,11 @@ def product_weights(model: torch.nn.Module, model_type: str) -> list[torch.Tenso
     mixer's (one head's ``x_proj_weight`` and ``dt_proj_weight``, Zamba's)."""
     experts_class = FAMILIES[model_type][1]
     weights = []
+    if experts_class is None:
+        return weights
     for module in model.modules():
         if type(module).__name__ == experts_class:
-            weights += [module.router.weight, module.experts.gate_up_proj[0], module.experts.down_proj[0]]
+            weights += [_router(module).weight, module.experts.gate_up_proj[0], module.experts.down_proj[0]]
         if isinstance(getattr(module, "x_proj_weight", None), torch.nn.Parameter):
             weights += [module.x_proj_weight[0], module.dt_proj_weight[0]]
     return weights
@@ -80,7 +104,10 @@ def install(model: torch.nn.Module, model_type: str) -> None:
         elif name == "GELUActivation":  # ACT2FN["gelu"], the erf form
             _compat.patch_instance_forward(module, gelu_forward)
         elif experts_class is not None and name == experts_class:
-            _compat.patch_instance_forward(module, sparse_moe_forward)
+            moe_forward = shared_moe_forward if hasattr(module, "shared_expert") else sparse_moe_forward
+            _compat.patch_instance_forward(module, moe_forward)
+        elif name in GATED_ATTENTION:
+            _compat.patch_instance_forward(module, gated_attention_forward)
     mark(model, [m for m in model.modules() if type(m).__name__ == attention_class], attention_forward)
 
 
@@ -89,6 +116,30 @@ def attention_forward(original, module, query, key, value, attention_mask, *args
     if "attention" in _OFF:
         return original(module, query, key, value, attention_mask, *args, **kwargs)
     return invariant_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def gated_attention_forward(module: torch.nn.Module, original, hidden_states: torch.Tensor,
+                            position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask=None, **kwargs):
+    """A gated attention module's ``(output [B, T, hidden], None)`` for ``hidden_states`` ``[B, T, hidden]`` and the
+    rotary ``(cos, sin)``: ``Qwen3_5Attention.forward`` (transformers 5.23 - 5.25), its gate through
+    :func:`~hf_hybridcache.kernels.gated_delta_invariant.sigmoid_invariant`; the attention call goes through the
+    model's attention function, which deterministic mode routes to the invariant attention."""
+    cache, kwargs, apply_rotary, attention, update = gated_attention_parts(module, kwargs)
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, module.head_dim)
+    query, gate = torch.chunk(module.q_proj(hidden_states).view(*input_shape, -1, module.head_dim * 2), 2, dim=-1)
+    gate = gate.reshape(*input_shape, -1)
+    query = module.q_norm(query.view(hidden_shape)).transpose(1, 2)
+    key = module.k_norm(module.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+    value = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    query, key = apply_rotary(query, key, *position_embeddings)
+    if cache is not None:
+        key, value = update(key, value)
+    dropout = module.attention_dropout if module.training else 0.0
+    out, _ = attention(module, query, key, value, attention_mask, dropout=dropout, scaling=module.scaling, **kwargs)
+    out = out.reshape(*input_shape, -1).contiguous()
+    gated = torch.sigmoid(gate) if "gate" in _OFF else sigmoid_invariant(gate.float()).to(gate.dtype)
+    return module.o_proj(out * gated), None
 
 
 def silu_forward(module: torch.nn.Module, original, x: torch.Tensor) -> torch.Tensor:
@@ -107,6 +158,32 @@ def gelu_forward(module: torch.nn.Module, original, x: torch.Tensor) -> torch.Te
     return F.gelu(x.float()).to(x.dtype)
 
 
+def _router(block: torch.nn.Module) -> torch.nn.Module:
+    """A routed-experts block's router (Jamba's ``router``, Qwen3.5-MoE's ``gate``)."""
+    return block.router if hasattr(block, "router") else block.gate
+
+
+def shared_moe_forward(block: torch.nn.Module, original, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A routed + shared experts block's output ``[B, T, hidden]`` (``hidden_states``' dtype) for ``hidden_states``
+    ``[B, T, hidden]``: ``Qwen3_5MoeSparseMoeBlock.forward`` / ``Qwen3NextSparseMoeBlock.forward`` (transformers 5.23 -
+    5.25): the router's softmax in float32, its top-k renormalized to sum to one (where ``norm_topk_prob``) and
+    rounded to the logits' dtype, the routed experts as :func:`sparse_moe_forward` sums them, plus the shared expert
+    (its linears and SiLU patched) times ``sigmoid(shared_expert_gate(x))`` from ``exp`` (``F.sigmoid`` moves a
+    float32 element with its offset)."""
+    batch, seq_len, hidden = hidden_states.shape
+    x = hidden_states.reshape(-1, hidden)
+    shared = block.shared_expert(x)
+    logits = _linear(x, block.gate.weight)
+    weights, chosen = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), block.gate.top_k, dim=-1)
+    if getattr(block.gate, "norm_topk_prob", True):  # Qwen3-Next's config may turn it off; Qwen3.5-MoE's always on
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights.to(logits.dtype)
+    gate_logit = block.shared_expert_gate(x)
+    gate = torch.sigmoid(gate_logit) if "shared_gate" in _OFF else sigmoid_invariant(gate_logit.float()).to(x.dtype)
+    routed = _routed_sum(x, block.experts, weights, chosen)
+    return (routed + gate * shared).reshape(batch, seq_len, hidden)
+
+
 def sparse_moe_forward(block: torch.nn.Module, original, hidden_states: torch.Tensor) -> torch.Tensor:
     """A routed-experts block's output ``[B, T, hidden]`` (``hidden_states``' dtype) for ``hidden_states``
     ``[B, T, hidden]``: the router's softmax over ``F.linear``'s logits in float32 and its top-k (weights left
@@ -117,14 +194,20 @@ def sparse_moe_forward(block: torch.nn.Module, original, hidden_states: torch.Te
     router, experts = block.router, block.experts
     probs = torch.softmax(_linear(x, router.weight), dim=-1, dtype=torch.float)
     weights, chosen = torch.topk(probs, router.top_k, dim=-1)  # [N, k], each token's choices by weight
-    weights = weights.to(x.dtype)
-    picked = x.new_zeros(x.shape[0], router.top_k, hidden)
+    return _routed_sum(x, experts, weights.to(x.dtype), chosen).reshape(batch, seq_len, hidden)
+
+
+def _routed_sum(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """``sum_k w_k expert_k(x)`` ``[N, hidden]`` per token in its top-k order for ``x`` ``[N, hidden]``, ``weights`` /
+    ``chosen`` ``[N, k]``; each expert's products on the rows routed to it through the row-invariant linear."""
+    top_k, hidden = chosen.shape[1], x.shape[1]
+    picked = x.new_zeros(x.shape[0], top_k, hidden)
     for expert in chosen.unique().tolist():
         token, slot = torch.where(chosen == expert)
         gate, up = _linear(x[token], experts.gate_up_proj[expert]).chunk(2, dim=-1)
         out = _linear(experts.act_fn(gate) * up, experts.down_proj[expert])
         picked[token, slot] = out * weights[token, slot, None]
     total = picked[:, 0]
-    for slot in range(1, router.top_k):
+    for slot in range(1, top_k):
         total = total + picked[:, slot]
-    return total.reshape(batch, seq_len, hidden)
+    return total

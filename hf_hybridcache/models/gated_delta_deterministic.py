@@ -1,0 +1,165 @@
+"""The gated delta net mixer forward of deterministic mode (issue 46): one function for a prefill, a chunk of one, a
+decode step and a speculative verify group, whose every op gives a token's row the same bits whatever shares its call
+and however the token arrived.
+
+It is ``Qwen3_5GatedDeltaNet.forward`` (``transformers/models/qwen3_5/modeling_qwen3_5.py``, 5.23.0 - 5.25.0;
+Qwen3.5-MoE's is the same, Qwen3-Next's differs only in its fused projections) with each op replaced by its
+row-invariant ingredient:
+
+- ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` (Qwen3-Next: ``in_proj_qkvz``, ``in_proj_ba``) and
+  ``out_proj`` through
+  :func:`~hf_hybridcache.kernels.batch_invariant.invariant_linear` (as :mod:`.mamba1_deterministic` runs them);
+- the causal conv over ``q|k|v`` through :func:`~hf_hybridcache.kernels.conv_invariant.causal_conv_invariant`, for a
+  prefill over the cached window and for a decode step alike;
+- ``beta = sigmoid(b)`` through :func:`~hf_hybridcache.kernels.gated_delta_invariant.sigmoid_invariant` in float32,
+  rounded to ``b``'s dtype as upstream's ``b.sigmoid()`` is, and the decay ``g = -exp(A_log) softplus(a + dt_bias)``
+  with :func:`~hf_hybridcache.kernels.mamba1_invariant.softplus_invariant` (``torch.sigmoid`` and ``F.softplus`` give
+  an element other float32 bits by its offset in the tensor);
+- the rule through :func:`~hf_hybridcache.kernels.gated_delta_invariant.gated_delta_rule_scan_invariant`, whose
+  prefill is the decode step's own arithmetic per token (l2-norms of ``q`` and ``k`` inside the step);
+- the gated RMSNorm through :func:`~hf_hybridcache.kernels.gated_delta_invariant.gated_rms_norm_after_invariant`.
+
+The padding mask (on the input only, as upstream), the states' dtypes and what reaches the cache (the conv window of
+the ``q|k|v`` inputs, the float32 state ``[B, Hv, Dk, Dv]``, the checkpoints after ``positions`` tokens) are those of
+:mod:`.linear_attention`.
+
+:data:`_OFF` is the private switch of the power tests: an ingredient named there runs the package's default op instead
+(``"linear"``: ``F.linear``; ``"conv"``: :func:`~hf_hybridcache.models.mamba1.causal_conv` / the fused conv update;
+``"rule"``: the chunked rule / the recurrent step; ``"norm"``: the mixer's own ``Qwen3_5RMSNormGated``; ``"gates"``:
+``torch.sigmoid`` / ``F.softplus``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import _compat
+from ..kernels import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from ..kernels.conv_invariant import causal_conv_invariant
+from ..kernels.gated_delta_invariant import (
+    gated_delta_rule_scan_invariant,
+    gated_delta_rule_step_invariant,
+    gated_rms_norm_after_invariant,
+    sigmoid_invariant,
+)
+from ..kernels.mamba1_invariant import softplus_invariant
+from ..kernels.state_update import causal_conv1d_update
+from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_states_at
+from .mamba1_deterministic import _linear as _invariant_linear
+from .mamba1_deterministic import lm_head_forward  # noqa: F401 (deterministic.install reads it from here)
+
+#: Ingredients switched off (private: the power tests name them here; empty in use).
+_OFF: set[str] = set()
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if "linear" in _OFF:
+        return F.linear(x, weight)
+    return _invariant_linear(x, weight)
+
+
+@_compat.force_accelerate_hooks(["conv1d"])
+def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_mask: torch.Tensor | None):
+    """The mixer's output ``[B, T, hidden]`` (the dtype of ``hidden_states`` ``[B, T, hidden]``) for ``T >= 1`` tokens
+    over ``cache`` (one of this package's caches: it answers ``checkpoint_positions``), continuing from its conv and
+    recurrent states (zeros where it holds none) and leaving the states after the last token there: a decode step
+    (``T == 1`` over a held state) updates them in place. ``attention_mask``: ``[B, T]`` (1 keeps a token) or None.
+
+    Raises:
+        ValueError: the cached recurrent state is not float32 (from the invariant rule).
+    """
+    batch, seq_len, _ = hidden_states.shape
+    layer_idx = mixer.layer_idx
+    conv_state = cache.get_conv_state(layer_idx)
+    recurrent_state = cache.get_recurrent_state(layer_idx)
+    decode = seq_len == 1 and conv_state is not None and recurrent_state is not None
+    positions = () if decode else checkpoint_positions(cache, seq_len)
+    hidden_states = apply_padding_mask(hidden_states, attention_mask)
+    mixed_qkv, z, b, a = _projections(mixer, hidden_states)
+    conv_checkpoints = conv_states_at(mixed_qkv, conv_state, mixer.conv_kernel_size, positions)
+    mixed_qkv = _conv(mixer, mixed_qkv, conv_state, cache, decode).transpose(1, 2)
+    query, key, value = torch.split(mixed_qkv, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
+    query = query.reshape(batch, seq_len, -1, mixer.head_k_dim)
+    key = key.reshape(batch, seq_len, -1, mixer.head_k_dim)
+    value = value.reshape(batch, seq_len, -1, mixer.head_v_dim)
+    beta, g = _gates(mixer, b, a)
+    if decode:
+        out = _step(recurrent_state, query[:, 0], key[:, 0], value[:, 0], g[:, 0], beta[:, 0])[:, None]
+    else:
+        out, final_state, states = _scan(query, key, value, g, beta, recurrent_state, positions)
+        cache.update_recurrent_state(final_state, layer_idx)
+        if positions:
+            cache.capture_states(layer_idx, positions, list(zip(conv_checkpoints, states)))
+    out = _gated_norm(mixer, out.reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
+    return _linear(out.reshape(batch, seq_len, -1), mixer.out_proj.weight)
+
+
+def _projections(mixer, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(q|k|v conv inputs [B, C, T], z [B, T, Hv * Dv] or [B, T, Hv, Dv], b [B, T, Hv], a [B, T, Hv])`` of
+    ``hidden_states`` ``[B, T, hidden]``: Qwen3.5's four projections, or Qwen3-Next's fused ``in_proj_qkvz`` /
+    ``in_proj_ba`` regrouped by the mixer's own ``fix_query_key_value_ordering`` (views and splits: exact)."""
+    if hasattr(mixer, "in_proj_qkvz"):
+        query, key, value, z, b, a = mixer.fix_query_key_value_ordering(
+            _linear(hidden_states, mixer.in_proj_qkvz.weight), _linear(hidden_states, mixer.in_proj_ba.weight))
+        mixed_qkv = torch.cat([x.reshape(*x.shape[:2], -1) for x in (query, key, value)], dim=-1)
+        return mixed_qkv.transpose(1, 2), z, b, a
+    return (_linear(hidden_states, mixer.in_proj_qkv.weight).transpose(1, 2),
+            _linear(hidden_states, mixer.in_proj_z.weight), _linear(hidden_states, mixer.in_proj_b.weight),
+            _linear(hidden_states, mixer.in_proj_a.weight))
+
+
+def _gates(mixer, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(beta [B, T, Hv] in b's dtype, g [B, T, Hv] float32)`` from the projections ``b`` / ``a`` ``[B, T, Hv]``."""
+    if "gates" in _OFF:
+        return b.sigmoid(), -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)
+    return (sigmoid_invariant(b.float()).to(b.dtype),
+            -mixer.A_log.float().exp() * softplus_invariant(a.float() + mixer.dt_bias))
+
+
+def _conv(mixer, x: torch.Tensor, conv_state: torch.Tensor | None, cache, decode: bool) -> torch.Tensor:
+    """The conv output ``[B, C, T]`` of the raw conv inputs ``x`` ``[B, C, T]``; the window goes to the cache (in
+    place for a decode step, which counts its token as upstream's decode step does)."""
+    weight, bias, layer_idx = mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.layer_idx
+    if "conv" in _OFF:
+        if decode:
+            out = causal_conv1d_update(x[..., 0], conv_state, weight, bias, mixer.activation)[..., None]
+            _compat.count_decode_token(cache, layer_idx)
+            return out
+        full = cache.update_conv_state(x, layer_idx, conv_kernel_size=mixer.conv_kernel_size)
+        return causal_conv(full, weight, bias, mixer.activation, x.shape[-1])
+    out, window = causal_conv_invariant(x, weight, bias, mixer.activation, conv_state)
+    if decode:
+        conv_state.copy_(window)
+        _compat.count_decode_token(cache, layer_idx)
+    else:
+        cache.update_conv_state(x, layer_idx, conv_kernel_size=mixer.conv_kernel_size)
+    return out
+
+
+def _step(state, query, key, value, g, beta) -> torch.Tensor:
+    """One token in place on the cached state ``[B, Hv, Dk, Dv]`` float32: ``query`` / ``key`` ``[B, Hk, Dk]``,
+    ``value`` ``[B, Hv, Dv]``, ``g`` / ``beta`` ``[B, Hv]``; returns ``[B, Hv, Dv]`` in ``query``'s dtype."""
+    if "rule" in _OFF:
+        out, final, _ = recurrent_gated_delta_rule(query[:, None], key[:, None], value[:, None], g[:, None],
+                                                   beta[:, None], initial_state=state, output_final_state=True,
+                                                   use_qk_l2norm_in_kernel=True)
+        state.copy_(final)
+        return out[:, 0]
+    return gated_delta_rule_step_invariant(state, query, key, value, g, beta)
+
+
+def _scan(query, key, value, g, beta, state, positions):
+    """The rule over ``T`` tokens from ``state`` (None: zeros) -> ``(out [B, T, Hv, Dv], final state, [state per
+    position])``."""
+    if "rule" in _OFF:
+        return chunk_gated_delta_rule(query, key, value, g, beta, initial_state=state, output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True, emit_positions=positions)
+    return gated_delta_rule_scan_invariant(query, key, value, g, beta, state, emit_positions=positions)
+
+
+def _gated_norm(mixer, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``y`` ``[N, Dv]`` normed per row, weighted and gated by ``gate`` ``[N, Dv]`` -> ``[N, Dv]``."""
+    if "norm" in _OFF:
+        return mixer.norm(y, gate)
+    return gated_rms_norm_after_invariant(y, gate, mixer.norm.weight, mixer.norm.variance_epsilon)
