@@ -1,4 +1,4 @@
-"""The layers a hybrid adds to its mixers in deterministic mode (issue 46; Jamba, Zamba, Qwen3.5): attention, MLP
+"""The layers a hybrid adds to its mixers in deterministic mode (issue 46; Jamba, Zamba, Qwen3.5, LFM2): attention, MLP
 activations, linear layers and routed experts, each with a row-invariant, path-invariant form (docs/deterministic.md,
 "The ingredients").
 
@@ -7,7 +7,8 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
 - The attention modules of :data:`FAMILIES` answer through
   :func:`~hf_hybridcache._compat.invariant_attention.invariant_attention_forward` (keys summed in fixed blocks
   anchored at position 0, whatever the call), in ``generate()`` and in the engine's steps alike.
-- The MLP activations (``SiLUActivation`` / ``nn.SiLU`` modules) run as
+- The MLP activations (``SiLUActivation`` / ``nn.SiLU`` modules, and the ``F.silu`` of LFM2's ``Lfm2MLP``, whose
+  forward :func:`swiglu_forward` replaces) run as
   :func:`~hf_hybridcache.kernels.mamba1_invariant.silu_invariant` in float32, rounded once to the input dtype:
   ``F.silu`` gives an element other float32 bits by its offset in the tensor (its vectorized body and scalar tail
   differ; ``benchmarks/batch_invariance.py``, table 2b), so a token's MLP output moved with the number of tokens
@@ -48,7 +49,10 @@ from .mamba1_deterministic import _linear, lm_head_forward
 FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock"), "zamba": ("ZambaAttention", None),
             "qwen3_5_text": ("Qwen3_5Attention", None),
             "qwen3_5_moe_text": ("Qwen3_5MoeAttention", "Qwen3_5MoeSparseMoeBlock"),
-            "qwen3_next": ("Qwen3NextAttention", "Qwen3NextSparseMoeBlock")}
+            "qwen3_next": ("Qwen3NextAttention", "Qwen3NextSparseMoeBlock"),
+            "lfm2": ("Lfm2Attention", None)}
+#: The MLP classes that call ``F.silu`` in their forward (no activation module to patch): :func:`swiglu_forward`.
+SWIGLU_MLPS = ("Lfm2MLP",)
 #: The attention classes whose forward gates its output with a sigmoid (:func:`gated_attention_forward`).
 GATED_ATTENTION = ("Qwen3_5Attention", "Qwen3_5MoeAttention", "Qwen3NextAttention")
 #: The activations with an invariant form here (transformers' ``ACT2FN["silu"]`` / ``ACT2FN["gelu"]`` and torch's).
@@ -108,6 +112,8 @@ def install(model: torch.nn.Module, model_type: str) -> None:
             _compat.patch_instance_forward(module, moe_forward)
         elif name in GATED_ATTENTION:
             _compat.patch_instance_forward(module, gated_attention_forward)
+        elif name in SWIGLU_MLPS:
+            _compat.patch_instance_forward(module, swiglu_forward)
     mark(model, [m for m in model.modules() if type(m).__name__ == attention_class], attention_forward)
 
 
@@ -148,6 +154,13 @@ def silu_forward(module: torch.nn.Module, original, x: torch.Tensor) -> torch.Te
     if "activation" in _OFF:
         return F.silu(x)
     return silu_invariant(x.float()).to(x.dtype)
+
+
+def swiglu_forward(module: torch.nn.Module, original, x: torch.Tensor) -> torch.Tensor:
+    """LFM2's MLP ``w2(silu(w1(x)) * w3(x))`` ``[..., hidden]`` (``Lfm2MLP.forward``, transformers 5.23 - 5.25), its
+    ``F.silu`` as :func:`silu_forward` (its linears are patched to the row-invariant linear)."""
+    gate = module.w1(x)
+    return module.w2(silu_forward(module, None, gate) * module.w3(x))
 
 
 def gelu_forward(module: torch.nn.Module, original, x: torch.Tensor) -> torch.Tensor:

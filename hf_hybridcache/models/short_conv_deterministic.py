@@ -1,0 +1,86 @@
+"""The short-conv mixer forward of deterministic mode (issue 46): one function for a prefill, a chunk of one, a decode
+step and a speculative verify group, whose every op gives a token's row the same bits whatever shares its call and
+however the token arrived.
+
+It is ``Lfm2ShortConv.forward`` (``transformers/models/lfm2/modeling_lfm2.py``, 5.23.0 - 5.25.0) with each op
+replaced by its row-invariant ingredient:
+
+- ``in_proj`` and ``out_proj`` (with their bias where ``conv_bias``) through
+  :func:`~hf_hybridcache.kernels.batch_invariant.invariant_linear` (as :mod:`.mamba1_deterministic` runs them);
+- the depthwise causal conv over ``B * x`` (no activation, the conv's bias where ``conv_bias``) through
+  :func:`~hf_hybridcache.kernels.conv_invariant.causal_conv_invariant`, for a prefill over the cached window and for a
+  decode step alike (upstream runs ``F.conv1d`` in one and a product with the window in the other);
+- the gates ``B * x`` and ``C * conv`` elementwise in the model's dtype, as upstream (one rounded product per element:
+  the same bits at any offset).
+
+There is no recurrence: what reaches the cache is the conv window of the ``B * x`` inputs (in place on a decode step,
+counted as upstream's decode step counts it) and, at the checkpoint ``positions``, that window with an empty recurrent
+state ``[B, 0]`` float32, as :mod:`.linear_attention` stores a short conv's checkpoints.
+
+:data:`_OFF` is the private switch of the power tests: an ingredient named there runs the package's default op instead
+(``"linear"``: ``F.linear``; ``"conv"``: :func:`~hf_hybridcache.models.mamba1.causal_conv` over the cached window /
+the conv update :func:`~hf_hybridcache.kernels.state_update.causal_conv1d_update`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import _compat
+from ..kernels.conv_invariant import causal_conv_invariant
+from ..kernels.state_update import causal_conv1d_update
+from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_states_at
+from .mamba1_deterministic import _linear as _invariant_linear
+from .mamba1_deterministic import lm_head_forward  # noqa: F401 (deterministic.install reads it from here)
+
+#: Ingredients switched off (private: the power tests name them here; empty in use).
+_OFF: set[str] = set()
+
+
+def _linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    if "linear" in _OFF:
+        return F.linear(x, layer.weight, layer.bias)
+    return _invariant_linear(x, layer.weight, layer.bias)
+
+
+@_compat.force_accelerate_hooks(["conv"])
+def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_mask: torch.Tensor | None):
+    """The mixer's output ``[B, T, hidden]`` (the dtype of ``hidden_states`` ``[B, T, hidden]``) for ``T >= 1`` tokens
+    over ``cache`` (one of this package's caches: it answers ``checkpoint_positions``), continuing from its conv window
+    (zeros where it holds none) and leaving the window after the last token there: a decode step (``T == 1`` over a
+    held window) updates it in place. ``attention_mask``: ``[B, T]`` (1 keeps a token) or None."""
+    seq_len = hidden_states.shape[1]
+    layer_idx = mixer.layer_idx
+    conv_state = cache.get_conv_state(layer_idx)
+    decode = seq_len == 1 and conv_state is not None
+    positions = () if decode else checkpoint_positions(cache, seq_len)
+    hidden_states = apply_padding_mask(hidden_states, attention_mask)
+    b, c, x = _linear(hidden_states, mixer.in_proj).transpose(-1, -2).chunk(3, dim=-2)
+    bx = b * x  # [B, C, T]
+    conv_checkpoints = conv_states_at(bx, conv_state, mixer.conv_kernel_size, positions)
+    y = c * _conv(mixer, bx, conv_state, cache, decode)
+    if positions:
+        empty = bx.new_zeros((bx.shape[0], 0), dtype=torch.float32)
+        cache.capture_states(layer_idx, positions, [(conv, empty) for conv in conv_checkpoints])
+    return _linear(y.transpose(-1, -2).contiguous(), mixer.out_proj)
+
+
+def _conv(mixer, x: torch.Tensor, conv_state: torch.Tensor | None, cache, decode: bool) -> torch.Tensor:
+    """The conv output ``[B, C, T]`` of the raw conv inputs ``x`` ``[B, C, T]``; the window goes to the cache (in
+    place for a decode step, which counts its token as upstream's decode step does)."""
+    weight, bias, layer_idx = mixer.conv.weight.squeeze(1), mixer.conv.bias, mixer.layer_idx
+    if "conv" in _OFF:
+        if decode:
+            out = causal_conv1d_update(x[..., 0], conv_state, weight, bias, None)[..., None]
+            _compat.count_decode_token(cache, layer_idx)
+            return out
+        full = cache.update_conv_state(x, layer_idx, conv_kernel_size=mixer.conv_kernel_size)
+        return causal_conv(full, weight, bias, None, x.shape[-1])
+    out, window = causal_conv_invariant(x, weight, bias, None, conv_state)
+    if decode:
+        conv_state.copy_(window)
+        _compat.count_decode_token(cache, layer_idx)
+    else:
+        cache.update_conv_state(x, layer_idx, conv_kernel_size=mixer.conv_kernel_size)
+    return out
