@@ -43,12 +43,15 @@ def dtype(request):
 
 #: Config overrides of a family's toy in this bank: Jamba with routed experts (its toy has one MLP per layer); Qwen3.5
 #: with widths off the CPU's vector width (an MLP of 104, 3 attention heads of 16, value heads of 20), so that F.silu
-#: and torch.sigmoid meet a vectorized loop's scalar tail and the power tests can see them.
+#: and torch.sigmoid meet a vectorized loop's scalar tail and the power tests can see them; LFM2 likewise, with its
+#: conv, in_proj and out_proj biases on (``conv_bias``).
 OVERRIDES = {"jamba": dict(num_experts=4, num_experts_per_tok=2, intermediate_size=104),
              "qwen3_5_text": dict(intermediate_size=104, num_attention_heads=3, num_key_value_heads=1,
                                   linear_value_head_dim=20),
              "qwen3_5_moe_text": dict(moe_intermediate_size=56, shared_expert_intermediate_size=104,
                                       num_attention_heads=3, num_key_value_heads=1, linear_value_head_dim=20),
+             "lfm2": dict(intermediate_size=104, num_attention_heads=3, num_key_value_heads=1, head_dim=16,
+                          conv_bias=True),
              "qwen3_next": dict(moe_intermediate_size=56, shared_expert_intermediate_size=104,
                                 num_attention_heads=3, num_key_value_heads=1, linear_value_head_dim=20)}
 
@@ -218,7 +221,7 @@ def test_with_the_mode_off_some_case_differs(dtype):
     ("bamba", "Mamba-2 mixer"),
     ("olmo_hybrid", "gated delta net mixer wired to the deterministic forward"),
     ("kimi_linear", "Kimi delta attention"),
-    ("lfm2", "short conv"),
+    ("lfm2_moe", "short conv"),
 ])
 def test_other_families_are_refused_with_the_missing_ingredient(family, named):
     model = build_model(family, seed=0)
