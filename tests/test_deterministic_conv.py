@@ -1,7 +1,7 @@
 """deterministic=True on LFM2 (``lfm2``, issue 46): short-conv layers (``in_proj -> B, C, x``, a depthwise causal conv
 of 3 over ``B * x``, gated by ``C``) around a full-attention layer with q/k RMSNorms, SwiGLU MLPs; the toy with widths
 off the CPU's vector width and every bias on (test_deterministic.py's ``OVERRIDES``: an MLP of 104, 3 attention heads
-of 16 over one key head, ``conv_bias=True``). A request's tokens and logits / logprobs are the same bits cold and after
+of 16 over one key head, ``conv_bias=True`` with the biases drawn from a seed). A request's tokens and logits / logprobs are the same bits cold and after
 hits of several lengths, with a reply replayed in a chat, decoded or prefilled, as a row of a left-padded generate()
 batch, and among 1-8 concurrent engine requests at prefill chunks of 16, 48 and 512 tokens (and in speculative verify
 groups) against generate() alone; float32 and bfloat16 throughout, float16 for hits, decode and the engine.
@@ -16,6 +16,7 @@ power is the conv ingredient's alone.
 """
 
 import pytest
+import test_deterministic
 import torch
 from conftest import assert_restored_states_match
 from engine_scenarios import ids
@@ -46,6 +47,23 @@ def dtype(request):
     return request.param
 
 
+def build_with_biases(family, **kwargs):
+    """The toy with its biases (LFM2's init leaves them zero) drawn from a fixed seed, so that a bias dropped or
+    added twice moves the logits."""
+    model = build_model(family, **kwargs)
+    generator = torch.Generator().manual_seed(4651)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    return model
+
+
+@pytest.fixture(autouse=True)
+def biases(monkeypatch):
+    monkeypatch.setattr(test_deterministic, "build_model", build_with_biases)
+
+
 @DTYPES3
 @pytest.mark.parametrize("length", [17, 64, 89])
 def test_hits_equal_cold_bit_for_bit(dtype, length):
@@ -68,7 +86,7 @@ def test_without_biases_hits_and_decoded_tokens_equal_cold_and_prefilled(monkeyp
     """``conv_bias=False`` (upstream's default, LFM2's checkpoints): no bias on the conv and the projections."""
     monkeypatch.setitem(OVERRIDES, FAMILY, {**OVERRIDES[FAMILY], "conv_bias": False})
     model, _ = fresh(FAMILY, dtype)
-    assert model.model.layers[0].conv.conv.bias is None
+    assert model.model.layers[0].conv.conv.bias is None and model.model.layers[0].conv.in_proj.bias is None
     assert hit_case(FAMILY, dtype)
     assert decode_vs_prefill_case(FAMILY, dtype)
 
@@ -127,7 +145,7 @@ def test_the_mode_is_the_model_within_round_off():
     """The deterministic forward computes the model: its float32 logits are a plain forward's within round-off (a
     mistake in the gates, the conv's window or bias, or the MLP would move them by far more)."""
     model, cache = fresh(FAMILY, torch.float32)
-    plain = build_model(FAMILY, seed=0, **OVERRIDES[FAMILY])
+    plain = build_with_biases(FAMILY, seed=0, **OVERRIDES[FAMILY])
     _, logits = run(model, cache, BASE[:40], new_tokens=1)
     with torch.no_grad():
         expected = plain(torch.tensor([BASE[:40]])).logits[0, -1]
@@ -139,7 +157,7 @@ def test_checkpoints_hold_the_states_of_an_upstream_cold_forward():
     equals an unpatched model's within round-off."""
     model, cache = fresh(FAMILY, torch.float32)
     run(model, cache, BASE)
-    plain = build_model(FAMILY, seed=0, **OVERRIDES[FAMILY])
+    plain = build_with_biases(FAMILY, seed=0, **OVERRIDES[FAMILY])
     assert_restored_states_match(cache, plain, torch.tensor([BASE[:70]]), expected_hit=64)
 
 
