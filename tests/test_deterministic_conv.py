@@ -5,6 +5,8 @@ of 16 over one key head, ``conv_bias=True`` with the biases drawn from a seed). 
 hits of several lengths, with a reply replayed in a chat, decoded or prefilled, as a row of a left-padded generate()
 batch, and among 1-8 concurrent engine requests at prefill chunks of 16, 48 and 512 tokens (and in speculative verify
 groups) against generate() alone; float32 and bfloat16 throughout, float16 for hits, decode and the engine.
+LFM2-MoE (``lfm2_moe``: the same mixer and attention, a dense first MLP, then routed experts behind a sigmoid router
+with ``expert_bias``) for hits, decode, the engine at 16/48/512 and power.
 
 Power (each ingredient switched off alone through the private ``short_conv_deterministic._OFF`` or
 ``hybrid_deterministic._OFF``; measured on the 2-core AVX-512 CPU, torch 2.13 with MKL, at 2 intra-op threads;
@@ -12,7 +14,8 @@ docs/deterministic.md has the table): the row-invariant linear, the invariant co
 MLP's SiLU each make some float32 case differ, the conv also in bfloat16. With the mode off, float32's decoded token
 and engine differ, float16's padded batch does; bfloat16's bank happens to agree with the mode off on this CPU (the
 conv has no activation, and the default conv update gives a decoded token its prefill's bits there), so the bfloat16
-power is the conv ingredient's alone.
+power is the conv ingredient's alone. On LFM2-MoE the router's sigmoid moves the float32 engine case, the MLPs' SiLU
+a float32 decoded token, and the mode off every float32 case and the bfloat16 / float16 engine.
 """
 
 import pytest
@@ -39,6 +42,7 @@ from hf_hybridcache.models import hybrid_deterministic, short_conv_deterministic
 from hf_hybridcache.toy import build_model
 
 FAMILY = "lfm2"
+MOE = "lfm2_moe"
 DTYPES3 = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 
 
@@ -56,6 +60,9 @@ def build_with_biases(family, **kwargs):
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+        for name, buffer in model.named_buffers():
+            if name.endswith("expert_bias"):  # LFM2-MoE's routing bias (float32, zeros at init)
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.2)
     return model
 
 
@@ -203,4 +210,48 @@ def test_layers_it_cannot_hold_for_are_refused():
         HybridPrefixCache(model, deterministic=True)
     HybridPrefixCache(model)  # nothing was patched: the default mode still builds
     with pytest.raises(ValueError, match="(?s)short conv mixer wired through the invariant conv.*deterministic=False"):
-        HybridPrefixCache(build_model("lfm2_moe", seed=0), deterministic=True)
+        HybridPrefixCache(build_model("lfm3", seed=0), deterministic=True)
+
+
+@DTYPES3
+def test_moe_hit_and_decoded_tokens_equal_cold_and_prefilled(dtype):
+    """LFM2-MoE (a dense first layer, then 4 routed experts of 56, top 2, behind a sigmoid router with a seeded
+    ``expert_bias``)."""
+    assert hit_case(MOE, dtype)
+    assert decode_vs_prefill_case(MOE, dtype)
+
+
+@pytest.mark.parametrize("max_batch_tokens", [16, 48, 512])
+def test_moe_engine_requests_equal_generate_alone(dtype, max_batch_tokens):
+    assert engine_case(MOE, dtype, PROMPTS, max_batch_tokens)
+
+
+def test_moe_mode_is_the_model_within_round_off():
+    model, cache = fresh(MOE, torch.float32)
+    plain = build_with_biases(MOE, seed=0, **OVERRIDES[MOE])
+    _, logits = run(model, cache, BASE[:40], new_tokens=1)
+    with torch.no_grad():
+        expected = plain(torch.tensor([BASE[:40]])).logits[0, -1]
+    torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=0)
+
+
+#: LFM2-MoE's own ingredients (module, ingredient, dtype, case), measured at 2 threads: the router's sigmoid, and the
+#: SiLU of the dense MLP and the experts together (the experts' alone, at their width of 56, moves no case here).
+MOE_POWER = [
+    (hybrid_deterministic, "gate", torch.float32, engine_case),
+    (hybrid_deterministic, "activation", torch.float32, decode_vs_prefill_case),
+]
+
+
+@pytest.mark.parametrize("module, off, dtype, case", MOE_POWER,
+                         ids=[f"{off}-{str(dtype)[6:]}-{case.__name__}" for _, off, dtype, case in MOE_POWER])
+def test_moe_each_ingredient_off_alone_breaks_a_case(monkeypatch, module, off, dtype, case):
+    torch.set_num_threads(2)
+    assert case(MOE, dtype)
+    monkeypatch.setattr(module, "_OFF", {off})
+    assert not case(MOE, dtype)
+
+
+def test_moe_with_the_mode_off_some_case_differs(dtype):
+    cases = (decode_vs_prefill_case, engine_case, hit_case)
+    assert not all(case(MOE, dtype, deterministic=False) for case in cases)

@@ -7,11 +7,11 @@ row-invariant, path-invariant form here (docs/deterministic.md, "The ingredients
 one (the mixer of :mod:`.mamba2_deterministic`), Jamba (its Mamba-1 mixers, and the attention, MLPs and routed experts
 of :mod:`.hybrid_deterministic`), Qwen3.5's text models, dense and MoE, and Qwen3-Next (the gated delta net mixer of
 :mod:`.gated_delta_deterministic`, the gated attention, MLPs and routed + shared experts of
-:mod:`.hybrid_deterministic`), and LFM2 (the short conv mixer of :mod:`.short_conv_deterministic`, the attention with
-q/k RMSNorms and SwiGLU MLPs of :mod:`.hybrid_deterministic`), on CPU, in float32, bfloat16 and float16. Every other
-family is refused with the ingredients it lacks named, and so is a model whose kernels or BLAS would break the
-guarantee: refusing, never warning and continuing, is the point of the mode (vLLM's batch-invariant mode likewise
-fails closed on layers it has no kernel for).
+:mod:`.hybrid_deterministic`), and LFM2 / LFM2-MoE (the short conv mixer of :mod:`.short_conv_deterministic`, the
+attention with q/k RMSNorms, SwiGLU MLPs and sigmoid-routed experts of :mod:`.hybrid_deterministic`), on CPU, in
+float32, bfloat16 and float16. Every other family is refused with the ingredients it lacks named, and so is a model
+whose kernels or BLAS would break the guarantee: refusing, never warning and continuing, is the point of the mode
+(vLLM's batch-invariant mode likewise fails closed on layers it has no kernel for).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ SUPPORTED = {
     "qwen3_5_moe_text": ("Qwen3_5MoeGatedDeltaNet", gated_delta_deterministic),
     "qwen3_next": ("Qwen3NextGatedDeltaNet", gated_delta_deterministic),
     "lfm2": ("Lfm2ShortConv", short_conv_deterministic),
+    "lfm2_moe": ("Lfm2MoeShortConv", short_conv_deterministic),
 }
 #: The dtypes the mode's tests hold in.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -68,7 +69,7 @@ _MIXERS = {
     **dict.fromkeys(("zamba2", "falcon_h1", "bamba", "granitemoehybrid", "nemotron_h"), (_MAMBA2,)),
     **dict.fromkeys(("olmo_hybrid", "lara_mini"), (_GDN,)),
     **dict.fromkeys(("kimi_linear", "bailing_hybrid"), (_KDA,)),
-    **dict.fromkeys(("lfm2_moe", "lfm3", "inkling_text", "inkling2_text", "inkling2_loop_text"),
+    **dict.fromkeys(("lfm3", "inkling_text", "inkling2_text", "inkling2_loop_text"),
                     (_SHORT_CONV,)),
     "zaya": ("ZAYA's CCA conv mixer wired to the invariant conv",),
 }

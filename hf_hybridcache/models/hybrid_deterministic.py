@@ -22,6 +22,8 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
 - A routed + shared experts block (Qwen3.5-MoE's ``Qwen3_5MoeSparseMoeBlock``) runs :func:`shared_moe_forward`: the
   routed experts as below (the top-k weights renormalized, as its router does) plus the shared expert gated by
   ``sigmoid_invariant``.
+- LFM2-MoE's ``Lfm2MoeSparseMoeBlock`` runs :func:`sigmoid_moe_forward`: its router's sigmoid scores from ``exp``, the
+  routed experts as below (their ``F.silu`` as the invariant SiLU).
 - A routed-experts block (Jamba's ``JambaSparseMoeBlock``, transformers 5.23 - 5.25) runs :func:`sparse_moe_forward`:
   upstream's router and experts, each expert's products on the rows routed to it through the row-invariant linear, and
   each token's experts summed in the order of its own top-k choice (upstream sums in expert order, also fixed per
@@ -29,8 +31,8 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
 
 The RMSNorms, softmaxes, embeddings and residual adds run as upstream (measured row-invariant here). :data:`_OFF` is
 the private switch of the power tests: ``"attention"`` runs the model's own attention function, ``"activation"``
-``F.silu`` / the model's GELU, ``"gate"`` the gated attention's ``torch.sigmoid``, ``"shared_gate"`` the shared
-expert's.
+``F.silu`` / the model's GELU, ``"gate"`` the gated attention's ``torch.sigmoid`` (and LFM2-MoE's router's),
+``"shared_gate"`` the shared expert's.
 """
 
 from __future__ import annotations
@@ -50,9 +52,9 @@ FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock"), "zamba": ("Zamba
             "qwen3_5_text": ("Qwen3_5Attention", None),
             "qwen3_5_moe_text": ("Qwen3_5MoeAttention", "Qwen3_5MoeSparseMoeBlock"),
             "qwen3_next": ("Qwen3NextAttention", "Qwen3NextSparseMoeBlock"),
-            "lfm2": ("Lfm2Attention", None)}
+            "lfm2": ("Lfm2Attention", None), "lfm2_moe": ("Lfm2MoeAttention", "Lfm2MoeSparseMoeBlock")}
 #: The MLP classes that call ``F.silu`` in their forward (no activation module to patch): :func:`swiglu_forward`.
-SWIGLU_MLPS = ("Lfm2MLP",)
+SWIGLU_MLPS = ("Lfm2MLP", "Lfm2MoeMLP")
 #: The attention classes whose forward gates its output with a sigmoid (:func:`gated_attention_forward`).
 GATED_ATTENTION = ("Qwen3_5Attention", "Qwen3_5MoeAttention", "Qwen3NextAttention")
 #: The activations with an invariant form here (transformers' ``ACT2FN["silu"]`` / ``ACT2FN["gelu"]`` and torch's).
@@ -108,7 +110,8 @@ def install(model: torch.nn.Module, model_type: str) -> None:
         elif name == "GELUActivation":  # ACT2FN["gelu"], the erf form
             _compat.patch_instance_forward(module, gelu_forward)
         elif experts_class is not None and name == experts_class:
-            moe_forward = shared_moe_forward if hasattr(module, "shared_expert") else sparse_moe_forward
+            moe_forward = (shared_moe_forward if hasattr(module, "shared_expert") else
+                           sigmoid_moe_forward if name == "Lfm2MoeSparseMoeBlock" else sparse_moe_forward)
             _compat.patch_instance_forward(module, moe_forward)
         elif name in GATED_ATTENTION:
             _compat.patch_instance_forward(module, gated_attention_forward)
@@ -210,6 +213,28 @@ def sparse_moe_forward(block: torch.nn.Module, original, hidden_states: torch.Te
     return _routed_sum(x, experts, weights.to(x.dtype), chosen).reshape(batch, seq_len, hidden)
 
 
+def sigmoid_moe_forward(block: torch.nn.Module, original, hidden_states: torch.Tensor) -> torch.Tensor:
+    """LFM2-MoE's routed-experts block ``[B, T, hidden]`` -> ``[B, T, hidden]`` (``Lfm2MoeSparseMoeBlock.forward`` and
+    ``Lfm2MoeTopKRouter.forward``, transformers 5.23 - 5.25): the router's sigmoid scores from ``exp`` in float32,
+    rounded to the logits' dtype (``torch.sigmoid`` moves a float32 element with its offset), the top-k by score
+    (plus ``expert_bias`` where ``use_expert_bias``), renormalized (``norm_topk_prob``) and scaled by
+    ``routed_scaling_factor`` as upstream, then the experts as :func:`sparse_moe_forward` sums them."""
+    batch, seq_len, hidden = hidden_states.shape
+    x = hidden_states.reshape(-1, hidden)
+    router = block.gate
+    logits = _linear(x, router.weight)
+    scores = torch.sigmoid(logits) if "gate" in _OFF else sigmoid_invariant(logits.float()).to(logits.dtype)
+    if block.use_expert_bias:
+        _, chosen = torch.topk(scores + block.expert_bias, k=router.top_k, dim=-1)
+        weights = torch.gather(scores, dim=1, index=chosen).type_as(logits)
+    else:
+        weights, chosen = torch.topk(scores, k=router.top_k, dim=-1)
+    if router.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
+    weights = weights * router.routed_scaling_factor
+    return _routed_sum(x, block.experts, weights.to(x.dtype), chosen).reshape(batch, seq_len, hidden)
+
+
 def _routed_sum(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     """``sum_k w_k expert_k(x)`` ``[N, hidden]`` per token in its top-k order for ``x`` ``[N, hidden]``, ``weights`` /
     ``chosen`` ``[N, k]``; each expert's products on the rows routed to it through the row-invariant linear."""
@@ -218,7 +243,8 @@ def _routed_sum(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Tensor
     for expert in chosen.unique().tolist():
         token, slot = torch.where(chosen == expert)
         gate, up = _linear(x[token], experts.gate_up_proj[expert]).chunk(2, dim=-1)
-        out = _linear(experts.act_fn(gate) * up, experts.down_proj[expert])
+        act = silu_forward(experts, None, gate) if experts.act_fn is F.silu else experts.act_fn(gate)  # LFM2-MoE's
+        out = _linear(act * up, experts.down_proj[expert])
         picked[token, slot] = out * weights[token, slot, None]
     total = picked[:, 0]
     for slot in range(1, top_k):
