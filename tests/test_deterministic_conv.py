@@ -1,12 +1,13 @@
 """deterministic=True on LFM2 (``lfm2``, issue 46): short-conv layers (``in_proj -> B, C, x``, a depthwise causal conv
-of 3 over ``B * x``, gated by ``C``) around a full-attention layer with q/k RMSNorms, SwiGLU MLPs; the toy with widths
-off the CPU's vector width and every bias on (test_deterministic.py's ``OVERRIDES``: an MLP of 104, 3 attention heads
-of 16 over one key head, ``conv_bias=True`` with the biases drawn from a seed). A request's tokens and logits / logprobs are the same bits cold and after
-hits of several lengths, with a reply replayed in a chat, decoded or prefilled, as a row of a left-padded generate()
-batch, and among 1-8 concurrent engine requests at prefill chunks of 16, 48 and 512 tokens (and in speculative verify
-groups) against generate() alone; float32 and bfloat16 throughout, float16 for hits, decode and the engine.
-LFM2-MoE (``lfm2_moe``: the same mixer and attention, a dense first MLP, then routed experts behind a sigmoid router
-with ``expert_bias``) for hits, decode, the engine at 16/48/512 and power.
+of 3 over ``B * x``, gated by ``C``) around a full-attention layer with q/k RMSNorms, SwiGLU MLPs; the toy with
+widths off the CPU's vector width and every bias on (test_deterministic.py's ``OVERRIDES``: an MLP of 104, 3
+attention heads of 16 over one key head, ``conv_bias=True`` with the biases drawn from a seed). A request's tokens
+and logits / logprobs are the same bits cold and after hits of several lengths, with a reply replayed in a chat,
+decoded or prefilled, as a row of a left-padded generate() batch, and among 1-8 concurrent engine requests at prefill
+chunks of 16, 48 and 512 tokens (and in speculative verify groups) against generate() alone; float32 and bfloat16
+throughout, float16 for hits, decode and the engine. LFM2-MoE (``lfm2_moe``: the same mixer and attention, a dense
+first MLP, then routed experts behind a sigmoid router with ``expert_bias``) for hits, decode, the engine at
+16/48/512 and power.
 
 Power (each ingredient switched off alone through the private ``short_conv_deterministic._OFF`` or
 ``hybrid_deterministic._OFF``; measured on the 2-core AVX-512 CPU, torch 2.13 with MKL, at 2 intra-op threads;
