@@ -263,8 +263,28 @@ def _deterministic() -> list[HookPoint]:
                   f"{_DETERMINISTIC}: the MLPs' activation modules replaced by the invariant SiLU, found by name"),
         HookPoint("transformers.activations.GELUActivation", exists("transformers.activations:GELUActivation"),
                   f"{_DETERMINISTIC}: Zamba's MLP activation (ACT2FN['gelu']) computed in float32, found by name"),
-        *_gated_delta_deterministic(),
+        *_gated_delta_deterministic(), *_short_conv_deterministic(),
     ]
+
+
+def _short_conv_deterministic() -> list[HookPoint]:
+    """What deterministic mode's copies of LFM2's / LFM2-MoE's forwards read (``models/short_conv_deterministic.py``,
+    ``hybrid_deterministic.swiglu_forward`` / ``sigmoid_moe_forward``)."""
+    points = []
+    for module, prefix in (("lfm2", "Lfm2"), ("lfm2_moe", "Lfm2Moe")):
+        path = f"transformers.models.{module}.modeling_{module}"
+        points += [HookPoint(f"{path}.{prefix}ShortConv.forward[deterministic copy]",
+                             refers_to(f"{path}:{prefix}ShortConv.forward", "in_proj", "chunk", "conv", "out_proj"),
+                             "hf_hybridcache.models.short_conv_deterministic: the mixer forward it copies op for op"),
+                   HookPoint(f"{path}.{prefix}MLP.forward[SwiGLU copy]",
+                             refers_to(f"{path}:{prefix}MLP.forward", "w1", "w2", "w3", "silu"),
+                             f"{_DETERMINISTIC}: swiglu_forward copies it with the invariant SiLU")]
+    path = "transformers.models.lfm2_moe.modeling_lfm2_moe"
+    points.append(HookPoint(f"{path}.Lfm2MoeSparseMoeBlock.forward[sigmoid router copy]",
+                            refers_to(f"{path}:Lfm2MoeTopKRouter.forward", "sigmoid", "topk", "gather",
+                                      "norm_topk_prob", "routed_scaling_factor", "use_expert_bias"),
+                            f"{_DETERMINISTIC}: sigmoid_moe_forward copies its router (and reads expert_bias)"))
+    return points
 
 
 _GDN_MODULES = {"qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe", "qwen3_next": "Qwen3Next"}
