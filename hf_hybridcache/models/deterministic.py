@@ -39,6 +39,9 @@ SUPPORTED = {
     "mamba": ("MambaMixer", mamba1_deterministic),
     "falcon_mamba": ("FalconMambaMixer", mamba1_deterministic),
     "mamba2": ("Mamba2Mixer", mamba2_deterministic),
+    "bamba": ("BambaMixer", mamba2_deterministic),
+    "granitemoehybrid": ("GraniteMoeHybridMambaLayer", mamba2_deterministic),
+    "nemotron_h": ("NemotronHMamba2Mixer", mamba2_deterministic),
     "jamba": ("JambaMambaMixer", mamba1_deterministic),
     "zamba": ("ZambaMambaMixer", zamba_deterministic),
     "qwen3_5_text": ("Qwen3_5GatedDeltaNet", gated_delta_deterministic),
@@ -62,7 +65,7 @@ _KDA = "a Kimi delta attention (KDA) per-token scan"
 _SHORT_CONV = "the short conv mixer wired through the invariant conv (kernels/conv_invariant.py)"
 #: model_type -> the mixer ingredients its family lacks (attention and MLP activations are added from the model).
 _MIXERS = {
-    **dict.fromkeys(("zamba2", "falcon_h1", "bamba", "granitemoehybrid", "nemotron_h"), (_MAMBA2,)),
+    **dict.fromkeys(("zamba2", "falcon_h1"), (_MAMBA2,)),
     **dict.fromkeys(("olmo_hybrid", "lara_mini"), (_GDN,)),
     **dict.fromkeys(("kimi_linear", "bailing_hybrid"), (_KDA,)),
     **dict.fromkeys(("lfm2", "lfm2_moe", "lfm3", "inkling_text", "inkling2_text", "inkling2_loop_text"),

@@ -48,11 +48,17 @@ from .mamba1_deterministic import _linear, lm_head_forward
 FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock"), "zamba": ("ZambaAttention", None),
             "qwen3_5_text": ("Qwen3_5Attention", None),
             "qwen3_5_moe_text": ("Qwen3_5MoeAttention", "Qwen3_5MoeSparseMoeBlock"),
-            "qwen3_next": ("Qwen3NextAttention", "Qwen3NextSparseMoeBlock")}
+            "qwen3_next": ("Qwen3NextAttention", "Qwen3NextSparseMoeBlock"),
+            "bamba": ("BambaAttention", None), "granitemoehybrid": ("GraniteMoeHybridAttention", None),
+            "nemotron_h": ("NemotronHAttention", None)}
+#: Routed-experts blocks a family may hold that have no deterministic form here yet: a model holding one is refused
+#: (Granite 4.0-H's ``num_local_experts > 0``, Nemotron-H's ``"moe"`` layers; their routers and expert sums differ from
+#: :func:`sparse_moe_forward`'s).
+UNWIRED_EXPERTS = {"granitemoehybrid": "GraniteMoeHybridMoE", "nemotron_h": "NemotronHMoE"}
 #: The attention classes whose forward gates its output with a sigmoid (:func:`gated_attention_forward`).
 GATED_ATTENTION = ("Qwen3_5Attention", "Qwen3_5MoeAttention", "Qwen3NextAttention")
 #: The activations with an invariant form here (transformers' ``ACT2FN["silu"]`` / ``ACT2FN["gelu"]`` and torch's).
-ACTIVATIONS = ("silu", "swish", "gelu")
+ACTIVATIONS = ("silu", "swish", "gelu", "relu2")
 #: The families whose gated delta net conv runs ``hidden_act``, which has an invariant form there for SiLU only.
 SILU_CONV = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 #: Ingredients switched off (private: the power tests name them here; empty in use).
@@ -63,10 +69,15 @@ def refusals(model: torch.nn.Module, model_type: str) -> list[str]:
     """What keeps ``model``'s layers (of a family in :data:`FAMILIES`) from deterministic mode; empty when none."""
     config = model.config.get_text_config()
     problems = [problem] if (problem := unroutable(model)) is not None else []
-    if getattr(config, "hidden_act", "silu") not in ACTIVATIONS:
-        problems.append(f"hidden_act={config.hidden_act!r} (only SiLU and GELU have an invariant form here)")
+    activation = getattr(config, "hidden_act", None) or getattr(config, "mlp_hidden_act", None) or "silu"
+    if activation not in ACTIVATIONS:
+        problems.append(f"hidden_act={activation!r} (only SiLU, GELU and relu2 have an invariant form here)")
     elif model_type in SILU_CONV and config.hidden_act not in ("silu", "swish"):
         problems.append(f"hidden_act={config.hidden_act!r} (the gated delta net's conv has an invariant SiLU only)")
+    unwired = UNWIRED_EXPERTS.get(model_type)
+    if unwired is not None and any(type(m).__name__ == unwired for m in model.modules()):
+        problems.append(f"routed experts ({unwired}: no deterministic form of its router and expert sum yet; a "
+                        "config without them is accepted)")
     if getattr(model.config, "vision_config", None) is not None:
         problems.append("a vision tower (its attention and merger have no invariant form here; load the text model, "
                         "e.g. Qwen3_5ForCausalLM, for text requests)")
