@@ -3,7 +3,8 @@ embedding / residual / attention / logits multipliers off 1.0) and Nemotron-H (M
 layers). Their mixers are upstream Zamba2's plain Mamba-2 mixer, run by models/mamba2_deterministic.py; attention
 and MLPs go through models/hybrid_deterministic.py. test_deterministic.py's bank, in float32 and bfloat16: a
 request's tokens and logits / logprobs are the same bits cold and after hits of several lengths, decoded or
-prefilled, and among 1-8 other requests in the engine at prefill chunks of 16, 48 and 512 tokens vs generate() alone.
+prefilled, and among 1-8 other requests in the engine at prefill chunks of 16, 48 and 512 tokens vs generate() alone
+(float16: hits, decoded tokens and the engine at chunks of 48).
 
 Power (each ingredient switched off alone through the private ``_OFF`` sets, or the mode off; the toys' MLPs are
 104 wide, off the CPU's vector width; measured at the suite's thread count on the 2-core AVX-512 CPU, torch 2.13):
@@ -64,6 +65,12 @@ def test_engine_requests_equal_generate_alone_in_any_batch(family, dtype, max_ba
     equal each one alone in generate()."""
     for prompts in (PROMPTS[:1], PROMPTS[2:5], PROMPTS):
         assert engine_case(family, dtype, prompts, max_batch_tokens), f"{len(prompts)} requests"
+
+
+def test_float16_hits_decoded_tokens_and_engine_equal_cold_and_alone(family):
+    assert hit_case(family, torch.float16)
+    assert decode_vs_prefill_case(family, torch.float16)
+    assert engine_case(family, torch.float16, PROMPTS, 48)
 
 
 def test_the_mode_is_the_model_within_round_off(family):

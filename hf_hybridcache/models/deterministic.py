@@ -4,7 +4,9 @@
 after the family's own patches (:mod:`.paths`). The mode is accepted only where every op of the model's forward has a
 row-invariant, path-invariant form here (docs/deterministic.md, "The ingredients"): today the pure Mamba-1 families
 (Mamba, Falcon-Mamba: embeddings, RMSNorms, the mixer of :mod:`.mamba1_deterministic`, the LM head), the pure Mamba-2
-one (the mixer of :mod:`.mamba2_deterministic`), Jamba (its Mamba-1 mixers, and the attention, MLPs and routed experts
+one (the mixer of :mod:`.mamba2_deterministic`), the Mamba-2 hybrids Bamba, GraniteMoeHybrid and Nemotron-H (the
+same mixer: theirs is upstream Zamba2's plain one; attention and MLPs of :mod:`.hybrid_deterministic`; routed experts
+refused), Jamba (its Mamba-1 mixers, and the attention, MLPs and routed experts
 of :mod:`.hybrid_deterministic`), Qwen3.5's text models, dense and MoE, and Qwen3-Next (the gated delta net mixer of
 :mod:`.gated_delta_deterministic`, the gated attention, MLPs and routed + shared experts of
 :mod:`.hybrid_deterministic`), on CPU, in float32, bfloat16 and float16. Every other family is refused with the

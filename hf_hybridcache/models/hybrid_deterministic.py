@@ -1,4 +1,5 @@
-"""The layers a hybrid adds to its mixers in deterministic mode (issue 46; Jamba, Zamba, Qwen3.5): attention, MLP
+"""The layers a hybrid adds to its mixers in deterministic mode (issue 46; Jamba, Zamba, Qwen3.5, Bamba, Granite-4.0-H,
+Nemotron-H): attention, MLP
 activations, linear layers and routed experts, each with a row-invariant, path-invariant form (docs/deterministic.md,
 "The ingredients").
 
@@ -12,7 +13,8 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
   ``F.silu`` gives an element other float32 bits by its offset in the tensor (its vectorized body and scalar tail
   differ; ``benchmarks/batch_invariance.py``, table 2b), so a token's MLP output moved with the number of tokens
   beside it. ``GELUActivation`` (Zamba's, the erf form) runs ``F.gelu`` in float32, rounded once: float32's is
-  offset-invariant here, float16's is not.
+  offset-invariant here, float16's is not. ``ReLUSquaredActivation`` (Nemotron-H's ``relu2``) runs as upstream: relu is
+  exact and its square one correctly rounded product, the same bits at any offset in every dtype (measured).
 - A gated attention module (Qwen3.5's ``Qwen3_5Attention``, transformers 5.23 - 5.25) runs
   :func:`gated_attention_forward`: upstream's forward with its output gate ``sigmoid(gate)`` taken as
   :func:`~hf_hybridcache.kernels.gated_delta_invariant.sigmoid_invariant` in float32, rounded once to the gate's
