@@ -1,6 +1,6 @@
 """deterministic=True on the Mamba-2 hybrids (issue 46): Bamba, GraniteMoeHybrid (Granite 4.0-H, dense MLPs, with its
-embedding / residual / attention / logits multipliers off 1.0) and Nemotron-H (Mamba-2, attention and relu2-MLP
-layers). Their mixers are upstream Zamba2's plain Mamba-2 mixer, run by models/mamba2_deterministic.py; attention
+embedding / residual / attention / logits multipliers off 1.0), Nemotron-H (Mamba-2, attention and relu2-MLP
+layers) and Zamba2 (a shared attention + GELU MLP block with LoRA adapters, RoPE). Their mixers are upstream Zamba2's plain Mamba-2 mixer, run by models/mamba2_deterministic.py; attention
 and MLPs go through models/hybrid_deterministic.py. test_deterministic.py's bank, in float32 and bfloat16: a
 request's tokens and logits / logprobs are the same bits cold and after hits of several lengths, decoded or
 prefilled, and among 1-8 other requests in the engine at prefill chunks of 16, 48 and 512 tokens vs generate() alone
@@ -13,6 +13,8 @@ Power (each ingredient switched off alone through the private ``_OFF`` sets, or 
 - the per-token scan: fp32 hits, decoded tokens differ (every family); bf16 decoded tokens;
 - the row-invariant linear: fp32 decoded tokens and the engine differ;
 - the invariant SiLU: Bamba's fp32 decoded tokens and engine differ (Granite's MLP shows nothing on this bank);
+- Zamba2's GELU: upstream's, or float32 F.gelu on the strided chunk of gate_up_proj's output it gets, moves an fp32
+  decoded token (the mode makes it contiguous first);
 - Nemotron-H's relu2 runs as upstream: relu is exact and its square one correctly rounded product, the same bits at
   any offset in every dtype (measured below, with F.silu's float32 offset dependence as the probe's power);
 - the mode off: every case differs in float32; decoded tokens and the engine in bfloat16.
@@ -39,7 +41,7 @@ from hf_hybridcache.models import hybrid_deterministic, mamba2_deterministic
 from hf_hybridcache.toy import build_model
 
 
-@pytest.fixture(params=["bamba", "granitemoehybrid", "nemotron_h"])
+@pytest.fixture(params=["bamba", "granitemoehybrid", "nemotron_h", "zamba2"])
 def family(request):
     return request.param
 
@@ -97,10 +99,13 @@ def test_each_ingredient_off_alone_breaks_a_case(monkeypatch, family, module, of
     assert not case(family, dtype)
 
 
-def test_bambas_silu_off_breaks_decoded_tokens(monkeypatch):
-    assert decode_vs_prefill_case("bamba", torch.float32)
-    monkeypatch.setattr(hybrid_deterministic, "_OFF", {"activation"})
-    assert not decode_vs_prefill_case("bamba", torch.float32)
+@pytest.mark.parametrize("family, off", [("bamba", "activation"), ("zamba2", "activation"), ("zamba2", "contiguous")])
+def test_the_mlp_activation_off_breaks_decoded_tokens(monkeypatch, family, off):
+    """Bamba's SiLU as F.silu, Zamba2's GELU as upstream's, or Zamba2's float32 GELU on its strided input: a decoded
+    token's float32 logits differ from the same position prefilled."""
+    assert decode_vs_prefill_case(family, torch.float32)
+    monkeypatch.setattr(hybrid_deterministic, "_OFF", {off})
+    assert not decode_vs_prefill_case(family, torch.float32)
 
 
 def test_with_the_mode_off_some_case_differs(family, dtype):

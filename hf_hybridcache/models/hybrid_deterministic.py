@@ -1,5 +1,5 @@
 """The layers a hybrid adds to its mixers in deterministic mode (issue 46; Jamba, Zamba, Qwen3.5, Bamba, Granite-4.0-H,
-Nemotron-H): attention, MLP
+Nemotron-H, Zamba2): attention, MLP
 activations, linear layers and routed experts, each with a row-invariant, path-invariant form (docs/deterministic.md,
 "The ingredients").
 
@@ -30,7 +30,7 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
 
 The RMSNorms, softmaxes, embeddings and residual adds run as upstream (measured row-invariant here). :data:`_OFF` is
 the private switch of the power tests: ``"attention"`` runs the model's own attention function, ``"activation"``
-``F.silu`` / the model's GELU, ``"gate"`` the gated attention's ``torch.sigmoid``, ``"shared_gate"`` the shared
+``F.silu`` / the model's GELU, ``"contiguous"`` the float32 GELU on its input's own strides, ``"gate"`` the gated attention's ``torch.sigmoid``, ``"shared_gate"`` the shared
 expert's.
 """
 
@@ -52,7 +52,7 @@ FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock"), "zamba": ("Zamba
             "qwen3_5_moe_text": ("Qwen3_5MoeAttention", "Qwen3_5MoeSparseMoeBlock"),
             "qwen3_next": ("Qwen3NextAttention", "Qwen3NextSparseMoeBlock"),
             "bamba": ("BambaAttention", None), "granitemoehybrid": ("GraniteMoeHybridAttention", None),
-            "nemotron_h": ("NemotronHAttention", None)}
+            "nemotron_h": ("NemotronHAttention", None), "zamba2": ("Zamba2Attention", None)}
 #: Routed-experts blocks a family may hold that have no deterministic form here yet: a model holding one is refused
 #: (Granite 4.0-H's ``num_local_experts > 0``, Nemotron-H's ``"moe"`` layers; their routers and expert sums differ from
 #: :func:`sparse_moe_forward`'s).
@@ -165,10 +165,13 @@ def silu_forward(module: torch.nn.Module, original, x: torch.Tensor) -> torch.Te
 
 def gelu_forward(module: torch.nn.Module, original, x: torch.Tensor) -> torch.Tensor:
     """``gelu(x)`` (erf form) for ``x`` of any shape and float dtype, computed in float32 and rounded once to ``x``'s
-    dtype: float32's erf gives an element the same bits wherever it sits, float16's does not (table 2b)."""
+    dtype: float32's erf gives an element the same bits wherever it sits, float16's does not (table 2b). Made contiguous
+    first: on a strided view (Zamba2's MLP gates a chunk of ``gate_up_proj``'s output) float32 ``F.gelu`` gave a
+    decoded row other bits than the same row in a prefill."""
     if "activation" in _OFF:
         return original(x)
-    return F.gelu(x.float()).to(x.dtype)
+    x32 = x.float() if "contiguous" in _OFF else x.float().contiguous()
+    return F.gelu(x32).to(x.dtype)
 
 
 def _router(block: torch.nn.Module) -> torch.nn.Module:
