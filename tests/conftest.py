@@ -91,7 +91,7 @@ VERSION_SPECIFIC_MODULES = {
     "test_loop_families", "test_post_training",
     "test_kernel_notices", "test_linear_families", "test_mamba2", "test_quickstart", "test_readme",
     "test_reduced_precision", "test_serve", "test_serve_completions", "test_serve_images", "test_serve_speculative",
-    "test_serve_startup",
+    "test_serve_startup", "test_serve_text",
     "test_closed_schemas", "test_sliding", "test_speculative", "test_split_kv", "test_structured",
     "test_structured_engine",
     "test_state_update", "test_tool_auto", "test_tool_strict", "test_upstream_mixers", "test_vision", "test_weights",

@@ -264,7 +264,25 @@ def _deterministic() -> list[HookPoint]:
         HookPoint("transformers.activations.GELUActivation", exists("transformers.activations:GELUActivation"),
                   f"{_DETERMINISTIC}: Zamba's MLP activation (ACT2FN['gelu']) computed in float32, found by name"),
         *_gated_delta_deterministic(),
+        *_mamba2_hybrids_deterministic(),
     ]
+
+
+def _mamba2_hybrids_deterministic() -> list[HookPoint]:
+    """Bamba's, Granite-4.0-H's, Nemotron-H's and Zamba2's attention calls reach the routed function; Granite's and
+    Nemotron-H's routed-expert blocks are refused by name."""
+    points = []
+    for family, attention in (("bamba", "BambaAttention"), ("granitemoehybrid", "GraniteMoeHybridAttention"),
+                              ("nemotron_h", "NemotronHAttention"), ("zamba2", "Zamba2Attention")):
+        target = f"transformers.models.{family}.modeling_{family}:{attention}.forward"
+        points.append(HookPoint(f"{dotted(target)}[attention interface]",
+                                refers_to(target, "ALL_ATTENTION_FUNCTIONS", "get_interface", "scaling"),
+                                f"{_DETERMINISTIC}: its attention calls reach the routed function"))
+    for family, block in (("granitemoehybrid", "GraniteMoeHybridMoE"), ("nemotron_h", "NemotronHMoE")):
+        target = f"transformers.models.{family}.modeling_{family}:{block}"
+        points.append(HookPoint(dotted(target), exists(target),
+                                f"{_DETERMINISTIC}: a model holding one is refused (UNWIRED_EXPERTS), found by name"))
+    return points
 
 
 _GDN_MODULES = {"qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe", "qwen3_next": "Qwen3Next"}
