@@ -41,10 +41,11 @@ def dtype(request):
     return request.param
 
 
-#: Config overrides of a family's toy in this bank: Jamba with routed experts (its toy has one MLP per layer); Qwen3.5
-#: with widths off the CPU's vector width (an MLP of 104, 3 attention heads of 16, value heads of 20), so that F.silu
-#: and torch.sigmoid meet a vectorized loop's scalar tail and the power tests can see them; LFM2 likewise, with its
-#: conv, in_proj and out_proj biases on (``conv_bias``).
+#: Config overrides of a family's toy in this bank: Jamba with routed experts (its toy has one MLP per layer); Qwen3.5,
+#: Bamba, Granite 4.0-H and Nemotron-H with widths off the CPU's vector width (an MLP of 104, 3 attention heads of 16,
+#: value heads of 20), so that F.silu and torch.sigmoid meet a vectorized loop's scalar tail and the power tests can
+#: see them; Granite with its checkpoints' kind of multipliers (its toy's are 1.0), so one lost on a path moves bits;
+#: LFM2 and LFM2-MoE likewise, with their conv, in_proj and out_proj biases on (``conv_bias``).
 OVERRIDES = {"jamba": dict(num_experts=4, num_experts_per_tok=2, intermediate_size=104),
              "qwen3_5_text": dict(intermediate_size=104, num_attention_heads=3, num_key_value_heads=1,
                                   linear_value_head_dim=20),
@@ -55,7 +56,11 @@ OVERRIDES = {"jamba": dict(num_experts=4, num_experts_per_tok=2, intermediate_si
              "lfm2_moe": dict(intermediate_size=104, moe_intermediate_size=56, num_attention_heads=3,
                               num_key_value_heads=1, head_dim=16, conv_bias=True),
              "qwen3_next": dict(moe_intermediate_size=56, shared_expert_intermediate_size=104,
-                                num_attention_heads=3, num_key_value_heads=1, linear_value_head_dim=20)}
+                                num_attention_heads=3, num_key_value_heads=1, linear_value_head_dim=20),
+             "bamba": dict(intermediate_size=104),
+             "granitemoehybrid": dict(shared_intermediate_size=104, embedding_multiplier=12.0,
+                                      residual_multiplier=0.22, attention_multiplier=0.125, logits_scaling=4.0),
+             "nemotron_h": dict(intermediate_size=104)}  # Zamba2's own toy: its GELU's strided input is the case
 
 
 def fresh(family, dtype, deterministic=True, **kwargs):
@@ -219,8 +224,8 @@ def test_with_the_mode_off_some_case_differs(dtype):
 
 
 @pytest.mark.parametrize("family, named", [
-    ("zamba2", "attention with a fixed reduction order"),
-    ("bamba", "Mamba-2 mixer"),
+    ("falcon_h1", "attention with a fixed reduction order"),
+    ("falcon_h1", "Mamba-2 mixer"),
     ("olmo_hybrid", "gated delta net mixer wired to the deterministic forward"),
     ("kimi_linear", "Kimi delta attention"),
     ("lfm3", "short conv"),

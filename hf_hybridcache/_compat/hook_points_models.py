@@ -10,6 +10,7 @@ import inspect
 from dataclasses import dataclass
 
 from .hook_checks import HookPoint, dotted, exists, fields, named_parameters, parameters, refers_to, resolve
+from .hook_points_short_conv import short_conv_deterministic
 
 _CACHE_NAMES = ("past_key_values", "cache", "cache_params")
 
@@ -263,27 +264,25 @@ def _deterministic() -> list[HookPoint]:
                   f"{_DETERMINISTIC}: the MLPs' activation modules replaced by the invariant SiLU, found by name"),
         HookPoint("transformers.activations.GELUActivation", exists("transformers.activations:GELUActivation"),
                   f"{_DETERMINISTIC}: Zamba's MLP activation (ACT2FN['gelu']) computed in float32, found by name"),
-        *_gated_delta_deterministic(), *_short_conv_deterministic(),
+        *_gated_delta_deterministic(),
+        *_mamba2_hybrids_deterministic(), *short_conv_deterministic(),
     ]
 
 
-def _short_conv_deterministic() -> list[HookPoint]:
-    """What deterministic mode's copies of LFM2's / LFM2-MoE's forwards read (``models/short_conv_deterministic.py``,
-    ``hybrid_deterministic.swiglu_forward`` / ``sigmoid_moe_forward``)."""
+def _mamba2_hybrids_deterministic() -> list[HookPoint]:
+    """Bamba's, Granite-4.0-H's, Nemotron-H's and Zamba2's attention calls reach the routed function; Granite's and
+    Nemotron-H's routed-expert blocks are refused by name."""
     points = []
-    for module, prefix in (("lfm2", "Lfm2"), ("lfm2_moe", "Lfm2Moe")):
-        path = f"transformers.models.{module}.modeling_{module}"
-        points += [HookPoint(f"{path}.{prefix}ShortConv.forward[deterministic copy]",
-                             refers_to(f"{path}:{prefix}ShortConv.forward", "in_proj", "chunk", "conv", "out_proj"),
-                             "hf_hybridcache.models.short_conv_deterministic: the mixer forward it copies op for op"),
-                   HookPoint(f"{path}.{prefix}MLP.forward[SwiGLU copy]",
-                             refers_to(f"{path}:{prefix}MLP.forward", "w1", "w2", "w3", "silu"),
-                             f"{_DETERMINISTIC}: swiglu_forward copies it with the invariant SiLU")]
-    path = "transformers.models.lfm2_moe.modeling_lfm2_moe"
-    points.append(HookPoint(f"{path}.Lfm2MoeSparseMoeBlock.forward[sigmoid router copy]",
-                            refers_to(f"{path}:Lfm2MoeTopKRouter.forward", "sigmoid", "topk", "gather",
-                                      "norm_topk_prob", "routed_scaling_factor", "use_expert_bias"),
-                            f"{_DETERMINISTIC}: sigmoid_moe_forward copies its router (and reads expert_bias)"))
+    for family, attention in (("bamba", "BambaAttention"), ("granitemoehybrid", "GraniteMoeHybridAttention"),
+                              ("nemotron_h", "NemotronHAttention"), ("zamba2", "Zamba2Attention")):
+        target = f"transformers.models.{family}.modeling_{family}:{attention}.forward"
+        points.append(HookPoint(f"{dotted(target)}[attention interface]",
+                                refers_to(target, "ALL_ATTENTION_FUNCTIONS", "get_interface", "scaling"),
+                                f"{_DETERMINISTIC}: its attention calls reach the routed function"))
+    for family, block in (("granitemoehybrid", "GraniteMoeHybridMoE"), ("nemotron_h", "NemotronHMoE")):
+        target = f"transformers.models.{family}.modeling_{family}:{block}"
+        points.append(HookPoint(dotted(target), exists(target),
+                                f"{_DETERMINISTIC}: a model holding one is refused (UNWIRED_EXPERTS), found by name"))
     return points
 
 

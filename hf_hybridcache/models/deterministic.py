@@ -4,7 +4,9 @@
 after the family's own patches (:mod:`.paths`). The mode is accepted only where every op of the model's forward has a
 row-invariant, path-invariant form here (docs/deterministic.md, "The ingredients"): today the pure Mamba-1 families
 (Mamba, Falcon-Mamba: embeddings, RMSNorms, the mixer of :mod:`.mamba1_deterministic`, the LM head), the pure Mamba-2
-one (the mixer of :mod:`.mamba2_deterministic`), Jamba (its Mamba-1 mixers, and the attention, MLPs and routed experts
+one (the mixer of :mod:`.mamba2_deterministic`), the Mamba-2 hybrids Bamba, GraniteMoeHybrid, Nemotron-H and Zamba2 (the
+same mixer: theirs is upstream Zamba2's plain one; attention and MLPs of :mod:`.hybrid_deterministic`; routed experts
+refused), Jamba (its Mamba-1 mixers, and the attention, MLPs and routed experts
 of :mod:`.hybrid_deterministic`), Qwen3.5's text models, dense and MoE, and Qwen3-Next (the gated delta net mixer of
 :mod:`.gated_delta_deterministic`, the gated attention, MLPs and routed + shared experts of
 :mod:`.hybrid_deterministic`), and LFM2 / LFM2-MoE (the short conv mixer of :mod:`.short_conv_deterministic`, the
@@ -41,6 +43,10 @@ SUPPORTED = {
     "mamba": ("MambaMixer", mamba1_deterministic),
     "falcon_mamba": ("FalconMambaMixer", mamba1_deterministic),
     "mamba2": ("Mamba2Mixer", mamba2_deterministic),
+    "bamba": ("BambaMixer", mamba2_deterministic),
+    "granitemoehybrid": ("GraniteMoeHybridMambaLayer", mamba2_deterministic),
+    "nemotron_h": ("NemotronHMamba2Mixer", mamba2_deterministic),
+    "zamba2": ("Zamba2MambaMixer", mamba2_deterministic),
     "jamba": ("JambaMambaMixer", mamba1_deterministic),
     "zamba": ("ZambaMambaMixer", zamba_deterministic),
     "qwen3_5_text": ("Qwen3_5GatedDeltaNet", gated_delta_deterministic),
@@ -66,7 +72,7 @@ _KDA = "a Kimi delta attention (KDA) per-token scan"
 _SHORT_CONV = "the short conv mixer wired through the invariant conv (kernels/conv_invariant.py)"
 #: model_type -> the mixer ingredients its family lacks (attention and MLP activations are added from the model).
 _MIXERS = {
-    **dict.fromkeys(("zamba2", "falcon_h1", "bamba", "granitemoehybrid", "nemotron_h"), (_MAMBA2,)),
+    **dict.fromkeys(("falcon_h1",), (_MAMBA2,)),
     **dict.fromkeys(("olmo_hybrid", "lara_mini"), (_GDN,)),
     **dict.fromkeys(("kimi_linear", "bailing_hybrid"), (_KDA,)),
     **dict.fromkeys(("lfm3", "inkling_text", "inkling2_text", "inkling2_loop_text"),

@@ -1,4 +1,5 @@
-"""The layers a hybrid adds to its mixers in deterministic mode (issue 46; Jamba, Zamba, Qwen3.5, LFM2): attention, MLP
+"""The layers a hybrid adds to its mixers in deterministic mode (issue 46; Jamba, Zamba, Qwen3.5, Bamba, Granite-4.0-H,
+Nemotron-H, Zamba2, LFM2): attention, MLP
 activations, linear layers and routed experts, each with a row-invariant, path-invariant form (docs/deterministic.md,
 "The ingredients").
 
@@ -13,7 +14,8 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
   ``F.silu`` gives an element other float32 bits by its offset in the tensor (its vectorized body and scalar tail
   differ; ``benchmarks/batch_invariance.py``, table 2b), so a token's MLP output moved with the number of tokens
   beside it. ``GELUActivation`` (Zamba's, the erf form) runs ``F.gelu`` in float32, rounded once: float32's is
-  offset-invariant here, float16's is not.
+  offset-invariant here, float16's is not. ``ReLUSquaredActivation`` (Nemotron-H's ``relu2``) runs as upstream: relu is
+  exact and its square one correctly rounded product, the same bits at any offset in every dtype (measured).
 - A gated attention module (Qwen3.5's ``Qwen3_5Attention``, transformers 5.23 - 5.25) runs
   :func:`gated_attention_forward`: upstream's forward with its output gate ``sigmoid(gate)`` taken as
   :func:`~hf_hybridcache.kernels.gated_delta_invariant.sigmoid_invariant` in float32, rounded once to the gate's
@@ -31,8 +33,8 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
 
 The RMSNorms, softmaxes, embeddings and residual adds run as upstream (measured row-invariant here). :data:`_OFF` is
 the private switch of the power tests: ``"attention"`` runs the model's own attention function, ``"activation"``
-``F.silu`` / the model's GELU, ``"gate"`` the gated attention's ``torch.sigmoid`` (and LFM2-MoE's router's),
-``"shared_gate"`` the shared expert's.
+``F.silu`` / the model's GELU, ``"contiguous"`` the float32 GELU on its input's own strides, ``"gate"`` the gated
+attention's ``torch.sigmoid`` (and LFM2-MoE's router's), ``"shared_gate"`` the shared expert's.
 """
 
 from __future__ import annotations
@@ -52,13 +54,19 @@ FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock"), "zamba": ("Zamba
             "qwen3_5_text": ("Qwen3_5Attention", None),
             "qwen3_5_moe_text": ("Qwen3_5MoeAttention", "Qwen3_5MoeSparseMoeBlock"),
             "qwen3_next": ("Qwen3NextAttention", "Qwen3NextSparseMoeBlock"),
+            "bamba": ("BambaAttention", None), "granitemoehybrid": ("GraniteMoeHybridAttention", None),
+            "nemotron_h": ("NemotronHAttention", None), "zamba2": ("Zamba2Attention", None),
             "lfm2": ("Lfm2Attention", None), "lfm2_moe": ("Lfm2MoeAttention", "Lfm2MoeSparseMoeBlock")}
+#: Routed-experts blocks a family may hold that have no deterministic form here yet: a model holding one is refused
+#: (Granite 4.0-H's ``num_local_experts > 0``, Nemotron-H's ``"moe"`` layers; their routers and expert sums differ from
+#: :func:`sparse_moe_forward`'s).
+UNWIRED_EXPERTS = {"granitemoehybrid": "GraniteMoeHybridMoE", "nemotron_h": "NemotronHMoE"}
 #: The MLP classes that call ``F.silu`` in their forward (no activation module to patch): :func:`swiglu_forward`.
 SWIGLU_MLPS = ("Lfm2MLP", "Lfm2MoeMLP")
 #: The attention classes whose forward gates its output with a sigmoid (:func:`gated_attention_forward`).
 GATED_ATTENTION = ("Qwen3_5Attention", "Qwen3_5MoeAttention", "Qwen3NextAttention")
 #: The activations with an invariant form here (transformers' ``ACT2FN["silu"]`` / ``ACT2FN["gelu"]`` and torch's).
-ACTIVATIONS = ("silu", "swish", "gelu")
+ACTIVATIONS = ("silu", "swish", "gelu", "relu2")
 #: The families whose gated delta net conv runs ``hidden_act``, which has an invariant form there for SiLU only.
 SILU_CONV = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 #: Ingredients switched off (private: the power tests name them here; empty in use).
@@ -69,10 +77,15 @@ def refusals(model: torch.nn.Module, model_type: str) -> list[str]:
     """What keeps ``model``'s layers (of a family in :data:`FAMILIES`) from deterministic mode; empty when none."""
     config = model.config.get_text_config()
     problems = [problem] if (problem := unroutable(model)) is not None else []
-    if getattr(config, "hidden_act", "silu") not in ACTIVATIONS:
-        problems.append(f"hidden_act={config.hidden_act!r} (only SiLU and GELU have an invariant form here)")
+    activation = getattr(config, "hidden_act", None) or getattr(config, "mlp_hidden_act", None) or "silu"
+    if activation not in ACTIVATIONS:
+        problems.append(f"hidden_act={activation!r} (only SiLU, GELU and relu2 have an invariant form here)")
     elif model_type in SILU_CONV and config.hidden_act not in ("silu", "swish"):
         problems.append(f"hidden_act={config.hidden_act!r} (the gated delta net's conv has an invariant SiLU only)")
+    unwired = UNWIRED_EXPERTS.get(model_type)
+    if unwired is not None and any(type(m).__name__ == unwired for m in model.modules()):
+        problems.append(f"routed experts ({unwired}: no deterministic form of its router and expert sum yet; a "
+                        "config without them is accepted)")
     if getattr(model.config, "vision_config", None) is not None:
         problems.append("a vision tower (its attention and merger have no invariant form here; load the text model, "
                         "e.g. Qwen3_5ForCausalLM, for text requests)")
@@ -168,10 +181,13 @@ def swiglu_forward(module: torch.nn.Module, original, x: torch.Tensor) -> torch.
 
 def gelu_forward(module: torch.nn.Module, original, x: torch.Tensor) -> torch.Tensor:
     """``gelu(x)`` (erf form) for ``x`` of any shape and float dtype, computed in float32 and rounded once to ``x``'s
-    dtype: float32's erf gives an element the same bits wherever it sits, float16's does not (table 2b)."""
+    dtype: float32's erf gives an element the same bits wherever it sits, float16's does not (table 2b). Made contiguous
+    first: on a strided view (Zamba2's MLP gates a chunk of ``gate_up_proj``'s output) float32 ``F.gelu`` gave a
+    decoded row other bits than the same row in a prefill."""
     if "activation" in _OFF:
         return original(x)
-    return F.gelu(x.float()).to(x.dtype)
+    x32 = x.float() if "contiguous" in _OFF else x.float().contiguous()
+    return F.gelu(x32).to(x.dtype)
 
 
 def _router(block: torch.nn.Module) -> torch.nn.Module:

@@ -1,0 +1,33 @@
+"""The hook points of deterministic mode's LFM2 / LFM2-MoE layers (issue 46): what its copies of their forwards read
+(``models/short_conv_deterministic.py``, ``models/hybrid_deterministic.py``'s ``swiglu_forward`` and
+``sigmoid_moe_forward``) and the attention calls it routes; :mod:`.hook_points_models` lists them with the others.
+"""
+
+from __future__ import annotations
+
+from .hook_checks import HookPoint, refers_to
+
+_DETERMINISTIC = "hf_hybridcache.models.hybrid_deterministic (deterministic mode's hybrid layers)"
+
+
+def short_conv_deterministic() -> list[HookPoint]:
+    """LFM2's and LFM2-MoE's mixer, MLP and attention forwards, and LFM2-MoE's router."""
+    points = []
+    for module, prefix in (("lfm2", "Lfm2"), ("lfm2_moe", "Lfm2Moe")):
+        path = f"transformers.models.{module}.modeling_{module}"
+        points += [HookPoint(f"{path}.{prefix}ShortConv.forward[deterministic copy]",
+                             refers_to(f"{path}:{prefix}ShortConv.forward", "in_proj", "chunk", "conv", "out_proj"),
+                             "hf_hybridcache.models.short_conv_deterministic: the mixer forward it copies op for op"),
+                   HookPoint(f"{path}.{prefix}MLP.forward[SwiGLU copy]",
+                             refers_to(f"{path}:{prefix}MLP.forward", "w1", "w2", "w3", "silu"),
+                             f"{_DETERMINISTIC}: swiglu_forward copies it with the invariant SiLU"),
+                   HookPoint(f"{path}.{prefix}Attention.forward[attention interface]",
+                             refers_to(f"{path}:{prefix}Attention.forward", "ALL_ATTENTION_FUNCTIONS", "get_interface",
+                                       "scaling"),
+                             f"{_DETERMINISTIC}: its attention calls reach the routed function")]
+    path = "transformers.models.lfm2_moe.modeling_lfm2_moe"
+    points.append(HookPoint(f"{path}.Lfm2MoeSparseMoeBlock.forward[sigmoid router copy]",
+                            refers_to(f"{path}:Lfm2MoeTopKRouter.forward", "sigmoid", "topk", "gather",
+                                      "norm_topk_prob", "routed_scaling_factor", "use_expert_bias"),
+                            f"{_DETERMINISTIC}: sigmoid_moe_forward copies its router (and reads expert_bias)"))
+    return points
