@@ -244,9 +244,11 @@ def test_a_busy_event_loop_is_woken_once_for_the_outputs_it_has_not_run(family, 
     finally:
         loop.close()
         manager.stop()
-    assert len(seen) == NEW_TOKENS and [len(tokens) for tokens in seen] == list(range(1, NEW_TOKENS + 1))
-    assert all(later[:-1] == earlier for earlier, later in zip(seen, seen[1:]))
-    assert loop.wakes <= 2, loop.wakes  # one per step (6) before
+    # one output per step, in order: a token each, or several where the step verified drafts ([spec] runs)
+    lengths = [len(tokens) for tokens in seen]
+    assert lengths[-1] == NEW_TOKENS and lengths == sorted(set(lengths)) and lengths[0] >= 1, lengths
+    assert all(later[:len(earlier)] == earlier for earlier, later in zip(seen, seen[1:]))
+    assert loop.wakes <= 2, loop.wakes  # one per step (6 without speculation) before
 
 
 def test_clear_from_the_vision_tower_raises_at_once():
