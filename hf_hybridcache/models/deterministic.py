@@ -7,7 +7,7 @@ row-invariant, path-invariant form here (docs/deterministic.md, "The ingredients
 one (the mixer of :mod:`.mamba2_deterministic`), the Mamba-2 hybrids Bamba, GraniteMoeHybrid, Nemotron-H and Zamba2 (the
 same mixer: theirs is upstream Zamba2's plain one; attention and MLPs of :mod:`.hybrid_deterministic`; routed experts
 refused), Jamba (its Mamba-1 mixers, and the attention, MLPs and routed experts
-of :mod:`.hybrid_deterministic`), Qwen3.5's text models, dense and MoE, and Qwen3-Next (the gated delta net mixer of
+of :mod:`.hybrid_deterministic`), Qwen3.5's text models, dense and MoE, Qwen3-Next and OLMo-Hybrid (the gated delta net mixer of
 :mod:`.gated_delta_deterministic`, the gated attention, MLPs and routed + shared experts of
 :mod:`.hybrid_deterministic`), and LFM2 / LFM2-MoE (the short conv mixer of :mod:`.short_conv_deterministic`, the
 attention with q/k RMSNorms, SwiGLU MLPs and sigmoid-routed experts of :mod:`.hybrid_deterministic`), on CPU, in
@@ -52,6 +52,7 @@ SUPPORTED = {
     "qwen3_5_text": ("Qwen3_5GatedDeltaNet", gated_delta_deterministic),
     "qwen3_5_moe_text": ("Qwen3_5MoeGatedDeltaNet", gated_delta_deterministic),
     "qwen3_next": ("Qwen3NextGatedDeltaNet", gated_delta_deterministic),
+    "olmo_hybrid": ("OlmoHybridGatedDeltaNet", gated_delta_deterministic),
     "lfm2": ("Lfm2ShortConv", short_conv_deterministic),
     "lfm2_moe": ("Lfm2MoeShortConv", short_conv_deterministic),
 }
@@ -73,7 +74,7 @@ _SHORT_CONV = "the short conv mixer wired through the invariant conv (kernels/co
 #: model_type -> the mixer ingredients its family lacks (attention and MLP activations are added from the model).
 _MIXERS = {
     **dict.fromkeys(("falcon_h1",), (_MAMBA2,)),
-    **dict.fromkeys(("olmo_hybrid", "lara_mini"), (_GDN,)),
+    **dict.fromkeys(("lara_mini",), (_GDN,)),
     **dict.fromkeys(("kimi_linear", "bailing_hybrid"), (_KDA,)),
     **dict.fromkeys(("lfm3", "inkling_text", "inkling2_text", "inkling2_loop_text"),
                     (_SHORT_CONV,)),
