@@ -57,7 +57,8 @@ FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock"), "zamba": ("Zamba
             "bamba": ("BambaAttention", None), "granitemoehybrid": ("GraniteMoeHybridAttention", None),
             "nemotron_h": ("NemotronHAttention", None), "zamba2": ("Zamba2Attention", None),
             "lfm2": ("Lfm2Attention", None), "lfm2_moe": ("Lfm2MoeAttention", "Lfm2MoeSparseMoeBlock"),
-            "olmo_hybrid": ("OlmoHybridAttention", None)}
+            "olmo_hybrid": ("OlmoHybridAttention", None),
+            "lara_mini": ("LaraMiniAttention", "LaraMiniSparseMoeBlock")}
 #: Routed-experts blocks a family may hold that have no deterministic form here yet: a model holding one is refused
 #: (Granite 4.0-H's ``num_local_experts > 0``, Nemotron-H's ``"moe"`` layers; their routers and expert sums differ from
 #: :func:`sparse_moe_forward`'s).
@@ -69,7 +70,11 @@ GATED_ATTENTION = ("Qwen3_5Attention", "Qwen3_5MoeAttention", "Qwen3NextAttentio
 #: The activations with an invariant form here (transformers' ``ACT2FN["silu"]`` / ``ACT2FN["gelu"]`` and torch's).
 ACTIVATIONS = ("silu", "swish", "gelu", "relu2")
 #: The families whose gated delta net conv runs ``hidden_act``, which has an invariant form there for SiLU only.
-SILU_CONV = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid")
+SILU_CONV = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lara_mini")
+#: The families whose sliding-window attention layers are wired (the invariant attention's windowed form).
+WINDOWED = ("lara_mini",)
+#: The routers whose logits are a float32 product of float32 copies of the input and weight (Lara Mini's).
+FLOAT32_ROUTERS = ("LaraMiniTopKRouter",)
 #: Ingredients switched off (private: the power tests name them here; empty in use).
 _OFF: set[str] = set()
 
@@ -90,7 +95,7 @@ def refusals(model: torch.nn.Module, model_type: str) -> list[str]:
     if getattr(model.config, "vision_config", None) is not None:
         problems.append("a vision tower (its attention and merger have no invariant form here; load the text model, "
                         "e.g. Qwen3_5ForCausalLM, for text requests)")
-    if getattr(config, "sliding_window", None) is not None:
+    if getattr(config, "sliding_window", None) is not None and model_type not in WINDOWED:
         problems.append(f"sliding_window={config.sliding_window} (the invariant attention has no window yet)")
     return problems
 
@@ -105,7 +110,9 @@ def product_weights(model: torch.nn.Module, model_type: str) -> list[torch.Tenso
         return weights
     for module in model.modules():
         if type(module).__name__ == experts_class:
-            weights += [_router(module).weight, module.experts.gate_up_proj[0], module.experts.down_proj[0]]
+            router = _router(module).weight
+            router = router.float() if type(_router(module)).__name__ in FLOAT32_ROUTERS else router
+            weights += [router, module.experts.gate_up_proj[0], module.experts.down_proj[0]]
         if isinstance(getattr(module, "x_proj_weight", None), torch.nn.Parameter):
             weights += [module.x_proj_weight[0], module.dt_proj_weight[0]]
     return weights
@@ -200,20 +207,24 @@ def shared_moe_forward(block: torch.nn.Module, original, hidden_states: torch.Te
     """A routed + shared experts block's output ``[B, T, hidden]`` (``hidden_states``' dtype) for ``hidden_states``
     ``[B, T, hidden]``: ``Qwen3_5MoeSparseMoeBlock.forward`` / ``Qwen3NextSparseMoeBlock.forward`` (transformers 5.23 -
     5.25): the router's softmax in float32, its top-k renormalized to sum to one (where ``norm_topk_prob``) and
-    rounded to the logits' dtype, the routed experts as :func:`sparse_moe_forward` sums them, plus the shared expert
+    rounded to the input's dtype, the routed experts as :func:`sparse_moe_forward` sums them, plus the shared expert
     (its linears and SiLU patched) times ``sigmoid(shared_expert_gate(x))`` from ``exp`` (``F.sigmoid`` moves a
-    float32 element with its offset)."""
+    float32 element with its offset). ``LaraMiniSparseMoeBlock.forward`` (5.24 - 5.25) alike, with its router's
+    logits a float32 product (:data:`FLOAT32_ROUTERS`) and its shared expert added whole, without a gate."""
     batch, seq_len, hidden = hidden_states.shape
     x = hidden_states.reshape(-1, hidden)
     shared = block.shared_expert(x)
-    logits = _linear(x, block.gate.weight)
+    float32_router = type(block.gate).__name__ in FLOAT32_ROUTERS
+    logits = _linear(x.float(), block.gate.weight.float()) if float32_router else _linear(x, block.gate.weight)
     weights, chosen = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), block.gate.top_k, dim=-1)
     if getattr(block.gate, "norm_topk_prob", True):  # Qwen3-Next's config may turn it off; Qwen3.5-MoE's always on
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    weights = weights.to(logits.dtype)
+    weights = weights.to(x.dtype)
+    routed = _routed_sum(x, block.experts, weights, chosen)
+    if not hasattr(block, "shared_expert_gate"):  # Lara Mini's
+        return (routed + shared).reshape(batch, seq_len, hidden)
     gate_logit = block.shared_expert_gate(x)
     gate = torch.sigmoid(gate_logit) if "shared_gate" in _OFF else sigmoid_invariant(gate_logit.float()).to(x.dtype)
-    routed = _routed_sum(x, block.experts, weights, chosen)
     return (routed + gate * shared).reshape(batch, seq_len, hidden)
 
 
