@@ -1,5 +1,5 @@
 """The layers a hybrid adds to its mixers in deterministic mode (issue 46; Jamba, Zamba, Qwen3.5, Bamba, Granite-4.0-H,
-Nemotron-H, Zamba2, LFM2): attention, MLP
+Nemotron-H, Zamba2, LFM2, OLMo-Hybrid, Lara Mini): attention, MLP
 activations, linear layers and routed experts, each with a row-invariant, path-invariant form (docs/deterministic.md,
 "The ingredients").
 
@@ -7,7 +7,11 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
   :func:`~hf_hybridcache.models.mamba1_deterministic.lm_head_forward` (the row-invariant linear).
 - The attention modules of :data:`FAMILIES` answer through
   :func:`~hf_hybridcache._compat.invariant_attention.invariant_attention_forward` (keys summed in fixed blocks
-  anchored at position 0, whatever the call), in ``generate()`` and in the engine's steps alike.
+  anchored at position 0, whatever the call), in ``generate()`` and in the engine's steps alike. A sliding-window
+  layer (Lara Mini's, :data:`WINDOWED`) passes its window, which the kernel anchors at each query instead (its bits
+  do not depend on how many keys the cache holds beyond the window); OLMo-Hybrid's and Lara Mini's attention forwards
+  (q/k RMSNorms, rotary or none: Lara Mini's full layers and a ``rope_theta=None`` OLMo-Hybrid are position-free)
+  run as upstream around that call.
 - The MLP activations (``SiLUActivation`` / ``nn.SiLU`` modules, and the ``F.silu`` of LFM2's ``Lfm2MLP``, whose
   forward :func:`swiglu_forward` replaces) run as
   :func:`~hf_hybridcache.kernels.mamba1_invariant.silu_invariant` in float32, rounded once to the input dtype:
@@ -24,6 +28,8 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
 - A routed + shared experts block (Qwen3.5-MoE's ``Qwen3_5MoeSparseMoeBlock``) runs :func:`shared_moe_forward`: the
   routed experts as below (the top-k weights renormalized, as its router does) plus the shared expert gated by
   ``sigmoid_invariant``.
+- Lara Mini's ``LaraMiniSparseMoeBlock`` runs :func:`shared_moe_forward` too: its router's logits a float32 product
+  (:data:`FLOAT32_ROUTERS`), its shared expert added without a gate.
 - LFM2-MoE's ``Lfm2MoeSparseMoeBlock`` runs :func:`sigmoid_moe_forward`: its router's sigmoid scores from ``exp``, the
   routed experts as below (their ``F.silu`` as the invariant SiLU).
 - A routed-experts block (Jamba's ``JambaSparseMoeBlock``, transformers 5.23 - 5.25) runs :func:`sparse_moe_forward`:
@@ -34,7 +40,8 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
 The RMSNorms, softmaxes, embeddings and residual adds run as upstream (measured row-invariant here). :data:`_OFF` is
 the private switch of the power tests: ``"attention"`` runs the model's own attention function, ``"activation"``
 ``F.silu`` / the model's GELU, ``"contiguous"`` the float32 GELU on its input's own strides, ``"gate"`` the gated
-attention's ``torch.sigmoid`` (and LFM2-MoE's router's), ``"shared_gate"`` the shared expert's.
+attention's ``torch.sigmoid`` (and LFM2-MoE's router's), ``"shared_gate"`` the shared expert's, ``"window"`` a sliding
+layer's attention in the form anchored at position 0 with the window in the mask only.
 """
 
 from __future__ import annotations
@@ -145,7 +152,8 @@ def attention_forward(original, module, query, key, value, attention_mask, *args
     """An attention module's call (transformers' attention-function convention) through the invariant attention."""
     if "attention" in _OFF:
         return original(module, query, key, value, attention_mask, *args, **kwargs)
-    return invariant_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+    return invariant_attention_forward(module, query, key, value, attention_mask, *args,
+                                       window_at_zero="window" in _OFF, **kwargs)
 
 
 def gated_attention_forward(module: torch.nn.Module, original, hidden_states: torch.Tensor,
