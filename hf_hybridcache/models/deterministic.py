@@ -13,7 +13,8 @@ attention, MLPs and routed + shared experts of :mod:`.hybrid_deterministic`), an
 mixer of :mod:`.short_conv_deterministic`, the attention with q/k RMSNorms, SwiGLU MLPs and sigmoid-routed experts of
 :mod:`.hybrid_deterministic`), on CPU, in float32, bfloat16 and float16. Every other family is refused with the
 ingredients it lacks named, and so is a model whose kernels or BLAS would break the guarantee: refusing, never warning
-and continuing, is the point of the mode (vLLM's batch-invariant mode likewise fails closed on layers it has no kernel for).
+and continuing, is the point of the mode (vLLM's batch-invariant mode likewise fails closed on layers it has no kernel
+for).
 """
 
 from __future__ import annotations
