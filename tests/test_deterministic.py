@@ -230,7 +230,6 @@ def test_with_the_mode_off_some_case_differs(dtype):
 @pytest.mark.parametrize("family, named", [
     ("falcon_h1", "attention with a fixed reduction order"),
     ("falcon_h1", "Mamba-2 mixer"),
-    ("olmo_hybrid", "gated delta net mixer wired to the deterministic forward"),
     ("kimi_linear", "Kimi delta attention"),
     ("lfm3", "short conv"),
 ])

@@ -24,7 +24,7 @@ weight and router, its ungated shared expert) is held by the mode's logits withi
 
 import pytest
 import torch
-from conftest import assert_restored_states_match
+from conftest import NEEDS_NEWER_TRANSFORMERS, assert_restored_states_match
 from engine_scenarios import ids
 from test_deterministic import (
     BASE,
@@ -49,7 +49,7 @@ OLMO = "olmo_hybrid"
 LARA = "lara_mini"
 FAMILIES = [OLMO, LARA]
 DTYPES3 = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-needs_lara = pytest.mark.skipif(LARA not in TINY_CONFIGS, reason="needs transformers >= 5.24 (Lara Mini is new there)")
+needs_lara = pytest.mark.skipif(LARA not in TINY_CONFIGS, reason=NEEDS_NEWER_TRANSFORMERS[LARA])
 
 
 @pytest.fixture(params=FAMILIES)
@@ -147,6 +147,16 @@ def test_engine_in_float16_equals_generate_alone(family, max_batch_tokens):
 
 def test_speculative_verify_groups_equal_generate_alone(family, dtype):
     speculative_case(family, dtype)
+
+
+def test_eager_attention_takes_the_same_path(family):
+    """An eager model's attention (additive masks; Lara Mini's sliding layer's mask cut to its window) reaches the
+    same kernel: its tokens and logits over a prompt past the window are the sdpa model's bits."""
+    eager = build_model(family, seed=0, dtype=torch.bfloat16, **OVERRIDES[family])
+    eager.set_attn_implementation("eager")
+    tokens, logits = run(eager, HybridPrefixCache(eager, deterministic=True), BASE[:60])
+    ref_tokens, ref_logits = run(*fresh(family, torch.bfloat16), BASE[:60])
+    assert tokens == ref_tokens and torch.equal(logits, ref_logits)
 
 
 def test_the_mode_is_the_model_within_round_off(family):
