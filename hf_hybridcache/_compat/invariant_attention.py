@@ -64,30 +64,37 @@ def mark(model: torch.nn.Module, modules, forward: Callable) -> None:
 def invariant_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                 attention_mask: torch.Tensor | None, dropout: float = 0.0,
                                 scaling: float | None = None, softcap: float | None = None,
-                                sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                                sliding_window: int | None = None, window_at_zero: bool = False,
+                                **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature around
     :func:`~hf_hybridcache.kernels.attention_invariant.attention_invariant`: ``query`` ``[B, H, T, D]``, ``key``
     ``[B, Hkv, K, D]``, ``value`` ``[B, Hkv, K, Dv]`` -> ``([B, T, H, Dv]`` in ``query``'s dtype, ``None)``. Other
     keyword arguments (position ids, flash-attention lengths) are not read.
 
+    A ``sliding_window`` (Lara Mini's sliding layers pass theirs) runs the kernel's windowed form, each query's keys
+    anchored at the query: the bits do not depend on how many keys the cache holds beyond the window.
+    ``window_at_zero`` (the power tests' switch, never in use) runs the form anchored at position 0 instead, the
+    window in the mask only: a query's bits then move once the cache drops the keys before its window.
+
     Raises:
-        ValueError: dropout is on (a training forward), or a logit softcap or a sliding window is asked for (not
-            supported by the kernel yet).
+        ValueError: dropout is on (a training forward), or a logit softcap is asked for (not supported by the kernel
+            yet).
     """
     if dropout:
         raise ValueError("Deterministic attention runs inference only: call model.eval() (dropout is on).")
-    if softcap is not None or sliding_window is not None:
-        raise ValueError(f"Deterministic attention has no logit softcap or sliding window yet; "
-                         f"{type(module).__name__} asked for softcap={softcap}, sliding_window={sliding_window}.")
+    if softcap is not None:
+        raise ValueError(f"Deterministic attention has no logit softcap yet; {type(module).__name__} asked for "
+                         f"softcap={softcap}.")
     num_queries, num_keys = query.shape[-2], key.shape[-2]
     if attention_mask is None and num_queries > 1 and getattr(module, "is_causal", True):
-        visible = causal_visible(num_queries, num_keys, query.device)
+        visible = causal_visible(num_queries, num_keys, query.device, window=sliding_window)
     elif attention_mask is None:
         visible = torch.ones(1, 1, num_queries, num_keys, dtype=torch.bool, device=query.device)
     else:
         mask = attention_mask[:, :, :, :num_keys]
         visible = mask if mask.dtype == torch.bool else mask == 0
-    out = attention_invariant(query, key, value, visible, query.shape[-1] ** -0.5 if scaling is None else scaling)
+    out = attention_invariant(query, key, value, visible, query.shape[-1] ** -0.5 if scaling is None else scaling,
+                              window=None if window_at_zero else sliding_window)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -20,9 +20,17 @@ splitting the keys in fixed-size blocks counted from position 0. Here, per query
   so the extra keys of a longer prefill (the future of a query) change nothing.
 
 So a query at absolute position ``p`` is summed over the same blocks, in the same order, with the same terms in the
-same slots, whatever the call. Elementwise ops are IEEE operations and ``exp``, whose vectorized body and tail agree
+same slots, whatever the call.
+
+A sliding window of ``W`` keys (a query at ``p`` sees ``p - W < j <= p``) is anchored at the query instead
+(:func:`_window_chunk`): its keys are taken by distance ``d = p - j`` from the query's own key (the last key it sees),
+``d = 0 .. W - 1`` in blocks of :data:`KV_BLOCK` distances, the slots past the window, before the row's first token
+or not visible holding ``+0`` terms as above. A query's terms then sit in the same slots whatever the cache holds
+beyond the window (a full layer's every past key, a sliding layer's last ``W - 1``, an engine step's window cut) and
+wherever its keys start in the call, which a block grid anchored at position 0 would not give once the keys before
+the window are dropped. Elementwise ops are IEEE operations and ``exp``, whose vectorized body and tail agree
 here (``benchmarks/batch_invariance.py``, table 2). Everything is computed in float32 and rounded once to the query's
-dtype. Not supported: sliding windows and logit softcaps (no family in deterministic mode has them yet), dropout.
+dtype. Not supported: logit softcaps (no family in deterministic mode has them yet), dropout.
 
 Shapes (the package's legend): ``query`` ``[B, H, T, D]``, ``key`` ``[B, Hkv, K, D]``, ``value`` ``[B, Hkv, K, Dv]``
 with ``H`` a multiple of ``Hkv`` (grouped-query attention: query head ``h`` reads KV head ``h // (H // Hkv)``),
@@ -30,6 +38,8 @@ with ``H`` a multiple of ``Hkv`` (grouped-query attention: query head ``h`` read
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -42,14 +52,20 @@ KV_BLOCK = 32
 QUERY_CHUNK = 32
 
 
-def causal_visible(num_queries: int, num_keys: int, device: torch.device | None = None) -> torch.Tensor:
+def causal_visible(num_queries: int, num_keys: int, device: torch.device | None = None,
+                   window: int | None = None) -> torch.Tensor:
     """``[1, 1, T, K]`` bool: the causal mask of ``T`` queries that are the last ``T`` of ``K`` keys (a prefill over
-    a cached past, or a decode step), True where a query sees a key."""
-    return torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril(num_keys - num_queries)[None, None]
+    a cached past, or a decode step), True where a query sees a key; with a sliding ``window``, only its own key and
+    the ``window - 1`` before it."""
+    ones = torch.ones(num_queries, num_keys, dtype=torch.bool, device=device)
+    visible = ones.tril(num_keys - num_queries)
+    if window is not None:
+        visible &= ones.triu(num_keys - num_queries - window + 1)
+    return visible[None, None]
 
 
 def attention_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,
-                        scaling: float) -> torch.Tensor:
+                        scaling: float, window: int | None = None) -> torch.Tensor:
     """Softmax attention ``softmax(scaling * q k^T) v`` over the keys ``visible`` allows, in the fixed order of the
     module docstring.
 
@@ -59,6 +75,8 @@ def attention_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
             tokens from absolute position 0 on, after any left padding the row's last query does not see (as
             ``generate()``'s caches and the engine's page reads lay them out).
         scaling: the scores' factor (usually ``D ** -0.5``).
+        window: a sliding window of this many keys (each query sees itself and the ``window - 1`` keys before it, as
+            far as ``visible`` allows; its own key is the last one ``visible`` shows it), or None.
 
     Returns:
         ``[B, H, T, Dv]`` in ``query``'s dtype; zeros for a query that sees no key.
@@ -75,6 +93,8 @@ def attention_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         raise ValueError(f"visible must be [B or 1, 1 or H, {num_queries}, {num_keys}] bool, got "
                          f"{list(visible.shape)}.")
     groups = heads // kv_heads
+    if window is not None:
+        return _windowed(query, key, value, visible.expand(batch, -1, -1, -1), scaling, window)
     key, value, visible = _anchor(key.float(), value.float(), visible.expand(batch, -1, -1, -1))
     q = (query.float() * scaling).view(batch, kv_heads, groups, num_queries, 1, -1)  # [B, Hkv, G, T, 1, D]
     visible = visible.reshape(batch, 1 if visible.shape[1] == 1 else kv_heads, -1, num_queries, visible.shape[-1])
@@ -92,15 +112,21 @@ def _query_chunk(q: torch.Tensor, blocks, visible: torch.Tensor) -> torch.Tensor
     ``(start, keys, values^T)`` blocks, ``visible`` ``[B, 1 or Hkv, 1 or G, Tc, K]``. Each query's arithmetic is its
     own (every op is per query row), so cutting the queries in chunks changes no bit; it keeps a chunk's per-block
     terms in cache. A block no query of the chunk sees is skipped: it would leave every running value unchanged."""
+    needed = visible.reshape(-1, visible.shape[-1]).any(0)
+    pieces = ((keys, values, ~visible[..., start : start + KV_BLOCK]) for start, keys, values in blocks
+              if bool(needed[start : start + KV_BLOCK].any()))
+    return _online_softmax(q, pieces, blocks[0][2].shape[-2])
+
+
+def _online_softmax(q: torch.Tensor, pieces, value_dim: int) -> torch.Tensor:
+    """Float32 ``[B, Hkv, G, Tc, Dv]``: the scaled queries ``q`` ``[B, Hkv, G, Tc, 1, D]`` over ``(keys [.., S, D],
+    values^T [.., Dv, S], hidden [.., Tc, S])`` blocks (broadcasting against ``q``) merged in the order given, a
+    hidden key a ``+0`` term in its slot. A block with no visible key may be left out: it changes no running value."""
     shape = q.shape[:4]
     running_max = q.new_full(shape, float("-inf"))
     running_sum = q.new_zeros(shape)
-    out = q.new_zeros((*shape, blocks[0][2].shape[-2]))
-    needed = visible.reshape(-1, visible.shape[-1]).any(0)
-    for start, keys, values in blocks:
-        if not bool(needed[start : start + KV_BLOCK].any()):
-            continue
-        hidden = ~visible[..., start : start + KV_BLOCK]  # [B, 1 or Hkv, 1 or G, Tc, S]
+    out = q.new_zeros((*shape, value_dim))
+    for keys, values, hidden in pieces:
         scores = (q * keys).sum(-1).masked_fill_(hidden, float("-inf"))  # [B, Hkv, G, Tc, S]
         new_max = torch.maximum(running_max, scores.amax(-1))
         anchor = torch.where(new_max == float("-inf"), 0.0, new_max)
@@ -111,6 +137,48 @@ def _query_chunk(q: torch.Tensor, blocks, visible: torch.Tensor) -> torch.Tensor
         out = out * rescale[..., None] + terms.sum(-1)
         running_max = new_max
     return out / torch.where(running_sum == 0, 1.0, running_sum)[..., None]
+
+
+def _windowed(query, key, value, visible, scaling: float, window: int) -> torch.Tensor:
+    """:func:`attention_invariant` with a sliding ``window``: each query's keys by distance from its own key (the last
+    key ``visible`` shows it), :func:`_window_chunk` per chunk of :data:`QUERY_CHUNK` queries."""
+    batch, heads, num_queries, _ = query.shape
+    kv_heads, num_keys = key.shape[1], key.shape[2]
+    if visible.shape[1] != 1:
+        assert bool((visible == visible[:, :1]).all()), "a windowed call's mask must be the same for every head"
+        visible = visible[:, :1]
+    q = (query.float() * scaling).view(batch, kv_heads, heads // kv_heads, num_queries, 1, -1)
+    slots = torch.arange(num_keys, device=key.device) + 1
+    own = (visible[:, 0].long() * slots).amax(-1) - 1  # [B, T] each query's own key; -1: it sees none
+    distances = torch.arange(-(-window // KV_BLOCK) * KV_BLOCK, device=key.device)
+    out = torch.cat([_window_chunk(q[:, :, :, begin : begin + QUERY_CHUNK], key.float(), value.float(),
+                                   visible[:, 0, begin : begin + QUERY_CHUNK], own[:, begin : begin + QUERY_CHUNK],
+                                   distances, window)
+                     for begin in range(0, num_queries, QUERY_CHUNK)], dim=3)
+    return out.view(batch, heads, num_queries, -1).to(query.dtype)
+
+
+def _window_chunk(q, key, value, visible, own, distances, window: int) -> torch.Tensor:
+    """Float32 outputs ``[B, Hkv, G, Tc, Dv]`` of the scaled queries ``q`` ``[B, Hkv, G, Tc, 1, D]`` whose own keys
+    are ``own`` ``[B, Tc]`` among ``key`` / ``value`` ``[B, Hkv, K, D]``, ``visible`` ``[B, Tc, K]``: slot ``d`` of
+    ``distances`` ``[Wp]`` (a whole number of blocks) holds key ``own - d``, blocks merged in distance order."""
+    index = own[..., None] - distances  # [B, Tc, Wp]
+    inside = (index >= 0) & (distances < window)
+    index = index.clamp(min=0)
+    seen = torch.gather(visible, 2, index) & inside  # [B, Tc, Wp]
+    batch, kv_heads, num_queries = key.shape[0], key.shape[1], index.shape[1]
+    flat = index.reshape(batch, 1, -1, 1)
+
+    def take(x: torch.Tensor) -> torch.Tensor:  # [B, Hkv, K, D] -> [B, Hkv, 1, Tc, Wp, D]
+        taken = torch.gather(x, 2, flat.expand(batch, kv_heads, flat.shape[2], x.shape[-1]))
+        return taken.view(batch, kv_heads, 1, num_queries, -1, x.shape[-1])
+
+    keys, values = take(key), take(value).transpose(-1, -2)  # values: [B, Hkv, 1, Tc, Dv, Wp]
+    seen = seen[:, None, None]  # [B, 1, 1, Tc, Wp]
+    blocks = (slice(start, start + KV_BLOCK) for start in range(0, distances.shape[0], KV_BLOCK))
+    pieces = ((keys[..., block, :], values[..., block], ~seen[..., block]) for block in blocks
+              if bool(seen[..., block].any()))
+    return _online_softmax(q, pieces, value.shape[-1])
 
 
 def _anchor(key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor):
@@ -134,39 +202,46 @@ def _anchor(key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor):
             take(visible, 3, (batch, 1, 1, padded)))
 
 
-def invariance_failures(dtype: torch.dtype, length: int = 90, attention=None) -> list[str]:
-    """The cases in which ``attention`` (default :func:`attention_invariant`; the signature is its own) gives a query
-    other bits than in one causal prefill of ``length`` random queries (4 heads over 2 KV heads of 16, CPU): a decode
-    step and a prefill chunk starting at the query, early, at block edges and at the last position (where SDPA
-    differs here in each dtype). Empty where it holds.
+def invariance_failures(dtype: torch.dtype, length: int = 90, attention=None, window: int | None = None) -> list[str]:
+    """The cases in which ``attention`` (default :func:`attention_invariant`; the signature is its own, ``window``
+    passed by keyword where set) gives a query other bits than in one causal prefill of ``length`` random queries (4
+    heads over 2 KV heads of 16, CPU): a decode step and a prefill chunk starting at the query, early, at block edges
+    and at the last position (where SDPA differs here in each dtype); with a sliding ``window``, each also over only
+    the keys a sliding cache layer keeps (the query's window). Empty where it holds.
     """
     attention = attention_invariant if attention is None else attention
+    run = attention if window is None else functools.partial(attention, window=window)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, heads, length, 16, generator=gen).to(dtype) for heads in (4, 2, 2))
-    full = attention(q, k, v, causal_visible(length, length), 0.25)
+    full = run(q, k, v, causal_visible(length, length, window=window), 0.25)
     failures = []
     for p in (0, 5, KV_BLOCK - 1, KV_BLOCK, KV_BLOCK + 1, 2 * KV_BLOCK, length - 1):
-        step = attention(q[:, :, p : p + 1], k[:, :, : p + 1], v[:, :, : p + 1], causal_visible(1, p + 1), 0.25)
-        chunk = attention(q[:, :, p:], k, v, causal_visible(length - p, length), 0.25)[:, :, :1]
-        failures += [f"{name} at {p}" for name, out in (("decode", step), ("chunk", chunk))
-                     if not torch.equal(out, full[:, :, p : p + 1])]
+        firsts = (0,) if window is None else sorted({0, max(0, p - window + 1)})
+        for first in firsts:
+            keys, values, tail = k[:, :, first:], v[:, :, first:], length - first
+            cases = {"decode": run(q[:, :, p : p + 1], keys[:, :, : p + 1 - first], values[:, :, : p + 1 - first],
+                                   causal_visible(1, p + 1 - first, window=window), 0.25),
+                     "chunk": run(q[:, :, p:], keys, values, causal_visible(length - p, tail, window=window),
+                                  0.25)[:, :, :1]}
+            failures += [f"{name} at {p} (keys from {first})" for name, out in cases.items()
+                         if not torch.equal(out, full[:, :, p : p + 1])]
     return failures
 
 
 _CHECKED: set[tuple] = set()
 
 
-def check_invariance(dtype: torch.dtype) -> None:
-    """Raise unless :func:`attention_invariant` holds here in ``dtype`` (:func:`invariance_failures`, probed once per
-    dtype and intra-op thread count in a process).
+def check_invariance(dtype: torch.dtype, window: int | None = None) -> None:
+    """Raise unless :func:`attention_invariant` holds here in ``dtype`` (with a sliding ``window``, where set)
+    (:func:`invariance_failures`, probed once per dtype, window and intra-op thread count in a process).
 
     Raises:
         RuntimeError: some case differs; names the dtype, the torch version and the cases.
     """
-    key = (dtype, torch.get_num_threads())
+    key = (dtype, torch.get_num_threads(), window)
     if key in _CHECKED:
         return
-    failures = invariance_failures(dtype)
+    failures = invariance_failures(dtype, window=window)
     if failures:
         raise RuntimeError(f"The invariant attention gives a query other bits in {dtype} on torch "
                            f"{torch.__version__} ({', '.join(failures)}), so deterministic results cannot be "

@@ -7,13 +7,14 @@ row-invariant, path-invariant form here (docs/deterministic.md, "The ingredients
 one (the mixer of :mod:`.mamba2_deterministic`), the Mamba-2 hybrids Bamba, GraniteMoeHybrid, Nemotron-H and Zamba2 (the
 same mixer: theirs is upstream Zamba2's plain one; attention and MLPs of :mod:`.hybrid_deterministic`; routed experts
 refused), Jamba (its Mamba-1 mixers, and the attention, MLPs and routed experts
-of :mod:`.hybrid_deterministic`), Qwen3.5's text models, dense and MoE, and Qwen3-Next (the gated delta net mixer of
-:mod:`.gated_delta_deterministic`, the gated attention, MLPs and routed + shared experts of
-:mod:`.hybrid_deterministic`), and LFM2 / LFM2-MoE (the short conv mixer of :mod:`.short_conv_deterministic`, the
-attention with q/k RMSNorms, SwiGLU MLPs and sigmoid-routed experts of :mod:`.hybrid_deterministic`), on CPU, in
-float32, bfloat16 and float16. Every other family is refused with the ingredients it lacks named, and so is a model
-whose kernels or BLAS would break the guarantee: refusing, never warning and continuing, is the point of the mode
-(vLLM's batch-invariant mode likewise fails closed on layers it has no kernel for).
+of :mod:`.hybrid_deterministic`), Qwen3.5's text models, dense and MoE, Qwen3-Next, OLMo-Hybrid and Lara Mini (the
+gated delta net mixer of :mod:`.gated_delta_deterministic`, the gated, plain, sliding-window or position-free
+attention, MLPs and routed + shared experts of :mod:`.hybrid_deterministic`), and LFM2 / LFM2-MoE (the short conv
+mixer of :mod:`.short_conv_deterministic`, the attention with q/k RMSNorms, SwiGLU MLPs and sigmoid-routed experts of
+:mod:`.hybrid_deterministic`), on CPU, in float32, bfloat16 and float16. Every other family is refused with the
+ingredients it lacks named, and so is a model whose kernels or BLAS would break the guarantee: refusing, never warning
+and continuing, is the point of the mode (vLLM's batch-invariant mode likewise fails closed on layers it has no kernel
+for).
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ SUPPORTED = {
     "qwen3_5_text": ("Qwen3_5GatedDeltaNet", gated_delta_deterministic),
     "qwen3_5_moe_text": ("Qwen3_5MoeGatedDeltaNet", gated_delta_deterministic),
     "qwen3_next": ("Qwen3NextGatedDeltaNet", gated_delta_deterministic),
+    "olmo_hybrid": ("OlmoHybridGatedDeltaNet", gated_delta_deterministic),
+    "lara_mini": ("LaraMiniGatedDeltaNet", gated_delta_deterministic),
     "lfm2": ("Lfm2ShortConv", short_conv_deterministic),
     "lfm2_moe": ("Lfm2MoeShortConv", short_conv_deterministic),
 }
@@ -66,14 +69,11 @@ _ACTIVATIONS = "its MLPs wired to the row-invariant linear and SiLU (F.silu give
                "its offset; models/hybrid_deterministic.py, as Jamba's are)"
 _MAMBA2 = "its Mamba-2 mixer wired to the deterministic Mamba-2 forward (models/mamba2_deterministic.py: per-token " \
           "scan, invariant conv, row-invariant gated RMSNorm)"
-_GDN = "its gated delta net mixer wired to the deterministic forward (models/gated_delta_deterministic.py: " \
-       "per-token rule, invariant conv, row-invariant gates and gated RMSNorm, as Qwen3.5's are)"
 _KDA = "a Kimi delta attention (KDA) per-token scan"
 _SHORT_CONV = "the short conv mixer wired through the invariant conv (kernels/conv_invariant.py)"
 #: model_type -> the mixer ingredients its family lacks (attention and MLP activations are added from the model).
 _MIXERS = {
     **dict.fromkeys(("falcon_h1",), (_MAMBA2,)),
-    **dict.fromkeys(("olmo_hybrid", "lara_mini"), (_GDN,)),
     **dict.fromkeys(("kimi_linear", "bailing_hybrid"), (_KDA,)),
     **dict.fromkeys(("lfm3", "inkling_text", "inkling2_text", "inkling2_loop_text"),
                     (_SHORT_CONV,)),
@@ -133,6 +133,9 @@ def check(model: torch.nn.Module, spec: ModelStateSpec) -> None:
         products += [(weight, None) for weight in hybrid_deterministic.product_weights(model, model_type)]
         try:
             check_attention_invariance(model.get_input_embeddings().weight.dtype)
+            window = getattr(model.config.get_text_config(), "sliding_window", None)
+            if window is not None:  # a family of hybrid_deterministic.WINDOWED (refusals let no other through)
+                check_attention_invariance(model.get_input_embeddings().weight.dtype, window)
         except RuntimeError as error:
             raise ValueError(f"deterministic=True refuses {name} here: {error} Build the cache with "
                              "deterministic=False.") from error

@@ -1,5 +1,5 @@
 """The layers a hybrid adds to its mixers in deterministic mode (issue 46; Jamba, Zamba, Qwen3.5, Bamba, Granite-4.0-H,
-Nemotron-H, Zamba2, LFM2): attention, MLP
+Nemotron-H, Zamba2, LFM2, OLMo-Hybrid, Lara Mini): attention, MLP
 activations, linear layers and routed experts, each with a row-invariant, path-invariant form (docs/deterministic.md,
 "The ingredients").
 
@@ -7,7 +7,11 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
   :func:`~hf_hybridcache.models.mamba1_deterministic.lm_head_forward` (the row-invariant linear).
 - The attention modules of :data:`FAMILIES` answer through
   :func:`~hf_hybridcache._compat.invariant_attention.invariant_attention_forward` (keys summed in fixed blocks
-  anchored at position 0, whatever the call), in ``generate()`` and in the engine's steps alike.
+  anchored at position 0, whatever the call), in ``generate()`` and in the engine's steps alike. A sliding-window
+  layer (Lara Mini's, :data:`WINDOWED`) passes its window, which the kernel anchors at each query instead (its bits
+  do not depend on how many keys the cache holds beyond the window); OLMo-Hybrid's and Lara Mini's attention forwards
+  (q/k RMSNorms, rotary or none: Lara Mini's full layers and a ``rope_theta=None`` OLMo-Hybrid are position-free)
+  run as upstream around that call.
 - The MLP activations (``SiLUActivation`` / ``nn.SiLU`` modules, and the ``F.silu`` of LFM2's ``Lfm2MLP``, whose
   forward :func:`swiglu_forward` replaces) run as
   :func:`~hf_hybridcache.kernels.mamba1_invariant.silu_invariant` in float32, rounded once to the input dtype:
@@ -24,6 +28,8 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
 - A routed + shared experts block (Qwen3.5-MoE's ``Qwen3_5MoeSparseMoeBlock``) runs :func:`shared_moe_forward`: the
   routed experts as below (the top-k weights renormalized, as its router does) plus the shared expert gated by
   ``sigmoid_invariant``.
+- Lara Mini's ``LaraMiniSparseMoeBlock`` runs :func:`shared_moe_forward` too: its router's logits a float32 product
+  (:data:`FLOAT32_ROUTERS`), its shared expert added without a gate.
 - LFM2-MoE's ``Lfm2MoeSparseMoeBlock`` runs :func:`sigmoid_moe_forward`: its router's sigmoid scores from ``exp``, the
   routed experts as below (their ``F.silu`` as the invariant SiLU).
 - A routed-experts block (Jamba's ``JambaSparseMoeBlock``, transformers 5.23 - 5.25) runs :func:`sparse_moe_forward`:
@@ -34,7 +40,8 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
 The RMSNorms, softmaxes, embeddings and residual adds run as upstream (measured row-invariant here). :data:`_OFF` is
 the private switch of the power tests: ``"attention"`` runs the model's own attention function, ``"activation"``
 ``F.silu`` / the model's GELU, ``"contiguous"`` the float32 GELU on its input's own strides, ``"gate"`` the gated
-attention's ``torch.sigmoid`` (and LFM2-MoE's router's), ``"shared_gate"`` the shared expert's.
+attention's ``torch.sigmoid`` (and LFM2-MoE's router's), ``"shared_gate"`` the shared expert's, ``"window"`` a sliding
+layer's attention in the form anchored at position 0 with the window in the mask only.
 """
 
 from __future__ import annotations
@@ -56,7 +63,9 @@ FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock"), "zamba": ("Zamba
             "qwen3_next": ("Qwen3NextAttention", "Qwen3NextSparseMoeBlock"),
             "bamba": ("BambaAttention", None), "granitemoehybrid": ("GraniteMoeHybridAttention", None),
             "nemotron_h": ("NemotronHAttention", None), "zamba2": ("Zamba2Attention", None),
-            "lfm2": ("Lfm2Attention", None), "lfm2_moe": ("Lfm2MoeAttention", "Lfm2MoeSparseMoeBlock")}
+            "lfm2": ("Lfm2Attention", None), "lfm2_moe": ("Lfm2MoeAttention", "Lfm2MoeSparseMoeBlock"),
+            "olmo_hybrid": ("OlmoHybridAttention", None),
+            "lara_mini": ("LaraMiniAttention", "LaraMiniSparseMoeBlock")}
 #: Routed-experts blocks a family may hold that have no deterministic form here yet: a model holding one is refused
 #: (Granite 4.0-H's ``num_local_experts > 0``, Nemotron-H's ``"moe"`` layers; their routers and expert sums differ from
 #: :func:`sparse_moe_forward`'s).
@@ -68,7 +77,11 @@ GATED_ATTENTION = ("Qwen3_5Attention", "Qwen3_5MoeAttention", "Qwen3NextAttentio
 #: The activations with an invariant form here (transformers' ``ACT2FN["silu"]`` / ``ACT2FN["gelu"]`` and torch's).
 ACTIVATIONS = ("silu", "swish", "gelu", "relu2")
 #: The families whose gated delta net conv runs ``hidden_act``, which has an invariant form there for SiLU only.
-SILU_CONV = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+SILU_CONV = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lara_mini")
+#: The families whose sliding-window attention layers are wired (the invariant attention's windowed form).
+WINDOWED = ("lara_mini",)
+#: The routers whose logits are a float32 product of float32 copies of the input and weight (Lara Mini's).
+FLOAT32_ROUTERS = ("LaraMiniTopKRouter",)
 #: Ingredients switched off (private: the power tests name them here; empty in use).
 _OFF: set[str] = set()
 
@@ -89,7 +102,7 @@ def refusals(model: torch.nn.Module, model_type: str) -> list[str]:
     if getattr(model.config, "vision_config", None) is not None:
         problems.append("a vision tower (its attention and merger have no invariant form here; load the text model, "
                         "e.g. Qwen3_5ForCausalLM, for text requests)")
-    if getattr(config, "sliding_window", None) is not None:
+    if getattr(config, "sliding_window", None) is not None and model_type not in WINDOWED:
         problems.append(f"sliding_window={config.sliding_window} (the invariant attention has no window yet)")
     return problems
 
@@ -104,7 +117,9 @@ def product_weights(model: torch.nn.Module, model_type: str) -> list[torch.Tenso
         return weights
     for module in model.modules():
         if type(module).__name__ == experts_class:
-            weights += [_router(module).weight, module.experts.gate_up_proj[0], module.experts.down_proj[0]]
+            router = _router(module).weight
+            router = router.float() if type(_router(module)).__name__ in FLOAT32_ROUTERS else router
+            weights += [router, module.experts.gate_up_proj[0], module.experts.down_proj[0]]
         if isinstance(getattr(module, "x_proj_weight", None), torch.nn.Parameter):
             weights += [module.x_proj_weight[0], module.dt_proj_weight[0]]
     return weights
@@ -137,7 +152,8 @@ def attention_forward(original, module, query, key, value, attention_mask, *args
     """An attention module's call (transformers' attention-function convention) through the invariant attention."""
     if "attention" in _OFF:
         return original(module, query, key, value, attention_mask, *args, **kwargs)
-    return invariant_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+    return invariant_attention_forward(module, query, key, value, attention_mask, *args,
+                                       window_at_zero="window" in _OFF, **kwargs)
 
 
 def gated_attention_forward(module: torch.nn.Module, original, hidden_states: torch.Tensor,
@@ -199,20 +215,24 @@ def shared_moe_forward(block: torch.nn.Module, original, hidden_states: torch.Te
     """A routed + shared experts block's output ``[B, T, hidden]`` (``hidden_states``' dtype) for ``hidden_states``
     ``[B, T, hidden]``: ``Qwen3_5MoeSparseMoeBlock.forward`` / ``Qwen3NextSparseMoeBlock.forward`` (transformers 5.23 -
     5.25): the router's softmax in float32, its top-k renormalized to sum to one (where ``norm_topk_prob``) and
-    rounded to the logits' dtype, the routed experts as :func:`sparse_moe_forward` sums them, plus the shared expert
+    rounded to the input's dtype, the routed experts as :func:`sparse_moe_forward` sums them, plus the shared expert
     (its linears and SiLU patched) times ``sigmoid(shared_expert_gate(x))`` from ``exp`` (``F.sigmoid`` moves a
-    float32 element with its offset)."""
+    float32 element with its offset). ``LaraMiniSparseMoeBlock.forward`` (5.24 - 5.25) alike, with its router's
+    logits a float32 product (:data:`FLOAT32_ROUTERS`) and its shared expert added whole, without a gate."""
     batch, seq_len, hidden = hidden_states.shape
     x = hidden_states.reshape(-1, hidden)
     shared = block.shared_expert(x)
-    logits = _linear(x, block.gate.weight)
+    float32_router = type(block.gate).__name__ in FLOAT32_ROUTERS
+    logits = _linear(x.float(), block.gate.weight.float()) if float32_router else _linear(x, block.gate.weight)
     weights, chosen = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), block.gate.top_k, dim=-1)
     if getattr(block.gate, "norm_topk_prob", True):  # Qwen3-Next's config may turn it off; Qwen3.5-MoE's always on
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    weights = weights.to(logits.dtype)
+    weights = weights.to(x.dtype)
+    routed = _routed_sum(x, block.experts, weights, chosen)
+    if not hasattr(block, "shared_expert_gate"):  # Lara Mini's
+        return (routed + shared).reshape(batch, seq_len, hidden)
     gate_logit = block.shared_expert_gate(x)
     gate = torch.sigmoid(gate_logit) if "shared_gate" in _OFF else sigmoid_invariant(gate_logit.float()).to(x.dtype)
-    routed = _routed_sum(x, block.experts, weights, chosen)
     return (routed + gate * shared).reshape(batch, seq_len, hidden)
 
 
