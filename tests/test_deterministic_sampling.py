@@ -123,3 +123,43 @@ def test_server_seeded_completions_are_bitwise_alone_and_among_sixteen(model, dt
         assert len({text for text, _ in single}) > 8
     finally:
         server.close()
+
+
+def test_a_saved_deterministic_cache_loads_in_its_mode_and_hits_bitwise(tmp_path):
+    """save/load keeps the mode: a file saved in deterministic mode loads in it (the default) and its hits give cold
+    runs' bits; asked for the other mode, either file is refused and nothing is loaded; the two modes' block hashes
+    differ, so a tier or a file never hands one mode's states to the other."""
+    from hf_hybridcache.core import entry_digests
+
+    def fresh():
+        return build_model("jamba", seed=0, dtype=torch.bfloat16, **OVERRIDES["jamba"])
+
+    def greedy(cache, model, prompt):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), cache=cache, max_new_tokens=5, min_new_tokens=5,
+                                 output_logits=True, return_dict_in_generate=True, **GREEDY)
+        return out.sequences[0, len(prompt):].tolist(), torch.stack([step[0] for step in out.logits])
+
+    model = fresh()
+    cache = HybridPrefixCache(model, deterministic=True, retention_interval="dense")
+    prompt = BASE[:50]
+    cold = greedy(cache, model, prompt)
+    cache.save(tmp_path / "det.safetensors")
+    loaded_model = fresh()
+    loaded = HybridPrefixCache.load(tmp_path / "det.safetensors", loaded_model)
+    assert entry_digests(loaded) == entry_digests(cache)
+    tokens, logits = greedy(loaded, loaded_model, prompt + [7])
+    assert loaded.last_hit_tokens == [48]
+    model_ref = fresh()
+    reference = greedy(HybridPrefixCache(model_ref, deterministic=True), model_ref, prompt + [7])
+    assert tokens == reference[0] and torch.equal(logits, reference[1])
+    assert cold[0] == greedy(loaded, loaded_model, prompt)[0]
+    with pytest.raises(ValueError, match="saved by a cache with deterministic=True"):
+        HybridPrefixCache.load(tmp_path / "det.safetensors", fresh(), deterministic=False)
+    plain_model = fresh()
+    plain = HybridPrefixCache(plain_model, retention_interval="dense")
+    greedy(plain, plain_model, prompt)
+    plain.save(tmp_path / "plain.safetensors")
+    with pytest.raises(ValueError, match="saved by a cache with deterministic=False"):
+        HybridPrefixCache.load(tmp_path / "plain.safetensors", fresh(), deterministic=True)
+    assert not set(entry_digests(plain)) & set(entry_digests(cache))  # other block hashes in each mode
