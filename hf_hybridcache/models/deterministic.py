@@ -29,6 +29,7 @@ from ..kernels.decode_linear import weight_qualifies
 from . import (
     gated_delta_deterministic,
     hybrid_deterministic,
+    kda_deterministic,
     mamba1_deterministic,
     mamba2_deterministic,
     short_conv_deterministic,
@@ -54,6 +55,7 @@ SUPPORTED = {
     "qwen3_next": ("Qwen3NextGatedDeltaNet", gated_delta_deterministic),
     "lfm2": ("Lfm2ShortConv", short_conv_deterministic),
     "lfm2_moe": ("Lfm2MoeShortConv", short_conv_deterministic),
+    "kimi_linear": ("KimiLinearDeltaAttention", kda_deterministic),
 }
 #: The dtypes the mode's tests hold in.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -74,7 +76,7 @@ _SHORT_CONV = "the short conv mixer wired through the invariant conv (kernels/co
 _MIXERS = {
     **dict.fromkeys(("falcon_h1",), (_MAMBA2,)),
     **dict.fromkeys(("olmo_hybrid", "lara_mini"), (_GDN,)),
-    **dict.fromkeys(("kimi_linear", "bailing_hybrid"), (_KDA,)),
+    **dict.fromkeys(("bailing_hybrid",), (_KDA,)),
     **dict.fromkeys(("lfm3", "inkling_text", "inkling2_text", "inkling2_loop_text"),
                     (_SHORT_CONV,)),
     "zaya": ("ZAYA's CCA conv mixer wired to the invariant conv",),

@@ -56,7 +56,8 @@ FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock"), "zamba": ("Zamba
             "qwen3_next": ("Qwen3NextAttention", "Qwen3NextSparseMoeBlock"),
             "bamba": ("BambaAttention", None), "granitemoehybrid": ("GraniteMoeHybridAttention", None),
             "nemotron_h": ("NemotronHAttention", None), "zamba2": ("Zamba2Attention", None),
-            "lfm2": ("Lfm2Attention", None), "lfm2_moe": ("Lfm2MoeAttention", "Lfm2MoeSparseMoeBlock")}
+            "lfm2": ("Lfm2Attention", None), "lfm2_moe": ("Lfm2MoeAttention", "Lfm2MoeSparseMoeBlock"),
+            "kimi_linear": ("KimiLinearAttention", "KimiLinearMoE")}
 #: Routed-experts blocks a family may hold that have no deterministic form here yet: a model holding one is refused
 #: (Granite 4.0-H's ``num_local_experts > 0``, Nemotron-H's ``"moe"`` layers; their routers and expert sums differ from
 #: :func:`sparse_moe_forward`'s).
@@ -104,7 +105,9 @@ def product_weights(model: torch.nn.Module, model_type: str) -> list[torch.Tenso
         return weights
     for module in model.modules():
         if type(module).__name__ == experts_class:
-            weights += [_router(module).weight, module.experts.gate_up_proj[0], module.experts.down_proj[0]]
+            router = _router(module).weight
+            weights += [router.float() if hasattr(module, "shared_experts") else router,
+                        module.experts.gate_up_proj[0], module.experts.down_proj[0]]
         if isinstance(getattr(module, "x_proj_weight", None), torch.nn.Parameter):
             weights += [module.x_proj_weight[0], module.dt_proj_weight[0]]
     return weights
@@ -124,6 +127,7 @@ def install(model: torch.nn.Module, model_type: str) -> None:
             _compat.patch_instance_forward(module, gelu_forward)
         elif experts_class is not None and name == experts_class:
             moe_forward = (shared_moe_forward if hasattr(module, "shared_expert") else
+                           grouped_moe_forward if hasattr(module, "shared_experts") else
                            sigmoid_moe_forward if name == "Lfm2MoeSparseMoeBlock" else sparse_moe_forward)
             _compat.patch_instance_forward(module, moe_forward)
         elif name in GATED_ATTENTION:
@@ -251,6 +255,33 @@ def sigmoid_moe_forward(block: torch.nn.Module, original, hidden_states: torch.T
     return _routed_sum(x, block.experts, weights.to(x.dtype), chosen).reshape(batch, seq_len, hidden)
 
 
+def grouped_moe_forward(block: torch.nn.Module, original, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Kimi Linear's routed + shared experts block ``[B, T, hidden]`` -> ``[B, T, hidden]`` (``KimiLinearMoE.forward``
+    and ``KimiLinearTopkRouter.forward``, transformers 5.23 - 5.25; DeepSeek-V3's router): float32 logits through the
+    row-invariant linear, sigmoid scores from ``exp``, the top-k by score plus ``e_score_correction_bias`` within the
+    ``topk_group`` best of ``n_group`` groups (a group's score: its two best), the chosen scores renormalized
+    (``norm_topk_prob``) and scaled by ``routed_scaling_factor`` in float32, the experts as :func:`sparse_moe_forward`
+    sums them (in the token's top-k order by score, where upstream adds in expert order), plus the shared experts."""
+    batch, seq_len, hidden = hidden_states.shape
+    x = hidden_states.reshape(-1, hidden)
+    router = block.gate
+    logits = _linear(x.float(), router.weight.float())
+    scores = torch.sigmoid(logits) if "gate" in _OFF else sigmoid_invariant(logits)
+    choice = scores + router.e_score_correction_bias
+    per_group = router.num_experts // router.num_group
+    group_scores = choice.view(-1, router.num_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(dim=-1)
+    groups = torch.topk(group_scores, k=router.topk_group, dim=-1)[1]
+    keep = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()
+    choice = choice.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
+    chosen = torch.topk(choice, k=router.top_k, dim=-1)[1]
+    weights = scores.gather(1, chosen)
+    if router.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    weights = weights * router.routed_scaling_factor
+    routed = _routed_sum(x, block.experts, weights, chosen).reshape(batch, seq_len, hidden)
+    return routed + block.shared_experts(hidden_states)
+
+
 def _routed_sum(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     """``sum_k w_k expert_k(x)`` ``[N, hidden]`` per token in its top-k order for ``x`` ``[N, hidden]``, ``weights`` /
     ``chosen`` ``[N, k]``; each expert's products on the rows routed to it through the row-invariant linear."""
@@ -261,7 +292,7 @@ def _routed_sum(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Tensor
         gate, up = _linear(x[token], experts.gate_up_proj[expert]).chunk(2, dim=-1)
         act = silu_forward(experts, None, gate) if experts.act_fn is F.silu else experts.act_fn(gate)  # LFM2-MoE's
         out = _linear(act * up, experts.down_proj[expert])
-        picked[token, slot] = out * weights[token, slot, None]
+        picked[token, slot] = (out * weights[token, slot, None]).to(picked.dtype)
     total = picked[:, 0]
     for slot in range(1, top_k):
         total = total + picked[:, slot]
