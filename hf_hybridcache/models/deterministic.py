@@ -56,6 +56,7 @@ SUPPORTED = {
     "lfm2": ("Lfm2ShortConv", short_conv_deterministic),
     "lfm2_moe": ("Lfm2MoeShortConv", short_conv_deterministic),
     "kimi_linear": ("KimiLinearDeltaAttention", kda_deterministic),
+    "bailing_hybrid": ("BailingHybridDeltaAttention", kda_deterministic),
 }
 #: The dtypes the mode's tests hold in.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -70,13 +71,11 @@ _MAMBA2 = "its Mamba-2 mixer wired to the deterministic Mamba-2 forward (models/
           "scan, invariant conv, row-invariant gated RMSNorm)"
 _GDN = "its gated delta net mixer wired to the deterministic forward (models/gated_delta_deterministic.py: " \
        "per-token rule, invariant conv, row-invariant gates and gated RMSNorm, as Qwen3.5's are)"
-_KDA = "a Kimi delta attention (KDA) per-token scan"
 _SHORT_CONV = "the short conv mixer wired through the invariant conv (kernels/conv_invariant.py)"
 #: model_type -> the mixer ingredients its family lacks (attention and MLP activations are added from the model).
 _MIXERS = {
     **dict.fromkeys(("falcon_h1",), (_MAMBA2,)),
     **dict.fromkeys(("olmo_hybrid", "lara_mini"), (_GDN,)),
-    **dict.fromkeys(("bailing_hybrid",), (_KDA,)),
     **dict.fromkeys(("lfm3", "inkling_text", "inkling2_text", "inkling2_loop_text"),
                     (_SHORT_CONV,)),
     "zaya": ("ZAYA's CCA conv mixer wired to the invariant conv",),

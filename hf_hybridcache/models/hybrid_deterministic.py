@@ -46,6 +46,7 @@ from .. import _compat
 from .._compat.invariant_attention import gated_attention_parts, invariant_attention_forward, mark, unroutable
 from ..kernels.gated_delta_invariant import sigmoid_invariant
 from ..kernels.mamba1_invariant import silu_invariant
+from . import kda_deterministic
 from .mamba1_deterministic import _linear, lm_head_forward
 
 #: model_type -> (attention module class, routed-experts block class or None): the hybrids whose layers this module
@@ -57,7 +58,8 @@ FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock"), "zamba": ("Zamba
             "bamba": ("BambaAttention", None), "granitemoehybrid": ("GraniteMoeHybridAttention", None),
             "nemotron_h": ("NemotronHAttention", None), "zamba2": ("Zamba2Attention", None),
             "lfm2": ("Lfm2Attention", None), "lfm2_moe": ("Lfm2MoeAttention", "Lfm2MoeSparseMoeBlock"),
-            "kimi_linear": ("KimiLinearAttention", "KimiLinearMoE")}
+            "kimi_linear": ("KimiLinearAttention", "KimiLinearMoE"),
+            "bailing_hybrid": ("BailingHybridAttention", "BailingHybridMoE")}
 #: Routed-experts blocks a family may hold that have no deterministic form here yet: a model holding one is refused
 #: (Granite 4.0-H's ``num_local_experts > 0``, Nemotron-H's ``"moe"`` layers; their routers and expert sums differ from
 #: :func:`sparse_moe_forward`'s).
@@ -132,6 +134,8 @@ def install(model: torch.nn.Module, model_type: str) -> None:
             _compat.patch_instance_forward(module, moe_forward)
         elif name in GATED_ATTENTION:
             _compat.patch_instance_forward(module, gated_attention_forward)
+        elif name == "BailingHybridAttention":
+            _compat.patch_instance_forward(module, kda_deterministic.gated_mla_forward)
         elif name in SWIGLU_MLPS:
             _compat.patch_instance_forward(module, swiglu_forward)
     mark(model, [m for m in model.modules() if type(m).__name__ == attention_class], attention_forward)
@@ -291,6 +295,8 @@ def _routed_sum(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Tensor
         token, slot = torch.where(chosen == expert)
         gate, up = _linear(x[token], experts.gate_up_proj[expert]).chunk(2, dim=-1)
         act = silu_forward(experts, None, gate) if experts.act_fn is F.silu else experts.act_fn(gate)  # LFM2-MoE's
+        if getattr(experts, "limit", None) is not None:  # Ling's clipped SwiGLU (transformers 5.25)
+            act, up = act.clamp(max=experts.limit), up.clamp(min=-experts.limit, max=experts.limit)
         out = _linear(act * up, experts.down_proj[expert])
         picked[token, slot] = (out * weights[token, slot, None]).to(picked.dtype)
     total = picked[:, 0]

@@ -27,7 +27,13 @@ the ``q|k|v`` inputs, the float32 state ``[B, H, Dk, Dv]``, the checkpoints afte
 :data:`_OFF` is the private switch of the power tests: an ingredient named there runs the package's default op instead
 (``"linear"``: ``F.linear``; ``"conv"``: :func:`~hf_hybridcache.models.mamba1.causal_conv` / the fused conv update;
 ``"rule"``: the chunked rule / the recurrent step; ``"norm"``: the mixer's own ``o_norm``; ``"gates"``:
-``torch.sigmoid`` / ``F.softplus``).
+``torch.sigmoid`` / ``F.softplus``; ``"attention_gate"``: Ling's attention output gate as ``torch.sigmoid``).
+
+Ling's MLA attention (``BailingHybridAttention``) gates its heads' outputs with ``sigmoid(g_proj(x))``:
+:func:`gated_mla_forward` is its forward with that sigmoid from ``exp``. Kimi Linear's MLA attention has no gate and
+runs as upstream; both reach the invariant attention through their attention function (the expanded form: the
+cached latent through ``kv_b_proj``, the row-invariant linear, then ``q k^T`` over the whole ``[nope | rope]`` head,
+summed in :mod:`~hf_hybridcache.kernels.attention_invariant`'s fixed order).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _compat
+from .._compat.invariant_attention import gated_attention_parts
 from ..kernels import chunk_kimi_delta_attention
 from ..kernels.conv_invariant import causal_conv_invariant
 from ..kernels.gated_delta_invariant import sigmoid_invariant
@@ -172,3 +179,37 @@ def _norm(mixer, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     if "norm" in _OFF:
         return mixer.o_norm(y, gate)
     return sigmoid_gated_rms_norm_invariant(y, gate, mixer.o_norm.weight, mixer.o_norm.variance_epsilon)
+
+
+def gated_mla_forward(module: torch.nn.Module, original, hidden_states: torch.Tensor,
+                      position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask=None, **kwargs):
+    """Ling's MLA attention ``(output [B, T, hidden], None)`` for ``hidden_states`` ``[B, T, hidden]`` and the rotary
+    ``(cos, sin)``: ``BailingHybridAttention.forward`` (transformers 5.23 - 5.25) with its head gate
+    ``sigmoid(g_proj(x))`` from ``exp`` in float32, rounded to the model's dtype as upstream rounds it. The cache holds
+    the normed latent (keys) and the rotated rope key (values) as upstream's; ``kv_b_proj`` expands them on every call
+    through the row-invariant linear, and the attention call goes through the model's attention function, which
+    deterministic mode routes to the invariant attention."""
+    cache, kwargs, apply_rotary, attention, update = gated_attention_parts(
+        module, kwargs, rotary="apply_rotary_pos_emb_interleave")
+    batch, seq_len = hidden_states.shape[:-1]
+    if getattr(module, "q_lora_rank", None) is None:
+        q_states = module.q_proj(hidden_states)
+    else:
+        q_states = module.q_b_proj(module.q_a_layernorm(module.q_a_proj(hidden_states)))
+    q_states = q_states.view(batch, seq_len, -1, module.qk_head_dim).transpose(1, 2)
+    q_pass, q_rot = torch.split(q_states, [module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
+    kv_nope, k_rot = torch.split(module.kv_a_proj_with_mqa(hidden_states),
+                                 [module.kv_lora_rank, module.qk_rope_head_dim], dim=-1)
+    kv_nope = module.kv_a_layernorm(kv_nope).view(batch, 1, seq_len, module.kv_lora_rank)
+    k_rot = k_rot.view(batch, 1, seq_len, module.qk_rope_head_dim)
+    q_rot, k_rot = apply_rotary(q_rot, k_rot, *position_embeddings)
+    if cache is not None:
+        kv_nope, k_rot = update(kv_nope, k_rot)
+    key, value = module.expand_kv(kv_nope, k_rot)
+    dropout = module.attention_dropout if module.training else 0.0
+    out, _ = attention(module, torch.cat((q_pass, q_rot), dim=-1), key, value, attention_mask, dropout=dropout,
+                       scaling=module.scaling, **kwargs)
+    gate_logit = module.g_proj(hidden_states).float()
+    gate = torch.sigmoid(gate_logit) if "attention_gate" in _OFF else sigmoid_invariant(gate_logit)
+    out = out * gate.to(hidden_states.dtype).unsqueeze(-1)
+    return module.o_proj(out.reshape(batch, seq_len, -1).contiguous()), None
