@@ -70,8 +70,8 @@ SWIGLU_MLPS = ("Lfm2MLP", "Lfm2MoeMLP")
 GATED_ATTENTION = ("Qwen3_5Attention", "Qwen3_5MoeAttention", "Qwen3NextAttention")
 #: The activations with an invariant form here (transformers' ``ACT2FN["silu"]`` / ``ACT2FN["gelu"]`` and torch's).
 ACTIVATIONS = ("silu", "swish", "gelu", "relu2")
-#: The families whose gated delta net conv runs ``hidden_act``, which has an invariant form there for SiLU only.
-SILU_CONV = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+#: The families whose gated delta net / KDA conv runs ``hidden_act``, which has an invariant form there for SiLU only.
+SILU_CONV = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "kimi_linear", "bailing_hybrid")
 #: Ingredients switched off (private: the power tests name them here; empty in use).
 _OFF: set[str] = set()
 
@@ -84,7 +84,8 @@ def refusals(model: torch.nn.Module, model_type: str) -> list[str]:
     if activation not in ACTIVATIONS:
         problems.append(f"hidden_act={activation!r} (only SiLU, GELU and relu2 have an invariant form here)")
     elif model_type in SILU_CONV and config.hidden_act not in ("silu", "swish"):
-        problems.append(f"hidden_act={config.hidden_act!r} (the gated delta net's conv has an invariant SiLU only)")
+        problems.append(f"hidden_act={config.hidden_act!r} (the gated delta net's / KDA's conv has an invariant SiLU "
+                        "only)")
     unwired = UNWIRED_EXPERTS.get(model_type)
     if unwired is not None and any(type(m).__name__ == unwired for m in model.modules()):
         problems.append(f"routed experts ({unwired}: no deterministic form of its router and expert sum yet; a "
