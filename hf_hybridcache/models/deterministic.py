@@ -10,7 +10,9 @@ refused), Jamba (its Mamba-1 mixers, and the attention, MLPs and routed experts
 of :mod:`.hybrid_deterministic`), Qwen3.5's text models, dense and MoE, and Qwen3-Next (the gated delta net mixer of
 :mod:`.gated_delta_deterministic`, the gated attention, MLPs and routed + shared experts of
 :mod:`.hybrid_deterministic`), and LFM2 / LFM2-MoE (the short conv mixer of :mod:`.short_conv_deterministic`, the
-attention with q/k RMSNorms, SwiGLU MLPs and sigmoid-routed experts of :mod:`.hybrid_deterministic`), on CPU, in
+attention with q/k RMSNorms, SwiGLU MLPs and sigmoid-routed experts of :mod:`.hybrid_deterministic`), and Kimi Linear /
+Ling (the KDA mixer and Ling's gated MLA attention of :mod:`.kda_deterministic`, the MLA attention, MLPs and
+grouped-router experts of :mod:`.hybrid_deterministic`), on CPU, in
 float32, bfloat16 and float16. Every other family is refused with the ingredients it lacks named, and so is a model
 whose kernels or BLAS would break the guarantee: refusing, never warning and continuing, is the point of the mode
 (vLLM's batch-invariant mode likewise fails closed on layers it has no kernel for).

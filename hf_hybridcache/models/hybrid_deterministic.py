@@ -1,5 +1,5 @@
 """The layers a hybrid adds to its mixers in deterministic mode (issue 46; Jamba, Zamba, Qwen3.5, Bamba, Granite-4.0-H,
-Nemotron-H, Zamba2, LFM2): attention, MLP
+Nemotron-H, Zamba2, LFM2, Kimi Linear, Ling): attention, MLP
 activations, linear layers and routed experts, each with a row-invariant, path-invariant form (docs/deterministic.md,
 "The ingredients").
 
@@ -26,6 +26,10 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
   ``sigmoid_invariant``.
 - LFM2-MoE's ``Lfm2MoeSparseMoeBlock`` runs :func:`sigmoid_moe_forward`: its router's sigmoid scores from ``exp``, the
   routed experts as below (their ``F.silu`` as the invariant SiLU).
+- Kimi Linear's and Ling's ``KimiLinearMoE`` / ``BailingHybridMoE`` run :func:`grouped_moe_forward`: the grouped
+  sigmoid router with its correction bias (sigmoid from ``exp``), the routed experts as below (Ling's SwiGLU clipped
+  by ``experts.limit``) and the shared experts; Ling's gated MLA attention runs
+  :func:`~hf_hybridcache.models.kda_deterministic.gated_mla_forward`.
 - A routed-experts block (Jamba's ``JambaSparseMoeBlock``, transformers 5.23 - 5.25) runs :func:`sparse_moe_forward`:
   upstream's router and experts, each expert's products on the rows routed to it through the row-invariant linear, and
   each token's experts summed in the order of its own top-k choice (upstream sums in expert order, also fixed per
@@ -34,7 +38,8 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
 The RMSNorms, softmaxes, embeddings and residual adds run as upstream (measured row-invariant here). :data:`_OFF` is
 the private switch of the power tests: ``"attention"`` runs the model's own attention function, ``"activation"``
 ``F.silu`` / the model's GELU, ``"contiguous"`` the float32 GELU on its input's own strides, ``"gate"`` the gated
-attention's ``torch.sigmoid`` (and LFM2-MoE's router's), ``"shared_gate"`` the shared expert's.
+attention's ``torch.sigmoid`` (and LFM2-MoE's, Kimi Linear's and Ling's routers'), ``"shared_gate"`` the shared
+expert's.
 """
 
 from __future__ import annotations
