@@ -64,7 +64,13 @@ OVERRIDES = {"jamba": dict(num_experts=4, num_experts_per_tok=2, intermediate_si
              "olmo_hybrid": dict(intermediate_size=104, num_attention_heads=3, num_key_value_heads=1, head_dim=16,
                                  linear_value_head_dim=20),
              "lara_mini": dict(moe_intermediate_size=56, shared_expert_intermediate_size=104, num_attention_heads=3,
-                               num_key_value_heads=1, linear_value_head_dim=20)}
+                               num_key_value_heads=1, linear_value_head_dim=20),
+             # Kimi Linear / Ling (test_deterministic_kda.py): 3 MLA heads, KDA heads of 20, Ling's SwiGLUs clipped
+             "kimi_linear": dict(intermediate_size=104, moe_intermediate_size=56, num_attention_heads=3,
+                                 num_key_value_heads=3, linear_head_dim=20),
+             "bailing_hybrid": dict(intermediate_size=104, moe_intermediate_size=56, num_attention_heads=3,
+                                    num_key_value_heads=3, head_dim=20, swiglu_limits=[0, 2.0, 2.0, 2.0],
+                                    swiglu_limits_shared=[0, 2.0, 2.0, 2.0])}
 
 
 def fresh(family, dtype, deterministic=True, **kwargs):
@@ -230,7 +236,6 @@ def test_with_the_mode_off_some_case_differs(dtype):
 @pytest.mark.parametrize("family, named", [
     ("falcon_h1", "attention with a fixed reduction order"),
     ("falcon_h1", "Mamba-2 mixer"),
-    ("kimi_linear", "Kimi delta attention"),
     ("lfm3", "short conv"),
 ])
 def test_other_families_are_refused_with_the_missing_ingredient(family, named):

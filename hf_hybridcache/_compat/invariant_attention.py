@@ -98,10 +98,11 @@ def invariant_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     return out.transpose(1, 2).contiguous(), None
 
 
-def gated_attention_parts(module: torch.nn.Module, kwargs: dict) -> tuple:
-    """What a copy of a gated attention module's forward (Qwen3.5's, Qwen3-Next's: ``Qwen3_5Attention.forward``,
-    transformers 5.23 - 5.25) takes from transformers: ``(cache or None, the call's other kwargs, the modeling file's
-    apply_rotary_pos_emb, the attention function the module's config names, update)``, where
+def gated_attention_parts(module: torch.nn.Module, kwargs: dict, rotary: str = "apply_rotary_pos_emb") -> tuple:
+    """What a copy of a gated attention module's forward (Qwen3.5's, Qwen3-Next's: ``Qwen3_5Attention.forward``;
+    Ling's ``BailingHybridAttention.forward`` with ``rotary="apply_rotary_pos_emb_interleave"``; transformers 5.23 -
+    5.25) takes from transformers: ``(cache or None, the call's other kwargs, the modeling file's function named
+    ``rotary``, the attention function the module's config names, update)``, where
     ``update(key [B, Hkv, T, D], value) -> (keys, values)`` writes the call's KV to the cache as that release does."""
     cache = find_cache(kwargs)
     rest = {name: value for name, value in kwargs.items() if name not in CACHE_KWARG_NAMES}
@@ -113,4 +114,4 @@ def gated_attention_parts(module: torch.nn.Module, kwargs: dict) -> tuple:
             return cache.update(key, value, module.layer_idx, kwargs=rest)
         return cache.update(key, value, module.layer_idx)
 
-    return cache, rest, modeling.apply_rotary_pos_emb, function, update
+    return cache, rest, getattr(modeling, rotary), function, update

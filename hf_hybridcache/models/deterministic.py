@@ -9,9 +9,10 @@ same mixer: theirs is upstream Zamba2's plain one; attention and MLPs of :mod:`.
 refused), Jamba (its Mamba-1 mixers, and the attention, MLPs and routed experts
 of :mod:`.hybrid_deterministic`), Qwen3.5's text models, dense and MoE, Qwen3-Next, OLMo-Hybrid and Lara Mini (the
 gated delta net mixer of :mod:`.gated_delta_deterministic`, the gated, plain, sliding-window or position-free
-attention, MLPs and routed + shared experts of :mod:`.hybrid_deterministic`), and LFM2 / LFM2-MoE (the short conv
+attention, MLPs and routed + shared experts of :mod:`.hybrid_deterministic`), LFM2 / LFM2-MoE (the short conv
 mixer of :mod:`.short_conv_deterministic`, the attention with q/k RMSNorms, SwiGLU MLPs and sigmoid-routed experts of
-:mod:`.hybrid_deterministic`), on CPU, in float32, bfloat16 and float16. Every other family is refused with the
+:mod:`.hybrid_deterministic`), and Kimi Linear / Ling (the KDA mixer and Ling's gated MLA attention of
+:mod:`.kda_deterministic`, the MLA attention, MLPs and grouped-router experts of :mod:`.hybrid_deterministic`), on CPU, in float32, bfloat16 and float16. Every other family is refused with the
 ingredients it lacks named, and so is a model whose kernels or BLAS would break the guarantee: refusing, never warning
 and continuing, is the point of the mode (vLLM's batch-invariant mode likewise fails closed on layers it has no kernel
 for).
@@ -30,6 +31,7 @@ from ..kernels.decode_linear import weight_qualifies
 from . import (
     gated_delta_deterministic,
     hybrid_deterministic,
+    kda_deterministic,
     mamba1_deterministic,
     mamba2_deterministic,
     short_conv_deterministic,
@@ -57,6 +59,8 @@ SUPPORTED = {
     "lara_mini": ("LaraMiniGatedDeltaNet", gated_delta_deterministic),
     "lfm2": ("Lfm2ShortConv", short_conv_deterministic),
     "lfm2_moe": ("Lfm2MoeShortConv", short_conv_deterministic),
+    "kimi_linear": ("KimiLinearDeltaAttention", kda_deterministic),
+    "bailing_hybrid": ("BailingHybridDeltaAttention", kda_deterministic),
 }
 #: The dtypes the mode's tests hold in.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -69,12 +73,10 @@ _ACTIVATIONS = "its MLPs wired to the row-invariant linear and SiLU (F.silu give
                "its offset; models/hybrid_deterministic.py, as Jamba's are)"
 _MAMBA2 = "its Mamba-2 mixer wired to the deterministic Mamba-2 forward (models/mamba2_deterministic.py: per-token " \
           "scan, invariant conv, row-invariant gated RMSNorm)"
-_KDA = "a Kimi delta attention (KDA) per-token scan"
 _SHORT_CONV = "the short conv mixer wired through the invariant conv (kernels/conv_invariant.py)"
 #: model_type -> the mixer ingredients its family lacks (attention and MLP activations are added from the model).
 _MIXERS = {
     **dict.fromkeys(("falcon_h1",), (_MAMBA2,)),
-    **dict.fromkeys(("kimi_linear", "bailing_hybrid"), (_KDA,)),
     **dict.fromkeys(("lfm3", "inkling_text", "inkling2_text", "inkling2_loop_text"),
                     (_SHORT_CONV,)),
     "zaya": ("ZAYA's CCA conv mixer wired to the invariant conv",),

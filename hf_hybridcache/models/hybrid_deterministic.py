@@ -1,5 +1,5 @@
 """The layers a hybrid adds to its mixers in deterministic mode (issue 46; Jamba, Zamba, Qwen3.5, Bamba, Granite-4.0-H,
-Nemotron-H, Zamba2, LFM2, OLMo-Hybrid, Lara Mini): attention, MLP
+Nemotron-H, Zamba2, LFM2, OLMo-Hybrid, Lara Mini, Kimi Linear, Ling): attention, MLP
 activations, linear layers and routed experts, each with a row-invariant, path-invariant form (docs/deterministic.md,
 "The ingredients").
 
@@ -32,6 +32,10 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
   (:data:`FLOAT32_ROUTERS`), its shared expert added without a gate.
 - LFM2-MoE's ``Lfm2MoeSparseMoeBlock`` runs :func:`sigmoid_moe_forward`: its router's sigmoid scores from ``exp``, the
   routed experts as below (their ``F.silu`` as the invariant SiLU).
+- Kimi Linear's and Ling's ``KimiLinearMoE`` / ``BailingHybridMoE`` run :func:`grouped_moe_forward`: the grouped
+  sigmoid router with its correction bias (sigmoid from ``exp``), the routed experts as below (Ling's SwiGLU clipped
+  by ``experts.limit``) and the shared experts; Ling's gated MLA attention runs
+  :func:`~hf_hybridcache.models.kda_deterministic.gated_mla_forward`.
 - A routed-experts block (Jamba's ``JambaSparseMoeBlock``, transformers 5.23 - 5.25) runs :func:`sparse_moe_forward`:
   upstream's router and experts, each expert's products on the rows routed to it through the row-invariant linear, and
   each token's experts summed in the order of its own top-k choice (upstream sums in expert order, also fixed per
@@ -40,7 +44,7 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
 The RMSNorms, softmaxes, embeddings and residual adds run as upstream (measured row-invariant here). :data:`_OFF` is
 the private switch of the power tests: ``"attention"`` runs the model's own attention function, ``"activation"``
 ``F.silu`` / the model's GELU, ``"contiguous"`` the float32 GELU on its input's own strides, ``"gate"`` the gated
-attention's ``torch.sigmoid`` (and LFM2-MoE's router's), ``"shared_gate"`` the shared expert's, ``"window"`` a sliding
+attention's ``torch.sigmoid`` (and LFM2-MoE's, Kimi Linear's and Ling's routers'), ``"shared_gate"`` the shared expert's, ``"window"`` a sliding
 layer's attention in the form anchored at position 0 with the window in the mask only.
 """
 
@@ -53,6 +57,7 @@ from .. import _compat
 from .._compat.invariant_attention import gated_attention_parts, invariant_attention_forward, mark, unroutable
 from ..kernels.gated_delta_invariant import sigmoid_invariant
 from ..kernels.mamba1_invariant import silu_invariant
+from . import kda_deterministic
 from .mamba1_deterministic import _linear, lm_head_forward
 
 #: model_type -> (attention module class, routed-experts block class or None): the hybrids whose layers this module
@@ -65,7 +70,9 @@ FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock"), "zamba": ("Zamba
             "nemotron_h": ("NemotronHAttention", None), "zamba2": ("Zamba2Attention", None),
             "lfm2": ("Lfm2Attention", None), "lfm2_moe": ("Lfm2MoeAttention", "Lfm2MoeSparseMoeBlock"),
             "olmo_hybrid": ("OlmoHybridAttention", None),
-            "lara_mini": ("LaraMiniAttention", "LaraMiniSparseMoeBlock")}
+            "lara_mini": ("LaraMiniAttention", "LaraMiniSparseMoeBlock"),
+            "kimi_linear": ("KimiLinearAttention", "KimiLinearMoE"),
+            "bailing_hybrid": ("BailingHybridAttention", "BailingHybridMoE")}
 #: Routed-experts blocks a family may hold that have no deterministic form here yet: a model holding one is refused
 #: (Granite 4.0-H's ``num_local_experts > 0``, Nemotron-H's ``"moe"`` layers; their routers and expert sums differ from
 #: :func:`sparse_moe_forward`'s).
@@ -76,8 +83,9 @@ SWIGLU_MLPS = ("Lfm2MLP", "Lfm2MoeMLP")
 GATED_ATTENTION = ("Qwen3_5Attention", "Qwen3_5MoeAttention", "Qwen3NextAttention")
 #: The activations with an invariant form here (transformers' ``ACT2FN["silu"]`` / ``ACT2FN["gelu"]`` and torch's).
 ACTIVATIONS = ("silu", "swish", "gelu", "relu2")
-#: The families whose gated delta net conv runs ``hidden_act``, which has an invariant form there for SiLU only.
-SILU_CONV = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lara_mini")
+#: The families whose gated delta net / KDA conv runs ``hidden_act``, which has an invariant form there for SiLU only.
+SILU_CONV = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lara_mini",
+             "kimi_linear", "bailing_hybrid")
 #: The families whose sliding-window attention layers are wired (the invariant attention's windowed form).
 WINDOWED = ("lara_mini",)
 #: The routers whose logits are a float32 product of float32 copies of the input and weight (Lara Mini's).
@@ -94,7 +102,8 @@ def refusals(model: torch.nn.Module, model_type: str) -> list[str]:
     if activation not in ACTIVATIONS:
         problems.append(f"hidden_act={activation!r} (only SiLU, GELU and relu2 have an invariant form here)")
     elif model_type in SILU_CONV and config.hidden_act not in ("silu", "swish"):
-        problems.append(f"hidden_act={config.hidden_act!r} (the gated delta net's conv has an invariant SiLU only)")
+        problems.append(f"hidden_act={config.hidden_act!r} (the gated delta net's / KDA's conv has an invariant SiLU "
+                        "only)")
     unwired = UNWIRED_EXPERTS.get(model_type)
     if unwired is not None and any(type(m).__name__ == unwired for m in model.modules()):
         problems.append(f"routed experts ({unwired}: no deterministic form of its router and expert sum yet; a "
@@ -118,7 +127,8 @@ def product_weights(model: torch.nn.Module, model_type: str) -> list[torch.Tenso
     for module in model.modules():
         if type(module).__name__ == experts_class:
             router = _router(module).weight
-            router = router.float() if type(_router(module)).__name__ in FLOAT32_ROUTERS else router
+            router = router.float() if (type(_router(module)).__name__ in FLOAT32_ROUTERS
+                                      or hasattr(module, "shared_experts")) else router
             weights += [router, module.experts.gate_up_proj[0], module.experts.down_proj[0]]
         if isinstance(getattr(module, "x_proj_weight", None), torch.nn.Parameter):
             weights += [module.x_proj_weight[0], module.dt_proj_weight[0]]
@@ -139,10 +149,13 @@ def install(model: torch.nn.Module, model_type: str) -> None:
             _compat.patch_instance_forward(module, gelu_forward)
         elif experts_class is not None and name == experts_class:
             moe_forward = (shared_moe_forward if hasattr(module, "shared_expert") else
+                           grouped_moe_forward if hasattr(module, "shared_experts") else
                            sigmoid_moe_forward if name == "Lfm2MoeSparseMoeBlock" else sparse_moe_forward)
             _compat.patch_instance_forward(module, moe_forward)
         elif name in GATED_ATTENTION:
             _compat.patch_instance_forward(module, gated_attention_forward)
+        elif name == "BailingHybridAttention":
+            _compat.patch_instance_forward(module, kda_deterministic.gated_mla_forward)
         elif name in SWIGLU_MLPS:
             _compat.patch_instance_forward(module, swiglu_forward)
     mark(model, [m for m in model.modules() if type(m).__name__ == attention_class], attention_forward)
@@ -271,6 +284,33 @@ def sigmoid_moe_forward(block: torch.nn.Module, original, hidden_states: torch.T
     return _routed_sum(x, block.experts, weights.to(x.dtype), chosen).reshape(batch, seq_len, hidden)
 
 
+def grouped_moe_forward(block: torch.nn.Module, original, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Kimi Linear's routed + shared experts block ``[B, T, hidden]`` -> ``[B, T, hidden]`` (``KimiLinearMoE.forward``
+    and ``KimiLinearTopkRouter.forward``, transformers 5.23 - 5.25; DeepSeek-V3's router): float32 logits through the
+    row-invariant linear, sigmoid scores from ``exp``, the top-k by score plus ``e_score_correction_bias`` within the
+    ``topk_group`` best of ``n_group`` groups (a group's score: its two best), the chosen scores renormalized
+    (``norm_topk_prob``) and scaled by ``routed_scaling_factor`` in float32, the experts as :func:`sparse_moe_forward`
+    sums them (in the token's top-k order by score, where upstream adds in expert order), plus the shared experts."""
+    batch, seq_len, hidden = hidden_states.shape
+    x = hidden_states.reshape(-1, hidden)
+    router = block.gate
+    logits = _linear(x.float(), router.weight.float())
+    scores = torch.sigmoid(logits) if "gate" in _OFF else sigmoid_invariant(logits)
+    choice = scores + router.e_score_correction_bias
+    per_group = router.num_experts // router.num_group
+    group_scores = choice.view(-1, router.num_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(dim=-1)
+    groups = torch.topk(group_scores, k=router.topk_group, dim=-1)[1]
+    keep = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()
+    choice = choice.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
+    chosen = torch.topk(choice, k=router.top_k, dim=-1)[1]
+    weights = scores.gather(1, chosen)
+    if router.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    weights = weights * router.routed_scaling_factor
+    routed = _routed_sum(x, block.experts, weights, chosen).reshape(batch, seq_len, hidden)
+    return routed + block.shared_experts(hidden_states)
+
+
 def _routed_sum(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     """``sum_k w_k expert_k(x)`` ``[N, hidden]`` per token in its top-k order for ``x`` ``[N, hidden]``, ``weights`` /
     ``chosen`` ``[N, k]``; each expert's products on the rows routed to it through the row-invariant linear."""
@@ -280,8 +320,10 @@ def _routed_sum(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Tensor
         token, slot = torch.where(chosen == expert)
         gate, up = _linear(x[token], experts.gate_up_proj[expert]).chunk(2, dim=-1)
         act = silu_forward(experts, None, gate) if experts.act_fn is F.silu else experts.act_fn(gate)  # LFM2-MoE's
+        if getattr(experts, "limit", None) is not None:  # Ling's clipped SwiGLU (transformers 5.25)
+            act, up = act.clamp(max=experts.limit), up.clamp(min=-experts.limit, max=experts.limit)
         out = _linear(act * up, experts.down_proj[expert])
-        picked[token, slot] = out * weights[token, slot, None]
+        picked[token, slot] = (out * weights[token, slot, None]).to(picked.dtype)
     total = picked[:, 0]
     for slot in range(1, top_k):
         total = total + picked[:, slot]
