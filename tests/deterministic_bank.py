@@ -19,7 +19,6 @@ BASE = ids(90, seed=4600)
 PROMPTS = [BASE[:40] + ids(n, seed=4610 + n) for n in (3, 12)] + [ids(n, seed=4620 + n) for n in (1, 17, 33, 50, 7, 24)]
 
 
-
 def fresh(family, dtype, deterministic=True, **kwargs):
     """test_deterministic.py's ``fresh`` (``family``'s toy in ``dtype`` and a ``HybridPrefixCache`` over it, checkpoints
     dense), read at call time: how a family's toy is built stays there, beside the ``OVERRIDES`` table family files

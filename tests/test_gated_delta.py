@@ -6,7 +6,9 @@ import inspect
 import pytest
 import torch
 import torch.nn.functional as F
-from delta_steps_checks import (
+from delta_rule_checks import (
+    emitted_states_match_the_recurrence,
+    emitted_states_match_upstream_on_the_prefix,
     steps_leave_their_inputs_and_emitted_states_alone,
     steps_match_the_recurrence,
     steps_tolerance_detects_a_state_off_by_one_token,
@@ -104,14 +106,8 @@ def test_emitted_states_match_the_recurrence(case, from_state, chunk_size, dtype
     seq_len = case[1]
     positions = sorted(set(valid(POSITIONS, seq_len)) | {seq_len - 1, seq_len})
     args, h0 = gdn_inputs(*case, seed=3, dtype=dtype)
-    kwargs = {"initial_state": h0 if from_state else None, "output_final_state": True, "use_qk_l2norm_in_kernel": True}
-    _, final, emitted = chunk_gated_delta_rule(*args, chunk_size=chunk_size, **kwargs, emit_positions=positions)
-    _, final_ref, emitted_ref = recurrent_gated_delta_rule(*args, **kwargs, emit_positions=positions)
-    torch.testing.assert_close(final, final_ref, **FP32)
-    assert len(emitted) == len(positions)
-    for t, state, state_ref in zip(positions, emitted, emitted_ref):
-        assert state.dtype == torch.float32 and state.shape == final.shape
-        torch.testing.assert_close(state, state_ref, **FP32, msg=lambda m, t=t: f"state after {t} tokens: {m}")
+    emitted_states_match_the_recurrence(chunk_gated_delta_rule, recurrent_gated_delta_rule, args, h0, positions,
+                                        from_state=from_state, chunk_size=chunk_size)
 
 
 @pytest.mark.parametrize("chunk_size", [64, 8])
@@ -120,18 +116,8 @@ def test_emitted_states_match_upstream_on_the_prefix(chunk_size):
     what a later request restoring it continues from."""
     positions = [1, 17, 64, 100, 130, 149]
     args, h0 = gdn_inputs(2, 150, 2, 4, 16, 8, seed=4)
-    _, _, emitted = chunk_gated_delta_rule(
-        *args, chunk_size=chunk_size, initial_state=h0, use_qk_l2norm_in_kernel=True, emit_positions=positions
-    )
-    for t, state in zip(positions, emitted):
-        _, prefix_final = UPSTREAM_CHUNK(
-            *(x[:, :t] for x in args),
-            chunk_size=chunk_size,
-            initial_state=h0,
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
-        )
-        torch.testing.assert_close(state, prefix_final, **FP32)
+    emitted_states_match_upstream_on_the_prefix(chunk_gated_delta_rule, UPSTREAM_CHUNK, args, h0, positions,
+                                                chunk_size)
 
 
 def test_continuing_from_an_emitted_state_matches_the_unsplit_forward():

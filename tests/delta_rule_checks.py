@@ -1,12 +1,43 @@
-"""The checks of a stepped delta rule (``gated_delta_steps``, ``kimi_delta_steps``: a verify step's kernel) against its
-token-by-token recurrence, shared by tests/test_gated_delta.py and tests/test_kda.py: each test builds its rule's
-inputs and passes ``steps`` and ``recurrent``, the two functions of one rule (same arguments and returns)."""
+"""The checks of an emitting delta rule against its references, shared by tests/test_gated_delta.py and
+tests/test_kda.py: each test builds its rule's inputs and passes its rule's functions (the chunked form, the
+token-by-token recurrence, the stepped form of a verify step, upstream's chunked forward; same arguments and returns
+within a rule)."""
 
 import pytest
 import torch
 
 # fp32 round-off of unit-scale states (measured: <= 2.9e-6 between the chunked and the token-by-token state).
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def emitted_states_match_the_recurrence(chunk, recurrent, args, h0, positions, *, from_state, chunk_size):
+    """The chunked form's final state and the states it emits after ``positions`` tokens against the recurrence's,
+    within fp32 round-off, all float32 of the final state's shape."""
+    kwargs = {"initial_state": h0 if from_state else None, "output_final_state": True,
+              "use_qk_l2norm_in_kernel": True}
+    _, final, emitted = chunk(*args, chunk_size=chunk_size, **kwargs, emit_positions=positions)
+    _, final_ref, emitted_ref = recurrent(*args, **kwargs, emit_positions=positions)
+    torch.testing.assert_close(final, final_ref, **FP32)
+    assert len(emitted) == len(positions)
+    for t, state, state_ref in zip(positions, emitted, emitted_ref):
+        assert state.dtype == torch.float32 and state.shape == final.shape
+        torch.testing.assert_close(state, state_ref, **FP32, msg=lambda m, t=t: f"state after {t} tokens: {m}")
+
+
+def emitted_states_match_upstream_on_the_prefix(chunk, upstream_chunk, args, h0, positions, chunk_size):
+    """The state emitted after t tokens is the final state of upstream's forward over the first t tokens."""
+    _, _, emitted = chunk(
+        *args, chunk_size=chunk_size, initial_state=h0, use_qk_l2norm_in_kernel=True, emit_positions=positions
+    )
+    for t, state in zip(positions, emitted):
+        _, prefix_final = upstream_chunk(
+            *(x[:, :t] for x in args),
+            chunk_size=chunk_size,
+            initial_state=h0,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+        torch.testing.assert_close(state, prefix_final, **FP32)
 
 
 def steps_match_the_recurrence(steps, recurrent, args, h0, *, from_state, l2norm, dtype):
