@@ -50,8 +50,9 @@ from ..kernels.gated_delta_invariant import (
 )
 from ..kernels.mamba1_invariant import softplus_invariant
 from ..kernels.state_update import causal_conv1d_update
+from . import mamba1_deterministic
+from .deterministic_linear import routed_linear
 from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_states_at
-from .mamba1_deterministic import _linear as _invariant_linear
 from .mamba1_deterministic import lm_head_forward  # noqa: F401 (deterministic.install reads it from here)
 
 #: The gated norms that apply their weight in float32 before rounding (``LaraMiniRMSNormGated``); the others round the
@@ -62,9 +63,8 @@ _OFF: set[str] = set()
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    if "linear" in _OFF:
-        return F.linear(x, weight)
-    return _invariant_linear(x, weight)
+    # mamba1_deterministic's switch also holds these products (its "linear" switches every mixer built on it)
+    return routed_linear(x, weight, off=_OFF | mamba1_deterministic._OFF)
 
 
 @_compat.force_accelerate_hooks(["conv1d"])

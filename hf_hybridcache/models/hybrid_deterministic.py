@@ -58,7 +58,8 @@ from .._compat.invariant_attention import gated_attention_parts, invariant_atten
 from ..kernels.gated_delta_invariant import sigmoid_invariant
 from ..kernels.mamba1_invariant import silu_invariant
 from . import kda_deterministic
-from .mamba1_deterministic import _linear, lm_head_forward
+from .mamba1_deterministic import linear as _linear
+from .mamba1_deterministic import lm_head_forward
 
 #: model_type -> (attention module class, routed-experts block class or None): the hybrids whose layers this module
 #: knows (their mixers are wired by :mod:`.deterministic`).

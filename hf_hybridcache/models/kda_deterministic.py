@@ -51,7 +51,8 @@ from ..kernels.kda_invariant import kda_scan_invariant, kda_step_invariant, sigm
 from ..kernels.mamba1_invariant import softplus_invariant
 from ..kernels.state_update import causal_conv1d_update
 from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_states_at
-from .mamba1_deterministic import _linear as _invariant_linear
+from . import mamba1_deterministic
+from .deterministic_linear import routed_linear
 from .mamba1_deterministic import lm_head_forward  # noqa: F401 (deterministic.install reads it from here)
 
 #: Ingredients switched off (private: the power tests name them here; empty in use).
@@ -59,9 +60,8 @@ _OFF: set[str] = set()
 
 
 def _linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
-    if "linear" in _OFF:
-        return F.linear(x, layer.weight)
-    return _invariant_linear(x, layer.weight)
+    # mamba1_deterministic's switch also holds these products (its "linear" switches every mixer built on it)
+    return routed_linear(x, layer.weight, off=_OFF | mamba1_deterministic._OFF)
 
 
 def _sigmoid(x: torch.Tensor) -> torch.Tensor:

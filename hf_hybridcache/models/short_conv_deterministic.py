@@ -25,13 +25,13 @@ the conv update :func:`~hf_hybridcache.kernels.state_update.causal_conv1d_update
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .. import _compat
 from ..kernels.conv_invariant import causal_conv_invariant
 from ..kernels.state_update import causal_conv1d_update
+from . import mamba1_deterministic
+from .deterministic_linear import routed_linear
 from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_states_at
-from .mamba1_deterministic import _linear as _invariant_linear
 from .mamba1_deterministic import lm_head_forward  # noqa: F401 (deterministic.install reads it from here)
 
 #: Ingredients switched off (private: the power tests name them here; empty in use).
@@ -39,9 +39,8 @@ _OFF: set[str] = set()
 
 
 def _linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
-    if "linear" in _OFF:
-        return F.linear(x, layer.weight, layer.bias)
-    return _invariant_linear(x, layer.weight, layer.bias)
+    # mamba1_deterministic's switch also holds these products (its "linear" switches every mixer built on it)
+    return routed_linear(x, layer.weight, layer.bias, off=_OFF | mamba1_deterministic._OFF)
 
 
 @_compat.force_accelerate_hooks(["conv"])
