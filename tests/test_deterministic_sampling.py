@@ -37,8 +37,8 @@ OVERRIDES = {"jamba": dict(num_experts=4, num_experts_per_tok=2, intermediate_si
 
 
 def serve(family, dtype, prompts, seeds, max_batch_tokens, deterministic=True, generation=SAMPLING, cache=None):
-    """Each request's (tokens, logprobs) from one engine run of ``prompts`` sent together (``seeds[i]`` each), the cache,
-    and the prompt tokens the run took from it."""
+    """Each request's (tokens, logprobs) from one engine run of ``prompts`` sent together (``seeds[i]`` each), the
+    cache, and the prompt tokens the run took from it."""
     if cache is None:
         model = build_model(family, seed=0, dtype=dtype, **OVERRIDES.get(family, {}))
         cache = HybridPrefixCache(model, deterministic=deterministic)

@@ -12,8 +12,9 @@ gated delta net mixer of :mod:`.gated_delta_deterministic`, the gated, plain, sl
 attention, MLPs and routed + shared experts of :mod:`.hybrid_deterministic`), LFM2 / LFM2-MoE (the short conv
 mixer of :mod:`.short_conv_deterministic`, the attention with q/k RMSNorms, SwiGLU MLPs and sigmoid-routed experts of
 :mod:`.hybrid_deterministic`), and Kimi Linear / Ling (the KDA mixer and Ling's gated MLA attention of
-:mod:`.kda_deterministic`, the MLA attention, MLPs and grouped-router experts of :mod:`.hybrid_deterministic`), on CPU, in float32, bfloat16 and float16. Every other family is refused with the
-ingredients it lacks named, and so is a model whose kernels or BLAS would break the guarantee: refusing, never warning
+:mod:`.kda_deterministic`, the MLA attention, MLPs and grouped-router experts of :mod:`.hybrid_deterministic`), on CPU,
+in float32, bfloat16 and float16. Every other family is refused with the ingredients it lacks named, and so is a model
+whose kernels or BLAS would break the guarantee: refusing, never warning
 and continuing, is the point of the mode (vLLM's batch-invariant mode likewise fails closed on layers it has no kernel
 for).
 """

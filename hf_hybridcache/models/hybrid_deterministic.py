@@ -44,8 +44,8 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
 The RMSNorms, softmaxes, embeddings and residual adds run as upstream (measured row-invariant here). :data:`_OFF` is
 the private switch of the power tests: ``"attention"`` runs the model's own attention function, ``"activation"``
 ``F.silu`` / the model's GELU, ``"contiguous"`` the float32 GELU on its input's own strides, ``"gate"`` the gated
-attention's ``torch.sigmoid`` (and LFM2-MoE's, Kimi Linear's and Ling's routers'), ``"shared_gate"`` the shared expert's, ``"window"`` a sliding
-layer's attention in the form anchored at position 0 with the window in the mask only.
+attention's ``torch.sigmoid`` (and LFM2-MoE's, Kimi Linear's and Ling's routers'), ``"shared_gate"`` the shared
+expert's, ``"window"`` a sliding layer's attention in the form anchored at position 0 with the window in the mask only.
 """
 
 from __future__ import annotations
