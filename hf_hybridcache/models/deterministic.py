@@ -6,7 +6,8 @@ row-invariant, path-invariant form here (docs/deterministic.md, "The ingredients
 (Mamba, Falcon-Mamba: embeddings, RMSNorms, the mixer of :mod:`.mamba1_deterministic`, the LM head), the pure Mamba-2
 one (the mixer of :mod:`.mamba2_deterministic`), the Mamba-2 hybrids Bamba, GraniteMoeHybrid, Nemotron-H and Zamba2 (the
 same mixer: theirs is upstream Zamba2's plain one; attention and MLPs of :mod:`.hybrid_deterministic`; routed experts
-refused), Jamba (its Mamba-1 mixers, and the attention, MLPs and routed experts
+of :mod:`.moe_deterministic`), Falcon-H1 (the same mixer with its multipliers and gate, :mod:`.falcon_h1_deterministic`,
+beside attention in every layer), Jamba (its Mamba-1 mixers, and the attention, MLPs and routed experts
 of :mod:`.hybrid_deterministic`), Qwen3.5's text models, dense and MoE, and Qwen3-Next (the gated delta net mixer of
 :mod:`.gated_delta_deterministic`, the gated attention, MLPs and routed + shared experts of
 :mod:`.hybrid_deterministic`), and LFM2 / LFM2-MoE (the short conv mixer of :mod:`.short_conv_deterministic`, the
@@ -27,6 +28,7 @@ from ..kernels.attention_invariant import check_invariance as check_attention_in
 from ..kernels.batch_invariant import check_row_invariance, check_thread_invariance
 from ..kernels.decode_linear import weight_qualifies
 from . import (
+    falcon_h1_deterministic,
     gated_delta_deterministic,
     hybrid_deterministic,
     mamba1_deterministic,
@@ -47,6 +49,7 @@ SUPPORTED = {
     "granitemoehybrid": ("GraniteMoeHybridMambaLayer", mamba2_deterministic),
     "nemotron_h": ("NemotronHMamba2Mixer", mamba2_deterministic),
     "zamba2": ("Zamba2MambaMixer", mamba2_deterministic),
+    "falcon_h1": ("FalconH1Mixer", falcon_h1_deterministic),
     "jamba": ("JambaMambaMixer", mamba1_deterministic),
     "zamba": ("ZambaMambaMixer", zamba_deterministic),
     "qwen3_5_text": ("Qwen3_5GatedDeltaNet", gated_delta_deterministic),
@@ -64,15 +67,12 @@ _ATTENTION = "its attention layers wired to the attention with a fixed reduction
              "(kernels/attention_invariant.py, as Jamba's are)"
 _ACTIVATIONS = "its MLPs wired to the row-invariant linear and SiLU (F.silu gives an element other float32 bits by " \
                "its offset; models/hybrid_deterministic.py, as Jamba's are)"
-_MAMBA2 = "its Mamba-2 mixer wired to the deterministic Mamba-2 forward (models/mamba2_deterministic.py: per-token " \
-          "scan, invariant conv, row-invariant gated RMSNorm)"
 _GDN = "its gated delta net mixer wired to the deterministic forward (models/gated_delta_deterministic.py: " \
        "per-token rule, invariant conv, row-invariant gates and gated RMSNorm, as Qwen3.5's are)"
 _KDA = "a Kimi delta attention (KDA) per-token scan"
 _SHORT_CONV = "the short conv mixer wired through the invariant conv (kernels/conv_invariant.py)"
 #: model_type -> the mixer ingredients its family lacks (attention and MLP activations are added from the model).
 _MIXERS = {
-    **dict.fromkeys(("falcon_h1",), (_MAMBA2,)),
     **dict.fromkeys(("olmo_hybrid", "lara_mini"), (_GDN,)),
     **dict.fromkeys(("kimi_linear", "bailing_hybrid"), (_KDA,)),
     **dict.fromkeys(("lfm3", "inkling_text", "inkling2_text", "inkling2_loop_text"),
