@@ -67,8 +67,9 @@ SWIGLU_MLPS = ("Lfm2MLP", "Lfm2MoeMLP")
 GATED_ATTENTION = ("Qwen3_5Attention", "Qwen3_5MoeAttention", "Qwen3NextAttention")
 #: The activations with an invariant form here (transformers' ``ACT2FN["silu"]`` / ``ACT2FN["gelu"]`` and torch's).
 ACTIVATIONS = ("silu", "swish", "gelu", "relu2")
-#: The families whose gated delta net conv runs ``hidden_act``, which has an invariant form there for SiLU only.
-SILU_CONV = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+#: The families whose mixer's conv (gated delta net, Falcon-H1's Mamba-2) runs ``hidden_act``, which has an invariant
+#: form there for SiLU only.
+SILU_CONV = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "falcon_h1")
 #: Ingredients switched off (private: the power tests name them here; empty in use).
 _OFF: set[str] = set()
 
@@ -81,7 +82,7 @@ def refusals(model: torch.nn.Module, model_type: str) -> list[str]:
     if activation not in ACTIVATIONS:
         problems.append(f"hidden_act={activation!r} (only SiLU, GELU and relu2 have an invariant form here)")
     elif model_type in SILU_CONV and config.hidden_act not in ("silu", "swish"):
-        problems.append(f"hidden_act={config.hidden_act!r} (the gated delta net's conv has an invariant SiLU only)")
+        problems.append(f"hidden_act={config.hidden_act!r} (the mixer's conv has an invariant SiLU only)")
     if getattr(model.config, "vision_config", None) is not None:
         problems.append("a vision tower (its attention and merger have no invariant form here; load the text model, "
                         "e.g. Qwen3_5ForCausalLM, for text requests)")
