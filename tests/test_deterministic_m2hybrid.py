@@ -212,3 +212,10 @@ def test_falcon_h1_multipliers_give_an_element_the_same_bits_at_any_offset(dtype
     x, vector = (torch.randn(4099) * 3).to(dtype), (torch.rand(4099) + 0.5).to(dtype)
     full = x * vector
     assert all(torch.equal(x[o:o + 37] * vector[o:o + 37], full[o:o + 37]) for o in range(1, 40))
+
+
+def test_falcon_h1_with_another_conv_activation_is_refused():
+    """Falcon-H1's mixer conv runs hidden_act, which has an invariant form there for SiLU only."""
+    model = build_model("falcon_h1", seed=0, hidden_act="gelu")
+    with pytest.raises(ValueError, match="(?s)hidden_act='gelu'.*mixer's conv.*deterministic=False"):
+        HybridPrefixCache(model, deterministic=True)
