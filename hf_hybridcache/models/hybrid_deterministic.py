@@ -102,8 +102,8 @@ def refusals(model: torch.nn.Module, model_type: str) -> list[str]:
     if activation not in ACTIVATIONS:
         problems.append(f"hidden_act={activation!r} (only SiLU, GELU and relu2 have an invariant form here)")
     elif model_type in SILU_CONV and config.hidden_act not in ("silu", "swish"):
-        problems.append(f"hidden_act={config.hidden_act!r} (the gated delta net's / KDA's conv has an invariant SiLU "
-                        "only)")
+        problems.append(f"hidden_act={config.hidden_act!r} (the mixer's conv, a gated delta net's, KDA's or "
+                        "Falcon-H1's Mamba-2, has an invariant SiLU only)")
     if getattr(model.config, "vision_config", None) is not None:
         problems.append("a vision tower (its attention and merger have no invariant form here; load the text model, "
                         "e.g. Qwen3_5ForCausalLM, for text requests)")
