@@ -14,6 +14,7 @@ Power: with the mode off, some float32 case of this bank differs (the engine's l
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import test_deterministic
 import torch
 from engine_scenarios import finals, ids
 from test_serve import Server
@@ -22,7 +23,6 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.models.deterministic import SUPPORTED
 from hf_hybridcache.serve.__main__ import make_app, parse_args
-from hf_hybridcache.toy import build_model
 
 SAMPLING = dict(do_sample=True, temperature=0.8, top_k=40, top_p=0.95, pad_token_id=0)
 GREEDY = dict(do_sample=False, pad_token_id=0)
@@ -31,18 +31,16 @@ BASE = ids(60, seed=4700)
 PROMPTS = [BASE[:40] + ids(1 + n % 9, seed=4710 + n) if n % 4 == 0 else ids(1 + (7 * n) % 70, seed=4750 + n)
            for n in range(32)]
 FAMILIES = ["mamba", "jamba", "qwen3_5_text"]
-#: Widths off the CPU's vector width, as tests/test_deterministic.py's bank, so that activations meet scalar tails.
-OVERRIDES = {"jamba": dict(num_experts=4, num_experts_per_tok=2, intermediate_size=104),
-             "qwen3_5_text": dict(intermediate_size=104, num_attention_heads=3, num_key_value_heads=1,
-                                  linear_value_head_dim=20)}
+#: Every family the mode accepts, and Granite-4.0-H's and Nemotron-H's toys with routed experts
+#: (test_deterministic.VARIANTS); each toy is the bank's (test_deterministic.toy: widths off the CPU's vector width).
+ALL_FAMILIES = sorted(SUPPORTED) + ["granitemoehybrid-moe", "nemotron_h-moe"]
 
 
 def serve(family, dtype, prompts, seeds, max_batch_tokens, deterministic=True, generation=SAMPLING, cache=None):
     """Each request's (tokens, logprobs) from one engine run of ``prompts`` sent together (``seeds[i]`` each), the
     cache, and the prompt tokens the run took from it."""
     if cache is None:
-        model = build_model(family, seed=0, dtype=dtype, **OVERRIDES.get(family, {}))
-        cache = HybridPrefixCache(model, deterministic=deterministic)
+        cache = HybridPrefixCache(test_deterministic.toy(family, dtype), deterministic=deterministic)
     manager = cache.init_continuous_batching(GenerationConfig(max_new_tokens=6, **generation),
                                              ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens,
                                                                       return_logprobs=True))
@@ -99,6 +97,14 @@ def test_thirty_two_greedy_requests_equal_each_alone(family, dtype, max_batch_to
     assert together == reference
 
 
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_thirty_two_greedy_requests_of_every_family_equal_each_alone(family, dtype):
+    seeds = [None] * len(PROMPTS)
+    reference = alone(family, dtype, PROMPTS, seeds, generation=GREEDY)
+    together, _, _ = serve(family, dtype, PROMPTS, seeds, 48, generation=GREEDY)
+    assert together == reference
+
+
 def test_with_the_mode_off_some_case_differs():
     assert not all(sampled_case(family, torch.float32, 16, 16, deterministic=False) for family in FAMILIES)
 
@@ -133,7 +139,7 @@ def test_a_saved_deterministic_cache_loads_in_its_mode_and_hits_bitwise(tmp_path
     from hf_hybridcache.core import entry_digests
 
     def fresh():
-        return build_model("jamba", seed=0, dtype=torch.bfloat16, **OVERRIDES["jamba"])
+        return test_deterministic.toy("jamba", torch.bfloat16)
 
     def greedy(cache, model, prompt):
         with torch.no_grad():
@@ -166,17 +172,10 @@ def test_a_saved_deterministic_cache_loads_in_its_mode_and_hits_bitwise(tmp_path
     assert not set(entry_digests(plain)) & set(entry_digests(cache))  # other block hashes in each mode
 
 
-#: The trainer-recompute bank: every family deterministic mode accepts, and Granite-4.0-H's and Nemotron-H's toys with
-#: routed experts (test_deterministic.VARIANTS).
-TRAINER_FAMILIES = sorted(SUPPORTED) + ["granitemoehybrid-moe", "nemotron_h-moe"]
-
-
 def rollouts_and_recomputes(family, dtype, deterministic=True):
     """Four seeded sampled rollouts in one engine run (chunks of 48 tokens), each token's raw logprob as sampled,
     as the engine scores the prompt + completion as a prompt, and as one ``no_grad`` full-sequence forward computes
     it (``log_softmax`` of the float32 logits, the forward an RL trainer runs)."""
-    import test_deterministic
-
     model = test_deterministic.toy(family, dtype)
     cache = HybridPrefixCache(model, deterministic=deterministic)
     manager = cache.init_continuous_batching(GenerationConfig(max_new_tokens=10, **SAMPLING),
@@ -202,7 +201,7 @@ def rollouts_and_recomputes(family, dtype, deterministic=True):
     return results
 
 
-@pytest.mark.parametrize("family", TRAINER_FAMILIES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_sampled_logprobs_equal_a_trainers_full_forward_bit_for_bit(family, dtype):
     """The stretch goal of issue 46: a rollout's sampled-token logprobs equal what a trainer recomputes in one
     full-sequence forward of prompt + completion, and what the engine scores for them as a prompt."""

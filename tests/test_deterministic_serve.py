@@ -1,6 +1,6 @@
 """``python -m hf_hybridcache.serve --deterministic`` (issue 46) through the real ``openai`` client: a completion's text
 and logprobs are the same bits alone, among concurrent requests and after its prefix was stored, in float32 and
-bfloat16, on Mamba, Mamba-2, Jamba, Zamba and Qwen3.5's text model; a model the mode cannot hold for, or
+bfloat16, on every family the mode accepts; a model the mode cannot hold for, or
 ``--no-cache``, is refused at startup. Power: without ``--deterministic`` the float32 completions differ between alone
 and concurrent (Mamba's bfloat16 ones agreed on this bank; Mamba-2's differ in both dtypes, concurrent and after a
 hit; Qwen3.5's differ concurrent in both dtypes and after a hit in float32)."""
@@ -11,6 +11,7 @@ import httpx
 import pytest
 from test_serve import Server
 
+from hf_hybridcache.models.deterministic import SUPPORTED
 from hf_hybridcache.serve.__main__ import make_app, parse_args
 
 PROMPTS = ["The deterministic mode of a state-space model ", "ab", "Prefix caching for hybrids " * 3,
@@ -22,9 +23,10 @@ def _complete(client, prompt: str, model: str) -> tuple[str, list[float]]:
     return reply.choices[0].text, reply.choices[0].logprobs.token_logprobs
 
 
-@pytest.mark.parametrize("model", ["toy:mamba", "toy:mamba2", "toy:jamba", "toy:zamba", "toy:qwen3_5_text"])
+@pytest.mark.parametrize("family", sorted(SUPPORTED))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_completions_are_bitwise_alone_concurrent_and_after_a_hit(dtype, model):
+def test_completions_are_bitwise_alone_concurrent_and_after_a_hit(dtype, family):
+    model = f"toy:{family}"
     server = Server(make_app(parse_args(["--model", model, "--dtype", dtype, "--deterministic"])))
     try:
         client = server.client()
