@@ -55,6 +55,8 @@ OVERRIDES = {"jamba": dict(num_experts=4, num_experts_per_tok=2, intermediate_si
                           conv_bias=True),
              "lfm2_moe": dict(intermediate_size=104, moe_intermediate_size=56, num_attention_heads=3,
                               num_key_value_heads=1, head_dim=16, conv_bias=True),
+             "lfm3": dict(intermediate_size=104, num_attention_heads=3, num_key_value_heads=1, head_dim=16,
+                          conv_bias=True, attention_bias=True),
              "qwen3_next": dict(moe_intermediate_size=56, shared_expert_intermediate_size=104,
                                 num_attention_heads=3, num_key_value_heads=1, linear_value_head_dim=20),
              "bamba": dict(intermediate_size=104),
@@ -228,7 +230,7 @@ def test_with_the_mode_off_some_case_differs(dtype):
     ("falcon_h1", "Mamba-2 mixer"),
     ("olmo_hybrid", "gated delta net mixer wired to the deterministic forward"),
     ("kimi_linear", "Kimi delta attention"),
-    ("lfm3", "short conv"),
+    ("inkling_text", "short conv"),
 ])
 def test_other_families_are_refused_with_the_missing_ingredient(family, named):
     model = build_model(family, seed=0)

@@ -211,7 +211,7 @@ def test_layers_it_cannot_hold_for_are_refused():
         HybridPrefixCache(model, deterministic=True)
     HybridPrefixCache(model)  # nothing was patched: the default mode still builds
     with pytest.raises(ValueError, match="(?s)short conv mixer wired through the invariant conv.*deterministic=False"):
-        HybridPrefixCache(build_model("lfm3", seed=0), deterministic=True)
+        HybridPrefixCache(build_model("inkling_text", seed=0), deterministic=True)
 
 
 @DTYPES3

@@ -1,6 +1,6 @@
-"""The hook points of deterministic mode's LFM2 / LFM2-MoE layers (issue 46): what its copies of their forwards read
+"""The hook points of deterministic mode's LFM2 / LFM2-MoE / LFM3 layers (issue 46): what its copies of their forwards read
 (``models/short_conv_deterministic.py``, ``models/hybrid_deterministic.py``'s ``swiglu_forward`` and
-``sigmoid_moe_forward``) and the attention calls it routes; :mod:`.hook_points_models` lists them with the others.
+``sigmoid_moe_forward``, ``head_gated_forward``) and the attention calls it routes; :mod:`.hook_points_models` lists them with the others.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ _DETERMINISTIC = "hf_hybridcache.models.hybrid_deterministic (deterministic mode
 
 
 def short_conv_deterministic() -> list[HookPoint]:
-    """LFM2's and LFM2-MoE's mixer, MLP and attention forwards, and LFM2-MoE's router."""
+    """LFM2's, LFM2-MoE's and LFM3's mixer, MLP and attention forwards, LFM2-MoE's router, LFM3's head gate."""
     points = []
-    for module, prefix in (("lfm2", "Lfm2"), ("lfm2_moe", "Lfm2Moe")):
+    for module, prefix in (("lfm2", "Lfm2"), ("lfm2_moe", "Lfm2Moe"), ("lfm3", "Lfm3")):
         path = f"transformers.models.{module}.modeling_{module}"
         points += [HookPoint(f"{path}.{prefix}ShortConv.forward[deterministic copy]",
                              refers_to(f"{path}:{prefix}ShortConv.forward", "in_proj", "chunk", "conv", "out_proj"),
@@ -30,4 +30,10 @@ def short_conv_deterministic() -> list[HookPoint]:
                             refers_to(f"{path}:Lfm2MoeTopKRouter.forward", "sigmoid", "topk", "gather",
                                       "norm_topk_prob", "routed_scaling_factor", "use_expert_bias"),
                             f"{_DETERMINISTIC}: sigmoid_moe_forward copies its router (and reads expert_bias)"))
+    path = "transformers.models.lfm3.modeling_lfm3"
+    points.append(HookPoint(f"{path}.Lfm3Attention.forward[head-gated copy]",
+                            refers_to(f"{path}:Lfm3Attention.forward", "q_proj", "k_proj", "v_proj", "q_norm",
+                                      "k_norm", "apply_rotary_pos_emb", "sliding_window", "g_proj", "sigmoid",
+                                      "o_proj"),
+                            f"{_DETERMINISTIC}: head_gated_forward copies it with the invariant sigmoid"))
     return points

@@ -68,17 +68,18 @@ def invariant_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     """transformers' attention-function signature around
     :func:`~hf_hybridcache.kernels.attention_invariant.attention_invariant`: ``query`` ``[B, H, T, D]``, ``key``
     ``[B, Hkv, K, D]``, ``value`` ``[B, Hkv, K, Dv]`` -> ``([B, T, H, Dv]`` in ``query``'s dtype, ``None)``. Other
-    keyword arguments (position ids, flash-attention lengths) are not read.
+    keyword arguments (position ids, flash-attention lengths) are not read. A ``sliding_window`` (the module's, as
+    transformers passes it) runs the kernel's windowed layout, which also keeps a mask-less call within the window.
 
     Raises:
-        ValueError: dropout is on (a training forward), or a logit softcap or a sliding window is asked for (not
-            supported by the kernel yet).
+        ValueError: dropout is on (a training forward), or a logit softcap is asked for (not supported by the kernel
+            yet).
     """
     if dropout:
         raise ValueError("Deterministic attention runs inference only: call model.eval() (dropout is on).")
-    if softcap is not None or sliding_window is not None:
-        raise ValueError(f"Deterministic attention has no logit softcap or sliding window yet; "
-                         f"{type(module).__name__} asked for softcap={softcap}, sliding_window={sliding_window}.")
+    if softcap is not None:
+        raise ValueError(f"Deterministic attention has no logit softcap yet; {type(module).__name__} asked for "
+                         f"softcap={softcap}.")
     num_queries, num_keys = query.shape[-2], key.shape[-2]
     if attention_mask is None and num_queries > 1 and getattr(module, "is_causal", True):
         visible = causal_visible(num_queries, num_keys, query.device)
@@ -87,7 +88,8 @@ def invariant_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     else:
         mask = attention_mask[:, :, :, :num_keys]
         visible = mask if mask.dtype == torch.bool else mask == 0
-    out = attention_invariant(query, key, value, visible, query.shape[-1] ** -0.5 if scaling is None else scaling)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out = attention_invariant(query, key, value, visible, scaling, window=sliding_window)
     return out.transpose(1, 2).contiguous(), None
 
 

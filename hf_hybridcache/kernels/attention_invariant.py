@@ -22,7 +22,13 @@ splitting the keys in fixed-size blocks counted from position 0. Here, per query
 So a query at absolute position ``p`` is summed over the same blocks, in the same order, with the same terms in the
 same slots, whatever the call. Elementwise ops are IEEE operations and ``exp``, whose vectorized body and tail agree
 here (``benchmarks/batch_invariance.py``, table 2). Everything is computed in float32 and rounded once to the query's
-dtype. Not supported: sliding windows and logit softcaps (no family in deterministic mode has them yet), dropout.
+dtype. Not supported: logit softcaps (no family in deterministic mode has them yet), dropout.
+
+A sliding window of ``W`` keys (a query at ``p`` sees ``p - W < j <= p``, transformers' convention) re-lays the keys
+out per query instead: slot ``s`` of query ``p`` holds key ``p - W + 1 + s`` (counted back from the query's last
+visible key, its own), cut in blocks of :data:`KV_BLOCK` slots from slot 0. So a query's terms sit in the same slots
+whether the call holds the whole past (a prefill), only the window (``generate()``'s sliding cache layer keeps
+``W - 1`` keys), or the engine's window rows, and keys beyond the window never enter its sums.
 
 Shapes (the package's legend): ``query`` ``[B, H, T, D]``, ``key`` ``[B, Hkv, K, D]``, ``value`` ``[B, Hkv, K, Dv]``
 with ``H`` a multiple of ``Hkv`` (grouped-query attention: query head ``h`` reads KV head ``h // (H // Hkv)``),
@@ -42,14 +48,18 @@ KV_BLOCK = 32
 QUERY_CHUNK = 32
 
 
-def causal_visible(num_queries: int, num_keys: int, device: torch.device | None = None) -> torch.Tensor:
+def causal_visible(num_queries: int, num_keys: int, device: torch.device | None = None,
+                   window: int | None = None) -> torch.Tensor:
     """``[1, 1, T, K]`` bool: the causal mask of ``T`` queries that are the last ``T`` of ``K`` keys (a prefill over
-    a cached past, or a decode step), True where a query sees a key."""
-    return torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril(num_keys - num_queries)[None, None]
+    a cached past, or a decode step), True where a query sees a key; within the last ``window`` keys if given."""
+    visible = torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril(num_keys - num_queries)
+    if window is not None:
+        visible = visible.triu(num_keys - num_queries - window + 1)
+    return visible[None, None]
 
 
 def attention_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,
-                        scaling: float) -> torch.Tensor:
+                        scaling: float, window: int | None = None) -> torch.Tensor:
     """Softmax attention ``softmax(scaling * q k^T) v`` over the keys ``visible`` allows, in the fixed order of the
     module docstring.
 
@@ -59,6 +69,8 @@ def attention_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
             tokens from absolute position 0 on, after any left padding the row's last query does not see (as
             ``generate()``'s caches and the engine's page reads lay them out).
         scaling: the scores' factor (usually ``D ** -0.5``).
+        window: a sliding window of ``W`` keys (the module docstring), or None. With a window, each query's visible
+            keys must be contiguous and end at its own key (the keys may start anywhere before the window).
 
     Returns:
         ``[B, H, T, Dv]`` in ``query``'s dtype; zeros for a query that sees no key.
@@ -75,16 +87,51 @@ def attention_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         raise ValueError(f"visible must be [B or 1, 1 or H, {num_queries}, {num_keys}] bool, got "
                          f"{list(visible.shape)}.")
     groups = heads // kv_heads
-    key, value, visible = _anchor(key.float(), value.float(), visible.expand(batch, -1, -1, -1))
     q = (query.float() * scaling).view(batch, kv_heads, groups, num_queries, 1, -1)  # [B, Hkv, G, T, 1, D]
+    key, value, visible = key.float(), value.float(), visible.expand(batch, -1, -1, -1)
+    if window is None:
+        key, value, visible = _anchor(key, value, visible)
+        blocks = _blocks(key[:, :, None, None], value[:, :, None, None])
+    else:
+        index, inside = _window_slots(visible, window)
+        visible = torch.gather(visible, 3, index[:, None].expand(-1, visible.shape[1], -1, -1)) & inside[:, None]
     visible = visible.reshape(batch, 1 if visible.shape[1] == 1 else kv_heads, -1, num_queries, visible.shape[-1])
-    blocks = [(start, key[:, :, None, None, start : start + KV_BLOCK],  # [B, Hkv, 1, 1, S, D]
-               value[:, :, None, None, start : start + KV_BLOCK].transpose(-1, -2))  # [B, Hkv, 1, 1, Dv, S]
-              for start in range(0, key.shape[2], KV_BLOCK)]
-    out = torch.cat([_query_chunk(q[:, :, :, begin : begin + QUERY_CHUNK], blocks,
-                                  visible[..., begin : begin + QUERY_CHUNK, :])
-                     for begin in range(0, num_queries, QUERY_CHUNK)], dim=3)
-    return out.view(batch, heads, num_queries, -1).to(query.dtype)
+    chunks = []
+    for begin in range(0, num_queries, QUERY_CHUNK):
+        if window is not None:  # [B, Hkv, 1, Tc, slots, D]: each query's own window of keys
+            rows = index[:, None, begin : begin + QUERY_CHUNK, :, None]
+            blocks = _blocks(*(_take_window(x, rows, inside[:, None, begin : begin + QUERY_CHUNK, :, None])[:, :, None]
+                               for x in (key, value)))
+        chunks.append(_query_chunk(q[:, :, :, begin : begin + QUERY_CHUNK], blocks,
+                                   visible[..., begin : begin + QUERY_CHUNK, :]))
+    return torch.cat(chunks, dim=3).view(batch, heads, num_queries, -1).to(query.dtype)
+
+
+def _blocks(key: torch.Tensor, value: torch.Tensor) -> list:
+    """``(start, keys [..., S, D], values^T [..., Dv, S])`` per block of :data:`KV_BLOCK` slots of ``key`` /
+    ``value`` ``[..., slots, D]``."""
+    return [(start, key[..., start : start + KV_BLOCK, :], value[..., start : start + KV_BLOCK, :].transpose(-1, -2))
+            for start in range(0, key.shape[-2], KV_BLOCK)]
+
+
+def _window_slots(visible: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(index, inside)`` ``[B, T, slots]`` for ``visible`` ``[B, 1 or H, T, K]``: slot ``s`` of a query holds key
+    ``last - window + 1 + s`` (``last``: the last key it sees), ``inside`` where that key exists and ``s < window``;
+    ``slots`` is ``window`` rounded up to :data:`KV_BLOCK`."""
+    num_keys = visible.shape[-1]
+    slots = torch.arange(-(-window // KV_BLOCK) * KV_BLOCK, device=visible.device)
+    last = torch.where(visible.any(1), torch.arange(num_keys, device=visible.device), -1).amax(-1)  # [B, T]
+    index = last[..., None] - (window - 1) + slots
+    inside = (index >= 0) & (slots < window) & (last[..., None] >= 0)
+    return index.clamp(0, num_keys - 1), inside
+
+
+def _take_window(x: torch.Tensor, rows: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
+    """``[B, Hkv, Tc, slots, D]``: ``x`` ``[B, Hkv, K, D]`` at ``rows`` ``[B, 1, Tc, slots, 1]``, zeros outside."""
+    batch, kv_heads, _, dim = x.shape
+    shape = (batch, kv_heads, rows.shape[2], rows.shape[3], dim)
+    taken = torch.gather(x[:, :, None].expand(-1, -1, rows.shape[2], -1, -1), 3, rows.expand(shape))
+    return torch.where(inside, taken, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def _query_chunk(q: torch.Tensor, blocks, visible: torch.Tensor) -> torch.Tensor:
@@ -134,25 +181,31 @@ def _anchor(key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor):
             take(visible, 3, (batch, 1, 1, padded)))
 
 
-def invariance_failures(dtype: torch.dtype, length: int = 90, attention=None) -> list[str]:
+def invariance_failures(dtype: torch.dtype, length: int = 90, attention=None, window: int | None = None) -> list[str]:
     """The cases in which ``attention`` (default :func:`attention_invariant`; the signature is its own) gives a query
     other bits than in one causal prefill of ``length`` random queries (4 heads over 2 KV heads of 16, CPU): a decode
     step and a prefill chunk starting at the query, early, at block edges and at the last position (where SDPA
-    differs here in each dtype). Empty where it holds.
+    differs here in each dtype). With a sliding ``window``, the decode step holds only the window's keys (as a
+    sliding cache layer does). Empty where it holds.
     """
     attention = attention_invariant if attention is None else attention
+    extra = {} if window is None else {"window": window}
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, heads, length, 16, generator=gen).to(dtype) for heads in (4, 2, 2))
-    full = attention(q, k, v, causal_visible(length, length), 0.25)
+    full = attention(q, k, v, causal_visible(length, length, window=window), 0.25, **extra)
     failures = []
     for p in (0, 5, KV_BLOCK - 1, KV_BLOCK, KV_BLOCK + 1, 2 * KV_BLOCK, length - 1):
-        step = attention(q[:, :, p : p + 1], k[:, :, : p + 1], v[:, :, : p + 1], causal_visible(1, p + 1), 0.25)
-        chunk = attention(q[:, :, p:], k, v, causal_visible(length - p, length), 0.25)[:, :, :1]
+        first = 0 if window is None else max(0, p + 1 - window)
+        step = attention(q[:, :, p : p + 1], k[:, :, first : p + 1], v[:, :, first : p + 1],
+                         causal_visible(1, p + 1 - first), 0.25, **extra)
+        chunk = attention(q[:, :, p:], k, v, causal_visible(length - p, length, window=window), 0.25, **extra)
         failures += [f"{name} at {p}" for name, out in (("decode", step), ("chunk", chunk))
-                     if not torch.equal(out, full[:, :, p : p + 1])]
+                     if not torch.equal(out[:, :, :1], full[:, :, p : p + 1])]
     return failures
 
 
+#: The sliding window :func:`check_invariance` probes (not a multiple of :data:`KV_BLOCK`).
+PROBE_WINDOW = 24
 _CHECKED: set[tuple] = set()
 
 
@@ -166,7 +219,8 @@ def check_invariance(dtype: torch.dtype) -> None:
     key = (dtype, torch.get_num_threads())
     if key in _CHECKED:
         return
-    failures = invariance_failures(dtype)
+    failures = invariance_failures(dtype) or [f"{case} (sliding window of {PROBE_WINDOW})"
+                                              for case in invariance_failures(dtype, window=PROBE_WINDOW)]
     if failures:
         raise RuntimeError(f"The invariant attention gives a query other bits in {dtype} on torch "
                            f"{torch.__version__} ({', '.join(failures)}), so deterministic results cannot be "

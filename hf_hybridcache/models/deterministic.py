@@ -9,8 +9,9 @@ same mixer: theirs is upstream Zamba2's plain one; attention and MLPs of :mod:`.
 refused), Jamba (its Mamba-1 mixers, and the attention, MLPs and routed experts
 of :mod:`.hybrid_deterministic`), Qwen3.5's text models, dense and MoE, and Qwen3-Next (the gated delta net mixer of
 :mod:`.gated_delta_deterministic`, the gated attention, MLPs and routed + shared experts of
-:mod:`.hybrid_deterministic`), and LFM2 / LFM2-MoE (the short conv mixer of :mod:`.short_conv_deterministic`, the
-attention with q/k RMSNorms, SwiGLU MLPs and sigmoid-routed experts of :mod:`.hybrid_deterministic`), on CPU, in
+:mod:`.hybrid_deterministic`), and LFM2 / LFM2-MoE / LFM3 (the short conv mixer of :mod:`.short_conv_deterministic`,
+the attention with q/k RMSNorms (LFM3's also sliding-window, with a sigmoid gate per head), SwiGLU MLPs and
+sigmoid-routed experts of :mod:`.hybrid_deterministic`), on CPU, in
 float32, bfloat16 and float16. Every other family is refused with the ingredients it lacks named, and so is a model
 whose kernels or BLAS would break the guarantee: refusing, never warning and continuing, is the point of the mode
 (vLLM's batch-invariant mode likewise fails closed on layers it has no kernel for).
@@ -54,6 +55,7 @@ SUPPORTED = {
     "qwen3_next": ("Qwen3NextGatedDeltaNet", gated_delta_deterministic),
     "lfm2": ("Lfm2ShortConv", short_conv_deterministic),
     "lfm2_moe": ("Lfm2MoeShortConv", short_conv_deterministic),
+    "lfm3": ("Lfm3ShortConv", short_conv_deterministic),
 }
 #: The dtypes the mode's tests hold in.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -75,8 +77,7 @@ _MIXERS = {
     **dict.fromkeys(("falcon_h1",), (_MAMBA2,)),
     **dict.fromkeys(("olmo_hybrid", "lara_mini"), (_GDN,)),
     **dict.fromkeys(("kimi_linear", "bailing_hybrid"), (_KDA,)),
-    **dict.fromkeys(("lfm3", "inkling_text", "inkling2_text", "inkling2_loop_text"),
-                    (_SHORT_CONV,)),
+    **dict.fromkeys(("inkling_text", "inkling2_text", "inkling2_loop_text"), (_SHORT_CONV,)),
     "zaya": ("ZAYA's CCA conv mixer wired to the invariant conv",),
 }
 

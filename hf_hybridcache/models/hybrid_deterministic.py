@@ -1,5 +1,5 @@
 """The layers a hybrid adds to its mixers in deterministic mode (issue 46; Jamba, Zamba, Qwen3.5, Bamba, Granite-4.0-H,
-Nemotron-H, Zamba2, LFM2): attention, MLP
+Nemotron-H, Zamba2, LFM2, LFM3): attention, MLP
 activations, linear layers and routed experts, each with a row-invariant, path-invariant form (docs/deterministic.md,
 "The ingredients").
 
@@ -16,6 +16,9 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
   beside it. ``GELUActivation`` (Zamba's, the erf form) runs ``F.gelu`` in float32, rounded once: float32's is
   offset-invariant here, float16's is not. ``ReLUSquaredActivation`` (Nemotron-H's ``relu2``) runs as upstream: relu is
   exact and its square one correctly rounded product, the same bits at any offset in every dtype (measured).
+- LFM3's attention (``Lfm3Attention``) runs :func:`head_gated_forward`: upstream's forward with its sliding window
+  handed to the invariant attention (keys laid out per query over its window) and its per-head output gate
+  ``sigmoid(g_proj(x))`` as ``sigmoid_invariant`` in float32.
 - A gated attention module (Qwen3.5's ``Qwen3_5Attention``, transformers 5.23 - 5.25) runs
   :func:`gated_attention_forward`: upstream's forward with its output gate ``sigmoid(gate)`` taken as
   :func:`~hf_hybridcache.kernels.gated_delta_invariant.sigmoid_invariant` in float32, rounded once to the gate's
@@ -34,7 +37,9 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
 The RMSNorms, softmaxes, embeddings and residual adds run as upstream (measured row-invariant here). :data:`_OFF` is
 the private switch of the power tests: ``"attention"`` runs the model's own attention function, ``"activation"``
 ``F.silu`` / the model's GELU, ``"contiguous"`` the float32 GELU on its input's own strides, ``"gate"`` the gated
-attention's ``torch.sigmoid`` (and LFM2-MoE's router's), ``"shared_gate"`` the shared expert's.
+attention's ``torch.sigmoid`` (and LFM2-MoE's router's, LFM3's head gate's), ``"shared_gate"`` the shared expert's,
+``"window"`` LFM3's attention without its window handed to the attention function (the invariant attention's blocks
+then anchor at the first key the call holds, which a sliding cache layer moves).
 """
 
 from __future__ import annotations
@@ -56,15 +61,21 @@ FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock"), "zamba": ("Zamba
             "qwen3_next": ("Qwen3NextAttention", "Qwen3NextSparseMoeBlock"),
             "bamba": ("BambaAttention", None), "granitemoehybrid": ("GraniteMoeHybridAttention", None),
             "nemotron_h": ("NemotronHAttention", None), "zamba2": ("Zamba2Attention", None),
-            "lfm2": ("Lfm2Attention", None), "lfm2_moe": ("Lfm2MoeAttention", "Lfm2MoeSparseMoeBlock")}
+            "lfm2": ("Lfm2Attention", None), "lfm2_moe": ("Lfm2MoeAttention", "Lfm2MoeSparseMoeBlock"),
+            "lfm3": ("Lfm3Attention", None)}
 #: Routed-experts blocks a family may hold that have no deterministic form here yet: a model holding one is refused
 #: (Granite 4.0-H's ``num_local_experts > 0``, Nemotron-H's ``"moe"`` layers; their routers and expert sums differ from
 #: :func:`sparse_moe_forward`'s).
 UNWIRED_EXPERTS = {"granitemoehybrid": "GraniteMoeHybridMoE", "nemotron_h": "NemotronHMoE"}
 #: The MLP classes that call ``F.silu`` in their forward (no activation module to patch): :func:`swiglu_forward`.
-SWIGLU_MLPS = ("Lfm2MLP", "Lfm2MoeMLP")
+SWIGLU_MLPS = ("Lfm2MLP", "Lfm2MoeMLP", "Lfm3MLP")
 #: The attention classes whose forward gates its output with a sigmoid (:func:`gated_attention_forward`).
 GATED_ATTENTION = ("Qwen3_5Attention", "Qwen3_5MoeAttention", "Qwen3NextAttention")
+#: The attention classes gated per head by ``sigmoid(g_proj(x))`` after the attention (:func:`head_gated_forward`).
+HEAD_GATED_ATTENTION = ("Lfm3Attention",)
+#: The families whose attention hands the attention function its ``sliding_window`` (the invariant attention's
+#: windowed layout needs it: a sliding cache layer keeps only the window's keys).
+WINDOWED = ("lfm3",)
 #: The activations with an invariant form here (transformers' ``ACT2FN["silu"]`` / ``ACT2FN["gelu"]`` and torch's).
 ACTIVATIONS = ("silu", "swish", "gelu", "relu2")
 #: The families whose gated delta net conv runs ``hidden_act``, which has an invariant form there for SiLU only.
@@ -89,7 +100,7 @@ def refusals(model: torch.nn.Module, model_type: str) -> list[str]:
     if getattr(model.config, "vision_config", None) is not None:
         problems.append("a vision tower (its attention and merger have no invariant form here; load the text model, "
                         "e.g. Qwen3_5ForCausalLM, for text requests)")
-    if getattr(config, "sliding_window", None) is not None:
+    if getattr(config, "sliding_window", None) is not None and model_type not in WINDOWED:
         problems.append(f"sliding_window={config.sliding_window} (the invariant attention has no window yet)")
     return problems
 
@@ -128,6 +139,8 @@ def install(model: torch.nn.Module, model_type: str) -> None:
             _compat.patch_instance_forward(module, moe_forward)
         elif name in GATED_ATTENTION:
             _compat.patch_instance_forward(module, gated_attention_forward)
+        elif name in HEAD_GATED_ATTENTION:
+            _compat.patch_instance_forward(module, head_gated_forward)
         elif name in SWIGLU_MLPS:
             _compat.patch_instance_forward(module, swiglu_forward)
     mark(model, [m for m in model.modules() if type(m).__name__ == attention_class], attention_forward)
@@ -162,6 +175,33 @@ def gated_attention_forward(module: torch.nn.Module, original, hidden_states: to
     out = out.reshape(*input_shape, -1).contiguous()
     gated = torch.sigmoid(gate) if "gate" in _OFF else sigmoid_invariant(gate.float()).to(gate.dtype)
     return module.o_proj(out * gated), None
+
+
+def head_gated_forward(module: torch.nn.Module, original, hidden_states: torch.Tensor,
+                       position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask=None, **kwargs):
+    """LFM3's attention ``(output [B, T, hidden], None)`` for ``hidden_states`` ``[B, T, hidden]`` and the rotary
+    ``(cos, sin)`` (float32): ``Lfm3Attention.forward`` (transformers 5.23 - 5.25), its sliding window handed to the
+    attention function and its per-head gate ``sigmoid(g_proj(x))`` through
+    :func:`~hf_hybridcache.kernels.gated_delta_invariant.sigmoid_invariant` in float32, rounded once to the gate's
+    dtype."""
+    cache, kwargs, apply_rotary, attention, update = gated_attention_parts(module, kwargs)
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, module.head_dim)
+    query = module.q_norm(module.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+    key = module.k_norm(module.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+    value = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    query, key = apply_rotary(query, key, *position_embeddings)
+    if cache is not None:
+        key, value = update(key, value)
+    dropout = module.attention_dropout if module.training else 0.0
+    window = None if "window" in _OFF else module.sliding_window
+    out, _ = attention(module, query, key, value, attention_mask, dropout=dropout, scaling=module.scaling,
+                       sliding_window=window, **kwargs)
+    if module.g_proj is not None:
+        gate = module.g_proj(hidden_states)
+        gated = torch.sigmoid(gate) if "gate" in _OFF else sigmoid_invariant(gate.float()).to(gate.dtype)
+        out = out * gated.unsqueeze(-1)
+    return module.o_proj(out.reshape(*input_shape, -1).contiguous()), None
 
 
 def silu_forward(module: torch.nn.Module, original, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,187 @@
+"""deterministic=True on LFM3 (``lfm3``, issue 46): LFM2's short-conv layers (``in_proj -> B, C, x``, a depthwise
+causal conv of 3 over ``B * x``, gated by ``C``) around a sliding-window attention layer (window of 24 tokens, shorter
+than the prompts) and a full one, both with q/k RMSNorms, rotary embeddings in float32 and a sigmoid output gate per
+head (``g_proj``), sandwich norms and SwiGLU MLPs; the toy with widths off the CPU's vector width and every bias on
+(test_deterministic.py's ``OVERRIDES``: an MLP of 104, 3 attention heads of 16 over one key head, ``conv_bias`` and
+``attention_bias`` with the biases drawn from a seed). A request's tokens and logits / logprobs are the same bits
+cold and after hits of several lengths, with a reply replayed in a chat, decoded or prefilled, as a row of a
+left-padded generate() batch, and among 1-8 concurrent engine requests at prefill chunks of 16, 48 and 512 tokens
+(and in speculative verify groups) against generate() alone; float32 and bfloat16 throughout, float16 for hits,
+decode, the padded batch and the engine.
+
+Power (each ingredient switched off alone through the private ``_OFF`` sets; measured on the 2-core AVX-512 CPU,
+torch 2.13 with MKL, at 2 intra-op threads; docs/deterministic.md has the table): LFM3's new ingredients, the
+invariant attention's sliding-window layout (``window``: without it the blocks anchor at the first key a call holds,
+which the sliding cache layer moves) and the head gate's sigmoid (``gate``), each make some case differ, as do the
+ingredients it shares with LFM2 (POWER below).
+"""
+
+import pytest
+import test_deterministic
+import torch
+from engine_scenarios import ids
+from test_deterministic import (
+    BASE,
+    GREEDY,
+    OVERRIDES,
+    PROMPTS,
+    cold,
+    decode_vs_prefill_case,
+    engine_case,
+    fresh,
+    hit_case,
+    run,
+    speculative_case,
+)
+from test_deterministic_conv import build_with_biases
+
+from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache.kernels.attention_invariant import attention_invariant, causal_visible, invariance_failures
+from hf_hybridcache.models import hybrid_deterministic, short_conv_deterministic
+from hf_hybridcache.toy import build_model
+
+LFM3 = "lfm3"
+DTYPES3 = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+
+
+@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def dtype(request):
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def biases(monkeypatch):
+    monkeypatch.setattr(test_deterministic, "build_model", build_with_biases)
+
+
+def padded_batch_case(family, dtype, deterministic=True) -> bool:
+    """Three prompts left-padded into one generate() batch: every row's tokens and logits equal the prompt alone."""
+    prompts = [PROMPTS[i] for i in (3, 1, 6)]
+    width = max(map(len, prompts))
+    batch = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    model, cache = fresh(family, dtype, deterministic)
+    with torch.no_grad():
+        out = model.generate(batch, attention_mask=(batch != 0).long(), past_key_values=cache, max_new_tokens=5,
+                             min_new_tokens=5, output_logits=True, return_dict_in_generate=True, **GREEDY)
+    for row, prompt in enumerate(prompts):
+        tokens, logits = cold(family, dtype, prompt, 5, deterministic)
+        if out.sequences[row, width:].tolist() != tokens or not torch.equal(
+                torch.stack([step[row] for step in out.logits]), logits):
+            return False
+    return True
+
+
+def within_round_off(family):
+    """The deterministic forward computes the model: its float32 logits are a plain forward's within round-off (a
+    mistake in a window, a gate, the conv or the MLP would move them by far more)."""
+    model, cache = fresh(family, torch.float32)
+    plain = build_with_biases(family, seed=0, **OVERRIDES[family])
+    _, logits = run(model, cache, BASE[:60], new_tokens=1)
+    with torch.no_grad():
+        expected = plain(torch.tensor([BASE[:60]])).logits[0, -1]
+    torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=0)
+
+
+@DTYPES3
+@pytest.mark.parametrize("window", [5, 24, 32, 40])
+def test_windowed_attention_gives_a_query_its_bits_in_any_call(dtype, window):
+    """Decode steps over the window's keys only (a sliding cache layer's) and prefill chunks over the whole past give
+    a query its bits in one prefill, at windows shorter than, equal to and longer than a key block."""
+    assert invariance_failures(dtype, window=window) == []
+
+
+@pytest.mark.parametrize("window", [5, 24, 40])
+def test_windowed_attention_is_sdpa_within_round_off(window):
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, heads, 70, 16, generator=gen) for heads in (4, 2, 2))
+    visible = causal_visible(70, 70, window=window)
+    visible = visible & torch.tensor([[True] * 70, [False] * 9 + [True] * 61])[:, None, None, :]  # a padded row
+    out = attention_invariant(q, k, v, visible, 0.25, window=window)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=visible, scale=0.25)
+    torch.testing.assert_close(out[1, :, 9:], expected[1, :, 9:], atol=2e-6, rtol=0)
+    torch.testing.assert_close(out[0], expected[0], atol=2e-6, rtol=0)
+
+
+@DTYPES3
+@pytest.mark.parametrize("length", [17, 40, 64, 89])
+def test_lfm3_hits_equal_cold_bit_for_bit(dtype, length):
+    model, cache = fresh(LFM3, dtype)
+    run(model, cache, BASE)
+    prompt = BASE[:length] + ids(7, seed=4601)
+    tokens, logits = run(model, cache, prompt)
+    assert cache.last_hit_tokens == [min(length, 80) // 16 * 16]
+    ref_tokens, ref_logits = cold(LFM3, dtype, prompt)
+    assert tokens == ref_tokens and torch.equal(logits, ref_logits)
+
+
+@DTYPES3
+def test_lfm3_identical_prompt_decoded_tokens_and_padded_rows_equal_cold(dtype):
+    assert hit_case(LFM3, dtype)
+    assert decode_vs_prefill_case(LFM3, dtype)
+    assert padded_batch_case(LFM3, dtype)
+
+
+def test_lfm3_chat_turns_with_the_reply_replayed_equal_cold(dtype):
+    model, cache = fresh(LFM3, dtype, replay_replies=True)
+    turn = BASE[:50]
+    for n in range(2):
+        reply, _ = run(model, cache, turn, new_tokens=9)
+        turn = turn + reply + ids(5, seed=4630 + n)
+        tokens, logits = run(model, cache, turn)
+        assert cache.last_hit_tokens[0] >= len(turn) - 5 - 9 - 16
+        ref_tokens, ref_logits = cold(LFM3, dtype, turn)
+        assert tokens == ref_tokens and torch.equal(logits, ref_logits), f"turn {n + 2}"
+
+
+@pytest.mark.parametrize("max_batch_tokens", [16, 48, 512])
+def test_lfm3_engine_requests_equal_generate_alone_in_any_batch(dtype, max_batch_tokens):
+    """The engine's tokens and logprobs for 1, 3 and 8 concurrent requests (two of them hit each other's prefix)
+    equal each one alone in generate()."""
+    for prompts in (PROMPTS[:1], PROMPTS[2:5], PROMPTS):
+        assert engine_case(LFM3, dtype, prompts, max_batch_tokens), f"{len(prompts)} requests"
+
+
+@pytest.mark.parametrize("max_batch_tokens", [16, 48, 512])
+def test_lfm3_engine_in_float16_equals_generate_alone(max_batch_tokens):
+    assert engine_case(LFM3, torch.float16, PROMPTS, max_batch_tokens)
+
+
+def test_lfm3_speculative_verify_groups_equal_generate_alone(dtype):
+    speculative_case(LFM3, dtype)
+
+
+def test_lfm3_mode_is_the_model_within_round_off():
+    within_round_off(LFM3)
+
+
+#: (module, ingredient, dtype, a case it breaks when switched off alone), measured at 2 threads.
+POWER = [
+    (hybrid_deterministic, "window", torch.float32, engine_case),
+    (hybrid_deterministic, "gate", torch.float32, engine_case),
+    (hybrid_deterministic, "attention", torch.float32, engine_case),
+    (hybrid_deterministic, "activation", torch.float32, decode_vs_prefill_case),
+    (short_conv_deterministic, "linear", torch.float32, engine_case),
+    (short_conv_deterministic, "conv", torch.float32, decode_vs_prefill_case),
+]
+
+
+@pytest.mark.parametrize("module, off, dtype, case", POWER,
+                         ids=[f"{off}-{str(dtype)[6:]}-{case.__name__}" for _, off, dtype, case in POWER])
+def test_lfm3_each_ingredient_off_alone_breaks_a_case(monkeypatch, module, off, dtype, case):
+    torch.set_num_threads(2)  # MKL's float32 1-row product sums in another order at 2 threads (the suite runs 1)
+    assert case(LFM3, dtype)
+    monkeypatch.setattr(module, "_OFF", {off})
+    assert not case(LFM3, dtype)
+
+
+def test_lfm3_with_the_mode_off_some_case_differs():
+    cases = (decode_vs_prefill_case, engine_case, hit_case)
+    assert not all(case(LFM3, torch.float32, deterministic=False) for case in cases)
+
+
+def test_lfm3_layers_it_cannot_hold_for_are_refused():
+    model = build_model(LFM3, seed=0, attn_implementation="flex_attention")
+    with pytest.raises(ValueError, match="(?s)attn_implementation='flex_attention'.*deterministic=False"):
+        HybridPrefixCache(model, deterministic=True)
+    HybridPrefixCache(model)  # nothing was patched: the default mode still builds
