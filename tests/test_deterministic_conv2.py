@@ -19,6 +19,7 @@ ingredients it shares with LFM2 (POWER below).
 import pytest
 import test_deterministic
 import torch
+from conftest import assert_restored_states_match
 from engine_scenarios import ids
 from test_deterministic import (
     BASE,
@@ -37,10 +38,16 @@ from test_deterministic_conv import build_with_biases
 
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.kernels.attention_invariant import attention_invariant, causal_visible, invariance_failures
-from hf_hybridcache.models import hybrid_deterministic, short_conv_deterministic
+from hf_hybridcache.models import (
+    hybrid_deterministic,
+    inkling_deterministic,
+    mamba1_deterministic,
+    short_conv_deterministic,
+)
 from hf_hybridcache.toy import build_model
 
 LFM3 = "lfm3"
+INKLING = "inkling_text"
 DTYPES3 = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 
 
@@ -185,3 +192,111 @@ def test_lfm3_layers_it_cannot_hold_for_are_refused():
     with pytest.raises(ValueError, match="(?s)attn_implementation='flex_attention'.*deterministic=False"):
         HybridPrefixCache(model, deterministic=True)
     HybridPrefixCache(model)  # nothing was patched: the default mode still builds
+
+
+@DTYPES3
+@pytest.mark.parametrize("length", [17, 40, 64, 89])
+def test_inkling_hits_equal_cold_bit_for_bit(dtype, length):
+    model, cache = fresh(INKLING, dtype)
+    run(model, cache, BASE)
+    prompt = BASE[:length] + ids(7, seed=4601)
+    tokens, logits = run(model, cache, prompt)
+    assert cache.last_hit_tokens == [min(length, 80) // 16 * 16]
+    ref_tokens, ref_logits = cold(INKLING, dtype, prompt)
+    assert tokens == ref_tokens and torch.equal(logits, ref_logits)
+
+
+def unscaled_padded_batch_case(family, dtype, deterministic=True) -> bool:
+    """:func:`padded_batch_case` on Inkling without its logarithmic query scaling: upstream scales a query by its
+    position in the cache (``get_query_offset``), which counts a left-padded row's padding, so with the scaling on a
+    padded row is another computation than the prompt alone (in exact arithmetic too)."""
+    overrides = {**OVERRIDES[family], "log_scaling_n_floor": None}
+    saved, OVERRIDES[family] = OVERRIDES[family], overrides
+    try:
+        return padded_batch_case(family, dtype, deterministic)
+    finally:
+        OVERRIDES[family] = saved
+
+
+@DTYPES3
+def test_inkling_identical_prompt_decoded_tokens_and_padded_rows_equal_cold(dtype):
+    assert hit_case(INKLING, dtype)
+    assert decode_vs_prefill_case(INKLING, dtype)
+    assert unscaled_padded_batch_case(INKLING, dtype)
+
+
+def test_inkling_chat_turns_with_the_reply_replayed_equal_cold(dtype):
+    model, cache = fresh(INKLING, dtype, replay_replies=True)
+    turn = BASE[:50]
+    for n in range(2):
+        reply, _ = run(model, cache, turn, new_tokens=9)
+        turn = turn + reply + ids(5, seed=4630 + n)
+        tokens, logits = run(model, cache, turn)
+        assert cache.last_hit_tokens[0] >= len(turn) - 5 - 9 - 16
+        ref_tokens, ref_logits = cold(INKLING, dtype, turn)
+        assert tokens == ref_tokens and torch.equal(logits, ref_logits), f"turn {n + 2}"
+
+
+@pytest.mark.parametrize("max_batch_tokens", [16, 48, 512])
+def test_inkling_engine_requests_equal_generate_alone_in_any_batch(dtype, max_batch_tokens):
+    for prompts in (PROMPTS[:1], PROMPTS[2:5], PROMPTS):
+        assert engine_case(INKLING, dtype, prompts, max_batch_tokens), f"{len(prompts)} requests"
+
+
+@pytest.mark.parametrize("max_batch_tokens", [16, 48, 512])
+def test_inkling_engine_in_float16_equals_generate_alone(max_batch_tokens):
+    assert engine_case(INKLING, torch.float16, PROMPTS, max_batch_tokens)
+
+
+def test_inkling_speculative_verify_groups_equal_generate_alone(dtype):
+    speculative_case(INKLING, dtype)
+
+
+def test_inkling_mode_is_the_model_within_round_off():
+    within_round_off(INKLING)
+
+
+def test_inkling_checkpoints_hold_the_states_of_an_upstream_cold_forward():
+    """The four windows of every layer and the convolved keys and values at a block boundary equal an unpatched
+    model's within round-off."""
+    model, cache = fresh(INKLING, torch.float32)
+    run(model, cache, BASE)
+    plain = build_model(INKLING, seed=0, **OVERRIDES[INKLING])
+    assert_restored_states_match(cache, plain, torch.tensor([BASE[:70]]), expected_hit=64)
+
+
+#: Inkling's ingredients (module, ingredient, dtype, case), measured at 2 threads.
+INKLING_POWER = [
+    (inkling_deterministic, "window", torch.float32, engine_case),
+    (inkling_deterministic, "contiguous", torch.float32, decode_vs_prefill_case),
+    (inkling_deterministic, "conv", torch.float32, decode_vs_prefill_case),
+    (hybrid_deterministic, "attention", torch.float32, engine_case),
+    (hybrid_deterministic, "activation", torch.float32, engine_case),
+    (mamba1_deterministic, "linear", torch.float32, engine_case),
+]
+
+
+@pytest.mark.parametrize("module, off, dtype, case", INKLING_POWER,
+                         ids=[f"{off}-{str(dtype)[6:]}-{case.__name__}" for _, off, dtype, case in INKLING_POWER])
+def test_inkling_each_ingredient_off_alone_breaks_a_case(monkeypatch, module, off, dtype, case):
+    torch.set_num_threads(2)
+    assert case(INKLING, dtype)
+    monkeypatch.setattr(module, "_OFF", {off})
+    assert not case(INKLING, dtype)
+
+
+def test_inkling_with_the_mode_off_some_case_differs():
+    cases = (decode_vs_prefill_case, engine_case, hit_case)
+    assert not all(case(INKLING, torch.float32, deterministic=False) for case in cases)
+
+
+def test_inkling_routed_experts_and_other_families_are_refused():
+    """Inkling's MoE layers (a sigmoid router with a global scale, shared experts weighted by gammas) have no
+    deterministic form here yet; Inkling 2 (and its loop) and ZAYA are refused with their ingredients named."""
+    model = build_model(INKLING, seed=0, mlp_layer_types=["dense", "sparse", "dense", "sparse"])
+    with pytest.raises(ValueError, match="(?s)routed experts \\(InklingMoE.*deterministic=False"):
+        HybridPrefixCache(model, deterministic=True)
+    HybridPrefixCache(model)  # nothing was patched: the default mode still builds
+    for family in ("inkling2_text", "zaya"):
+        with pytest.raises(ValueError, match="(?s)wired to the invariant conv.*deterministic=False"):
+            HybridPrefixCache(build_model(family, seed=0), deterministic=True)

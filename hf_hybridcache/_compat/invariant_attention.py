@@ -64,12 +64,15 @@ def mark(model: torch.nn.Module, modules, forward: Callable) -> None:
 def invariant_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                 attention_mask: torch.Tensor | None, dropout: float = 0.0,
                                 scaling: float | None = None, softcap: float | None = None,
-                                sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                                sliding_window: int | None = None, position_bias: torch.Tensor | None = None,
+                                **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature around
     :func:`~hf_hybridcache.kernels.attention_invariant.attention_invariant`: ``query`` ``[B, H, T, D]``, ``key``
     ``[B, Hkv, K, D]``, ``value`` ``[B, Hkv, K, Dv]`` -> ``([B, T, H, Dv]`` in ``query``'s dtype, ``None)``. Other
     keyword arguments (position ids, flash-attention lengths) are not read. A ``sliding_window`` (the module's, as
     transformers passes it) runs the kernel's windowed layout, which also keeps a mask-less call within the window.
+    A ``position_bias`` ``[B, H, T, K]`` (Inkling's relative logits, which its eager function adds to the scaled
+    scores) is added to the scores in float32.
 
     Raises:
         ValueError: dropout is on (a training forward), or a logit softcap is asked for (not supported by the kernel
@@ -89,14 +92,16 @@ def invariant_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         mask = attention_mask[:, :, :, :num_keys]
         visible = mask if mask.dtype == torch.bool else mask == 0
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    out = attention_invariant(query, key, value, visible, scaling, window=sliding_window)
+    bias = None if position_bias is None else position_bias[:, :, :, :num_keys]
+    out = attention_invariant(query, key, value, visible, scaling, window=sliding_window, bias=bias)
     return out.transpose(1, 2).contiguous(), None
 
 
 def gated_attention_parts(module: torch.nn.Module, kwargs: dict) -> tuple:
     """What a copy of a gated attention module's forward (Qwen3.5's, Qwen3-Next's: ``Qwen3_5Attention.forward``,
     transformers 5.23 - 5.25) takes from transformers: ``(cache or None, the call's other kwargs, the modeling file's
-    apply_rotary_pos_emb, the attention function the module's config names, update)``, where
+    apply_rotary_pos_emb (None where it has none: Inkling's), the attention function the module's config names,
+    update)``, where
     ``update(key [B, Hkv, T, D], value) -> (keys, values)`` writes the call's KV to the cache as that release does."""
     cache = find_cache(kwargs)
     rest = {name: value for name, value in kwargs.items() if name not in CACHE_KWARG_NAMES}
@@ -108,4 +113,4 @@ def gated_attention_parts(module: torch.nn.Module, kwargs: dict) -> tuple:
             return cache.update(key, value, module.layer_idx, kwargs=rest)
         return cache.update(key, value, module.layer_idx)
 
-    return cache, rest, modeling.apply_rotary_pos_emb, function, update
+    return cache, rest, getattr(modeling, "apply_rotary_pos_emb", None), function, update

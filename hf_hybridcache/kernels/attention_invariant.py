@@ -59,7 +59,7 @@ def causal_visible(num_queries: int, num_keys: int, device: torch.device | None 
 
 
 def attention_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,
-                        scaling: float, window: int | None = None) -> torch.Tensor:
+                        scaling: float, window: int | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention ``softmax(scaling * q k^T) v`` over the keys ``visible`` allows, in the fixed order of the
     module docstring.
 
@@ -71,6 +71,8 @@ def attention_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         scaling: the scores' factor (usually ``D ** -0.5``).
         window: a sliding window of ``W`` keys (the module docstring), or None. With a window, each query's visible
             keys must be contiguous and end at its own key (the keys may start anywhere before the window).
+        bias: ``[B or 1, 1 or H, T, K]`` float added to the scaled scores (a relative position bias, Inkling's),
+            laid out with the keys; or None.
 
     Returns:
         ``[B, H, T, Dv]`` in ``query``'s dtype; zeros for a query that sees no key.
@@ -90,12 +92,17 @@ def attention_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     q = (query.float() * scaling).view(batch, kv_heads, groups, num_queries, 1, -1)  # [B, Hkv, G, T, 1, D]
     key, value, visible = key.float(), value.float(), visible.expand(batch, -1, -1, -1)
     if window is None:
-        key, value, visible = _anchor(key, value, visible)
+        key, value, visible, bias = _anchor(key, value, visible, bias)
         blocks = _blocks(key[:, :, None, None], value[:, :, None, None])
     else:
         index, inside = _window_slots(visible, window)
         visible = torch.gather(visible, 3, index[:, None].expand(-1, visible.shape[1], -1, -1)) & inside[:, None]
+        if bias is not None:
+            bias = torch.gather(bias.expand(batch, -1, -1, -1), 3, index[:, None].expand(-1, bias.shape[1], -1, -1))
     visible = visible.reshape(batch, 1 if visible.shape[1] == 1 else kv_heads, -1, num_queries, visible.shape[-1])
+    if bias is not None:
+        bias = bias.float().expand(batch, -1, -1, -1)
+        bias = bias.reshape(batch, 1 if bias.shape[1] == 1 else kv_heads, -1, num_queries, bias.shape[-1])
     chunks = []
     for begin in range(0, num_queries, QUERY_CHUNK):
         if window is not None:  # [B, Hkv, 1, Tc, slots, D]: each query's own window of keys
@@ -103,7 +110,8 @@ def attention_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
             blocks = _blocks(*(_take_window(x, rows, inside[:, None, begin : begin + QUERY_CHUNK, :, None])[:, :, None]
                                for x in (key, value)))
         chunks.append(_query_chunk(q[:, :, :, begin : begin + QUERY_CHUNK], blocks,
-                                   visible[..., begin : begin + QUERY_CHUNK, :]))
+                                   visible[..., begin : begin + QUERY_CHUNK, :],
+                                   None if bias is None else bias[..., begin : begin + QUERY_CHUNK, :]))
     return torch.cat(chunks, dim=3).view(batch, heads, num_queries, -1).to(query.dtype)
 
 
@@ -134,9 +142,10 @@ def _take_window(x: torch.Tensor, rows: torch.Tensor, inside: torch.Tensor) -> t
     return torch.where(inside, taken, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def _query_chunk(q: torch.Tensor, blocks, visible: torch.Tensor) -> torch.Tensor:
+def _query_chunk(q: torch.Tensor, blocks, visible: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Float32 outputs ``[B, Hkv, G, Tc, Dv]`` of the queries ``q`` ``[B, Hkv, G, Tc, 1, D]`` (scaled) over the
-    ``(start, keys, values^T)`` blocks, ``visible`` ``[B, 1 or Hkv, 1 or G, Tc, K]``. Each query's arithmetic is its
+    ``(start, keys, values^T)`` blocks, ``visible`` ``[B, 1 or Hkv, 1 or G, Tc, K]``, ``bias`` (float32, laid out as
+    ``visible``) added to the scores. Each query's arithmetic is its
     own (every op is per query row), so cutting the queries in chunks changes no bit; it keeps a chunk's per-block
     terms in cache. A block no query of the chunk sees is skipped: it would leave every running value unchanged."""
     shape = q.shape[:4]
@@ -148,7 +157,10 @@ def _query_chunk(q: torch.Tensor, blocks, visible: torch.Tensor) -> torch.Tensor
         if not bool(needed[start : start + KV_BLOCK].any()):
             continue
         hidden = ~visible[..., start : start + KV_BLOCK]  # [B, 1 or Hkv, 1 or G, Tc, S]
-        scores = (q * keys).sum(-1).masked_fill_(hidden, float("-inf"))  # [B, Hkv, G, Tc, S]
+        scores = (q * keys).sum(-1)  # [B, Hkv, G, Tc, S]
+        if bias is not None:
+            scores = scores + bias[..., start : start + KV_BLOCK]
+        scores = scores.masked_fill_(hidden, float("-inf"))
         new_max = torch.maximum(running_max, scores.amax(-1))
         anchor = torch.where(new_max == float("-inf"), 0.0, new_max)
         probs = torch.exp(scores - anchor[..., None])  # +0 where hidden
@@ -160,15 +172,17 @@ def _query_chunk(q: torch.Tensor, blocks, visible: torch.Tensor) -> torch.Tensor
     return out / torch.where(running_sum == 0, 1.0, running_sum)[..., None]
 
 
-def _anchor(key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor):
+def _anchor(key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, bias: torch.Tensor | None = None):
     """Shift each row's keys left by its leading padding (the keys before the first one its last query sees), pad
-    the key count to a multiple of :data:`KV_BLOCK` with zero keys nobody sees, and return the three re-laid out."""
+    the key count to a multiple of :data:`KV_BLOCK` with zero keys nobody sees, and return the four (``bias`` laid
+    out as ``visible``, or None) re-laid out."""
     batch, num_keys = key.shape[0], key.shape[2]
     first = visible[:, :, -1].any(1).int().argmax(-1)  # [B] first key the last query sees (0 when it sees none)
     padded = -(-num_keys // KV_BLOCK) * KV_BLOCK
     if bool((first == 0).all()):
         pad = padded - num_keys
-        return F.pad(key, (0, 0, 0, pad)), F.pad(value, (0, 0, 0, pad)), F.pad(visible, (0, pad), value=False)
+        return (F.pad(key, (0, 0, 0, pad)), F.pad(value, (0, 0, 0, pad)), F.pad(visible, (0, pad), value=False),
+                None if bias is None else F.pad(bias, (0, pad)))
     index = torch.arange(padded, device=key.device)[None] + first[:, None]  # [B, padded]
     inside = index < num_keys
     index = index.clamp(max=num_keys - 1)
@@ -178,7 +192,8 @@ def _anchor(key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor):
         return torch.where(inside.view(shape), taken, torch.zeros((), dtype=x.dtype, device=x.device))
 
     return (take(key, 2, (batch, 1, padded, 1)), take(value, 2, (batch, 1, padded, 1)),
-            take(visible, 3, (batch, 1, 1, padded)))
+            take(visible, 3, (batch, 1, 1, padded)),
+            None if bias is None else take(bias.expand(batch, -1, -1, -1), 3, (batch, 1, 1, padded)))
 
 
 def invariance_failures(dtype: torch.dtype, length: int = 90, attention=None, window: int | None = None) -> list[str]:

@@ -11,7 +11,8 @@ of :mod:`.hybrid_deterministic`), Qwen3.5's text models, dense and MoE, and Qwen
 :mod:`.gated_delta_deterministic`, the gated attention, MLPs and routed + shared experts of
 :mod:`.hybrid_deterministic`), and LFM2 / LFM2-MoE / LFM3 (the short conv mixer of :mod:`.short_conv_deterministic`,
 the attention with q/k RMSNorms (LFM3's also sliding-window, with a sigmoid gate per head), SwiGLU MLPs and
-sigmoid-routed experts of :mod:`.hybrid_deterministic`), on CPU, in
+sigmoid-routed experts of :mod:`.hybrid_deterministic`), and Inkling's text model with dense MLPs (the four short
+convolutions and the attention with relative logits of :mod:`.inkling_deterministic`), on CPU, in
 float32, bfloat16 and float16. Every other family is refused with the ingredients it lacks named, and so is a model
 whose kernels or BLAS would break the guarantee: refusing, never warning and continuing, is the point of the mode
 (vLLM's batch-invariant mode likewise fails closed on layers it has no kernel for).
@@ -30,6 +31,7 @@ from ..kernels.decode_linear import weight_qualifies
 from . import (
     gated_delta_deterministic,
     hybrid_deterministic,
+    inkling_deterministic,
     mamba1_deterministic,
     mamba2_deterministic,
     short_conv_deterministic,
@@ -56,6 +58,7 @@ SUPPORTED = {
     "lfm2": ("Lfm2ShortConv", short_conv_deterministic),
     "lfm2_moe": ("Lfm2MoeShortConv", short_conv_deterministic),
     "lfm3": ("Lfm3ShortConv", short_conv_deterministic),
+    "inkling_text": ("InklingShortConvolution", inkling_deterministic),
 }
 #: The dtypes the mode's tests hold in.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -71,14 +74,21 @@ _MAMBA2 = "its Mamba-2 mixer wired to the deterministic Mamba-2 forward (models/
 _GDN = "its gated delta net mixer wired to the deterministic forward (models/gated_delta_deterministic.py: " \
        "per-token rule, invariant conv, row-invariant gates and gated RMSNorm, as Qwen3.5's are)"
 _KDA = "a Kimi delta attention (KDA) per-token scan"
-_SHORT_CONV = "the short conv mixer wired through the invariant conv (kernels/conv_invariant.py)"
+_INKLING2 = ("Inkling 2's short convs wired to the invariant conv (its dynamic short conv's per-token taps, projected "
+             "from the layer input, have no invariant form yet; Inkling's static ones are in "
+             "models/inkling_deterministic.py), its attention's sink logits, output gate and l2-clipped projections "
+             "and its experts' softcapped activations")
 #: model_type -> the mixer ingredients its family lacks (attention and MLP activations are added from the model).
 _MIXERS = {
     **dict.fromkeys(("falcon_h1",), (_MAMBA2,)),
     **dict.fromkeys(("olmo_hybrid", "lara_mini"), (_GDN,)),
     **dict.fromkeys(("kimi_linear", "bailing_hybrid"), (_KDA,)),
-    **dict.fromkeys(("inkling_text", "inkling2_text", "inkling2_loop_text"), (_SHORT_CONV,)),
-    "zaya": ("ZAYA's CCA conv mixer wired to the invariant conv",),
+    "inkling2_text": (_INKLING2,),
+    "inkling2_loop_text": (_INKLING2, "its loop passes' own cache layers (cache_offset) reaching the deterministic "
+                                      "mixers"),
+    "zaya": ("ZAYA's CCA projection wired to the invariant conv (a depthwise then a grouped conv over q|k, whose "
+             "grouped sum has no invariant form yet, and the delayed value), its router MLP's nn.GELU and its routed "
+             "experts",),
 }
 
 

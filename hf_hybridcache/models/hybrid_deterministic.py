@@ -1,5 +1,5 @@
 """The layers a hybrid adds to its mixers in deterministic mode (issue 46; Jamba, Zamba, Qwen3.5, Bamba, Granite-4.0-H,
-Nemotron-H, Zamba2, LFM2, LFM3): attention, MLP
+Nemotron-H, Zamba2, LFM2, LFM3, Inkling): attention, MLP
 activations, linear layers and routed experts, each with a row-invariant, path-invariant form (docs/deterministic.md,
 "The ingredients").
 
@@ -19,6 +19,9 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
 - LFM3's attention (``Lfm3Attention``) runs :func:`head_gated_forward`: upstream's forward with its sliding window
   handed to the invariant attention (keys laid out per query over its window) and its per-head output gate
   ``sigmoid(g_proj(x))`` as ``sigmoid_invariant`` in float32.
+- Inkling's attention (``InklingAttention``) runs
+  :func:`~hf_hybridcache.models.inkling_deterministic.attention_forward` (its relative bias handed to the invariant
+  attention), its MLP activations as above; its routed experts (``InklingMoE``) are refused.
 - A gated attention module (Qwen3.5's ``Qwen3_5Attention``, transformers 5.23 - 5.25) runs
   :func:`gated_attention_forward`: upstream's forward with its output gate ``sigmoid(gate)`` taken as
   :func:`~hf_hybridcache.kernels.gated_delta_invariant.sigmoid_invariant` in float32, rounded once to the gate's
@@ -51,6 +54,7 @@ from .. import _compat
 from .._compat.invariant_attention import gated_attention_parts, invariant_attention_forward, mark, unroutable
 from ..kernels.gated_delta_invariant import sigmoid_invariant
 from ..kernels.mamba1_invariant import silu_invariant
+from . import inkling_deterministic
 from .mamba1_deterministic import _linear, lm_head_forward
 
 #: model_type -> (attention module class, routed-experts block class or None): the hybrids whose layers this module
@@ -62,11 +66,12 @@ FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock"), "zamba": ("Zamba
             "bamba": ("BambaAttention", None), "granitemoehybrid": ("GraniteMoeHybridAttention", None),
             "nemotron_h": ("NemotronHAttention", None), "zamba2": ("Zamba2Attention", None),
             "lfm2": ("Lfm2Attention", None), "lfm2_moe": ("Lfm2MoeAttention", "Lfm2MoeSparseMoeBlock"),
-            "lfm3": ("Lfm3Attention", None)}
+            "lfm3": ("Lfm3Attention", None), "inkling_text": ("InklingAttention", None)}
 #: Routed-experts blocks a family may hold that have no deterministic form here yet: a model holding one is refused
 #: (Granite 4.0-H's ``num_local_experts > 0``, Nemotron-H's ``"moe"`` layers; their routers and expert sums differ from
 #: :func:`sparse_moe_forward`'s).
-UNWIRED_EXPERTS = {"granitemoehybrid": "GraniteMoeHybridMoE", "nemotron_h": "NemotronHMoE"}
+UNWIRED_EXPERTS = {"granitemoehybrid": "GraniteMoeHybridMoE", "nemotron_h": "NemotronHMoE",
+                   "inkling_text": "InklingMoE"}
 #: The MLP classes that call ``F.silu`` in their forward (no activation module to patch): :func:`swiglu_forward`.
 SWIGLU_MLPS = ("Lfm2MLP", "Lfm2MoeMLP", "Lfm3MLP")
 #: The attention classes whose forward gates its output with a sigmoid (:func:`gated_attention_forward`).
@@ -75,7 +80,7 @@ GATED_ATTENTION = ("Qwen3_5Attention", "Qwen3_5MoeAttention", "Qwen3NextAttentio
 HEAD_GATED_ATTENTION = ("Lfm3Attention",)
 #: The families whose attention hands the attention function its ``sliding_window`` (the invariant attention's
 #: windowed layout needs it: a sliding cache layer keeps only the window's keys).
-WINDOWED = ("lfm3",)
+WINDOWED = ("lfm3", "inkling_text")
 #: The activations with an invariant form here (transformers' ``ACT2FN["silu"]`` / ``ACT2FN["gelu"]`` and torch's).
 ACTIVATIONS = ("silu", "swish", "gelu", "relu2")
 #: The families whose gated delta net conv runs ``hidden_act``, which has an invariant form there for SiLU only.
@@ -107,7 +112,7 @@ def refusals(model: torch.nn.Module, model_type: str) -> list[str]:
 
 def product_weights(model: torch.nn.Module, model_type: str) -> list[torch.Tensor]:
     """The weights of the products the mode runs outside ``torch.nn.Linear`` modules, for the row-invariance probes:
-    :func:`sparse_moe_forward`'s (the router, one expert's gate-up and down projections per block) and a per-head
+    :func:`sparse_moe_forward`'s (the router, one expert's gate-up and down projections per block), a per-head
     mixer's (one head's ``x_proj_weight`` and ``dt_proj_weight``, Zamba's)."""
     experts_class = FAMILIES[model_type][1]
     weights = []
@@ -141,6 +146,8 @@ def install(model: torch.nn.Module, model_type: str) -> None:
             _compat.patch_instance_forward(module, gated_attention_forward)
         elif name in HEAD_GATED_ATTENTION:
             _compat.patch_instance_forward(module, head_gated_forward)
+        elif name in inkling_deterministic.ATTENTION:
+            _compat.patch_instance_forward(module, inkling_deterministic.attention_forward)
         elif name in SWIGLU_MLPS:
             _compat.patch_instance_forward(module, swiglu_forward)
     mark(model, [m for m in model.modules() if type(m).__name__ == attention_class], attention_forward)

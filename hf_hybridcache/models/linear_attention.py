@@ -183,6 +183,8 @@ def _emitting_forward(variant: LinearVariant, mixer, original, *args, **kwargs):
         return original(*args, **kwargs)
     deterministic = getattr(mixer, DETERMINISTIC_FORWARD, None)  # set by deterministic mode's install
     if deterministic is not None and hasattr(cache, "checkpoint_positions"):  # this package's caches only
+        if "conv_mask" in kwargs:  # Inkling's short convolutions take their padding mask under this name
+            kwargs = {**{k: v for k, v in kwargs.items() if k != "conv_mask"}, "attention_mask": kwargs["conv_mask"]}
         _, _, attention_mask = _compat.split_mixer_call(*_compat.with_local_mixer_mask(args, kwargs))
         return deterministic(mixer, hidden_states, cache, attention_mask)
     if seq_len == 1:
