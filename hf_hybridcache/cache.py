@@ -112,7 +112,7 @@ class HybridPrefixCache(LiveCache):
         _compat.install_hooks(model, HOOKS)
         super().__init__(layers=_compat.new_live_layers(model.config))
         policy = make_eviction(options.eviction, FlopModel.from_model(model, self.spec))
-        self.core = CacheCore(self.spec, options, seed, model_identity(model), WeightsTracker(model), model.dtype,
+        self.core = CacheCore(self.spec, options, seed, model_identity(model, deterministic), WeightsTracker(model), model.dtype,
                               devices, placement, policy)
         self.core.remote = attach_remote(self, remote, seed_given)
         self._start_view(None)
@@ -282,8 +282,8 @@ class HybridPrefixCache(LiveCache):
 
     @classmethod
     def load(cls, path: str | os.PathLike, model: torch.nn.Module, *, max_cache_bytes: int | None = None,
-             retention_interval: int | str | None = None, offload: str | None = None, remote=None
-             ) -> HybridPrefixCache:
+             retention_interval: int | str | None = None, offload: str | None = None, remote=None,
+             deterministic: bool | None = None) -> HybridPrefixCache:
         """A new cache for ``model`` holding what :meth:`save` wrote to ``path`` (a warm start after a restart).
 
         Args:
@@ -297,12 +297,14 @@ class HybridPrefixCache(LiveCache):
             remote: as in the constructor; the loaded entries are queued for the tier (``cache.remote.flush()``
                 waits for them). The file's hash seed is kept: they are shared with other caches only when it was
                 saved by a cache with ``remote=`` (the tier's namespace seed) or the same ``seed=``.
+            deterministic: None keeps the saved mode; True or False must equal it.
 
         Raises:
             ValueError: the file is not a cache file, is truncated or corrupted (checksums), or was saved for another
-                model or version; nothing in memory changes.
+                model or version, or in the other mode (deterministic mode restores only states its own arithmetic
+                computed); nothing in memory changes.
         """
-        return load_cache(cls, path, model, max_cache_bytes, retention_interval, offload, remote)
+        return load_cache(cls, path, model, max_cache_bytes, retention_interval, offload, remote, deterministic)
 
     def __repr__(self) -> str:
         o = self.options

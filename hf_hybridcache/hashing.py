@@ -70,8 +70,12 @@ def identity_config(model: torch.nn.Module) -> dict:
     return json.loads(json.dumps(config, sort_keys=True, default=str))
 
 
-def model_identity(model: torch.nn.Module) -> str:
-    """A stable string naming the model class, config (:func:`identity_config`) and dtype, mixed into every block
-    hash: the same model loaded from another folder, or saved with ``save_pretrained`` meanwhile, keeps it."""
+def model_identity(model: torch.nn.Module, deterministic: bool = False) -> str:
+    """A stable string naming the model class, config (:func:`identity_config`), dtype and, when on, deterministic
+    mode, mixed into every block hash: the same model loaded from another folder, or saved with ``save_pretrained``
+    meanwhile, keeps it. Deterministic mode's states come from other arithmetic than the default mode's (bitwise
+    equal only among themselves), so its entries never meet the other mode's, in a remote tier or a file."""
     payload = {"class": type(model).__name__, "dtype": str(model.dtype), "config": identity_config(model)}
+    if deterministic:
+        payload["deterministic"] = True
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()

@@ -3,6 +3,10 @@ in a decode step, inside a causal prefill of any length, inside a prefill chunk 
 left-padded row of a batch beside other requests; in float32, bfloat16 and float16, with grouped-query heads.
 Power: F.scaled_dot_product_attention fails the same check (table 3 of benchmarks/batch_invariance.py: a decode step
 and a prefill differ in every dtype here). And it is attention: within round-off of SDPA.
+
+With a sliding window (Lara Mini's sliding layers), the same cases over all past keys and over only the keys a sliding
+cache layer keeps, and as a left-padded row; power: the form anchored at position 0 with the window in the mask only
+(what the kernel ran before it took a window) gives a query other bits once the keys before its window are dropped.
 """
 
 import pytest
@@ -100,3 +104,40 @@ def test_a_query_that_sees_no_key_gets_zeros_and_bad_shapes_are_refused():
         invariant(q[:, :3], k, v, causal_visible(LENGTH, LENGTH))
     with pytest.raises(ValueError, match="visible must be"):
         invariant(q, k, v, causal_visible(LENGTH, LENGTH)[..., :-1])
+
+
+WINDOW = 24  # shorter than a block of keys, so a query's window straddles block edges anchored at 0
+
+
+def test_a_windowed_query_gets_the_same_bits_whatever_keys_the_cache_holds(dtype):
+    """Decode steps and prefill chunks over every past key and over the window only, at and around block edges."""
+    assert invariance_failures(dtype, window=WINDOW) == []
+    assert invariance_failures(dtype, window=2 * KV_BLOCK + 3) == []
+
+
+def test_a_windowed_padded_row_equals_the_row_alone(dtype):
+    q, k, v = tensors(dtype)
+    full = attention_invariant(q, k, v, causal_visible(LENGTH, LENGTH, window=WINDOW), SCALE, window=WINDOW)
+    pad, p = 7, 50
+    keys, values = (torch.cat([torch.zeros(1, KV_HEADS, pad, HEAD_DIM, dtype=dtype), x[:, :, : p + 1]], 2)
+                    for x in (k, v))
+    visible = causal_visible(1, p + 1 + pad, window=WINDOW).clone()
+    visible[..., :pad] = False
+    out = attention_invariant(q[:, :, p : p + 1], keys, values, visible, SCALE, window=WINDOW)
+    assert torch.equal(out, full[:, :, p : p + 1])
+
+
+def test_the_form_anchored_at_zero_fails_the_windowed_check(dtype):
+    def at_zero(query, key, value, visible, scaling, window):
+        return attention_invariant(query, key, value, visible, scaling)
+
+    assert invariance_failures(dtype, attention=at_zero, window=WINDOW)
+
+
+def test_windowed_attention_is_attention_within_round_off(dtype):
+    q, k, v = tensors(dtype)
+    visible = causal_visible(LENGTH, LENGTH, window=WINDOW)
+    tolerance = {torch.float32: 1e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    expected = sdpa(q.float(), k.float(), v.float(), visible)
+    torch.testing.assert_close(attention_invariant(q, k, v, visible, SCALE, window=WINDOW).float(), expected,
+                               atol=tolerance, rtol=0)

@@ -16,19 +16,32 @@ on the 2-core AVX-512 CPU, torch 2.13 with MKL; docs/deterministic.md has the ta
 
 import pytest
 import torch
-from engine_scenarios import finals, ids
-from transformers import ContinuousBatchingConfig, GenerationConfig
+from deterministic_bank import (  # noqa: F401 (family files written before the bank import these from here)
+    BASE,
+    GREEDY,
+    PROMPTS,
+    chat_with_the_reply_replayed,
+    cold,
+    decode_vs_prefill_case,
+    engine_case,
+    engine_outputs,
+    engine_requests_equal_generate_alone,
+    engine_requests_hit_each_others_prefix,
+    hit_case,
+    hits_equal_cold,
+    identical_prompt_and_decoded_tokens,
+    ingredient_off_breaks,
+    logprobs,
+    mode_off_some_case_differs,
+    padded_batch_rows_equal_each_alone,
+    run,
+    speculative_case,
+)
 
 from hf_hybridcache import HybridPrefixCache
-from hf_hybridcache.engine import NgramDrafter, Speculation
 from hf_hybridcache.kernels import batch_invariant
 from hf_hybridcache.models import mamba1_deterministic
 from hf_hybridcache.toy import build_model
-
-GREEDY = dict(do_sample=False, pad_token_id=0)
-BASE = ids(90, seed=4600)
-#: Engine prompts: two share BASE's first 40 tokens (a hit inside the engine), the rest are new, of mixed lengths.
-PROMPTS = [BASE[:40] + ids(n, seed=4610 + n) for n in (3, 12)] + [ids(n, seed=4620 + n) for n in (1, 17, 33, 50, 7, 24)]
 
 
 @pytest.fixture(params=["mamba", "falcon_mamba"])
@@ -63,7 +76,17 @@ OVERRIDES = {"jamba": dict(num_experts=4, num_experts_per_tok=2, intermediate_si
              "bamba": dict(intermediate_size=104),
              "granitemoehybrid": dict(shared_intermediate_size=104, embedding_multiplier=12.0,
                                       residual_multiplier=0.22, attention_multiplier=0.125, logits_scaling=4.0),
-             "nemotron_h": dict(intermediate_size=104)}  # Zamba2's own toy: its GELU's strided input is the case
+             "nemotron_h": dict(intermediate_size=104),  # Zamba2's own toy: its GELU's strided input is the case
+             "olmo_hybrid": dict(intermediate_size=104, num_attention_heads=3, num_key_value_heads=1, head_dim=16,
+                                 linear_value_head_dim=20),
+             "lara_mini": dict(moe_intermediate_size=56, shared_expert_intermediate_size=104, num_attention_heads=3,
+                               num_key_value_heads=1, linear_value_head_dim=20),
+             # Kimi Linear / Ling (test_deterministic_kda.py): 3 MLA heads, KDA heads of 20, Ling's SwiGLUs clipped
+             "kimi_linear": dict(intermediate_size=104, moe_intermediate_size=56, num_attention_heads=3,
+                                 num_key_value_heads=3, linear_head_dim=20),
+             "bailing_hybrid": dict(intermediate_size=104, moe_intermediate_size=56, num_attention_heads=3,
+                                    num_key_value_heads=3, head_dim=20, swiglu_limits=[0, 2.0, 2.0, 2.0],
+                                    swiglu_limits_shared=[0, 2.0, 2.0, 2.0])}
 
 
 def fresh(family, dtype, deterministic=True, **kwargs):
@@ -71,97 +94,22 @@ def fresh(family, dtype, deterministic=True, **kwargs):
     return model, HybridPrefixCache(model, deterministic=deterministic, retention_interval="dense", **kwargs)
 
 
-def run(model, cache, prompt, new_tokens=6, floor=True):
-    """generate(): the new tokens and the raw logits of each step ``[n, V]``."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), past_key_values=cache, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens if floor else None, output_logits=True,
-                             return_dict_in_generate=True, **GREEDY)
-    return out.sequences[0, len(prompt):].tolist(), torch.stack([step[0] for step in out.logits])
-
-
-def cold(family, dtype, prompt, new_tokens=6, deterministic=True, floor=True):
-    return run(*fresh(family, dtype, deterministic), prompt, new_tokens, floor)
-
-
-def hit_case(family, dtype, deterministic=True) -> bool:
-    model, cache = fresh(family, dtype, deterministic)
-    first = run(model, cache, BASE)
-    again = run(model, cache, BASE)
-    assert cache.last_hit_tokens == [80]
-    return first[0] == again[0] and torch.equal(first[1], again[1])
-
-
-def decode_vs_prefill_case(family, dtype, deterministic=True) -> bool:
-    """Reply token 3's logits, decoded, against the same position prefilled (BASE + the first 3 reply tokens)."""
-    tokens, logits = cold(family, dtype, BASE, deterministic=deterministic)
-    return torch.equal(logits[3], cold(family, dtype, BASE + tokens[:3], 1, deterministic)[1][0])
-
-
-def engine_outputs(family, dtype, prompts, max_batch_tokens, deterministic=True):
-    model, _ = fresh(family, dtype, deterministic)
-    outputs = model.generate_batch(prompts, generation_config=GenerationConfig(max_new_tokens=4, **GREEDY),
-                                   continuous_batching_config=ContinuousBatchingConfig(
-                                       max_batch_tokens=max_batch_tokens, return_logprobs=True))
-    return [outputs[f"req_{i}"] for i in range(len(prompts))]
-
-
-def logprobs(tokens, logits):
-    """Each token's log-probability as the engine computes it (softmax of float32 logits, then log)."""
-    return [torch.softmax(row.float(), -1)[t].log().item() for row, t in zip(logits, tokens)]
-
-
-def engine_case(family, dtype, prompts=PROMPTS, max_batch_tokens=48, deterministic=True) -> bool:
-    outputs = engine_outputs(family, dtype, prompts, max_batch_tokens, deterministic)
-    for prompt, output in zip(prompts, outputs):
-        assert output.error is None, output.error
-        tokens, logits = cold(family, dtype, prompt, 4, deterministic, floor=False)
-        if output.generated_tokens != tokens or list(output.logprobs) != logprobs(tokens, logits):
-            return False
-    return True
-
-
 @pytest.mark.parametrize("length", [16, 17, 47, 64, 89])
 def test_hits_of_several_lengths_equal_cold_bit_for_bit(family, dtype, length):
-    model, cache = fresh(family, dtype)
-    run(model, cache, BASE)  # stores a checkpoint at every block boundary up to 80
-    prompt = BASE[:length] + ids(7, seed=4601)
-    tokens, logits = run(model, cache, prompt)
-    assert cache.last_hit_tokens == [min(length, 80) // 16 * 16]
-    ref_tokens, ref_logits = cold(family, dtype, prompt)
-    assert tokens == ref_tokens and torch.equal(logits, ref_logits)
+    hits_equal_cold(family, dtype, length)
 
 
 def test_identical_prompt_and_decoded_tokens_equal_cold_and_prefilled(family, dtype):
-    assert hit_case(family, dtype)
-    assert decode_vs_prefill_case(family, dtype)
+    identical_prompt_and_decoded_tokens(family, dtype)
 
 
 def test_chat_turn_with_the_reply_replayed_equals_cold(family, dtype):
-    model, cache = fresh(family, dtype, replay_replies=True)
-    turn = BASE[:50]
-    for n in range(3):
-        reply, _ = run(model, cache, turn, new_tokens=9)
-        turn = turn + reply + ids(5, seed=4630 + n)
-        tokens, logits = run(model, cache, turn)
-        assert cache.last_hit_tokens[0] >= len(turn) - 5 - 9 - 16  # the reply's blocks hit
-        ref_tokens, ref_logits = cold(family, dtype, turn)
-        assert tokens == ref_tokens and torch.equal(logits, ref_logits), f"turn {n + 2}"
+    chat_with_the_reply_replayed(family, dtype, turns=3)
 
 
 def test_padded_generate_batch_rows_equal_each_alone(family, dtype):
     """Each row of a left-padded generate() batch of 3 prompts equals that prompt alone."""
-    prompts = [PROMPTS[i] for i in (3, 1, 6)]
-    width = max(map(len, prompts))
-    batch = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    model, cache = fresh(family, dtype)
-    with torch.no_grad():
-        out = model.generate(batch, attention_mask=(batch != 0).long(), past_key_values=cache, max_new_tokens=5,
-                             min_new_tokens=5, output_logits=True, return_dict_in_generate=True, **GREEDY)
-    for row, prompt in enumerate(prompts):
-        tokens, logits = cold(family, dtype, prompt, 5)
-        assert out.sequences[row, width:].tolist() == tokens
-        assert torch.equal(torch.stack([step[row] for step in out.logits]), logits), f"row {row}"
+    padded_batch_rows_equal_each_alone(family, dtype)
 
 
 @pytest.mark.parametrize("max_batch_tokens", [16, 48, 512])
@@ -169,39 +117,15 @@ def test_padded_generate_batch_rows_equal_each_alone(family, dtype):
 def test_engine_requests_equal_generate_alone_in_any_batch(family, dtype, max_batch_tokens, threads):
     """The engine's tokens and logprobs for 1, 3 and 8 concurrent requests equal each one alone in generate()."""
     torch.set_num_threads(threads)
-    for prompts in (PROMPTS[:1], PROMPTS[2:5], PROMPTS):
-        assert engine_case(family, dtype, prompts, max_batch_tokens), f"{len(prompts)} requests"
+    engine_requests_equal_generate_alone(family, dtype, max_batch_tokens)
 
 
 def test_speculative_engine_steps_equal_generate_alone(dtype):
     speculative_case("mamba", dtype)
 
 
-def speculative_case(family, dtype):
-    """Drafts verified in one multi-token forward (n-gram drafts of repetitive prompts) give each request the tokens
-    and logprobs of generate() alone."""
-    loop = ids(10, seed=4640)
-    prompts = [loop * 4 + ids(3, seed=4641), ids(20, seed=4642) + loop * 3, ids(33, seed=4643)]
-    _, cache = fresh(family, dtype)
-    manager = cache.init_continuous_batching(GenerationConfig(max_new_tokens=12, **GREEDY),
-                                             ContinuousBatchingConfig(return_logprobs=True),
-                                             speculation=Speculation(NgramDrafter(), 4))
-    manager.start()
-    try:
-        names = manager.add_requests(prompts, max_new_tokens=12)
-        outputs = finals(manager, names)
-    finally:
-        manager.stop()
-    assert manager.batch_processor.speculator.stats.verify_segments > 0
-    for name, prompt in zip(names, prompts):
-        tokens, logits = cold(family, dtype, prompt, 12, floor=False)
-        assert outputs[name].generated_tokens == tokens
-        assert list(outputs[name].logprobs) == logprobs(tokens, logits)
-
-
 def test_engine_requests_hit_each_others_prefix(family):
-    outputs = engine_outputs(family, torch.bfloat16, PROMPTS, 48)
-    assert sorted(o.hit_tokens for o in outputs[:2]) == [0, 32]
+    engine_requests_hit_each_others_prefix(family)
 
 
 @pytest.mark.parametrize("off, dtype, case", [
@@ -212,9 +136,7 @@ def test_engine_requests_hit_each_others_prefix(family):
 ], ids=["linear-fp32-hit", "conv-fp32-decode", "conv-bf16-decode", "scan-fp32-decode"])
 def test_each_ingredient_off_alone_breaks_a_case(monkeypatch, off, dtype, case):
     torch.set_num_threads(2)  # MKL's float32 1-row product sums in another order at 2 threads (the suite runs 1)
-    assert case("mamba", dtype)
-    monkeypatch.setattr(mamba1_deterministic, "_OFF", {off})
-    assert not case("mamba", dtype)
+    ingredient_off_breaks(monkeypatch, mamba1_deterministic, off, case, "mamba", dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -222,15 +144,12 @@ def test_with_the_mode_off_some_case_differs(dtype):
     """The bank has power against the default mode in each dtype. Which case shows it depends on the release: on
     transformers 5.23 the bf16 engine and generate() happen to agree on this bank, a decode step and a prefill do
     not."""
-    cases = (engine_case, decode_vs_prefill_case, hit_case)
-    assert not all(case("mamba", dtype, deterministic=False) for case in cases)
+    mode_off_some_case_differs("mamba", dtype, cases=(engine_case, decode_vs_prefill_case, hit_case))
 
 
 @pytest.mark.parametrize("family, named", [
     ("falcon_h1", "attention with a fixed reduction order"),
     ("falcon_h1", "Mamba-2 mixer"),
-    ("olmo_hybrid", "gated delta net mixer wired to the deterministic forward"),
-    ("kimi_linear", "Kimi delta attention"),
     ("inkling2_text", "short conv"),
 ])
 def test_other_families_are_refused_with_the_missing_ingredient(family, named):

@@ -22,21 +22,23 @@ a float32 decoded token, and the mode off every float32 case and the bfloat16 / 
 import pytest
 import test_deterministic
 import torch
-from conftest import assert_restored_states_match
-from engine_scenarios import ids
-from test_deterministic import (
-    BASE,
-    GREEDY,
-    OVERRIDES,
-    PROMPTS,
-    cold,
+from deterministic_bank import (
+    chat_with_the_reply_replayed,
+    checkpoints_hold_upstream_states,
     decode_vs_prefill_case,
     engine_case,
+    engine_requests_equal_generate_alone,
     fresh,
-    hit_case,
-    run,
+    hits_equal_cold,
+    identical_prompt_and_decoded_tokens,
+    ingredient_off_breaks,
+    mode_is_the_model,
+    mode_off_some_case_differs,
+    padded_batch_rows,
+    padded_batch_rows_equal_each_alone,
     speculative_case,
 )
+from test_deterministic import OVERRIDES
 
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.models import hybrid_deterministic, short_conv_deterministic
@@ -75,19 +77,12 @@ def biases(monkeypatch):
 @DTYPES3
 @pytest.mark.parametrize("length", [17, 64, 89])
 def test_hits_equal_cold_bit_for_bit(dtype, length):
-    model, cache = fresh(FAMILY, dtype)
-    run(model, cache, BASE)
-    prompt = BASE[:length] + ids(7, seed=4601)
-    tokens, logits = run(model, cache, prompt)
-    assert cache.last_hit_tokens == [min(length, 80) // 16 * 16]
-    ref_tokens, ref_logits = cold(FAMILY, dtype, prompt)
-    assert tokens == ref_tokens and torch.equal(logits, ref_logits)
+    hits_equal_cold(FAMILY, dtype, length)
 
 
 @DTYPES3
 def test_identical_prompt_and_decoded_tokens_equal_cold_and_prefilled(dtype):
-    assert hit_case(FAMILY, dtype)
-    assert decode_vs_prefill_case(FAMILY, dtype)
+    identical_prompt_and_decoded_tokens(FAMILY, dtype)
 
 
 def test_without_biases_hits_and_decoded_tokens_equal_cold_and_prefilled(monkeypatch, dtype):
@@ -95,54 +90,32 @@ def test_without_biases_hits_and_decoded_tokens_equal_cold_and_prefilled(monkeyp
     monkeypatch.setitem(OVERRIDES, FAMILY, {**OVERRIDES[FAMILY], "conv_bias": False})
     model, _ = fresh(FAMILY, dtype)
     assert model.model.layers[0].conv.conv.bias is None and model.model.layers[0].conv.in_proj.bias is None
-    assert hit_case(FAMILY, dtype)
-    assert decode_vs_prefill_case(FAMILY, dtype)
+    identical_prompt_and_decoded_tokens(FAMILY, dtype)
 
 
 def test_chat_turns_with_the_reply_replayed_equal_cold(dtype):
-    model, cache = fresh(FAMILY, dtype, replay_replies=True)
-    turn = BASE[:50]
-    for n in range(2):
-        reply, _ = run(model, cache, turn, new_tokens=9)
-        turn = turn + reply + ids(5, seed=4630 + n)
-        tokens, logits = run(model, cache, turn)
-        assert cache.last_hit_tokens[0] >= len(turn) - 5 - 9 - 16
-        ref_tokens, ref_logits = cold(FAMILY, dtype, turn)
-        assert tokens == ref_tokens and torch.equal(logits, ref_logits), f"turn {n + 2}"
+    chat_with_the_reply_replayed(FAMILY, dtype, turns=2)
 
 
 @DTYPES3
 def test_padded_generate_batch_rows_equal_each_alone(dtype):
     """Left padding: a padded row's conv inputs are zero until its first token, its keys re-anchor there."""
-    prompts = [PROMPTS[i] for i in (3, 1, 6)]
-    width = max(map(len, prompts))
-    batch = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    model, cache = fresh(FAMILY, dtype)
-    with torch.no_grad():
-        out = model.generate(batch, attention_mask=(batch != 0).long(), past_key_values=cache, max_new_tokens=5,
-                             min_new_tokens=5, output_logits=True, return_dict_in_generate=True, **GREEDY)
-    for row, prompt in enumerate(prompts):
-        tokens, logits = cold(FAMILY, dtype, prompt, 5)
-        assert out.sequences[row, width:].tolist() == tokens
-        assert torch.equal(torch.stack([step[row] for step in out.logits]), logits), f"row {row}"
+    padded_batch_rows_equal_each_alone(FAMILY, dtype)
 
 
 @pytest.mark.parametrize("max_batch_tokens", [16, 48, 512])
 def test_engine_requests_equal_generate_alone_in_any_batch(dtype, max_batch_tokens):
-    """The engine's tokens and logprobs for 1, 3 and 8 concurrent requests (two of them hit each other's prefix)
-    equal each one alone in generate()."""
-    for prompts in (PROMPTS[:1], PROMPTS[2:5], PROMPTS):
-        assert engine_case(FAMILY, dtype, prompts, max_batch_tokens), f"{len(prompts)} requests"
+    engine_requests_equal_generate_alone(FAMILY, dtype, max_batch_tokens)
 
 
 @pytest.mark.parametrize("max_batch_tokens", [16, 48, 512])
 def test_engine_in_float16_equals_generate_alone(max_batch_tokens):
-    assert engine_case(FAMILY, torch.float16, PROMPTS, max_batch_tokens)
+    assert engine_case(FAMILY, torch.float16, max_batch_tokens=max_batch_tokens)
 
 
 def test_engine_at_two_threads_equals_generate_alone():
     torch.set_num_threads(2)
-    assert engine_case(FAMILY, torch.float32, PROMPTS, 48)
+    assert engine_case(FAMILY, torch.float32)
 
 
 def test_speculative_verify_groups_equal_generate_alone(dtype):
@@ -150,23 +123,14 @@ def test_speculative_verify_groups_equal_generate_alone(dtype):
 
 
 def test_the_mode_is_the_model_within_round_off():
-    """The deterministic forward computes the model: its float32 logits are a plain forward's within round-off (a
-    mistake in the gates, the conv's window or bias, or the MLP would move them by far more)."""
-    model, cache = fresh(FAMILY, torch.float32)
-    plain = build_with_biases(FAMILY, seed=0, **OVERRIDES[FAMILY])
-    _, logits = run(model, cache, BASE[:40], new_tokens=1)
-    with torch.no_grad():
-        expected = plain(torch.tensor([BASE[:40]])).logits[0, -1]
-    torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=0)
+    """Within round-off of a plain forward: a mistake in the gates, the conv's window or bias, or the MLP would move
+    the logits by far more."""
+    mode_is_the_model(FAMILY)
 
 
 def test_checkpoints_hold_the_states_of_an_upstream_cold_forward():
-    """What the mode stores is what the default path stores: the conv window of ``B * x`` at a block boundary
-    equals an unpatched model's within round-off."""
-    model, cache = fresh(FAMILY, torch.float32)
-    run(model, cache, BASE)
-    plain = build_with_biases(FAMILY, seed=0, **OVERRIDES[FAMILY])
-    assert_restored_states_match(cache, plain, torch.tensor([BASE[:70]]), expected_hit=64)
+    """The conv window of ``B * x`` at a block boundary equals an unpatched model's within round-off."""
+    checkpoints_hold_upstream_states(FAMILY)
 
 
 #: (module, ingredient, dtype, a case it breaks when switched off alone), measured at 2 threads.
@@ -183,26 +147,13 @@ POWER = [
                          ids=[f"{off}-{str(dtype)[6:]}-{case.__name__}" for _, off, dtype, case in POWER])
 def test_each_ingredient_off_alone_breaks_a_case(monkeypatch, module, off, dtype, case):
     torch.set_num_threads(2)  # MKL's float32 1-row product sums in another order at 2 threads (the suite runs 1)
-    assert case(FAMILY, dtype)
-    monkeypatch.setattr(module, "_OFF", {off})
-    assert not case(FAMILY, dtype)
+    ingredient_off_breaks(monkeypatch, module, off, case, FAMILY, dtype)
 
 
 def test_with_the_mode_off_some_case_differs():
     """float32: a decoded token and the engine's logprobs; float16: a left-padded generate() row."""
-    cases = (decode_vs_prefill_case, engine_case, hit_case)
-    assert not all(case(FAMILY, torch.float32, deterministic=False) for case in cases)
-    prompts = [PROMPTS[i] for i in (3, 1, 6)]
-    width = max(map(len, prompts))
-    batch = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    model, cache = fresh(FAMILY, torch.float16, deterministic=False)
-    with torch.no_grad():
-        out = model.generate(batch, attention_mask=(batch != 0).long(), past_key_values=cache, max_new_tokens=5,
-                             min_new_tokens=5, output_logits=True, return_dict_in_generate=True, **GREEDY)
-    rows = [torch.equal(torch.stack([step[row] for step in out.logits]),
-                        cold(FAMILY, torch.float16, prompt, 5, deterministic=False)[1])
-            for row, prompt in enumerate(prompts)]
-    assert not all(rows)
+    mode_off_some_case_differs(FAMILY, torch.float32)
+    assert not all(padded_batch_rows(FAMILY, torch.float16, deterministic=False))
 
 
 def test_layers_it_cannot_hold_for_are_refused():
@@ -218,22 +169,16 @@ def test_layers_it_cannot_hold_for_are_refused():
 def test_moe_hit_and_decoded_tokens_equal_cold_and_prefilled(dtype):
     """LFM2-MoE (a dense first layer, then 4 routed experts of 56, top 2, behind a sigmoid router with a seeded
     ``expert_bias``)."""
-    assert hit_case(MOE, dtype)
-    assert decode_vs_prefill_case(MOE, dtype)
+    identical_prompt_and_decoded_tokens(MOE, dtype)
 
 
 @pytest.mark.parametrize("max_batch_tokens", [16, 48, 512])
 def test_moe_engine_requests_equal_generate_alone(dtype, max_batch_tokens):
-    assert engine_case(MOE, dtype, PROMPTS, max_batch_tokens)
+    assert engine_case(MOE, dtype, max_batch_tokens=max_batch_tokens)
 
 
 def test_moe_mode_is_the_model_within_round_off():
-    model, cache = fresh(MOE, torch.float32)
-    plain = build_with_biases(MOE, seed=0, **OVERRIDES[MOE])
-    _, logits = run(model, cache, BASE[:40], new_tokens=1)
-    with torch.no_grad():
-        expected = plain(torch.tensor([BASE[:40]])).logits[0, -1]
-    torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=0)
+    mode_is_the_model(MOE)
 
 
 #: LFM2-MoE's own ingredients (module, ingredient, dtype, case), measured at 2 threads: the router's sigmoid, and the
@@ -248,11 +193,8 @@ MOE_POWER = [
                          ids=[f"{off}-{str(dtype)[6:]}-{case.__name__}" for _, off, dtype, case in MOE_POWER])
 def test_moe_each_ingredient_off_alone_breaks_a_case(monkeypatch, module, off, dtype, case):
     torch.set_num_threads(2)
-    assert case(MOE, dtype)
-    monkeypatch.setattr(module, "_OFF", {off})
-    assert not case(MOE, dtype)
+    ingredient_off_breaks(monkeypatch, module, off, case, MOE, dtype)
 
 
 def test_moe_with_the_mode_off_some_case_differs(dtype):
-    cases = (decode_vs_prefill_case, engine_case, hit_case)
-    assert not all(case(MOE, dtype, deterministic=False) for case in cases)
+    mode_off_some_case_differs(MOE, dtype)

@@ -37,7 +37,7 @@ from test_deterministic import (
 from test_deterministic_conv import build_with_biases
 
 from hf_hybridcache import HybridPrefixCache
-from hf_hybridcache.kernels.attention_invariant import attention_invariant, causal_visible, invariance_failures
+from hf_hybridcache.kernels.attention_invariant import attention_invariant, causal_visible
 from hf_hybridcache.models import (
     hybrid_deterministic,
     inkling_deterministic,
@@ -90,22 +90,35 @@ def within_round_off(family):
 
 
 @DTYPES3
-@pytest.mark.parametrize("window", [5, 24, 32, 40])
-def test_windowed_attention_gives_a_query_its_bits_in_any_call(dtype, window):
-    """Decode steps over the window's keys only (a sliding cache layer's) and prefill chunks over the whole past give
-    a query its bits in one prefill, at windows shorter than, equal to and longer than a key block."""
-    assert invariance_failures(dtype, window=window) == []
+@pytest.mark.parametrize("window", [None, 24, 40])
+def test_attention_with_a_bias_gives_a_query_its_bits_in_any_call(dtype, window):
+    """A score bias (Inkling's relative logits) laid out with the keys: a decode step over the keys a cache layer
+    keeps (a sliding layer's window) and a prefill chunk give a query its bits in one prefill."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, heads, 70, 16, generator=gen).to(dtype) for heads in (4, 2, 2))
+    bias = torch.randn(1, 4, 70, 70, generator=gen).to(dtype)
+    full = attention_invariant(q, k, v, causal_visible(70, 70, window=window), 0.25, window=window, bias=bias)
+    for p in (0, 23, 24, 31, 32, 33, 69):
+        first = 0 if window is None else max(0, p + 1 - window)
+        step = attention_invariant(q[:, :, p : p + 1], k[:, :, first : p + 1], v[:, :, first : p + 1],
+                                   causal_visible(1, p + 1 - first), 0.25, window=window,
+                                   bias=bias[:, :, p : p + 1, first : p + 1])
+        chunk = attention_invariant(q[:, :, p:], k, v, causal_visible(70 - p, 70, window=window), 0.25,
+                                    window=window, bias=bias[:, :, p:])
+        assert torch.equal(step[:, :, 0], full[:, :, p]) and torch.equal(chunk[:, :, 0], full[:, :, p]), p
 
 
-@pytest.mark.parametrize("window", [5, 24, 40])
-def test_windowed_attention_is_sdpa_within_round_off(window):
+@pytest.mark.parametrize("window", [None, 5, 24, 40])
+def test_attention_with_a_bias_is_sdpa_within_round_off(window):
     gen = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(2, heads, 70, 16, generator=gen) for heads in (4, 2, 2))
+    bias = torch.randn(2, 4, 70, 70, generator=gen)
     visible = causal_visible(70, 70, window=window)
     visible = visible & torch.tensor([[True] * 70, [False] * 9 + [True] * 61])[:, None, None, :]  # a padded row
-    out = attention_invariant(q, k, v, visible, 0.25, window=window)
+    out = attention_invariant(q, k, v, visible, 0.25, window=window, bias=bias)
     expected = torch.nn.functional.scaled_dot_product_attention(
-        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=visible, scale=0.25)
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=bias.masked_fill(~visible, float("-inf")),
+        scale=0.25)
     torch.testing.assert_close(out[1, :, 9:], expected[1, :, 9:], atol=2e-6, rtol=0)
     torch.testing.assert_close(out[0], expected[0], atol=2e-6, rtol=0)
 
@@ -165,7 +178,7 @@ def test_lfm3_mode_is_the_model_within_round_off():
 #: (module, ingredient, dtype, a case it breaks when switched off alone), measured at 2 threads.
 POWER = [
     (hybrid_deterministic, "window", torch.float32, engine_case),
-    (hybrid_deterministic, "gate", torch.float32, engine_case),
+    (short_conv_deterministic, "gate", torch.float32, engine_case),
     (hybrid_deterministic, "attention", torch.float32, engine_case),
     (hybrid_deterministic, "activation", torch.float32, decode_vs_prefill_case),
     (short_conv_deterministic, "linear", torch.float32, engine_case),
@@ -267,7 +280,7 @@ def test_inkling_checkpoints_hold_the_states_of_an_upstream_cold_forward():
 
 #: Inkling's ingredients (module, ingredient, dtype, case), measured at 2 threads.
 INKLING_POWER = [
-    (inkling_deterministic, "window", torch.float32, engine_case),
+    (hybrid_deterministic, "window", torch.float32, engine_case),
     (inkling_deterministic, "contiguous", torch.float32, decode_vs_prefill_case),
     (inkling_deterministic, "conv", torch.float32, decode_vs_prefill_case),
     (hybrid_deterministic, "attention", torch.float32, engine_case),

@@ -16,7 +16,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.kernels import batch_invariant
 from hf_hybridcache.kernels.batch_invariant import product_form
-from hf_hybridcache.models import deterministic, mamba1_deterministic
+from hf_hybridcache.models import deterministic, deterministic_linear, mamba1_deterministic
 from hf_hybridcache.toy import build_model
 
 GREEDY = dict(do_sample=False, pad_token_id=0)
@@ -107,7 +107,7 @@ def test_power_the_onednn_product_without_the_row_tile_is_refused_and_differs(co
         return rows.reshape(*x.shape[:-1], weight.shape[0])
 
     monkeypatch.setattr(batch_invariant, "invariant_linear", untiled_onednn)  # what the probes run
-    monkeypatch.setattr(mamba1_deterministic, "invariant_linear", untiled_onednn)  # what the mixers and LM head run
+    monkeypatch.setattr(deterministic_linear, "invariant_linear", untiled_onednn)  # what the mixers and LM head run
     monkeypatch.setattr(batch_invariant, "_CHECKED", set())
     with pytest.raises(ValueError, match=r"product \('onednn'\) of a \[2048, 512\] .* at \[1\] rows"):
         HybridPrefixCache(build_model("mamba", seed=0, **WIDE), deterministic=True)

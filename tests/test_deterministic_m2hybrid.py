@@ -1,7 +1,7 @@
 """deterministic=True on the Mamba-2 hybrids (issue 46): Bamba, GraniteMoeHybrid (Granite 4.0-H, dense MLPs, with its
 embedding / residual / attention / logits multipliers off 1.0), Nemotron-H (Mamba-2, attention and relu2-MLP
 layers) and Zamba2 (a shared attention + GELU MLP block with LoRA adapters, RoPE). Their mixers are upstream Zamba2's plain Mamba-2 mixer, run by models/mamba2_deterministic.py; attention
-and MLPs go through models/hybrid_deterministic.py. test_deterministic.py's bank, in float32 and bfloat16: a
+and MLPs go through models/hybrid_deterministic.py. deterministic_bank.py's cases, in float32 and bfloat16: a
 request's tokens and logits / logprobs are the same bits cold and after hits of several lengths, decoded or
 prefilled, and among 1-8 other requests in the engine at prefill chunks of 16, 48 and 512 tokens vs generate() alone
 (float16: hits, decoded tokens and the engine at chunks of 48).
@@ -23,17 +23,17 @@ Power (each ingredient switched off alone through the private ``_OFF`` sets, or 
 import pytest
 import torch
 import torch.nn.functional as F
-from test_deterministic import (
-    BASE,
-    OVERRIDES,
-    PROMPTS,
+from deterministic_bank import (
     decode_vs_prefill_case,
     engine_case,
-    fresh,
+    engine_requests_equal_generate_alone,
     hit_case,
-    run,
+    hits_equal_cold,
+    identical_prompt_and_decoded_tokens,
+    ingredient_off_breaks,
+    mode_is_the_model,
+    mode_off_some_case_differs,
 )
-from test_deterministic import test_hits_of_several_lengths_equal_cold_bit_for_bit as hits_bank
 from transformers.activations import ACT2FN
 
 from hf_hybridcache import HybridPrefixCache
@@ -53,37 +53,26 @@ def dtype(request):
 
 @pytest.mark.parametrize("length", [17, 64, 89])
 def test_hits_of_several_lengths_equal_cold_bit_for_bit(family, dtype, length):
-    hits_bank(family, dtype, length)
+    hits_equal_cold(family, dtype, length)
 
 
 def test_identical_prompt_and_decoded_tokens_equal_cold_and_prefilled(family, dtype):
-    assert hit_case(family, dtype)
-    assert decode_vs_prefill_case(family, dtype)
+    identical_prompt_and_decoded_tokens(family, dtype)
 
 
 @pytest.mark.parametrize("max_batch_tokens", [16, 48, 512])
 def test_engine_requests_equal_generate_alone_in_any_batch(family, dtype, max_batch_tokens):
-    """The engine's tokens and logprobs for 1, 3 and 8 concurrent requests (two of them hit each other's prefix)
-    equal each one alone in generate()."""
-    for prompts in (PROMPTS[:1], PROMPTS[2:5], PROMPTS):
-        assert engine_case(family, dtype, prompts, max_batch_tokens), f"{len(prompts)} requests"
+    engine_requests_equal_generate_alone(family, dtype, max_batch_tokens)
 
 
 def test_float16_hits_decoded_tokens_and_engine_equal_cold_and_alone(family):
-    assert hit_case(family, torch.float16)
-    assert decode_vs_prefill_case(family, torch.float16)
-    assert engine_case(family, torch.float16, PROMPTS, 48)
+    identical_prompt_and_decoded_tokens(family, torch.float16)
+    assert engine_case(family, torch.float16, max_batch_tokens=48)
 
 
 def test_the_mode_is_the_model_within_round_off(family):
-    """The deterministic forward computes the model (Granite's multipliers included): its float32 logits are a plain
-    forward's within round-off."""
-    model, _ = fresh(family, torch.float32)
-    plain = build_model(family, seed=0, **OVERRIDES.get(family, {}))
-    _, logits = run(model, HybridPrefixCache(model, deterministic=True), BASE[:40], new_tokens=1)
-    with torch.no_grad():
-        expected = plain(torch.tensor([BASE[:40]])).logits[0, -1]
-    torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=0)
+    """Within round-off of a plain forward, Granite's multipliers included."""
+    mode_is_the_model(family)
 
 
 @pytest.mark.parametrize("module, off, dtype, case", [
@@ -94,23 +83,18 @@ def test_the_mode_is_the_model_within_round_off(family):
     (mamba2_deterministic, "linear", torch.float32, engine_case),
 ], ids=["attention-fp32-decode", "attention-bf16-engine", "scan-fp32-hit", "scan-bf16-decode", "linear-fp32-engine"])
 def test_each_ingredient_off_alone_breaks_a_case(monkeypatch, family, module, off, dtype, case):
-    assert case(family, dtype)
-    monkeypatch.setattr(module, "_OFF", {off})
-    assert not case(family, dtype)
+    ingredient_off_breaks(monkeypatch, module, off, case, family, dtype)
 
 
 @pytest.mark.parametrize("family, off", [("bamba", "activation"), ("zamba2", "activation"), ("zamba2", "contiguous")])
 def test_the_mlp_activation_off_breaks_decoded_tokens(monkeypatch, family, off):
     """Bamba's SiLU as F.silu, Zamba2's GELU as upstream's, or Zamba2's float32 GELU on its strided input: a decoded
     token's float32 logits differ from the same position prefilled."""
-    assert decode_vs_prefill_case(family, torch.float32)
-    monkeypatch.setattr(hybrid_deterministic, "_OFF", {off})
-    assert not decode_vs_prefill_case(family, torch.float32)
+    ingredient_off_breaks(monkeypatch, hybrid_deterministic, off, decode_vs_prefill_case, family, torch.float32)
 
 
 def test_with_the_mode_off_some_case_differs(family, dtype):
-    cases = (decode_vs_prefill_case, engine_case, hit_case)
-    assert not all(case(family, dtype, deterministic=False) for case in cases)
+    mode_off_some_case_differs(family, dtype)
 
 
 def _offset_differences(activation, dtype) -> int:

@@ -1,4 +1,4 @@
-"""deterministic=True on the pure Mamba-2 family (``mamba2``, issue 46): test_deterministic.py's bank run on the toy
+"""deterministic=True on the pure Mamba-2 family (``mamba2``, issue 46): deterministic_bank.py's cases on the toy
 Mamba-2 (4 heads of 32 in 2 groups, ``chunk_size=24``, off the 16-token block grid): a request's tokens and logits /
 logprobs are the same bits cold and after hits of several lengths (block boundaries, one inside a scan chunk), with a
 reply replayed in a chat, decoded or prefilled, as a row of a padded generate() batch, and among 1-8 other requests
@@ -18,20 +18,22 @@ the table):
 
 import pytest
 import torch
-from conftest import assert_restored_states_match
-from test_deterministic import (
+from deterministic_bank import (
     BASE,
-    PROMPTS,
+    chat_with_the_reply_replayed,
+    checkpoints_hold_upstream_states,
     decode_vs_prefill_case,
-    engine_case,
-    engine_outputs,
+    engine_requests_equal_generate_alone,
+    engine_requests_hit_each_others_prefix,
     hit_case,
+    hits_equal_cold,
+    identical_prompt_and_decoded_tokens,
+    ingredient_off_breaks,
+    mode_off_some_case_differs,
+    padded_batch_rows_equal_each_alone,
     run,
     speculative_case,
 )
-from test_deterministic import test_chat_turn_with_the_reply_replayed_equals_cold as chat_bank
-from test_deterministic import test_hits_of_several_lengths_equal_cold_bit_for_bit as hits_bank
-from test_deterministic import test_padded_generate_batch_rows_equal_each_alone as padded_bank
 
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.models import mamba2_deterministic
@@ -64,28 +66,24 @@ def test_checkpoints_hold_the_states_of_an_upstream_cold_forward():
     at a block boundary equal an unpatched model's (transformers' own chunked scan) within fp32 round-off. In float32
     only: in bf16 upstream's chunked scan rounds its products to bf16 where the per-token step keeps float32 (the
     states were 5.6e-3 apart)."""
-    model = build_model(FAMILY, seed=0)
-    cache = HybridPrefixCache(model, deterministic=True, retention_interval="dense")
-    run(model, cache, BASE)
-    assert_restored_states_match(cache, build_model(FAMILY, seed=0), torch.tensor([BASE[:70]]), expected_hit=64)
+    checkpoints_hold_upstream_states(FAMILY)
 
 
 @pytest.mark.parametrize("length", [16, 24, 47, 89])  # 24: the scan's chunk_size, which the mode does not use
 def test_hits_of_several_lengths_equal_cold_bit_for_bit(dtype, length):
-    hits_bank(FAMILY, dtype, length)
+    hits_equal_cold(FAMILY, dtype, length)
 
 
 def test_identical_prompt_and_decoded_tokens_equal_cold_and_prefilled(dtype):
-    assert hit_case(FAMILY, dtype)
-    assert decode_vs_prefill_case(FAMILY, dtype)
+    identical_prompt_and_decoded_tokens(FAMILY, dtype)
 
 
 def test_chat_turn_with_the_reply_replayed_equals_cold(dtype):
-    chat_bank(FAMILY, dtype)
+    chat_with_the_reply_replayed(FAMILY, dtype, turns=3)
 
 
 def test_padded_generate_batch_rows_equal_each_alone(dtype):
-    padded_bank(FAMILY, dtype)
+    padded_batch_rows_equal_each_alone(FAMILY, dtype)
 
 
 @pytest.mark.parametrize("max_batch_tokens", [16, 48, 512])
@@ -93,8 +91,7 @@ def test_padded_generate_batch_rows_equal_each_alone(dtype):
 def test_engine_requests_equal_generate_alone_in_any_batch(dtype, max_batch_tokens, threads):
     """The engine's tokens and logprobs for 1, 3 and 8 concurrent requests equal each one alone in generate()."""
     torch.set_num_threads(threads)
-    for prompts in (PROMPTS[:1], PROMPTS[2:5], PROMPTS):
-        assert engine_case(FAMILY, dtype, prompts, max_batch_tokens), f"{len(prompts)} requests"
+    engine_requests_equal_generate_alone(FAMILY, dtype, max_batch_tokens)
 
 
 def test_speculative_engine_steps_equal_generate_alone(dtype):
@@ -102,8 +99,7 @@ def test_speculative_engine_steps_equal_generate_alone(dtype):
 
 
 def test_engine_requests_hit_each_others_prefix():
-    outputs = engine_outputs(FAMILY, torch.bfloat16, PROMPTS, 48)
-    assert sorted(o.hit_tokens for o in outputs[:2]) == [0, 32]
+    engine_requests_hit_each_others_prefix(FAMILY)
 
 
 @pytest.mark.parametrize("off, dtype, case", [
@@ -115,12 +111,9 @@ def test_engine_requests_hit_each_others_prefix():
 ], ids=["linear-fp32-hit", "conv-fp32-decode", "conv-bf16-decode", "scan-fp32-hit", "scan-bf16-decode"])
 def test_each_ingredient_off_alone_breaks_a_case(monkeypatch, off, dtype, case):
     torch.set_num_threads(2)  # MKL's float32 1-row product sums in another order at 2 threads (the suite runs 1)
-    assert case(FAMILY, dtype)
-    monkeypatch.setattr(mamba2_deterministic, "_OFF", {off})
-    assert not case(FAMILY, dtype)
+    ingredient_off_breaks(monkeypatch, mamba2_deterministic, off, case, FAMILY, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_with_the_mode_off_some_case_differs(dtype):
-    cases = (decode_vs_prefill_case, engine_case, hit_case)
-    assert not all(case(FAMILY, dtype, deterministic=False) for case in cases)
+    mode_off_some_case_differs(FAMILY, dtype)

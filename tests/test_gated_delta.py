@@ -6,6 +6,13 @@ import inspect
 import pytest
 import torch
 import torch.nn.functional as F
+from delta_rule_checks import (
+    emitted_states_match_the_recurrence,
+    emitted_states_match_upstream_on_the_prefix,
+    steps_leave_their_inputs_and_emitted_states_alone,
+    steps_match_the_recurrence,
+    steps_tolerance_detects_a_state_off_by_one_token,
+)
 from transformers.models.qwen3_next import modeling_qwen3_next
 
 from hf_hybridcache._compat.modeling import python_function
@@ -99,14 +106,8 @@ def test_emitted_states_match_the_recurrence(case, from_state, chunk_size, dtype
     seq_len = case[1]
     positions = sorted(set(valid(POSITIONS, seq_len)) | {seq_len - 1, seq_len})
     args, h0 = gdn_inputs(*case, seed=3, dtype=dtype)
-    kwargs = {"initial_state": h0 if from_state else None, "output_final_state": True, "use_qk_l2norm_in_kernel": True}
-    _, final, emitted = chunk_gated_delta_rule(*args, chunk_size=chunk_size, **kwargs, emit_positions=positions)
-    _, final_ref, emitted_ref = recurrent_gated_delta_rule(*args, **kwargs, emit_positions=positions)
-    torch.testing.assert_close(final, final_ref, **FP32)
-    assert len(emitted) == len(positions)
-    for t, state, state_ref in zip(positions, emitted, emitted_ref):
-        assert state.dtype == torch.float32 and state.shape == final.shape
-        torch.testing.assert_close(state, state_ref, **FP32, msg=lambda m, t=t: f"state after {t} tokens: {m}")
+    emitted_states_match_the_recurrence(chunk_gated_delta_rule, recurrent_gated_delta_rule, args, h0, positions,
+                                        from_state=from_state, chunk_size=chunk_size)
 
 
 @pytest.mark.parametrize("chunk_size", [64, 8])
@@ -115,18 +116,8 @@ def test_emitted_states_match_upstream_on_the_prefix(chunk_size):
     what a later request restoring it continues from."""
     positions = [1, 17, 64, 100, 130, 149]
     args, h0 = gdn_inputs(2, 150, 2, 4, 16, 8, seed=4)
-    _, _, emitted = chunk_gated_delta_rule(
-        *args, chunk_size=chunk_size, initial_state=h0, use_qk_l2norm_in_kernel=True, emit_positions=positions
-    )
-    for t, state in zip(positions, emitted):
-        _, prefix_final = UPSTREAM_CHUNK(
-            *(x[:, :t] for x in args),
-            chunk_size=chunk_size,
-            initial_state=h0,
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
-        )
-        torch.testing.assert_close(state, prefix_final, **FP32)
+    emitted_states_match_upstream_on_the_prefix(chunk_gated_delta_rule, UPSTREAM_CHUNK, args, h0, positions,
+                                                chunk_size)
 
 
 def test_continuing_from_an_emitted_state_matches_the_unsplit_forward():
@@ -209,45 +200,21 @@ STEP_CASES = {
 @pytest.mark.parametrize("from_state", [False, True], ids=["zero-state", "initial-state"])
 @pytest.mark.parametrize("case", STEP_CASES.values(), ids=STEP_CASES.keys())
 def test_steps_match_the_recurrence(case, from_state, l2norm, dtype):
-    """The stepped form (a verify step's kernel) against the token-by-token reference: outputs, final state and the
-    state after every token, within fp32 round-off; outputs in the inputs' dtype, states float32."""
-    seq_len = case[1]
+    """The stepped form (a verify step's kernel) against the token-by-token reference (delta_steps_checks)."""
     args, h0 = gdn_inputs(*case, seed=5, dtype=dtype)
-    kwargs = {"initial_state": h0 if from_state else None, "output_final_state": True, "use_qk_l2norm_in_kernel": l2norm}
-    positions = list(range(1, seq_len + 1))
-    out, final, emitted = gated_delta_steps(*args, **kwargs, emit_positions=positions)
-    out_ref, final_ref, emitted_ref = recurrent_gated_delta_rule(*args, **kwargs, emit_positions=positions)
-    assert out.dtype == dtype and out.shape == out_ref.shape and final.dtype == torch.float32
-    tolerance = FP32 if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}  # bf16: the output's rounding
-    torch.testing.assert_close(out, out_ref, **tolerance)
-    torch.testing.assert_close(final, final_ref, **FP32)
-    for t, state, state_ref in zip(positions, emitted, emitted_ref, strict=True):
-        torch.testing.assert_close(state, state_ref, **FP32, msg=lambda m, t=t: f"state after {t} tokens: {m}")
+    steps_match_the_recurrence(gated_delta_steps, recurrent_gated_delta_rule, args, h0, from_state=from_state,
+                               l2norm=l2norm, dtype=dtype)
 
 
 def test_steps_leave_their_inputs_and_emitted_states_alone():
-    """Emitted states are not written by later tokens nor aliased with the final state (which the caller writes in
-    place), and the initial state is left as it was; without ``output_final_state`` no final state."""
     args, h0 = gdn_inputs(1, 5, 2, 2, 8, 8, seed=9)
-    h0_before = h0.clone()
-    _, final, emitted = gated_delta_steps(*args, initial_state=h0, output_final_state=True, emit_positions=[2, 5])
-    _, _, emitted_ref = recurrent_gated_delta_rule(*args, initial_state=h0, emit_positions=[2, 5])
-    assert torch.equal(h0, h0_before) and emitted[1].data_ptr() != final.data_ptr()
-    final.zero_()
-    for state, state_ref in zip(emitted, emitted_ref, strict=True):
-        torch.testing.assert_close(state, state_ref, **FP32)
-    assert gated_delta_steps(*args, initial_state=h0)[1] is None
+    steps_leave_their_inputs_and_emitted_states_alone(gated_delta_steps, recurrent_gated_delta_rule, args, h0)
 
 
 @pytest.mark.parametrize("shift", [-1, 1], ids=["one-token-early", "one-token-late"])
 def test_steps_tolerance_detects_a_state_off_by_one_token(shift):
-    """The power of the stepped comparisons: the state one token early or late fails FP32."""
     args, h0 = gdn_inputs(3, 5, 2, 4, 16, 8, seed=5)
-    kwargs = {"initial_state": h0, "use_qk_l2norm_in_kernel": True}
-    _, _, (state,) = gated_delta_steps(*args, **kwargs, emit_positions=[3])
-    _, _, (wrong,) = recurrent_gated_delta_rule(*args, **kwargs, emit_positions=[3 + shift])
-    with pytest.raises(AssertionError):
-        torch.testing.assert_close(state, wrong, **FP32)
+    steps_tolerance_detects_a_state_off_by_one_token(gated_delta_steps, recurrent_gated_delta_rule, args, h0, shift)
 
 
 GDN_MODULES = [

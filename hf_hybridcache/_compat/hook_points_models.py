@@ -10,6 +10,8 @@ import inspect
 from dataclasses import dataclass
 
 from .hook_checks import HookPoint, dotted, exists, fields, named_parameters, parameters, refers_to, resolve
+from .hook_points_gdn import gdn_deterministic
+from .hook_points_kda import kda_deterministic
 from .hook_points_short_conv import short_conv_deterministic
 
 _CACHE_NAMES = ("past_key_values", "cache", "cache_params")
@@ -265,7 +267,7 @@ def _deterministic() -> list[HookPoint]:
         HookPoint("transformers.activations.GELUActivation", exists("transformers.activations:GELUActivation"),
                   f"{_DETERMINISTIC}: Zamba's MLP activation (ACT2FN['gelu']) computed in float32, found by name"),
         *_gated_delta_deterministic(),
-        *_mamba2_hybrids_deterministic(), *short_conv_deterministic(),
+        *_mamba2_hybrids_deterministic(), *short_conv_deterministic(), *gdn_deterministic(), *kda_deterministic(),
     ]
 
 

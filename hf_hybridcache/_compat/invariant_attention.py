@@ -64,13 +64,17 @@ def mark(model: torch.nn.Module, modules, forward: Callable) -> None:
 def invariant_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                 attention_mask: torch.Tensor | None, dropout: float = 0.0,
                                 scaling: float | None = None, softcap: float | None = None,
-                                sliding_window: int | None = None, position_bias: torch.Tensor | None = None,
-                                **kwargs) -> tuple[torch.Tensor, None]:
+                                sliding_window: int | None = None, window_at_zero: bool = False,
+                                position_bias: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature around
     :func:`~hf_hybridcache.kernels.attention_invariant.attention_invariant`: ``query`` ``[B, H, T, D]``, ``key``
     ``[B, Hkv, K, D]``, ``value`` ``[B, Hkv, K, Dv]`` -> ``([B, T, H, Dv]`` in ``query``'s dtype, ``None)``. Other
-    keyword arguments (position ids, flash-attention lengths) are not read. A ``sliding_window`` (the module's, as
-    transformers passes it) runs the kernel's windowed layout, which also keeps a mask-less call within the window.
+    keyword arguments (position ids, flash-attention lengths) are not read.
+
+    A ``sliding_window`` (Lara Mini's sliding layers pass theirs) runs the kernel's windowed form, each query's keys
+    anchored at the query: the bits do not depend on how many keys the cache holds beyond the window.
+    ``window_at_zero`` (the power tests' switch, never in use) runs the form anchored at position 0 instead, the
+    window in the mask only: a query's bits then move once the cache drops the keys before its window.
     A ``position_bias`` ``[B, H, T, K]`` (Inkling's relative logits, which its eager function adds to the scaled
     scores) is added to the scores in float32.
 
@@ -85,23 +89,24 @@ def invariant_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
                          f"softcap={softcap}.")
     num_queries, num_keys = query.shape[-2], key.shape[-2]
     if attention_mask is None and num_queries > 1 and getattr(module, "is_causal", True):
-        visible = causal_visible(num_queries, num_keys, query.device)
+        visible = causal_visible(num_queries, num_keys, query.device, window=sliding_window)
     elif attention_mask is None:
         visible = torch.ones(1, 1, num_queries, num_keys, dtype=torch.bool, device=query.device)
     else:
         mask = attention_mask[:, :, :, :num_keys]
         visible = mask if mask.dtype == torch.bool else mask == 0
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     bias = None if position_bias is None else position_bias[:, :, :, :num_keys]
-    out = attention_invariant(query, key, value, visible, scaling, window=sliding_window, bias=bias)
+    out = attention_invariant(query, key, value, visible, query.shape[-1] ** -0.5 if scaling is None else scaling,
+                              window=None if window_at_zero else sliding_window, bias=bias)
     return out.transpose(1, 2).contiguous(), None
 
 
-def gated_attention_parts(module: torch.nn.Module, kwargs: dict) -> tuple:
-    """What a copy of a gated attention module's forward (Qwen3.5's, Qwen3-Next's: ``Qwen3_5Attention.forward``,
-    transformers 5.23 - 5.25) takes from transformers: ``(cache or None, the call's other kwargs, the modeling file's
-    apply_rotary_pos_emb (None where it has none: Inkling's), the attention function the module's config names,
-    update)``, where
+def gated_attention_parts(module: torch.nn.Module, kwargs: dict, rotary: str = "apply_rotary_pos_emb") -> tuple:
+    """What a copy of a gated attention module's forward (Qwen3.5's, Qwen3-Next's: ``Qwen3_5Attention.forward``;
+    Ling's ``BailingHybridAttention.forward`` with ``rotary="apply_rotary_pos_emb_interleave"``; transformers 5.23 -
+    5.25) takes from transformers: ``(cache or None, the call's other kwargs, the modeling file's function named
+    ``rotary`` (None where it has none: Inkling's), the attention function the module's config names, update)``,
+    where
     ``update(key [B, Hkv, T, D], value) -> (keys, values)`` writes the call's KV to the cache as that release does."""
     cache = find_cache(kwargs)
     rest = {name: value for name, value in kwargs.items() if name not in CACHE_KWARG_NAMES}
@@ -113,4 +118,4 @@ def gated_attention_parts(module: torch.nn.Module, kwargs: dict) -> tuple:
             return cache.update(key, value, module.layer_idx, kwargs=rest)
         return cache.update(key, value, module.layer_idx)
 
-    return cache, rest, getattr(modeling, "apply_rotary_pos_emb", None), function, update
+    return cache, rest, getattr(modeling, rotary, None), function, update

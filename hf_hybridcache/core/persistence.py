@@ -29,6 +29,7 @@ from .. import _compat, _version
 from ..config import ModelStateSpec
 from ..hashing import BlockHash, block_hash, identity_config, model_identity
 from ..models import support_for
+from ..models.deterministic import serves_deterministic
 from ..store import EntryLayout, StoredBlock, entry_layout
 
 #: Version 2: the weights state (weights fingerprint and adapters) is part of every hash root. Version 3: keys and
@@ -64,7 +65,8 @@ def save_cache(cache, path: str | os.PathLike) -> None:
     ]
     meta = {
         "versions": _versions(),
-        "model": {**_model_facts(cache.model), "weights_identity": cache.core.weights.identity},
+        "model": {**_model_facts(cache.model, serves_deterministic(cache.model)),
+                  "weights_identity": cache.core.weights.identity},
         "options": {
             "block_size": cache.block_size,
             "retention_interval": cache.options.retention_interval,
@@ -72,6 +74,7 @@ def save_cache(cache, path: str | os.PathLike) -> None:
             "admit_divergence": cache.options.admit_divergence,
             "eviction": cache.options.eviction,
             "replay_replies": cache.options.replay_replies,
+            "deterministic": serves_deterministic(cache.model),
         },
         "seed": cache.seed.hex(),
         "blocks": blocks,
@@ -84,13 +87,22 @@ def save_cache(cache, path: str | os.PathLike) -> None:
     _write_atomically(tensors, metadata, path)
 
 
-def load_cache(cls, path, model, max_cache_bytes, retention_interval, offload, remote=None):
+def load_cache(cls, path, model, max_cache_bytes, retention_interval, offload, remote=None, deterministic=None):
     """A new ``cls`` (HybridPrefixCache) for ``model`` holding the entries saved at ``path``; see
     :meth:`HybridPrefixCache.load`."""
     path = os.fspath(path)
     meta, tensors = _read(path)
     try:
-        _check_model(meta, model, path)
+        saved_mode = meta["options"].get("deterministic", False)
+        if deterministic is None:
+            deterministic = saved_mode
+        elif deterministic is not saved_mode:
+            raise ValueError(
+                f"{path!r} was saved by a cache with deterministic={saved_mode}: its states come from that mode's "
+                f"arithmetic, and deterministic mode restores only states its own arithmetic computed (docs/"
+                f"deterministic.md). Load it with deterministic={saved_mode} (or leave the argument out), or warm a "
+                f"cache with deterministic={deterministic}. Nothing was loaded.")
+        _check_model(meta, model, path, deterministic)
         saved_weights = meta["model"]["weights_identity"]
     except (KeyError, TypeError, AttributeError, RecursionError) as error:
         raise _invalid(path, f"its metadata lacks {error}") from error
@@ -108,6 +120,7 @@ def load_cache(cls, path, model, max_cache_bytes, retention_interval, offload, r
         seed=seed,
         offload=offload,
         remote=remote,
+        deterministic=deterministic,
         **{name: options[name] for name in ("admit_divergence", "eviction", "replay_replies") if name in options},
     )
     # Checked on the new cache, which computed the identity of every weight once; dropping it leaves the store of any
@@ -159,11 +172,11 @@ def _versions() -> dict:
     return {"hf_hybridcache": _version.__version__, "transformers": _compat.TRANSFORMERS_VERSION}
 
 
-def _model_facts(model) -> dict:
+def _model_facts(model, deterministic: bool) -> dict:
     return {
         "class": type(model).__name__,
         "dtype": str(model.dtype),
-        "identity": model_identity(model),
+        "identity": model_identity(model, deterministic),
         "config": identity_config(model),
     }
 
@@ -210,7 +223,7 @@ def _read(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     return meta, tensors
 
 
-def _check_model(meta: dict, model, path: str) -> None:
+def _check_model(meta: dict, model, path: str, deterministic: bool) -> None:
     """Refuse a file made under other versions or for another model, saying what differs."""
     saved, running = meta["versions"], _versions()
     for package in ("transformers", "hf_hybridcache"):
@@ -221,7 +234,7 @@ def _check_model(meta: dict, model, path: str) -> None:
                 f"{package} {saved.get(package)})."
             )
     support_for(model)
-    facts, current = meta["model"], _model_facts(model)
+    facts, current = meta["model"], _model_facts(model, deterministic)
     if facts["class"] != current["class"] or facts["dtype"] != current["dtype"]:
         raise ValueError(
             f"{path!r} was saved for a {facts['class']} in {facts['dtype']}, not this {current['class']} in "

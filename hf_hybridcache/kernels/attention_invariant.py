@@ -20,15 +20,17 @@ splitting the keys in fixed-size blocks counted from position 0. Here, per query
   so the extra keys of a longer prefill (the future of a query) change nothing.
 
 So a query at absolute position ``p`` is summed over the same blocks, in the same order, with the same terms in the
-same slots, whatever the call. Elementwise ops are IEEE operations and ``exp``, whose vectorized body and tail agree
+same slots, whatever the call.
+
+A sliding window of ``W`` keys (a query at ``p`` sees ``p - W < j <= p``) is anchored at the query instead
+(:func:`_window_chunk`): its keys are taken by distance ``d = p - j`` from the query's own key (the last key it sees),
+``d = 0 .. W - 1`` in blocks of :data:`KV_BLOCK` distances, the slots past the window, before the row's first token
+or not visible holding ``+0`` terms as above. A query's terms then sit in the same slots whatever the cache holds
+beyond the window (a full layer's every past key, a sliding layer's last ``W - 1``, an engine step's window cut) and
+wherever its keys start in the call, which a block grid anchored at position 0 would not give once the keys before
+the window are dropped. Elementwise ops are IEEE operations and ``exp``, whose vectorized body and tail agree
 here (``benchmarks/batch_invariance.py``, table 2). Everything is computed in float32 and rounded once to the query's
 dtype. Not supported: logit softcaps (no family in deterministic mode has them yet), dropout.
-
-A sliding window of ``W`` keys (a query at ``p`` sees ``p - W < j <= p``, transformers' convention) re-lays the keys
-out per query instead: slot ``s`` of query ``p`` holds key ``p - W + 1 + s`` (counted back from the query's last
-visible key, its own), cut in blocks of :data:`KV_BLOCK` slots from slot 0. So a query's terms sit in the same slots
-whether the call holds the whole past (a prefill), only the window (``generate()``'s sliding cache layer keeps
-``W - 1`` keys), or the engine's window rows, and keys beyond the window never enter its sums.
 
 Shapes (the package's legend): ``query`` ``[B, H, T, D]``, ``key`` ``[B, Hkv, K, D]``, ``value`` ``[B, Hkv, K, Dv]``
 with ``H`` a multiple of ``Hkv`` (grouped-query attention: query head ``h`` reads KV head ``h // (H // Hkv)``),
@@ -36,6 +38,8 @@ with ``H`` a multiple of ``Hkv`` (grouped-query attention: query head ``h`` read
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -51,10 +55,12 @@ QUERY_CHUNK = 32
 def causal_visible(num_queries: int, num_keys: int, device: torch.device | None = None,
                    window: int | None = None) -> torch.Tensor:
     """``[1, 1, T, K]`` bool: the causal mask of ``T`` queries that are the last ``T`` of ``K`` keys (a prefill over
-    a cached past, or a decode step), True where a query sees a key; within the last ``window`` keys if given."""
-    visible = torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril(num_keys - num_queries)
+    a cached past, or a decode step), True where a query sees a key; with a sliding ``window``, only its own key and
+    the ``window - 1`` before it."""
+    ones = torch.ones(num_queries, num_keys, dtype=torch.bool, device=device)
+    visible = ones.tril(num_keys - num_queries)
     if window is not None:
-        visible = visible.triu(num_keys - num_queries - window + 1)
+        visible &= ones.triu(num_keys - num_queries - window + 1)
     return visible[None, None]
 
 
@@ -69,10 +75,10 @@ def attention_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
             tokens from absolute position 0 on, after any left padding the row's last query does not see (as
             ``generate()``'s caches and the engine's page reads lay them out).
         scaling: the scores' factor (usually ``D ** -0.5``).
-        window: a sliding window of ``W`` keys (the module docstring), or None. With a window, each query's visible
-            keys must be contiguous and end at its own key (the keys may start anywhere before the window).
-        bias: ``[B or 1, 1 or H, T, K]`` float added to the scaled scores (a relative position bias, Inkling's),
-            laid out with the keys; or None.
+        window: a sliding window of this many keys (each query sees itself and the ``window - 1`` keys before it, as
+            far as ``visible`` allows; its own key is the last one ``visible`` shows it), or None.
+        bias: ``[B or 1, 1 or H, T, K]`` float added to the scaled scores in float32 (a relative position bias,
+            Inkling's), laid out with the keys; or None.
 
     Returns:
         ``[B, H, T, Dv]`` in ``query``'s dtype; zeros for a query that sees no key.
@@ -89,77 +95,51 @@ def attention_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         raise ValueError(f"visible must be [B or 1, 1 or H, {num_queries}, {num_keys}] bool, got "
                          f"{list(visible.shape)}.")
     groups = heads // kv_heads
-    q = (query.float() * scaling).view(batch, kv_heads, groups, num_queries, 1, -1)  # [B, Hkv, G, T, 1, D]
-    key, value, visible = key.float(), value.float(), visible.expand(batch, -1, -1, -1)
-    if window is None:
-        key, value, visible, bias = _anchor(key, value, visible, bias)
-        blocks = _blocks(key[:, :, None, None], value[:, :, None, None])
-    else:
-        index, inside = _window_slots(visible, window)
-        visible = torch.gather(visible, 3, index[:, None].expand(-1, visible.shape[1], -1, -1)) & inside[:, None]
-        if bias is not None:
-            bias = torch.gather(bias.expand(batch, -1, -1, -1), 3, index[:, None].expand(-1, bias.shape[1], -1, -1))
-    visible = visible.reshape(batch, 1 if visible.shape[1] == 1 else kv_heads, -1, num_queries, visible.shape[-1])
     if bias is not None:
         bias = bias.float().expand(batch, -1, -1, -1)
+    if window is not None:
+        return _windowed(query, key, value, visible.expand(batch, -1, -1, -1), scaling, window, bias)
+    key, value, visible, bias = _anchor(key.float(), value.float(), visible.expand(batch, -1, -1, -1), bias)
+    q = (query.float() * scaling).view(batch, kv_heads, groups, num_queries, 1, -1)  # [B, Hkv, G, T, 1, D]
+    visible = visible.reshape(batch, 1 if visible.shape[1] == 1 else kv_heads, -1, num_queries, visible.shape[-1])
+    if bias is not None:
         bias = bias.reshape(batch, 1 if bias.shape[1] == 1 else kv_heads, -1, num_queries, bias.shape[-1])
-    chunks = []
-    for begin in range(0, num_queries, QUERY_CHUNK):
-        if window is not None:  # [B, Hkv, 1, Tc, slots, D]: each query's own window of keys
-            rows = index[:, None, begin : begin + QUERY_CHUNK, :, None]
-            blocks = _blocks(*(_take_window(x, rows, inside[:, None, begin : begin + QUERY_CHUNK, :, None])[:, :, None]
-                               for x in (key, value)))
-        chunks.append(_query_chunk(q[:, :, :, begin : begin + QUERY_CHUNK], blocks,
-                                   visible[..., begin : begin + QUERY_CHUNK, :],
-                                   None if bias is None else bias[..., begin : begin + QUERY_CHUNK, :]))
-    return torch.cat(chunks, dim=3).view(batch, heads, num_queries, -1).to(query.dtype)
-
-
-def _blocks(key: torch.Tensor, value: torch.Tensor) -> list:
-    """``(start, keys [..., S, D], values^T [..., Dv, S])`` per block of :data:`KV_BLOCK` slots of ``key`` /
-    ``value`` ``[..., slots, D]``."""
-    return [(start, key[..., start : start + KV_BLOCK, :], value[..., start : start + KV_BLOCK, :].transpose(-1, -2))
-            for start in range(0, key.shape[-2], KV_BLOCK)]
-
-
-def _window_slots(visible: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(index, inside)`` ``[B, T, slots]`` for ``visible`` ``[B, 1 or H, T, K]``: slot ``s`` of a query holds key
-    ``last - window + 1 + s`` (``last``: the last key it sees), ``inside`` where that key exists and ``s < window``;
-    ``slots`` is ``window`` rounded up to :data:`KV_BLOCK`."""
-    num_keys = visible.shape[-1]
-    slots = torch.arange(-(-window // KV_BLOCK) * KV_BLOCK, device=visible.device)
-    last = torch.where(visible.any(1), torch.arange(num_keys, device=visible.device), -1).amax(-1)  # [B, T]
-    index = last[..., None] - (window - 1) + slots
-    inside = (index >= 0) & (slots < window) & (last[..., None] >= 0)
-    return index.clamp(0, num_keys - 1), inside
-
-
-def _take_window(x: torch.Tensor, rows: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
-    """``[B, Hkv, Tc, slots, D]``: ``x`` ``[B, Hkv, K, D]`` at ``rows`` ``[B, 1, Tc, slots, 1]``, zeros outside."""
-    batch, kv_heads, _, dim = x.shape
-    shape = (batch, kv_heads, rows.shape[2], rows.shape[3], dim)
-    taken = torch.gather(x[:, :, None].expand(-1, -1, rows.shape[2], -1, -1), 3, rows.expand(shape))
-    return torch.where(inside, taken, torch.zeros((), dtype=x.dtype, device=x.device))
+    blocks = [(start, key[:, :, None, None, start : start + KV_BLOCK],  # [B, Hkv, 1, 1, S, D]
+               value[:, :, None, None, start : start + KV_BLOCK].transpose(-1, -2))  # [B, Hkv, 1, 1, Dv, S]
+              for start in range(0, key.shape[2], KV_BLOCK)]
+    out = torch.cat([_query_chunk(q[:, :, :, begin : begin + QUERY_CHUNK], blocks,
+                                  visible[..., begin : begin + QUERY_CHUNK, :],
+                                  None if bias is None else bias[..., begin : begin + QUERY_CHUNK, :])
+                     for begin in range(0, num_queries, QUERY_CHUNK)], dim=3)
+    return out.view(batch, heads, num_queries, -1).to(query.dtype)
 
 
 def _query_chunk(q: torch.Tensor, blocks, visible: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Float32 outputs ``[B, Hkv, G, Tc, Dv]`` of the queries ``q`` ``[B, Hkv, G, Tc, 1, D]`` (scaled) over the
-    ``(start, keys, values^T)`` blocks, ``visible`` ``[B, 1 or Hkv, 1 or G, Tc, K]``, ``bias`` (float32, laid out as
-    ``visible``) added to the scores. Each query's arithmetic is its
+    ``(start, keys, values^T)`` blocks, ``visible`` ``[B, 1 or Hkv, 1 or G, Tc, K]`` (``bias``, float32, laid out
+    alike, added to the scores). Each query's arithmetic is its
     own (every op is per query row), so cutting the queries in chunks changes no bit; it keeps a chunk's per-block
     terms in cache. A block no query of the chunk sees is skipped: it would leave every running value unchanged."""
+    needed = visible.reshape(-1, visible.shape[-1]).any(0)
+    pieces = ((keys, values, ~visible[..., start : start + KV_BLOCK],
+               None if bias is None else bias[..., start : start + KV_BLOCK]) for start, keys, values in blocks
+              if bool(needed[start : start + KV_BLOCK].any()))
+    return _online_softmax(q, pieces, blocks[0][2].shape[-2])
+
+
+def _online_softmax(q: torch.Tensor, pieces, value_dim: int) -> torch.Tensor:
+    """Float32 ``[B, Hkv, G, Tc, Dv]``: the scaled queries ``q`` ``[B, Hkv, G, Tc, 1, D]`` over ``(keys [.., S, D],
+    values^T [.., Dv, S], hidden [.., Tc, S], bias [.., Tc, S] or None)`` blocks (broadcasting against ``q``; the bias
+    added to the scores) merged in the order given, a
+    hidden key a ``+0`` term in its slot. A block with no visible key may be left out: it changes no running value."""
     shape = q.shape[:4]
     running_max = q.new_full(shape, float("-inf"))
     running_sum = q.new_zeros(shape)
-    out = q.new_zeros((*shape, blocks[0][2].shape[-2]))
-    needed = visible.reshape(-1, visible.shape[-1]).any(0)
-    for start, keys, values in blocks:
-        if not bool(needed[start : start + KV_BLOCK].any()):
-            continue
-        hidden = ~visible[..., start : start + KV_BLOCK]  # [B, 1 or Hkv, 1 or G, Tc, S]
+    out = q.new_zeros((*shape, value_dim))
+    for keys, values, hidden, bias in pieces:
         scores = (q * keys).sum(-1)  # [B, Hkv, G, Tc, S]
         if bias is not None:
-            scores = scores + bias[..., start : start + KV_BLOCK]
+            scores = scores + bias
         scores = scores.masked_fill_(hidden, float("-inf"))
         new_max = torch.maximum(running_max, scores.amax(-1))
         anchor = torch.where(new_max == float("-inf"), 0.0, new_max)
@@ -172,9 +152,56 @@ def _query_chunk(q: torch.Tensor, blocks, visible: torch.Tensor, bias: torch.Ten
     return out / torch.where(running_sum == 0, 1.0, running_sum)[..., None]
 
 
+def _windowed(query, key, value, visible, scaling: float, window: int, bias=None) -> torch.Tensor:
+    """:func:`attention_invariant` with a sliding ``window``: each query's keys by distance from its own key (the last
+    key ``visible`` shows it), :func:`_window_chunk` per chunk of :data:`QUERY_CHUNK` queries."""
+    batch, heads, num_queries, _ = query.shape
+    kv_heads, num_keys = key.shape[1], key.shape[2]
+    if visible.shape[1] != 1:
+        assert bool((visible == visible[:, :1]).all()), "a windowed call's mask must be the same for every head"
+        visible = visible[:, :1]
+    q = (query.float() * scaling).view(batch, kv_heads, heads // kv_heads, num_queries, 1, -1)
+    slots = torch.arange(num_keys, device=key.device) + 1
+    own = (visible[:, 0].long() * slots).amax(-1) - 1  # [B, T] each query's own key; -1: it sees none
+    distances = torch.arange(-(-window // KV_BLOCK) * KV_BLOCK, device=key.device)
+    out = torch.cat([_window_chunk(q[:, :, :, begin : begin + QUERY_CHUNK], key.float(), value.float(),
+                                   visible[:, 0, begin : begin + QUERY_CHUNK], own[:, begin : begin + QUERY_CHUNK],
+                                   distances, window,
+                                   None if bias is None else bias[:, :, begin : begin + QUERY_CHUNK])
+                     for begin in range(0, num_queries, QUERY_CHUNK)], dim=3)
+    return out.view(batch, heads, num_queries, -1).to(query.dtype)
+
+
+def _window_chunk(q, key, value, visible, own, distances, window: int, bias=None) -> torch.Tensor:
+    """Float32 outputs ``[B, Hkv, G, Tc, Dv]`` of the scaled queries ``q`` ``[B, Hkv, G, Tc, 1, D]`` whose own keys
+    are ``own`` ``[B, Tc]`` among ``key`` / ``value`` ``[B, Hkv, K, D]``, ``visible`` ``[B, Tc, K]``, ``bias``
+    ``[B, 1 or H, Tc, K]`` float32 or None: slot ``d`` of ``distances`` ``[Wp]`` (a whole number of blocks) holds key
+    ``own - d``, blocks merged in distance order."""
+    index = own[..., None] - distances  # [B, Tc, Wp]
+    inside = (index >= 0) & (distances < window)
+    index = index.clamp(min=0)
+    seen = torch.gather(visible, 2, index) & inside  # [B, Tc, Wp]
+    batch, kv_heads, num_queries = key.shape[0], key.shape[1], index.shape[1]
+    flat = index.reshape(batch, 1, -1, 1)
+
+    def take(x: torch.Tensor) -> torch.Tensor:  # [B, Hkv, K, D] -> [B, Hkv, 1, Tc, Wp, D]
+        taken = torch.gather(x, 2, flat.expand(batch, kv_heads, flat.shape[2], x.shape[-1]))
+        return taken.view(batch, kv_heads, 1, num_queries, -1, x.shape[-1])
+
+    keys, values = take(key), take(value).transpose(-1, -2)  # values: [B, Hkv, 1, Tc, Dv, Wp]
+    seen = seen[:, None, None]  # [B, 1, 1, Tc, Wp]
+    if bias is not None:  # [B, 1 or H, Tc, K] -> [B, 1 or Hkv, 1 or G, Tc, Wp]
+        bias = torch.gather(bias, 3, index[:, None].expand(-1, bias.shape[1], -1, -1))
+        bias = bias.reshape(batch, 1 if bias.shape[1] == 1 else kv_heads, -1, num_queries, bias.shape[-1])
+    blocks = (slice(start, start + KV_BLOCK) for start in range(0, distances.shape[0], KV_BLOCK))
+    pieces = ((keys[..., block, :], values[..., block], ~seen[..., block], None if bias is None else bias[..., block])
+              for block in blocks if bool(seen[..., block].any()))
+    return _online_softmax(q, pieces, value.shape[-1])
+
+
 def _anchor(key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, bias: torch.Tensor | None = None):
     """Shift each row's keys left by its leading padding (the keys before the first one its last query sees), pad
-    the key count to a multiple of :data:`KV_BLOCK` with zero keys nobody sees, and return the four (``bias`` laid
+    the key count to a multiple of :data:`KV_BLOCK` with zero keys nobody sees, and return the four (``bias``, laid
     out as ``visible``, or None) re-laid out."""
     batch, num_keys = key.shape[0], key.shape[2]
     first = visible[:, :, -1].any(1).int().argmax(-1)  # [B] first key the last query sees (0 when it sees none)
@@ -192,50 +219,49 @@ def _anchor(key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, bias:
         return torch.where(inside.view(shape), taken, torch.zeros((), dtype=x.dtype, device=x.device))
 
     return (take(key, 2, (batch, 1, padded, 1)), take(value, 2, (batch, 1, padded, 1)),
-            take(visible, 3, (batch, 1, 1, padded)),
-            None if bias is None else take(bias.expand(batch, -1, -1, -1), 3, (batch, 1, 1, padded)))
+            take(visible, 3, (batch, 1, 1, padded)), None if bias is None else take(bias, 3, (batch, 1, 1, padded)))
 
 
 def invariance_failures(dtype: torch.dtype, length: int = 90, attention=None, window: int | None = None) -> list[str]:
-    """The cases in which ``attention`` (default :func:`attention_invariant`; the signature is its own) gives a query
-    other bits than in one causal prefill of ``length`` random queries (4 heads over 2 KV heads of 16, CPU): a decode
-    step and a prefill chunk starting at the query, early, at block edges and at the last position (where SDPA
-    differs here in each dtype). With a sliding ``window``, the decode step holds only the window's keys (as a
-    sliding cache layer does). Empty where it holds.
+    """The cases in which ``attention`` (default :func:`attention_invariant`; the signature is its own, ``window``
+    passed by keyword where set) gives a query other bits than in one causal prefill of ``length`` random queries (4
+    heads over 2 KV heads of 16, CPU): a decode step and a prefill chunk starting at the query, early, at block edges
+    and at the last position (where SDPA differs here in each dtype); with a sliding ``window``, each also over only
+    the keys a sliding cache layer keeps (the query's window). Empty where it holds.
     """
     attention = attention_invariant if attention is None else attention
-    extra = {} if window is None else {"window": window}
+    run = attention if window is None else functools.partial(attention, window=window)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, heads, length, 16, generator=gen).to(dtype) for heads in (4, 2, 2))
-    full = attention(q, k, v, causal_visible(length, length, window=window), 0.25, **extra)
+    full = run(q, k, v, causal_visible(length, length, window=window), 0.25)
     failures = []
     for p in (0, 5, KV_BLOCK - 1, KV_BLOCK, KV_BLOCK + 1, 2 * KV_BLOCK, length - 1):
-        first = 0 if window is None else max(0, p + 1 - window)
-        step = attention(q[:, :, p : p + 1], k[:, :, first : p + 1], v[:, :, first : p + 1],
-                         causal_visible(1, p + 1 - first), 0.25, **extra)
-        chunk = attention(q[:, :, p:], k, v, causal_visible(length - p, length, window=window), 0.25, **extra)
-        failures += [f"{name} at {p}" for name, out in (("decode", step), ("chunk", chunk))
-                     if not torch.equal(out[:, :, :1], full[:, :, p : p + 1])]
+        firsts = (0,) if window is None else sorted({0, max(0, p - window + 1)})
+        for first in firsts:
+            keys, values, tail = k[:, :, first:], v[:, :, first:], length - first
+            cases = {"decode": run(q[:, :, p : p + 1], keys[:, :, : p + 1 - first], values[:, :, : p + 1 - first],
+                                   causal_visible(1, p + 1 - first, window=window), 0.25),
+                     "chunk": run(q[:, :, p:], keys, values, causal_visible(length - p, tail, window=window),
+                                  0.25)[:, :, :1]}
+            failures += [f"{name} at {p} (keys from {first})" for name, out in cases.items()
+                         if not torch.equal(out, full[:, :, p : p + 1])]
     return failures
 
 
-#: The sliding window :func:`check_invariance` probes (not a multiple of :data:`KV_BLOCK`).
-PROBE_WINDOW = 24
 _CHECKED: set[tuple] = set()
 
 
-def check_invariance(dtype: torch.dtype) -> None:
-    """Raise unless :func:`attention_invariant` holds here in ``dtype`` (:func:`invariance_failures`, probed once per
-    dtype and intra-op thread count in a process).
+def check_invariance(dtype: torch.dtype, window: int | None = None) -> None:
+    """Raise unless :func:`attention_invariant` holds here in ``dtype`` (with a sliding ``window``, where set)
+    (:func:`invariance_failures`, probed once per dtype, window and intra-op thread count in a process).
 
     Raises:
         RuntimeError: some case differs; names the dtype, the torch version and the cases.
     """
-    key = (dtype, torch.get_num_threads())
+    key = (dtype, torch.get_num_threads(), window)
     if key in _CHECKED:
         return
-    failures = invariance_failures(dtype) or [f"{case} (sliding window of {PROBE_WINDOW})"
-                                              for case in invariance_failures(dtype, window=PROBE_WINDOW)]
+    failures = invariance_failures(dtype, window=window)
     if failures:
         raise RuntimeError(f"The invariant attention gives a query other bits in {dtype} on torch "
                            f"{torch.__version__} ({', '.join(failures)}), so deterministic results cannot be "

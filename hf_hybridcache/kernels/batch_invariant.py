@@ -44,6 +44,13 @@ import torch.nn.functional as F
 #: float32 product summed every row as it does at 64 rows (measured: 1-3, 5-7 and 9-11 rows differ, every multiple
 #: of 4 agrees), and a 4-row product costs less than an 8-row one at decode sizes.
 ROW_TILE = 4
+#: A bfloat16 / float16 product of at most this many multiply-adds (``M * N * K``) is summed by another kernel than a
+#: larger one: torch's CPU ``mkldnn_bf16_gemm`` / ``mkldnn_fp16_gemm`` (``aten/src/ATen/native/mkldnn/Matmul.cpp``)
+#: decline a product they judge small, and a naive gemm sums it in another order. Measured on this CPU with torch 2.13
+#: (:func:`cancellation_probe`): a ``[16, 64]`` bf16 weight sums a row one way at 1-4
+#: rows and another at 5 or more, a ``[1, 128]`` one at 1-32 rows and 33 or more, the boundary at ``16 ** 3`` in every
+#: shape tried. So a half-precision product gets at least :func:`min_rows` rows.
+HALF_NAIVE_PRODUCT = 16**3
 #: Float32 CPU weights of at least this many elements (2 MiB) run oneDNN's product (:func:`product_form`); below it,
 #: measured on this CPU, oneDNN's per-call set-up (~0.03 ms) outweighs the faster read.
 ONEDNN_MIN_ELEMENTS = 1 << 19
@@ -67,6 +74,15 @@ def product_form(weight: torch.Tensor) -> str:
             and weight.numel() >= ONEDNN_MIN_ELEMENTS):
         return "onednn"
     return "blas"
+
+
+def min_rows(weight: torch.Tensor) -> int:
+    """The fewest rows :func:`invariant_linear` runs ``weight`` ``[N, K]`` at: :data:`ROW_TILE`, or for a bfloat16 /
+    float16 weight the smallest multiple of it past :data:`HALF_NAIVE_PRODUCT` multiply-adds."""
+    if weight.dtype not in (torch.bfloat16, torch.float16) or weight.dim() != 2:
+        return ROW_TILE
+    rows = HALF_NAIVE_PRODUCT // max(weight.shape[0] * weight.shape[1], 1) + 1
+    return max(ROW_TILE, -(-rows // ROW_TILE) * ROW_TILE)
 
 
 @contextlib.contextmanager
@@ -105,7 +121,8 @@ def _onednn_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` run on ``x``'s rows padded with zero rows to a multiple of :data:`ROW_TILE`, by
+    """``F.linear(x, weight, bias)`` run on ``x``'s rows padded with zero rows to a multiple of :data:`ROW_TILE` (and
+    to at least :func:`min_rows`, so that a small half-precision product never takes the naive kernel), by
     :func:`product_form`'s product for ``weight``, so that a row's result is the same bits whatever other rows share
     the call, wherever :func:`check_row_invariance` passes for ``weight``.
 
@@ -122,7 +139,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # a column-major view took another kernel in float16 here
     num_rows = rows.shape[0]
-    pad_rows = -num_rows % ROW_TILE
+    pad_rows = max(-num_rows % ROW_TILE, min_rows(weight) - num_rows)
     if pad_rows:
         rows = torch.cat([rows, rows.new_zeros(pad_rows, rows.shape[1])])
     if (product_form(weight) == "onednn" and rows.dtype == weight.dtype and rows.device == weight.device
@@ -135,11 +152,36 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def cancellation_probe(weight: torch.Tensor, rows: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``[rows, K]`` and a weight of ``weight``'s shape, dtype, device and strides whose products reveal a
+    change of summation order in any dtype: each row meets a pair of weight columns ``c, c + 1`` that are negatives of
+    each other at ``+-4096``, with ``4096`` in both, so every output sums ``+2**24`` and ``-2**24`` around small
+    ``+-1`` terms. The exact sum is small (finite in float16), while a float32 accumulator that adds a ``1`` while
+    ``2**24`` is pending loses it, so where the ``1``s fall between the pair in the summation order decides the result.
+    Random rows against the model's weight rarely show an order change in bfloat16, whose rounding of the float32
+    accumulator hides it (a ``[16, 64]`` bf16 product changed kernels at 5 rows and moved 1 output of 16 on a real
+    decode row, 0 of 65,536 random ones)."""
+    num_out, depth = weight.shape
+    gen = torch.Generator().manual_seed(seed)
+    probe = (torch.randint(0, 2, (num_out, depth), generator=gen).float() * 2 - 1)
+    pairs = torch.arange(0, depth // 2 - depth // 2 % 2, 2)  # columns (2p, 2p + 1) of the first half
+    x = torch.randint(-1, 2, (rows, depth), generator=gen).float()
+    if len(pairs):
+        signs = torch.randint(0, 2, (num_out, len(pairs)), generator=gen).float() * 2 - 1
+        probe[:, pairs], probe[:, pairs + 1] = signs * 4096, -signs * 4096
+        x[:, : depth // 2] = 0
+        chosen = pairs[torch.randint(0, len(pairs), (rows, 2), generator=gen)]
+        x[torch.arange(rows)[:, None], chosen] = 4096.0
+        x[torch.arange(rows)[:, None], chosen + 1] = 4096.0
+    laid_out = torch.empty_strided(weight.shape, weight.stride(), dtype=weight.dtype, device=weight.device)
+    return x.to(weight.dtype).to(weight.device), laid_out.copy_(probe)
+
+
 def row_invariance_failures(weight: torch.Tensor, bias: torch.Tensor | None = None, linear=None,
                             seed: int = 0) -> list[int]:
-    """The row counts of :data:`PROBE_ROWS` (and every count from 1 to :data:`ROW_TILE` * 3) at which ``linear``
-    gives some row other bits than the same row in a product of ``max(PROBE_ROWS)`` rows; empty where it is
-    row-invariant for this weight.
+    """The row counts of :data:`PROBE_ROWS` (and every count from 1 to ``min_rows(weight) * 3``) at which ``linear``
+    gives some row other bits than the same row in a product of ``max(PROBE_ROWS)`` rows, for ``weight`` with random
+    rows or for the :func:`cancellation_probe` of its layout; empty where it is row-invariant.
 
     Args:
         weight: ``[N, K]``; bias: ``[N]`` or None; linear: the product to probe (None: :func:`invariant_linear`;
@@ -151,10 +193,15 @@ def row_invariance_failures(weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     linear = invariant_linear if linear is None else linear
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(max(PROBE_ROWS), weight.shape[1], generator=gen).to(weight.dtype).to(weight.device)
-    full = linear(x, weight, bias)
-    counts = sorted(set(PROBE_ROWS) | set(range(1, ROW_TILE * 3 + 1)))
-    return [m for m in counts if not torch.equal(linear(x[:m], weight, bias), full[:m])]
+    rows = max(PROBE_ROWS)
+    random_rows = torch.randn(rows, weight.shape[1], generator=gen).to(weight.dtype).to(weight.device)
+    cases = [(random_rows, weight), cancellation_probe(weight, rows, seed)]
+    counts = sorted(set(PROBE_ROWS) | set(range(1, min_rows(weight) * 3 + 1)))
+    failures = set()
+    for x, w in cases:
+        full = linear(x, w, bias)
+        failures.update(m for m in counts if not torch.equal(linear(x[:m], w, bias), full[:m]))
+    return sorted(failures)
 
 
 _CHECKED: set[tuple] = set()
@@ -199,10 +246,12 @@ def check_thread_invariance(weight: torch.Tensor, bias: torch.Tensor | None = No
         return
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(max(PROBE_ROWS), weight.shape[1], generator=gen).to(weight.dtype).to(weight.device)
-    wide = {m: invariant_linear(x[:m], weight, bias) for m in PROBE_ROWS}
+    cases = [(x, weight), cancellation_probe(weight, max(PROBE_ROWS), seed=1)]
+    wide = [{m: invariant_linear(x[:m], w, bias) for m in PROBE_ROWS} for x, w in cases]
     torch.set_num_threads(1)
     try:
-        failures = [m for m in PROBE_ROWS if not torch.equal(invariant_linear(x[:m], weight, bias), wide[m])]
+        failures = sorted({m for (x, w), outs in zip(cases, wide) for m in PROBE_ROWS
+                           if not torch.equal(invariant_linear(x[:m], w, bias), outs[m])})
     finally:
         torch.set_num_threads(threads)
     if failures:

@@ -28,7 +28,7 @@ Shapes: B batch, T tokens, Hk query/key heads, Hv value heads (a multiple of Hk;
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -271,8 +271,8 @@ def gated_delta_steps(
     :func:`recurrent_gated_delta_rule`; the emitted states are new tensors.
     """
     initial_dtype = query.dtype
-    batch_size, sequence_length, num_k_heads, k_head_dim = key.shape
-    num_v_heads, v_head_dim = value.shape[-2:]
+    sequence_length, num_k_heads = key.shape[1:3]
+    num_v_heads = value.shape[-2]
     positions = set(check_emit_positions(emit_positions, sequence_length))
     if num_v_heads % num_k_heads != 0:
         raise ValueError(
@@ -287,9 +287,39 @@ def gated_delta_steps(
         query, key = l2norm(query, dim=-1, eps=1e-6), l2norm(key, dim=-1, eps=1e-6)
     query = query / (query.shape[-1] ** 0.5)
     decay = g.float().exp()[..., None, None]  # [B, T, Hv, 1, 1]
-    beta = beta.float().unsqueeze(-1)  # [B, T, Hv, 1]
+    out, state, emitted = delta_rule_steps(query, key, value, decay, beta.float().unsqueeze(-1), initial_state,
+                                           positions)
+    return out.to(initial_dtype), state if output_final_state else None, emitted
+
+
+def delta_rule_steps(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    decay: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    positions: Collection[int],
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The token loop :func:`gated_delta_steps` and :func:`~hf_hybridcache.kernels.kda.kimi_delta_steps` share: per
+    token ``S <- decay_t * S``, then the delta update ``S <- S + k_t^T (beta_t (v_t - k_t S))`` and the read
+    ``o_t = q_t S`` as two batched products per head. The two rules differ only in ``decay``'s shape.
+
+    Args:
+        query, key: ``[B, T, H, Dk]`` float32, heads already repeated up to ``H``; ``query`` already normed and scaled.
+        value: ``[B, T, H, Dv]`` float32.
+        decay: the factor ``exp(g_t)`` float32 that multiplies the state ``[B, H, Dk, Dv]``: ``[B, T, H, 1, 1]``, one
+            per head (GDN), or ``[B, T, H, Dk, 1]``, one per key channel (KDA).
+        beta: ``[B, T, H, 1]`` float32.
+        initial_state: ``[B, H, Dk, Dv]`` (any float dtype; read, never written), or None for zeros.
+        positions: the checked token counts after which to emit the state.
+
+    Returns:
+        ``(out [B, T, H, Dv] float32, final state [B, H, Dk, Dv] float32, emitted states)``, all new tensors.
+    """
+    batch_size, sequence_length, num_heads, k_head_dim = key.shape
     if initial_state is None:
-        state = value.new_zeros((batch_size, num_v_heads, k_head_dim, v_head_dim))
+        state = value.new_zeros((batch_size, num_heads, k_head_dim, value.shape[-1]))
     else:
         state = initial_state.float()
 
@@ -297,10 +327,9 @@ def gated_delta_steps(
     for i in range(sequence_length):
         state = state * decay[:, i]  # a new tensor: the state before this token (or an emitted one) stays as it was
         k_t = key[:, i]
-        kv_mem = torch.matmul(k_t.unsqueeze(-2), state).squeeze(-2)  # [B, Hv, Dv]
+        kv_mem = torch.matmul(k_t.unsqueeze(-2), state).squeeze(-2)  # [B, H, Dv]
         state.addcmul_(k_t.unsqueeze(-1), ((value[:, i] - kv_mem) * beta[:, i]).unsqueeze(-2))
-        outputs.append(torch.matmul(query[:, i].unsqueeze(-2), state))  # [B, Hv, 1, Dv]
+        outputs.append(torch.matmul(query[:, i].unsqueeze(-2), state))  # [B, H, 1, Dv]
         if i + 1 in positions:  # the last one is also the final state, which the caller may write in place
             emitted.append(state if i + 1 < sequence_length else state.clone())
-    core_attn_out = torch.cat(outputs, dim=2).transpose(1, 2).to(initial_dtype)
-    return core_attn_out, state if output_final_state else None, emitted
+    return torch.cat(outputs, dim=2).transpose(1, 2), state, emitted

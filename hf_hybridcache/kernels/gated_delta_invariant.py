@@ -162,11 +162,12 @@ def gated_delta_rule_scan_invariant(
 
 
 def gated_rms_norm_after_invariant(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
-                                   eps: float) -> torch.Tensor:
+                                   eps: float, float32_weight: bool = False) -> torch.Tensor:
     """The gated delta net's gated RMSNorm, ``(weight * rmsnorm(y)) * silu(gate)``: normed in float32, rounded to
     ``y``'s dtype before the weight, gated in float32 and rounded once more, as ``Qwen3_5RMSNormGated.forward``
-    (transformers 5.23.0 - 5.25.0; ``Qwen3NextRMSNormGated`` alike) computes it, with the gate's silu taken from
-    ``exp`` (bitwise the same at any offset in the tensor).
+    (transformers 5.23.0 - 5.25.0; ``Qwen3NextRMSNormGated`` and ``OlmoHybridRMSNormGated`` alike) computes it, with
+    the gate's silu taken from ``exp`` (bitwise the same at any offset in the tensor). ``float32_weight``: the weight
+    taken in float32 on the unrounded float32 row, rounded once at the end (``LaraMiniRMSNormGated``, 5.24.0 - 5.25.0).
 
     Args:
         y: ``[..., Dv]`` (the rule's output; any float dtype); gate: ``[..., Dv]``, any float dtype.
@@ -178,5 +179,5 @@ def gated_rms_norm_after_invariant(y: torch.Tensor, gate: torch.Tensor, weight: 
     input_dtype = y.dtype
     hidden = y.float()
     hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
-    hidden = weight * hidden.to(input_dtype)
+    hidden = weight.float() * hidden if float32_weight else weight * hidden.to(input_dtype)
     return (hidden * silu_invariant(gate.float())).to(input_dtype)

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from .gated_delta import delta_rule_steps
 from .scan_steps import check_emit_positions
 
 
@@ -266,28 +267,12 @@ def kimi_delta_steps(
     :func:`recurrent_kimi_delta_attention`; the emitted states are new tensors.
     """
     initial_dtype = query.dtype
-    batch_size, sequence_length, num_heads, k_head_dim = key.shape
-    v_head_dim = value.shape[-1]
-    positions = set(check_emit_positions(emit_positions, sequence_length))
+    positions = set(check_emit_positions(emit_positions, key.shape[1]))
     query, key, value = (x.float() for x in (query, key, value))  # [B, T, H, D]
     if use_qk_l2norm_in_kernel:
         query, key = l2norm(query, dim=-1, eps=1e-6), l2norm(key, dim=-1, eps=1e-6)
     query = query * (1 / (query.shape[-1] ** 0.5))
     decay = g.float().exp().unsqueeze(-1)  # [B, T, H, Dk, 1]: row d of the state decays by exp(g_d)
-    beta = beta.float().unsqueeze(-1)  # [B, T, H, 1]
-    if initial_state is None:
-        state = value.new_zeros((batch_size, num_heads, k_head_dim, v_head_dim))
-    else:
-        state = initial_state.float()
-
-    outputs, emitted = [], []
-    for i in range(sequence_length):
-        state = state * decay[:, i]  # a new tensor: the state before this token (or an emitted one) stays as it was
-        k_i = key[:, i]
-        kv_mem = torch.matmul(k_i.unsqueeze(-2), state).squeeze(-2)  # [B, H, Dv]
-        state.addcmul_(k_i.unsqueeze(-1), ((value[:, i] - kv_mem) * beta[:, i]).unsqueeze(-2))
-        outputs.append(torch.matmul(query[:, i].unsqueeze(-2), state))  # [B, H, 1, Dv]
-        if i + 1 in positions:  # the last one is also the final state, which the caller may write in place
-            emitted.append(state if i + 1 < sequence_length else state.clone())
-    core_attn_out = torch.cat(outputs, dim=2).transpose(1, 2).to(initial_dtype)
-    return core_attn_out, state if output_final_state else None, emitted
+    out, state, emitted = delta_rule_steps(query, key, value, decay, beta.float().unsqueeze(-1), initial_state,
+                                           positions)
+    return out.to(initial_dtype), state if output_final_state else None, emitted

@@ -7,15 +7,18 @@ row-invariant, path-invariant form here (docs/deterministic.md, "The ingredients
 one (the mixer of :mod:`.mamba2_deterministic`), the Mamba-2 hybrids Bamba, GraniteMoeHybrid, Nemotron-H and Zamba2 (the
 same mixer: theirs is upstream Zamba2's plain one; attention and MLPs of :mod:`.hybrid_deterministic`; routed experts
 refused), Jamba (its Mamba-1 mixers, and the attention, MLPs and routed experts
-of :mod:`.hybrid_deterministic`), Qwen3.5's text models, dense and MoE, and Qwen3-Next (the gated delta net mixer of
-:mod:`.gated_delta_deterministic`, the gated attention, MLPs and routed + shared experts of
-:mod:`.hybrid_deterministic`), and LFM2 / LFM2-MoE / LFM3 (the short conv mixer of :mod:`.short_conv_deterministic`,
-the attention with q/k RMSNorms (LFM3's also sliding-window, with a sigmoid gate per head), SwiGLU MLPs and
-sigmoid-routed experts of :mod:`.hybrid_deterministic`), and Inkling's text model with dense MLPs (the four short
-convolutions and the attention with relative logits of :mod:`.inkling_deterministic`), on CPU, in
-float32, bfloat16 and float16. Every other family is refused with the ingredients it lacks named, and so is a model
-whose kernels or BLAS would break the guarantee: refusing, never warning and continuing, is the point of the mode
-(vLLM's batch-invariant mode likewise fails closed on layers it has no kernel for).
+of :mod:`.hybrid_deterministic`), Qwen3.5's text models, dense and MoE, Qwen3-Next, OLMo-Hybrid and Lara Mini (the
+gated delta net mixer of :mod:`.gated_delta_deterministic`, the gated, plain, sliding-window or position-free
+attention, MLPs and routed + shared experts of :mod:`.hybrid_deterministic`), LFM2 / LFM2-MoE / LFM3 (the short
+conv mixer of :mod:`.short_conv_deterministic`, the attention with q/k RMSNorms, LFM3's also sliding-window with a
+sigmoid gate per head, SwiGLU MLPs and sigmoid-routed experts of :mod:`.hybrid_deterministic`), Inkling's text model
+with dense MLPs (the four short convolutions and the attention with relative logits of
+:mod:`.inkling_deterministic`), and Kimi Linear / Ling (the KDA mixer and Ling's gated MLA attention of
+:mod:`.kda_deterministic`, the MLA attention, MLPs and grouped-router experts of :mod:`.hybrid_deterministic`), on CPU,
+in float32, bfloat16 and float16. Every other family is refused with the ingredients it lacks named, and so is a model
+whose kernels or BLAS would break the guarantee: refusing, never warning
+and continuing, is the point of the mode (vLLM's batch-invariant mode likewise fails closed on layers it has no kernel
+for).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from . import (
     gated_delta_deterministic,
     hybrid_deterministic,
     inkling_deterministic,
+    kda_deterministic,
     mamba1_deterministic,
     mamba2_deterministic,
     short_conv_deterministic,
@@ -55,10 +59,14 @@ SUPPORTED = {
     "qwen3_5_text": ("Qwen3_5GatedDeltaNet", gated_delta_deterministic),
     "qwen3_5_moe_text": ("Qwen3_5MoeGatedDeltaNet", gated_delta_deterministic),
     "qwen3_next": ("Qwen3NextGatedDeltaNet", gated_delta_deterministic),
+    "olmo_hybrid": ("OlmoHybridGatedDeltaNet", gated_delta_deterministic),
+    "lara_mini": ("LaraMiniGatedDeltaNet", gated_delta_deterministic),
     "lfm2": ("Lfm2ShortConv", short_conv_deterministic),
     "lfm2_moe": ("Lfm2MoeShortConv", short_conv_deterministic),
     "lfm3": ("Lfm3ShortConv", short_conv_deterministic),
     "inkling_text": ("InklingShortConvolution", inkling_deterministic),
+    "kimi_linear": ("KimiLinearDeltaAttention", kda_deterministic),
+    "bailing_hybrid": ("BailingHybridDeltaAttention", kda_deterministic),
 }
 #: The dtypes the mode's tests hold in.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -71,9 +79,6 @@ _ACTIVATIONS = "its MLPs wired to the row-invariant linear and SiLU (F.silu give
                "its offset; models/hybrid_deterministic.py, as Jamba's are)"
 _MAMBA2 = "its Mamba-2 mixer wired to the deterministic Mamba-2 forward (models/mamba2_deterministic.py: per-token " \
           "scan, invariant conv, row-invariant gated RMSNorm)"
-_GDN = "its gated delta net mixer wired to the deterministic forward (models/gated_delta_deterministic.py: " \
-       "per-token rule, invariant conv, row-invariant gates and gated RMSNorm, as Qwen3.5's are)"
-_KDA = "a Kimi delta attention (KDA) per-token scan"
 _INKLING2 = ("Inkling 2's short convs wired to the invariant conv (its dynamic short conv's per-token taps, projected "
              "from the layer input, have no invariant form yet; Inkling's static ones are in "
              "models/inkling_deterministic.py), its attention's sink logits, output gate and l2-clipped projections "
@@ -81,8 +86,6 @@ _INKLING2 = ("Inkling 2's short convs wired to the invariant conv (its dynamic s
 #: model_type -> the mixer ingredients its family lacks (attention and MLP activations are added from the model).
 _MIXERS = {
     **dict.fromkeys(("falcon_h1",), (_MAMBA2,)),
-    **dict.fromkeys(("olmo_hybrid", "lara_mini"), (_GDN,)),
-    **dict.fromkeys(("kimi_linear", "bailing_hybrid"), (_KDA,)),
     "inkling2_text": (_INKLING2,),
     "inkling2_loop_text": (_INKLING2, "its loop passes' own cache layers (cache_offset) reaching the deterministic "
                                       "mixers"),
@@ -144,6 +147,9 @@ def check(model: torch.nn.Module, spec: ModelStateSpec) -> None:
         products += [(weight, None) for weight in hybrid_deterministic.product_weights(model, model_type)]
         try:
             check_attention_invariance(model.get_input_embeddings().weight.dtype)
+            window = getattr(model.config.get_text_config(), "sliding_window", None)
+            if window is not None:  # a family of hybrid_deterministic.WINDOWED (refusals let no other through)
+                check_attention_invariance(model.get_input_embeddings().weight.dtype, window)
         except RuntimeError as error:
             raise ValueError(f"deterministic=True refuses {name} here: {error} Build the cache with "
                              "deterministic=False.") from error

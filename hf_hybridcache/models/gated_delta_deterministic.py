@@ -3,21 +3,26 @@ decode step and a speculative verify group, whose every op gives a token's row t
 and however the token arrived.
 
 It is ``Qwen3_5GatedDeltaNet.forward`` (``transformers/models/qwen3_5/modeling_qwen3_5.py``, 5.23.0 - 5.25.0;
-Qwen3.5-MoE's is the same, Qwen3-Next's differs only in its fused projections) with each op replaced by its
-row-invariant ingredient:
+Qwen3.5-MoE's is the same, Qwen3-Next's differs only in its fused projections; OLMo-Hybrid's
+``OlmoHybridGatedDeltaNet`` in its separate projections, its beta and its names; Lara Mini's ``LaraMiniGatedDeltaNet``
+in its gated norm's float32 weight) with each op replaced by its row-invariant ingredient:
 
-- ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` (Qwen3-Next: ``in_proj_qkvz``, ``in_proj_ba``) and
-  ``out_proj`` through
+- ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` (Qwen3-Next: ``in_proj_qkvz``, ``in_proj_ba``;
+  OLMo-Hybrid: ``q_proj``, ``k_proj``, ``v_proj`` concatenated, ``g_proj`` the norm's gate, ``b_proj``, ``a_proj``)
+  and ``out_proj`` (OLMo-Hybrid: ``o_proj``) through
   :func:`~hf_hybridcache.kernels.batch_invariant.invariant_linear` (as :mod:`.mamba1_deterministic` runs them);
 - the causal conv over ``q|k|v`` through :func:`~hf_hybridcache.kernels.conv_invariant.causal_conv_invariant`, for a
   prefill over the cached window and for a decode step alike;
 - ``beta = sigmoid(b)`` through :func:`~hf_hybridcache.kernels.gated_delta_invariant.sigmoid_invariant` in float32,
-  rounded to ``b``'s dtype as upstream's ``b.sigmoid()`` is, and the decay ``g = -exp(A_log) softplus(a + dt_bias)``
+  rounded to ``b``'s dtype as upstream's ``b.sigmoid()`` is (doubled, exactly, where OLMo-Hybrid's
+  ``allow_neg_eigval`` lets the write strength reach 2), and the decay ``g = -exp(A_log) softplus(a + dt_bias)``
   with :func:`~hf_hybridcache.kernels.mamba1_invariant.softplus_invariant` (``torch.sigmoid`` and ``F.softplus`` give
   an element other float32 bits by its offset in the tensor);
 - the rule through :func:`~hf_hybridcache.kernels.gated_delta_invariant.gated_delta_rule_scan_invariant`, whose
   prefill is the decode step's own arithmetic per token (l2-norms of ``q`` and ``k`` inside the step);
-- the gated RMSNorm through :func:`~hf_hybridcache.kernels.gated_delta_invariant.gated_rms_norm_after_invariant`.
+- the gated RMSNorm (``norm``; OLMo-Hybrid: ``o_norm``) through
+  :func:`~hf_hybridcache.kernels.gated_delta_invariant.gated_rms_norm_after_invariant` (Lara Mini's weight applied in
+  float32 before any rounding, as ``LaraMiniRMSNormGated`` does).
 
 The padding mask (on the input only, as upstream), the states' dtypes and what reaches the cache (the conv window of
 the ``q|k|v`` inputs, the float32 state ``[B, Hv, Dk, Dv]``, the checkpoints after ``positions`` tokens) are those of
@@ -25,8 +30,8 @@ the ``q|k|v`` inputs, the float32 state ``[B, Hv, Dk, Dv]``, the checkpoints aft
 
 :data:`_OFF` is the private switch of the power tests: an ingredient named there runs the package's default op instead
 (``"linear"``: ``F.linear``; ``"conv"``: :func:`~hf_hybridcache.models.mamba1.causal_conv` / the fused conv update;
-``"rule"``: the chunked rule / the recurrent step; ``"norm"``: the mixer's own ``Qwen3_5RMSNormGated``; ``"gates"``:
-``torch.sigmoid`` / ``F.softplus``).
+``"rule"``: the chunked rule / the recurrent step; ``"norm"``: the mixer's own gated norm (``Qwen3_5RMSNormGated``,
+``OlmoHybridRMSNormGated``, ...); ``"gates"``: ``torch.sigmoid`` / ``F.softplus``).
 """
 
 from __future__ import annotations
@@ -45,18 +50,21 @@ from ..kernels.gated_delta_invariant import (
 )
 from ..kernels.mamba1_invariant import softplus_invariant
 from ..kernels.state_update import causal_conv1d_update
+from . import mamba1_deterministic
+from .deterministic_linear import routed_linear
 from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_states_at
-from .mamba1_deterministic import _linear as _invariant_linear
 from .mamba1_deterministic import lm_head_forward  # noqa: F401 (deterministic.install reads it from here)
 
+#: The gated norms that apply their weight in float32 before rounding (``LaraMiniRMSNormGated``); the others round the
+#: normed row to the input dtype first (``Qwen3_5RMSNormGated``, ``OlmoHybridRMSNormGated``).
+FLOAT32_WEIGHT_NORMS = ("LaraMiniRMSNormGated",)
 #: Ingredients switched off (private: the power tests name them here; empty in use).
 _OFF: set[str] = set()
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    if "linear" in _OFF:
-        return F.linear(x, weight)
-    return _invariant_linear(x, weight)
+    # mamba1_deterministic's switch also holds these products (its "linear" switches every mixer built on it)
+    return routed_linear(x, weight, off=_OFF | mamba1_deterministic._OFF)
 
 
 @_compat.force_accelerate_hooks(["conv1d"])
@@ -92,29 +100,41 @@ def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_m
         if positions:
             cache.capture_states(layer_idx, positions, list(zip(conv_checkpoints, states)))
     out = _gated_norm(mixer, out.reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
-    return _linear(out.reshape(batch, seq_len, -1), mixer.out_proj.weight)
+    out_proj = mixer.o_proj if hasattr(mixer, "o_proj") else mixer.out_proj  # OLMo-Hybrid's name
+    return _linear(out.reshape(batch, seq_len, -1), out_proj.weight)
 
 
 def _projections(mixer, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``(q|k|v conv inputs [B, C, T], z [B, T, Hv * Dv] or [B, T, Hv, Dv], b [B, T, Hv], a [B, T, Hv])`` of
-    ``hidden_states`` ``[B, T, hidden]``: Qwen3.5's four projections, or Qwen3-Next's fused ``in_proj_qkvz`` /
-    ``in_proj_ba`` regrouped by the mixer's own ``fix_query_key_value_ordering`` (views and splits: exact)."""
+    ``hidden_states`` ``[B, T, hidden]``: Qwen3.5's four projections (Lara Mini's alike), Qwen3-Next's fused
+    ``in_proj_qkvz`` / ``in_proj_ba`` regrouped by the mixer's own ``fix_query_key_value_ordering`` (views and splits:
+    exact), or OLMo-Hybrid's six (``q|k|v`` concatenated as upstream does, ``g_proj`` as the gate ``z``)."""
     if hasattr(mixer, "in_proj_qkvz"):
         query, key, value, z, b, a = mixer.fix_query_key_value_ordering(
             _linear(hidden_states, mixer.in_proj_qkvz.weight), _linear(hidden_states, mixer.in_proj_ba.weight))
         mixed_qkv = torch.cat([x.reshape(*x.shape[:2], -1) for x in (query, key, value)], dim=-1)
         return mixed_qkv.transpose(1, 2), z, b, a
+    if hasattr(mixer, "g_proj"):
+        mixed_qkv = torch.cat([_linear(hidden_states, proj.weight) for proj in (mixer.q_proj, mixer.k_proj,
+                                                                                 mixer.v_proj)], dim=-1)
+        return (mixed_qkv.transpose(1, 2), _linear(hidden_states, mixer.g_proj.weight),
+                _linear(hidden_states, mixer.b_proj.weight), _linear(hidden_states, mixer.a_proj.weight))
     return (_linear(hidden_states, mixer.in_proj_qkv.weight).transpose(1, 2),
             _linear(hidden_states, mixer.in_proj_z.weight), _linear(hidden_states, mixer.in_proj_b.weight),
             _linear(hidden_states, mixer.in_proj_a.weight))
 
 
 def _gates(mixer, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(beta [B, T, Hv] in b's dtype, g [B, T, Hv] float32)`` from the projections ``b`` / ``a`` ``[B, T, Hv]``."""
+    """``(beta [B, T, Hv] in b's dtype, g [B, T, Hv] float32)`` from the projections ``b`` / ``a`` ``[B, T, Hv]``;
+    beta doubled where the mixer has OLMo-Hybrid's ``allow_neg_eigval`` (a power of two: exact in any dtype)."""
     if "gates" in _OFF:
-        return b.sigmoid(), -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)
-    return (sigmoid_invariant(b.float()).to(b.dtype),
-            -mixer.A_log.float().exp() * softplus_invariant(a.float() + mixer.dt_bias))
+        beta, g = b.sigmoid(), -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)
+    else:
+        beta = sigmoid_invariant(b.float()).to(b.dtype)
+        g = -mixer.A_log.float().exp() * softplus_invariant(a.float() + mixer.dt_bias)
+    if getattr(mixer, "allow_neg_eigval", False):
+        beta = beta * 2.0
+    return beta, g
 
 
 def _conv(mixer, x: torch.Tensor, conv_state: torch.Tensor | None, cache, decode: bool) -> torch.Tensor:
@@ -160,6 +180,8 @@ def _scan(query, key, value, g, beta, state, positions):
 
 def _gated_norm(mixer, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """``y`` ``[N, Dv]`` normed per row, weighted and gated by ``gate`` ``[N, Dv]`` -> ``[N, Dv]``."""
+    norm = mixer.o_norm if hasattr(mixer, "o_norm") else mixer.norm  # OLMo-Hybrid's name
     if "norm" in _OFF:
-        return mixer.norm(y, gate)
-    return gated_rms_norm_after_invariant(y, gate, mixer.norm.weight, mixer.norm.variance_epsilon)
+        return norm(y, gate)
+    return gated_rms_norm_after_invariant(y, gate, norm.weight, norm.variance_epsilon,
+                                          float32_weight=type(norm).__name__ in FLOAT32_WEIGHT_NORMS)

@@ -1,5 +1,5 @@
 """The layers a hybrid adds to its mixers in deterministic mode (issue 46; Jamba, Zamba, Qwen3.5, Bamba, Granite-4.0-H,
-Nemotron-H, Zamba2, LFM2, LFM3, Inkling): attention, MLP
+Nemotron-H, Zamba2, LFM2, LFM3, Inkling, OLMo-Hybrid, Lara Mini, Kimi Linear, Ling): attention, MLP
 activations, linear layers and routed experts, each with a row-invariant, path-invariant form (docs/deterministic.md,
 "The ingredients").
 
@@ -7,7 +7,11 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
   :func:`~hf_hybridcache.models.mamba1_deterministic.lm_head_forward` (the row-invariant linear).
 - The attention modules of :data:`FAMILIES` answer through
   :func:`~hf_hybridcache._compat.invariant_attention.invariant_attention_forward` (keys summed in fixed blocks
-  anchored at position 0, whatever the call), in ``generate()`` and in the engine's steps alike.
+  anchored at position 0, whatever the call), in ``generate()`` and in the engine's steps alike. A sliding-window
+  layer (Lara Mini's, LFM3's, Inkling's: :data:`WINDOWED`) passes its window, which the kernel anchors at each query instead (its bits
+  do not depend on how many keys the cache holds beyond the window); OLMo-Hybrid's and Lara Mini's attention forwards
+  (q/k RMSNorms, rotary or none: Lara Mini's full layers and a ``rope_theta=None`` OLMo-Hybrid are position-free)
+  run as upstream around that call.
 - The MLP activations (``SiLUActivation`` / ``nn.SiLU`` modules, and the ``F.silu`` of LFM2's ``Lfm2MLP``, whose
   forward :func:`swiglu_forward` replaces) run as
   :func:`~hf_hybridcache.kernels.mamba1_invariant.silu_invariant` in float32, rounded once to the input dtype:
@@ -16,9 +20,8 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
   beside it. ``GELUActivation`` (Zamba's, the erf form) runs ``F.gelu`` in float32, rounded once: float32's is
   offset-invariant here, float16's is not. ``ReLUSquaredActivation`` (Nemotron-H's ``relu2``) runs as upstream: relu is
   exact and its square one correctly rounded product, the same bits at any offset in every dtype (measured).
-- LFM3's attention (``Lfm3Attention``) runs :func:`head_gated_forward`: upstream's forward with its sliding window
-  handed to the invariant attention (keys laid out per query over its window) and its per-head output gate
-  ``sigmoid(g_proj(x))`` as ``sigmoid_invariant`` in float32.
+- LFM3's attention (``Lfm3Attention``) runs
+  :func:`~hf_hybridcache.models.short_conv_deterministic.head_gated_forward` (its window and head gate there).
 - Inkling's attention (``InklingAttention``) runs
   :func:`~hf_hybridcache.models.inkling_deterministic.attention_forward` (its relative bias handed to the invariant
   attention), its MLP activations as above; its routed experts (``InklingMoE``) are refused.
@@ -30,8 +33,14 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
 - A routed + shared experts block (Qwen3.5-MoE's ``Qwen3_5MoeSparseMoeBlock``) runs :func:`shared_moe_forward`: the
   routed experts as below (the top-k weights renormalized, as its router does) plus the shared expert gated by
   ``sigmoid_invariant``.
+- Lara Mini's ``LaraMiniSparseMoeBlock`` runs :func:`shared_moe_forward` too: its router's logits a float32 product
+  (:data:`FLOAT32_ROUTERS`), its shared expert added without a gate.
 - LFM2-MoE's ``Lfm2MoeSparseMoeBlock`` runs :func:`sigmoid_moe_forward`: its router's sigmoid scores from ``exp``, the
   routed experts as below (their ``F.silu`` as the invariant SiLU).
+- Kimi Linear's and Ling's ``KimiLinearMoE`` / ``BailingHybridMoE`` run :func:`grouped_moe_forward`: the grouped
+  sigmoid router with its correction bias (sigmoid from ``exp``), the routed experts as below (Ling's SwiGLU clipped
+  by ``experts.limit``) and the shared experts; Ling's gated MLA attention runs
+  :func:`~hf_hybridcache.models.kda_deterministic.gated_mla_forward`.
 - A routed-experts block (Jamba's ``JambaSparseMoeBlock``, transformers 5.23 - 5.25) runs :func:`sparse_moe_forward`:
   upstream's router and experts, each expert's products on the rows routed to it through the row-invariant linear, and
   each token's experts summed in the order of its own top-k choice (upstream sums in expert order, also fixed per
@@ -40,9 +49,8 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
 The RMSNorms, softmaxes, embeddings and residual adds run as upstream (measured row-invariant here). :data:`_OFF` is
 the private switch of the power tests: ``"attention"`` runs the model's own attention function, ``"activation"``
 ``F.silu`` / the model's GELU, ``"contiguous"`` the float32 GELU on its input's own strides, ``"gate"`` the gated
-attention's ``torch.sigmoid`` (and LFM2-MoE's router's, LFM3's head gate's), ``"shared_gate"`` the shared expert's,
-``"window"`` LFM3's attention without its window handed to the attention function (the invariant attention's blocks
-then anchor at the first key the call holds, which a sliding cache layer moves).
+attention's ``torch.sigmoid`` (and LFM2-MoE's, Kimi Linear's and Ling's routers'), ``"shared_gate"`` the shared
+expert's, ``"window"`` a sliding layer's attention in the form anchored at position 0 with the window in the mask only.
 """
 
 from __future__ import annotations
@@ -54,8 +62,9 @@ from .. import _compat
 from .._compat.invariant_attention import gated_attention_parts, invariant_attention_forward, mark, unroutable
 from ..kernels.gated_delta_invariant import sigmoid_invariant
 from ..kernels.mamba1_invariant import silu_invariant
-from . import inkling_deterministic
-from .mamba1_deterministic import _linear, lm_head_forward
+from . import inkling_deterministic, kda_deterministic, short_conv_deterministic
+from .mamba1_deterministic import linear as _linear
+from .mamba1_deterministic import lm_head_forward
 
 #: model_type -> (attention module class, routed-experts block class or None): the hybrids whose layers this module
 #: knows (their mixers are wired by :mod:`.deterministic`).
@@ -66,6 +75,10 @@ FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock"), "zamba": ("Zamba
             "bamba": ("BambaAttention", None), "granitemoehybrid": ("GraniteMoeHybridAttention", None),
             "nemotron_h": ("NemotronHAttention", None), "zamba2": ("Zamba2Attention", None),
             "lfm2": ("Lfm2Attention", None), "lfm2_moe": ("Lfm2MoeAttention", "Lfm2MoeSparseMoeBlock"),
+            "olmo_hybrid": ("OlmoHybridAttention", None),
+            "lara_mini": ("LaraMiniAttention", "LaraMiniSparseMoeBlock"),
+            "kimi_linear": ("KimiLinearAttention", "KimiLinearMoE"),
+            "bailing_hybrid": ("BailingHybridAttention", "BailingHybridMoE"),
             "lfm3": ("Lfm3Attention", None), "inkling_text": ("InklingAttention", None)}
 #: Routed-experts blocks a family may hold that have no deterministic form here yet: a model holding one is refused
 #: (Granite 4.0-H's ``num_local_experts > 0``, Nemotron-H's ``"moe"`` layers; their routers and expert sums differ from
@@ -76,15 +89,18 @@ UNWIRED_EXPERTS = {"granitemoehybrid": "GraniteMoeHybridMoE", "nemotron_h": "Nem
 SWIGLU_MLPS = ("Lfm2MLP", "Lfm2MoeMLP", "Lfm3MLP")
 #: The attention classes whose forward gates its output with a sigmoid (:func:`gated_attention_forward`).
 GATED_ATTENTION = ("Qwen3_5Attention", "Qwen3_5MoeAttention", "Qwen3NextAttention")
-#: The attention classes gated per head by ``sigmoid(g_proj(x))`` after the attention (:func:`head_gated_forward`).
+#: The attention classes gated per head by ``sigmoid(g_proj(x))`` after the attention
+#: (:func:`~hf_hybridcache.models.short_conv_deterministic.head_gated_forward`).
 HEAD_GATED_ATTENTION = ("Lfm3Attention",)
-#: The families whose attention hands the attention function its ``sliding_window`` (the invariant attention's
-#: windowed layout needs it: a sliding cache layer keeps only the window's keys).
-WINDOWED = ("lfm3", "inkling_text")
 #: The activations with an invariant form here (transformers' ``ACT2FN["silu"]`` / ``ACT2FN["gelu"]`` and torch's).
 ACTIVATIONS = ("silu", "swish", "gelu", "relu2")
-#: The families whose gated delta net conv runs ``hidden_act``, which has an invariant form there for SiLU only.
-SILU_CONV = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+#: The families whose gated delta net / KDA conv runs ``hidden_act``, which has an invariant form there for SiLU only.
+SILU_CONV = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lara_mini",
+             "kimi_linear", "bailing_hybrid")
+#: The families whose sliding-window attention layers are wired (the invariant attention's windowed form).
+WINDOWED = ("lara_mini", "lfm3", "inkling_text")
+#: The routers whose logits are a float32 product of float32 copies of the input and weight (Lara Mini's).
+FLOAT32_ROUTERS = ("LaraMiniTopKRouter",)
 #: Ingredients switched off (private: the power tests name them here; empty in use).
 _OFF: set[str] = set()
 
@@ -97,7 +113,8 @@ def refusals(model: torch.nn.Module, model_type: str) -> list[str]:
     if activation not in ACTIVATIONS:
         problems.append(f"hidden_act={activation!r} (only SiLU, GELU and relu2 have an invariant form here)")
     elif model_type in SILU_CONV and config.hidden_act not in ("silu", "swish"):
-        problems.append(f"hidden_act={config.hidden_act!r} (the gated delta net's conv has an invariant SiLU only)")
+        problems.append(f"hidden_act={config.hidden_act!r} (the gated delta net's / KDA's conv has an invariant SiLU "
+                        "only)")
     unwired = UNWIRED_EXPERTS.get(model_type)
     if unwired is not None and any(type(m).__name__ == unwired for m in model.modules()):
         problems.append(f"routed experts ({unwired}: no deterministic form of its router and expert sum yet; a "
@@ -112,7 +129,7 @@ def refusals(model: torch.nn.Module, model_type: str) -> list[str]:
 
 def product_weights(model: torch.nn.Module, model_type: str) -> list[torch.Tensor]:
     """The weights of the products the mode runs outside ``torch.nn.Linear`` modules, for the row-invariance probes:
-    :func:`sparse_moe_forward`'s (the router, one expert's gate-up and down projections per block), a per-head
+    :func:`sparse_moe_forward`'s (the router, one expert's gate-up and down projections per block) and a per-head
     mixer's (one head's ``x_proj_weight`` and ``dt_proj_weight``, Zamba's)."""
     experts_class = FAMILIES[model_type][1]
     weights = []
@@ -120,7 +137,10 @@ def product_weights(model: torch.nn.Module, model_type: str) -> list[torch.Tenso
         return weights
     for module in model.modules():
         if type(module).__name__ == experts_class:
-            weights += [_router(module).weight, module.experts.gate_up_proj[0], module.experts.down_proj[0]]
+            router = _router(module).weight
+            router = router.float() if (type(_router(module)).__name__ in FLOAT32_ROUTERS
+                                      or hasattr(module, "shared_experts")) else router
+            weights += [router, module.experts.gate_up_proj[0], module.experts.down_proj[0]]
         if isinstance(getattr(module, "x_proj_weight", None), torch.nn.Parameter):
             weights += [module.x_proj_weight[0], module.dt_proj_weight[0]]
     return weights
@@ -140,12 +160,15 @@ def install(model: torch.nn.Module, model_type: str) -> None:
             _compat.patch_instance_forward(module, gelu_forward)
         elif experts_class is not None and name == experts_class:
             moe_forward = (shared_moe_forward if hasattr(module, "shared_expert") else
+                           grouped_moe_forward if hasattr(module, "shared_experts") else
                            sigmoid_moe_forward if name == "Lfm2MoeSparseMoeBlock" else sparse_moe_forward)
             _compat.patch_instance_forward(module, moe_forward)
         elif name in GATED_ATTENTION:
             _compat.patch_instance_forward(module, gated_attention_forward)
+        elif name == "BailingHybridAttention":
+            _compat.patch_instance_forward(module, kda_deterministic.gated_mla_forward)
         elif name in HEAD_GATED_ATTENTION:
-            _compat.patch_instance_forward(module, head_gated_forward)
+            _compat.patch_instance_forward(module, short_conv_deterministic.head_gated_forward)
         elif name in inkling_deterministic.ATTENTION:
             _compat.patch_instance_forward(module, inkling_deterministic.attention_forward)
         elif name in SWIGLU_MLPS:
@@ -157,7 +180,8 @@ def attention_forward(original, module, query, key, value, attention_mask, *args
     """An attention module's call (transformers' attention-function convention) through the invariant attention."""
     if "attention" in _OFF:
         return original(module, query, key, value, attention_mask, *args, **kwargs)
-    return invariant_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+    return invariant_attention_forward(module, query, key, value, attention_mask, *args,
+                                       window_at_zero="window" in _OFF, **kwargs)
 
 
 def gated_attention_forward(module: torch.nn.Module, original, hidden_states: torch.Tensor,
@@ -182,33 +206,6 @@ def gated_attention_forward(module: torch.nn.Module, original, hidden_states: to
     out = out.reshape(*input_shape, -1).contiguous()
     gated = torch.sigmoid(gate) if "gate" in _OFF else sigmoid_invariant(gate.float()).to(gate.dtype)
     return module.o_proj(out * gated), None
-
-
-def head_gated_forward(module: torch.nn.Module, original, hidden_states: torch.Tensor,
-                       position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask=None, **kwargs):
-    """LFM3's attention ``(output [B, T, hidden], None)`` for ``hidden_states`` ``[B, T, hidden]`` and the rotary
-    ``(cos, sin)`` (float32): ``Lfm3Attention.forward`` (transformers 5.23 - 5.25), its sliding window handed to the
-    attention function and its per-head gate ``sigmoid(g_proj(x))`` through
-    :func:`~hf_hybridcache.kernels.gated_delta_invariant.sigmoid_invariant` in float32, rounded once to the gate's
-    dtype."""
-    cache, kwargs, apply_rotary, attention, update = gated_attention_parts(module, kwargs)
-    input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, module.head_dim)
-    query = module.q_norm(module.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
-    key = module.k_norm(module.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
-    value = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    query, key = apply_rotary(query, key, *position_embeddings)
-    if cache is not None:
-        key, value = update(key, value)
-    dropout = module.attention_dropout if module.training else 0.0
-    window = None if "window" in _OFF else module.sliding_window
-    out, _ = attention(module, query, key, value, attention_mask, dropout=dropout, scaling=module.scaling,
-                       sliding_window=window, **kwargs)
-    if module.g_proj is not None:
-        gate = module.g_proj(hidden_states)
-        gated = torch.sigmoid(gate) if "gate" in _OFF else sigmoid_invariant(gate.float()).to(gate.dtype)
-        out = out * gated.unsqueeze(-1)
-    return module.o_proj(out.reshape(*input_shape, -1).contiguous()), None
 
 
 def silu_forward(module: torch.nn.Module, original, x: torch.Tensor) -> torch.Tensor:
@@ -246,20 +243,24 @@ def shared_moe_forward(block: torch.nn.Module, original, hidden_states: torch.Te
     """A routed + shared experts block's output ``[B, T, hidden]`` (``hidden_states``' dtype) for ``hidden_states``
     ``[B, T, hidden]``: ``Qwen3_5MoeSparseMoeBlock.forward`` / ``Qwen3NextSparseMoeBlock.forward`` (transformers 5.23 -
     5.25): the router's softmax in float32, its top-k renormalized to sum to one (where ``norm_topk_prob``) and
-    rounded to the logits' dtype, the routed experts as :func:`sparse_moe_forward` sums them, plus the shared expert
+    rounded to the input's dtype, the routed experts as :func:`sparse_moe_forward` sums them, plus the shared expert
     (its linears and SiLU patched) times ``sigmoid(shared_expert_gate(x))`` from ``exp`` (``F.sigmoid`` moves a
-    float32 element with its offset)."""
+    float32 element with its offset). ``LaraMiniSparseMoeBlock.forward`` (5.24 - 5.25) alike, with its router's
+    logits a float32 product (:data:`FLOAT32_ROUTERS`) and its shared expert added whole, without a gate."""
     batch, seq_len, hidden = hidden_states.shape
     x = hidden_states.reshape(-1, hidden)
     shared = block.shared_expert(x)
-    logits = _linear(x, block.gate.weight)
+    float32_router = type(block.gate).__name__ in FLOAT32_ROUTERS
+    logits = _linear(x.float(), block.gate.weight.float()) if float32_router else _linear(x, block.gate.weight)
     weights, chosen = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), block.gate.top_k, dim=-1)
     if getattr(block.gate, "norm_topk_prob", True):  # Qwen3-Next's config may turn it off; Qwen3.5-MoE's always on
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    weights = weights.to(logits.dtype)
+    weights = weights.to(x.dtype)
+    routed = _routed_sum(x, block.experts, weights, chosen)
+    if not hasattr(block, "shared_expert_gate"):  # Lara Mini's
+        return (routed + shared).reshape(batch, seq_len, hidden)
     gate_logit = block.shared_expert_gate(x)
     gate = torch.sigmoid(gate_logit) if "shared_gate" in _OFF else sigmoid_invariant(gate_logit.float()).to(x.dtype)
-    routed = _routed_sum(x, block.experts, weights, chosen)
     return (routed + gate * shared).reshape(batch, seq_len, hidden)
 
 
@@ -298,6 +299,33 @@ def sigmoid_moe_forward(block: torch.nn.Module, original, hidden_states: torch.T
     return _routed_sum(x, block.experts, weights.to(x.dtype), chosen).reshape(batch, seq_len, hidden)
 
 
+def grouped_moe_forward(block: torch.nn.Module, original, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Kimi Linear's routed + shared experts block ``[B, T, hidden]`` -> ``[B, T, hidden]`` (``KimiLinearMoE.forward``
+    and ``KimiLinearTopkRouter.forward``, transformers 5.23 - 5.25; DeepSeek-V3's router): float32 logits through the
+    row-invariant linear, sigmoid scores from ``exp``, the top-k by score plus ``e_score_correction_bias`` within the
+    ``topk_group`` best of ``n_group`` groups (a group's score: its two best), the chosen scores renormalized
+    (``norm_topk_prob``) and scaled by ``routed_scaling_factor`` in float32, the experts as :func:`sparse_moe_forward`
+    sums them (in the token's top-k order by score, where upstream adds in expert order), plus the shared experts."""
+    batch, seq_len, hidden = hidden_states.shape
+    x = hidden_states.reshape(-1, hidden)
+    router = block.gate
+    logits = _linear(x.float(), router.weight.float())
+    scores = torch.sigmoid(logits) if "gate" in _OFF else sigmoid_invariant(logits)
+    choice = scores + router.e_score_correction_bias
+    per_group = router.num_experts // router.num_group
+    group_scores = choice.view(-1, router.num_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(dim=-1)
+    groups = torch.topk(group_scores, k=router.topk_group, dim=-1)[1]
+    keep = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()
+    choice = choice.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
+    chosen = torch.topk(choice, k=router.top_k, dim=-1)[1]
+    weights = scores.gather(1, chosen)
+    if router.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    weights = weights * router.routed_scaling_factor
+    routed = _routed_sum(x, block.experts, weights, chosen).reshape(batch, seq_len, hidden)
+    return routed + block.shared_experts(hidden_states)
+
+
 def _routed_sum(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     """``sum_k w_k expert_k(x)`` ``[N, hidden]`` per token in its top-k order for ``x`` ``[N, hidden]``, ``weights`` /
     ``chosen`` ``[N, k]``; each expert's products on the rows routed to it through the row-invariant linear."""
@@ -307,8 +335,10 @@ def _routed_sum(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Tensor
         token, slot = torch.where(chosen == expert)
         gate, up = _linear(x[token], experts.gate_up_proj[expert]).chunk(2, dim=-1)
         act = silu_forward(experts, None, gate) if experts.act_fn is F.silu else experts.act_fn(gate)  # LFM2-MoE's
+        if getattr(experts, "limit", None) is not None:  # Ling's clipped SwiGLU (transformers 5.25)
+            act, up = act.clamp(max=experts.limit), up.clamp(min=-experts.limit, max=experts.limit)
         out = _linear(act * up, experts.down_proj[expert])
-        picked[token, slot] = out * weights[token, slot, None]
+        picked[token, slot] = (out * weights[token, slot, None]).to(picked.dtype)
     total = picked[:, 0]
     for slot in range(1, top_k):
         total = total + picked[:, slot]

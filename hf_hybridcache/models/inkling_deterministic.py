@@ -19,8 +19,7 @@
   queries' rows); float32 ``torch.log`` gave 300 positions the same bits alone and together.
 
 :data:`_OFF` is the private switch of the power tests: ``"conv"`` runs the package's default conv (``conv1d`` over the
-cached window, the decode update), ``"contiguous"`` leaves a short convolution's output in the strides of its sum, ``"window"`` calls the attention
-without its sliding window.
+cached window, the decode update), ``"contiguous"`` leaves a short convolution's output in the strides of its sum.
 """
 
 from __future__ import annotations
@@ -116,6 +115,5 @@ def attention_forward(module: torch.nn.Module, original, hidden_states: torch.Te
         bias = (bias.float() * tau).to(bias.dtype)
     dropout = module.attention_dropout if module.training else 0.0
     out, _ = attention(module, query, key, value, attention_mask, dropout=dropout, scaling=module.scaling,
-                       sliding_window=None if "window" in _OFF else module.sliding_window, position_bias=bias,
-                       **kwargs)
+                       sliding_window=module.sliding_window, position_bias=bias, **kwargs)
     return module.o_proj(out.reshape(*input_shape, -1).contiguous()), None

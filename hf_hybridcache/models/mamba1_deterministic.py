@@ -31,16 +31,13 @@ the fused state update), so a test can show which case each ingredient holds.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .. import _compat
 from ..kernels import selective_scan
-from ..kernels.batch_invariant import invariant_linear
 from ..kernels.conv_invariant import causal_conv_invariant
-from ..kernels.decode_linear import weight_qualifies
 from ..kernels.mamba1_invariant import selective_scan_invariant, selective_step_invariant
 from ..kernels.state_update import causal_conv1d_update, selective_state_update
-from .decode_linear import wide_threads
+from .deterministic_linear import routed_linear
 from .jamba import selective_norms
 from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_states_at
 
@@ -48,20 +45,19 @@ from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_
 _OFF: set[str] = set()
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if "linear" in _OFF:
-        return F.linear(x, weight, bias)
-    if not weight_qualifies(tuple(weight.shape)):  # small: probed equal on one thread (deterministic.check)
-        return invariant_linear(x, weight, bias)
-    with wide_threads():  # an engine decode step's other ops run on one thread; wide products on all, as in prefill
-        return invariant_linear(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` (``x`` ``[..., in]``, ``weight`` ``[out, in]``, ``bias`` ``[out]`` or None) ->
+    ``[..., out]``, row-invariant (:func:`~hf_hybridcache.models.deterministic_linear.routed_linear`) unless this
+    module's ``_OFF`` names ``"linear"``, which so also switches the products of :mod:`.hybrid_deterministic`,
+    :mod:`.zamba_deterministic`, :mod:`.gated_delta_deterministic` and :mod:`.short_conv_deterministic`."""
+    return routed_linear(x, weight, bias, off=_OFF)
 
 
 def lm_head_forward(module: torch.nn.Linear, original, hidden_states: torch.Tensor) -> torch.Tensor:
     """The LM head (a ``torch.nn.Linear``) of a deterministic model: ``[B, T, hidden] -> [B, T, V]`` through
     :func:`~hf_hybridcache.kernels.batch_invariant.invariant_linear`, so a row's logits do not depend on the rows
     beside it (``logits_to_keep`` positions of a packed engine step, a padded ``generate()`` batch)."""
-    return _linear(hidden_states, module.weight, module.bias)
+    return linear(hidden_states, module.weight, module.bias)
 
 
 @_compat.force_accelerate_hooks(["conv1d", "dt_proj"])
@@ -81,29 +77,31 @@ def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_m
     decode = seq_len == 1 and conv_state is not None and ssm_state is not None
     positions = () if decode else checkpoint_positions(cache, seq_len)
     hidden_states = apply_padding_mask(hidden_states, attention_mask)
-    x, gate = _linear(hidden_states, mixer.in_proj.weight, mixer.in_proj.bias).transpose(1, 2).chunk(2, dim=1)
+    x, gate = linear(hidden_states, mixer.in_proj.weight, mixer.in_proj.bias).transpose(1, 2).chunk(2, dim=1)
     conv_checkpoints = conv_states_at(x, conv_state, mixer.conv_kernel_size, positions)
-    x = _conv(mixer, x, conv_state, cache, decode)
+    x = conv(mixer, x, conv_state, cache, decode)
     x = apply_padding_mask(x.transpose(1, 2), attention_mask)  # [B, T, I]
-    time_step, B, C = torch.split(_linear(x, mixer.x_proj.weight, mixer.x_proj.bias),
+    time_step, B, C = torch.split(linear(x, mixer.x_proj.weight, mixer.x_proj.bias),
                                   [mixer.time_step_rank, mixer.ssm_state_size, mixer.ssm_state_size], dim=-1)
     time_step, B, C = selective_norms(mixer, time_step, B, C)
-    time_step = _linear(time_step, mixer.dt_proj.weight)
+    time_step = linear(time_step, mixer.dt_proj.weight)
     scan = dict(A=-torch.exp(mixer.A_log.float()), D=mixer.D.float(),
                 dt_bias=None if mixer.dt_proj.bias is None else mixer.dt_proj.bias.float())
     if decode:
-        y = _step(ssm_state, x[:, 0], time_step[:, 0], B[:, 0], C[:, 0], gate[..., 0], scan)[:, :, None]
+        y = ssm_step(ssm_state, x[:, 0], time_step[:, 0], B[:, 0], C[:, 0], gate[..., 0], scan)[:, :, None]
     else:
-        y, final_state, ssm_checkpoints = _scan(x, time_step, B, C, gate, ssm_state, positions, scan)
+        y, final_state, ssm_checkpoints = ssm_scan(x, time_step, B, C, gate, ssm_state, positions, scan)
         cache.update_recurrent_state(final_state, layer_idx)
         if positions:
             cache.capture_states(layer_idx, positions, list(zip(conv_checkpoints, ssm_checkpoints)))
-    return _linear(y.transpose(1, 2).to(dtype), mixer.out_proj.weight, mixer.out_proj.bias)
+    return linear(y.transpose(1, 2).to(dtype), mixer.out_proj.weight, mixer.out_proj.bias)
 
 
-def _conv(mixer, x: torch.Tensor, conv_state: torch.Tensor | None, cache, decode: bool) -> torch.Tensor:
-    """The conv output ``[B, I, T]`` of the raw conv inputs ``x`` ``[B, I, T]``; the window goes to the cache (in
-    place for a decode step, which counts its token as the package's decode step does)."""
+def conv(mixer, x: torch.Tensor, conv_state: torch.Tensor | None, cache, decode: bool) -> torch.Tensor:
+    """The conv output ``[B, I, T]`` of the raw conv inputs ``x`` ``[B, I, T]`` of a Mamba-1 ``mixer`` (its
+    ``conv1d``, ``activation``, ``conv_kernel_size``, ``layer_idx``) through the invariant conv, from ``conv_state``
+    ``[B, I, W]`` (None: zeros); the window goes to ``cache`` (in place for a ``decode`` step, which counts its token
+    as the package's decode step does)."""
     weight, bias, layer_idx = mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.layer_idx
     if "conv" in _OFF:
         if decode:
@@ -121,15 +119,23 @@ def _conv(mixer, x: torch.Tensor, conv_state: torch.Tensor | None, cache, decode
     return out
 
 
-def _step(state, x, time_step, B, C, gate, scan: dict) -> torch.Tensor:
-    """One token in place on the cached SSM state ``[B, I, N]`` float32; returns ``y`` ``[B, I]``."""
+def ssm_step(state, x, time_step, B, C, gate, scan: dict) -> torch.Tensor:
+    """One token of the invariant selective scan in place on the cached SSM state ``[B, I, N]`` float32: ``x`` /
+    ``time_step`` / ``gate`` ``[B, I]``, ``B`` / ``C`` ``[B, N]``, ``scan`` the mixer's ``A`` ``[I, N]``, ``D``
+    ``[I]`` and ``dt_bias`` ``[I]`` (or None) in float32; returns ``y`` ``[B, I]``.
+
+    Raises:
+        ValueError: ``state`` is not float32 (from the invariant step).
+    """
     step = selective_state_update if "scan" in _OFF else selective_step_invariant
     return step(state, x, time_step, scan["A"], B, C, scan["D"], z=gate, dt_bias=scan["dt_bias"], dt_softplus=True)
 
 
-def _scan(x, time_step, B, C, gate, ssm_state, positions, scan: dict):
-    """``x`` / ``time_step`` ``[B, T, I]``, ``B`` / ``C`` ``[B, T, N]``, ``gate`` ``[B, I, T]``: the scan from
-    ``ssm_state`` (None: zeros) -> ``(y [B, I, T], final state, [state per position])``."""
+def ssm_scan(x, time_step, B, C, gate, ssm_state, positions, scan: dict):
+    """The invariant selective scan (each token the call of :func:`ssm_step`) of ``x`` / ``time_step`` ``[B, T, I]``,
+    ``B`` / ``C`` ``[B, T, N]``, ``gate`` ``[B, I, T]`` from ``ssm_state`` ``[B, I, N]`` float32 (None: zeros), with
+    ``scan`` as for :func:`ssm_step` -> ``(y [B, I, T], final state, [state after each of positions' token
+    counts])``."""
     run = selective_scan if "scan" in _OFF else selective_scan_invariant
     return run(x.transpose(1, 2), time_step.transpose(1, 2), scan["A"], B.transpose(1, 2), C.transpose(1, 2),
                D=scan["D"], z=gate, delta_bias=scan["dt_bias"], delta_softplus=True, initial_state=ssm_state,

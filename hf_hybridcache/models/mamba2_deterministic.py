@@ -30,16 +30,13 @@ update; ``"scan"``: the chunked scan / the fused state update; ``"norm"``: the m
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .. import _compat
 from ..kernels import mamba2_chunk_scan
-from ..kernels.batch_invariant import invariant_linear
 from ..kernels.conv_invariant import causal_conv_invariant
-from ..kernels.decode_linear import weight_qualifies
 from ..kernels.mamba2_invariant import gated_rms_norm_invariant, mamba2_scan_invariant, mamba2_step_invariant
 from ..kernels.state_update import causal_conv1d_update, mamba2_state_update
-from .decode_linear import wide_threads
+from .deterministic_linear import routed_linear
 from .mamba1 import apply_padding_mask, checkpoint_positions, conv_states_at
 from .mamba2 import causal_conv
 
@@ -48,12 +45,7 @@ _OFF: set[str] = set()
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if "linear" in _OFF:
-        return F.linear(x, weight, bias)
-    if not weight_qualifies(tuple(weight.shape)):  # small: probed equal on one thread (deterministic.check)
-        return invariant_linear(x, weight, bias)
-    with wide_threads():  # an engine decode step's other ops run on one thread; wide products on all, as in prefill
-        return invariant_linear(x, weight, bias)
+    return routed_linear(x, weight, bias, off=_OFF)
 
 
 def lm_head_forward(module: torch.nn.Linear, original, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 
 from .. import _compat
 from .mamba1 import apply_padding_mask, checkpoint_positions, conv_states_at
-from .mamba1_deterministic import _conv, _linear, _scan, _step, lm_head_forward
+from .mamba1_deterministic import conv, linear, lm_head_forward, ssm_scan, ssm_step
 
 __all__ = ["deterministic_forward", "lm_head_forward"]
 
@@ -31,25 +31,25 @@ def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_m
     decode = seq_len == 1 and conv_state is not None and ssm_state is not None
     positions = () if decode else checkpoint_positions(cache, seq_len)
     hidden_states = apply_padding_mask(hidden_states, attention_mask)
-    projected = _linear(hidden_states, mixer.in_proj.weight, mixer.in_proj.bias).transpose(1, 2)  # [B, 2I, T]
+    projected = linear(hidden_states, mixer.in_proj.weight, mixer.in_proj.bias).transpose(1, 2)  # [B, 2I, T]
     x, gate = projected.reshape(batch, -1, 2, seq_len).unbind(2)
     conv_checkpoints = conv_states_at(x.contiguous(), conv_state, mixer.conv_kernel_size, positions)
-    x = _conv(mixer, x.contiguous(), conv_state, cache, decode)
+    x = conv(mixer, x.contiguous(), conv_state, cache, decode)
     x = apply_padding_mask(x.transpose(1, 2), attention_mask)  # [B, T, I]
     A = -torch.exp(mixer.A_log.float())  # [H, I/H, N]
     outputs, finals, emitted = [], [], []
     for head in range(mixer.n_mamba_heads):
         part = slice(head * head_dim, (head + 1) * head_dim)
-        time_step, B, C = torch.split(_linear(x[..., part], mixer.x_proj_weight[head]), sizes, dim=-1)
-        time_step = _linear(time_step, mixer.dt_proj_weight[head])
+        time_step, B, C = torch.split(linear(x[..., part], mixer.x_proj_weight[head]), sizes, dim=-1)
+        time_step = linear(time_step, mixer.dt_proj_weight[head])
         scan = dict(A=A[head], D=mixer.D[head].float(),
                     dt_bias=None if mixer.dt_proj_bias is None else mixer.dt_proj_bias[head].float())
         if decode:
             state = ssm_state[:, head]  # a view: the step updates the cached state in place
-            outputs.append(_step(state, x[:, 0, part], time_step[:, 0], B[:, 0], C[:, 0], gate[:, part, 0], scan))
+            outputs.append(ssm_step(state, x[:, 0, part], time_step[:, 0], B[:, 0], C[:, 0], gate[:, part, 0], scan))
             continue
-        y, final_state, states = _scan(x[..., part], time_step, B, C, gate[:, part],
-                                       None if ssm_state is None else ssm_state[:, head], positions, scan)
+        y, final_state, states = ssm_scan(x[..., part], time_step, B, C, gate[:, part],
+                                          None if ssm_state is None else ssm_state[:, head], positions, scan)
         outputs.append(y)
         finals.append(final_state)
         emitted.append(states)
@@ -61,4 +61,4 @@ def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_m
         if positions:
             ssm_checkpoints = [torch.stack(per_head, dim=1) for per_head in zip(*emitted)]
             cache.capture_states(layer_idx, positions, list(zip(conv_checkpoints, ssm_checkpoints)))
-    return _linear(y.transpose(1, 2).to(dtype), mixer.out_proj.weight, mixer.out_proj.bias)
+    return linear(y.transpose(1, 2).to(dtype), mixer.out_proj.weight, mixer.out_proj.bias)

@@ -64,8 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cache.add_argument("--remote", default=None,
                        help="redis://... for the shared second tier (redis+cluster://host:port,... for a cluster)")
     cache.add_argument("--deterministic", action="store_true",
-                       help="the same tokens and logprobs bit for bit whatever was cached or shared a step (Mamba, "
-                       "Falcon-Mamba and Mamba-2 on CPU; other models are refused: docs/deterministic.md)")
+                       help="the same tokens and logprobs bit for bit whatever was cached or shared a step (on CPU; "
+                       "most hybrid families, the rest refused with what they lack: docs/deterministic.md)")
     cache.add_argument("--no-cache", action="store_true",
                        help="no prefix cache and no engine: one plain generate() at a time (the stock baseline)")
     spec = parser.add_argument_group("speculative decoding (docs/speculative.md; exact: greedy replies unchanged)")
