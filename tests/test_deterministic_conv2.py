@@ -1,19 +1,23 @@
-"""deterministic=True on LFM3 (``lfm3``, issue 46): LFM2's short-conv layers (``in_proj -> B, C, x``, a depthwise
-causal conv of 3 over ``B * x``, gated by ``C``) around a sliding-window attention layer (window of 24 tokens, shorter
-than the prompts) and a full one, both with q/k RMSNorms, rotary embeddings in float32 and a sigmoid output gate per
-head (``g_proj``), sandwich norms and SwiGLU MLPs; the toy with widths off the CPU's vector width and every bias on
-(test_deterministic.py's ``OVERRIDES``: an MLP of 104, 3 attention heads of 16 over one key head, ``conv_bias`` and
-``attention_bias`` with the biases drawn from a seed). A request's tokens and logits / logprobs are the same bits
+"""deterministic=True on LFM3 (``lfm3``) and Inkling (``inkling_text``, dense MLPs), issue 46.
+
+LFM3: LFM2's short-conv layers (``in_proj -> B, C, x``, a depthwise causal conv of 3 over ``B * x``, gated by ``C``)
+around a sliding-window attention layer (window of 24 tokens, shorter than the prompts) and a full one, both with q/k
+RMSNorms, rotary embeddings in float32 and a sigmoid output gate per head (``g_proj``), sandwich norms and SwiGLU
+MLPs; the toy with widths off the CPU's vector width and every bias on (test_deterministic.py's ``OVERRIDES``: an MLP
+of 104, 3 attention heads of 16 over one key head, ``conv_bias`` and ``attention_bias`` with the biases drawn from a
+seed). Inkling: attention (sliding, window 24, and full) with relative logits and four float32 short convs per layer,
+dense MLPs of 104 and ``log_scaling_n_floor=8``. For each, a request's tokens and logits / logprobs are the same bits
 cold and after hits of several lengths, with a reply replayed in a chat, decoded or prefilled, as a row of a
 left-padded generate() batch, and among 1-8 concurrent engine requests at prefill chunks of 16, 48 and 512 tokens
 (and in speculative verify groups) against generate() alone; float32 and bfloat16 throughout, float16 for hits,
 decode, the padded batch and the engine.
 
 Power (each ingredient switched off alone through the private ``_OFF`` sets; measured on the 2-core AVX-512 CPU,
-torch 2.13 with MKL, at 2 intra-op threads; docs/deterministic.md has the table): LFM3's new ingredients, the
-invariant attention's sliding-window layout (``window``: without it the blocks anchor at the first key a call holds,
-which the sliding cache layer moves) and the head gate's sigmoid (``gate``), each make some case differ, as do the
-ingredients it shares with LFM2 (POWER below).
+torch 2.13 with MKL, at 2 intra-op threads; docs/deterministic.md has the tables): LFM3's new ingredients, the
+invariant attention's window anchored at the query (``hybrid_deterministic`` ``"window"``: anchored at position 0, a
+query's keys move once the sliding cache layer drops the keys before its window) and the head gate's sigmoid
+(``short_conv_deterministic`` ``"gate"``), and Inkling's, its convs' invariant conv and contiguous output, the window,
+each make some case differ, as do the ingredients they share with LFM2 (the power tables below).
 """
 
 import pytest

@@ -1,7 +1,7 @@
-"""The hook points of deterministic mode's LFM2 / LFM2-MoE / LFM3 and Inkling layers (issue 46): what its copies of their forwards read
-(``models/short_conv_deterministic.py``, ``models/hybrid_deterministic.py``'s ``swiglu_forward`` and
-``sigmoid_moe_forward``, ``head_gated_forward``; ``models/inkling_deterministic.py``) and the attention calls it
-routes; :mod:`.hook_points_models` lists them with the others.
+"""The hook points of deterministic mode's LFM2 / LFM2-MoE / LFM3 and Inkling layers (issue 46): what its copies of
+their forwards read (``models/short_conv_deterministic.py`` with LFM3's ``head_gated_forward``,
+``models/hybrid_deterministic.py``'s ``swiglu_forward`` and ``sigmoid_moe_forward``, ``models/inkling_deterministic.py``)
+and the attention calls it routes; :mod:`.hook_points_models` lists them with the others.
 """
 
 from __future__ import annotations

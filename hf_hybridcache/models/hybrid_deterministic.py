@@ -8,8 +8,8 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
 - The attention modules of :data:`FAMILIES` answer through
   :func:`~hf_hybridcache._compat.invariant_attention.invariant_attention_forward` (keys summed in fixed blocks
   anchored at position 0, whatever the call), in ``generate()`` and in the engine's steps alike. A sliding-window
-  layer (Lara Mini's, LFM3's, Inkling's: :data:`WINDOWED`) passes its window, which the kernel anchors at each query instead (its bits
-  do not depend on how many keys the cache holds beyond the window); OLMo-Hybrid's and Lara Mini's attention forwards
+  layer (Lara Mini's, LFM3's, Inkling's: :data:`WINDOWED`) passes its window, which the kernel anchors at each query
+  instead (its bits do not depend on how many keys the cache holds beyond the window); OLMo-Hybrid's and Lara Mini's attention forwards
   (q/k RMSNorms, rotary or none: Lara Mini's full layers and a ``rope_theta=None`` OLMo-Hybrid are position-free)
   run as upstream around that call.
 - The MLP activations (``SiLUActivation`` / ``nn.SiLU`` modules, and the ``F.silu`` of LFM2's ``Lfm2MLP``, whose

@@ -3,8 +3,8 @@
 - ``InklingShortConvolution`` (four per decoder layer: on the key and value projections before the KV cache, after
   the attention, after the MLP; ``transformers/models/inkling/modeling_inkling.py``, 5.23.0 - 5.25.0) runs
   :func:`deterministic_forward`: upstream's forward (in float32, the padding zeroed, a depthwise causal conv with no
-  bias or activation, plus the float32 residual, rounded once to the input's dtype, made contiguous) with the conv through
-  :func:`~hf_hybridcache.kernels.conv_invariant.causal_conv_invariant` over the window its ``conv_idx`` keeps, for a
+  bias or activation, plus the float32 residual, rounded once to the input's dtype, made contiguous) with the conv
+  through :func:`~hf_hybridcache.kernels.conv_invariant.causal_conv_invariant` over the window its ``conv_idx`` keeps, for a
   prefill and a decode step alike (upstream runs ``F.conv1d`` in one and a product with the window in the other).
   What reaches the cache is that window of raw float32 inputs, and at the checkpoint positions the window with an
   empty recurrent state, as :mod:`.linear_attention` stores Inkling's.
