@@ -32,7 +32,7 @@ def plain_toy(family):
     """``family``'s float32 toy as :func:`fresh` builds it, without a cache: the unpatched model."""
     import test_deterministic
 
-    return test_deterministic.build_model(family, seed=0, **test_deterministic.OVERRIDES.get(family, {}))
+    return test_deterministic.toy(family)
 
 
 def run(model, cache, prompt, new_tokens=6, floor=True):

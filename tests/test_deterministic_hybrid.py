@@ -142,6 +142,6 @@ def test_layers_it_cannot_hold_for_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="(?s)attn_implementation='test_custom_attention'.*'sdpa'"):
         HybridPrefixCache(model, deterministic=True)
     monkeypatch.setattr(attention_invariant, "_CHECKED", set())
-    monkeypatch.setattr(attention_invariant, "invariance_failures", lambda dtype: ["decode at 31"])
+    monkeypatch.setattr(attention_invariant, "invariance_failures", lambda dtype, **kwargs: ["decode at 31"])
     with pytest.raises(ValueError, match=r"(?s)other bits in torch.float32.*decode at 31.*deterministic=False"):
         HybridPrefixCache(build_model(FAMILY, seed=0), deterministic=True)

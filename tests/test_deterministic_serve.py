@@ -39,7 +39,7 @@ def test_completions_are_bitwise_alone_concurrent_and_after_a_hit(dtype, model):
 
 
 @pytest.mark.parametrize("argv, refused", [
-    (["--model", "toy:falcon_h1", "--deterministic"], "attention with a fixed reduction order"),
+    (["--model", "toy:zaya", "--deterministic"], "attention with a fixed reduction order"),
     (["--model", "toy:mamba", "--deterministic", "--no-cache"], "drop --no-cache"),
 ])
 def test_deterministic_startup_refusals(argv, refused):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from .hook_checks import HookPoint, dotted, exists, fields, named_parameters, parameters, refers_to, resolve
 from .hook_points_gdn import gdn_deterministic
 from .hook_points_kda import kda_deterministic
+from .hook_points_moe import moe_and_falcon_h1_deterministic
 from .hook_points_short_conv import short_conv_deterministic
 
 _CACHE_NAMES = ("past_key_values", "cache", "cache_params")
@@ -268,12 +269,12 @@ def _deterministic() -> list[HookPoint]:
                   f"{_DETERMINISTIC}: Zamba's MLP activation (ACT2FN['gelu']) computed in float32, found by name"),
         *_gated_delta_deterministic(),
         *_mamba2_hybrids_deterministic(), *short_conv_deterministic(), *gdn_deterministic(), *kda_deterministic(),
+        *moe_and_falcon_h1_deterministic(),
     ]
 
 
 def _mamba2_hybrids_deterministic() -> list[HookPoint]:
-    """Bamba's, Granite-4.0-H's, Nemotron-H's and Zamba2's attention calls reach the routed function; Granite's and
-    Nemotron-H's routed-expert blocks are refused by name."""
+    """Bamba's, Granite-4.0-H's, Nemotron-H's and Zamba2's attention calls reach the routed function."""
     points = []
     for family, attention in (("bamba", "BambaAttention"), ("granitemoehybrid", "GraniteMoeHybridAttention"),
                               ("nemotron_h", "NemotronHAttention"), ("zamba2", "Zamba2Attention")):
@@ -281,10 +282,6 @@ def _mamba2_hybrids_deterministic() -> list[HookPoint]:
         points.append(HookPoint(f"{dotted(target)}[attention interface]",
                                 refers_to(target, "ALL_ATTENTION_FUNCTIONS", "get_interface", "scaling"),
                                 f"{_DETERMINISTIC}: its attention calls reach the routed function"))
-    for family, block in (("granitemoehybrid", "GraniteMoeHybridMoE"), ("nemotron_h", "NemotronHMoE")):
-        target = f"transformers.models.{family}.modeling_{family}:{block}"
-        points.append(HookPoint(dotted(target), exists(target),
-                                f"{_DETERMINISTIC}: a model holding one is refused (UNWIRED_EXPERTS), found by name"))
     return points
 
 

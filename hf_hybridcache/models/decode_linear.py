@@ -29,7 +29,6 @@ import torch
 from .. import _compat
 from ..kernels.decode_linear import MAX_ROWS, decode_linear, weight_qualifies
 
-
 #: The intra-op thread count a decode forward under :func:`decode_threads` gives back to its wide weights' reads.
 _WIDE_THREADS: contextvars.ContextVar[int | None] = contextvars.ContextVar("hf_hybridcache_wide_threads", default=None)
 

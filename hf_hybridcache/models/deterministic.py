@@ -5,20 +5,20 @@ after the family's own patches (:mod:`.paths`). The mode is accepted only where 
 row-invariant, path-invariant form here (docs/deterministic.md, "The ingredients"): today the pure Mamba-1 families
 (Mamba, Falcon-Mamba: embeddings, RMSNorms, the mixer of :mod:`.mamba1_deterministic`, the LM head), the pure Mamba-2
 one (the mixer of :mod:`.mamba2_deterministic`), the Mamba-2 hybrids Bamba, GraniteMoeHybrid, Nemotron-H and Zamba2 (the
-same mixer: theirs is upstream Zamba2's plain one; attention and MLPs of :mod:`.hybrid_deterministic`; routed experts
-refused), Jamba (its Mamba-1 mixers, and the attention, MLPs and routed experts
-of :mod:`.hybrid_deterministic`), Qwen3.5's text models, dense and MoE, Qwen3-Next, OLMo-Hybrid and Lara Mini (the
-gated delta net mixer of :mod:`.gated_delta_deterministic`, the gated, plain, sliding-window or position-free
-attention, MLPs and routed + shared experts of :mod:`.hybrid_deterministic`), LFM2 / LFM2-MoE / LFM3 (the short
-conv mixer of :mod:`.short_conv_deterministic`, the attention with q/k RMSNorms, LFM3's also sliding-window with a
-sigmoid gate per head, SwiGLU MLPs and sigmoid-routed experts of :mod:`.hybrid_deterministic`), Inkling's text model
-with dense MLPs (the four short convolutions and the attention with relative logits of
-:mod:`.inkling_deterministic`), and Kimi Linear / Ling (the KDA mixer and Ling's gated MLA attention of
-:mod:`.kda_deterministic`, the MLA attention, MLPs and grouped-router experts of :mod:`.hybrid_deterministic`), on CPU,
-in float32, bfloat16 and float16. Every other family is refused with the ingredients it lacks named, and so is a model
-whose kernels or BLAS would break the guarantee: refusing, never warning
-and continuing, is the point of the mode (vLLM's batch-invariant mode likewise fails closed on layers it has no kernel
-for).
+same mixer: theirs is upstream Zamba2's plain one; attention and MLPs of :mod:`.hybrid_deterministic`; routed experts of
+:mod:`.moe_deterministic`), Jamba (its Mamba-1 mixers, and the attention, MLPs and routed experts of
+:mod:`.hybrid_deterministic`), Qwen3.5's text models, dense and MoE, Qwen3-Next, OLMo-Hybrid and Lara Mini (the gated
+delta net mixer of :mod:`.gated_delta_deterministic`, the gated, plain, sliding-window or position-free attention, MLPs
+and routed + shared experts of :mod:`.hybrid_deterministic`), LFM2 / LFM2-MoE (the short conv mixer of
+:mod:`.short_conv_deterministic`, the attention with q/k RMSNorms, SwiGLU MLPs and sigmoid-routed experts of
+:mod:`.hybrid_deterministic`; LFM3 the same mixer, its attention also sliding-window with a sigmoid gate per head),
+Inkling's text model with dense MLPs (the four short convolutions and the attention with relative logits of
+:mod:`.inkling_deterministic`), Kimi Linear / Ling (the KDA mixer and Ling's gated MLA attention of
+:mod:`.kda_deterministic`, the MLA attention, MLPs and grouped-router experts of :mod:`.hybrid_deterministic`), and
+Falcon-H1 (the Mamba-2 mixer with its multipliers and gate, :mod:`.falcon_h1_deterministic`, beside attention in every
+layer), on CPU, in float32, bfloat16 and float16. Every other family is refused with the ingredients it lacks named, and
+so is a model whose kernels or BLAS would break the guarantee: refusing, never warning and continuing, is the point of
+the mode (vLLM's batch-invariant mode likewise fails closed on layers it has no kernel for).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from ..kernels.attention_invariant import check_invariance as check_attention_in
 from ..kernels.batch_invariant import check_row_invariance, check_thread_invariance
 from ..kernels.decode_linear import weight_qualifies
 from . import (
+    falcon_h1_deterministic,
     gated_delta_deterministic,
     hybrid_deterministic,
     inkling_deterministic,
@@ -54,6 +55,7 @@ SUPPORTED = {
     "granitemoehybrid": ("GraniteMoeHybridMambaLayer", mamba2_deterministic),
     "nemotron_h": ("NemotronHMamba2Mixer", mamba2_deterministic),
     "zamba2": ("Zamba2MambaMixer", mamba2_deterministic),
+    "falcon_h1": ("FalconH1Mixer", falcon_h1_deterministic),
     "jamba": ("JambaMambaMixer", mamba1_deterministic),
     "zamba": ("ZambaMambaMixer", zamba_deterministic),
     "qwen3_5_text": ("Qwen3_5GatedDeltaNet", gated_delta_deterministic),
@@ -77,15 +79,12 @@ _ATTENTION = "its attention layers wired to the attention with a fixed reduction
              "(kernels/attention_invariant.py, as Jamba's are)"
 _ACTIVATIONS = "its MLPs wired to the row-invariant linear and SiLU (F.silu gives an element other float32 bits by " \
                "its offset; models/hybrid_deterministic.py, as Jamba's are)"
-_MAMBA2 = "its Mamba-2 mixer wired to the deterministic Mamba-2 forward (models/mamba2_deterministic.py: per-token " \
-          "scan, invariant conv, row-invariant gated RMSNorm)"
 _INKLING2 = ("Inkling 2's short convs wired to the invariant conv (its dynamic short conv's per-token taps, projected "
              "from the layer input, have no invariant form yet; Inkling's static ones are in "
              "models/inkling_deterministic.py), its attention's sink logits, output gate and l2-clipped projections "
              "and its experts' softcapped activations")
 #: model_type -> the mixer ingredients its family lacks (attention and MLP activations are added from the model).
 _MIXERS = {
-    **dict.fromkeys(("falcon_h1",), (_MAMBA2,)),
     "inkling2_text": (_INKLING2,),
     "inkling2_loop_text": (_INKLING2, "its loop passes' own cache layers (cache_offset) reaching the deterministic "
                                       "mixers"),

@@ -1,5 +1,5 @@
 """The layers a hybrid adds to its mixers in deterministic mode (issue 46; Jamba, Zamba, Qwen3.5, Bamba, Granite-4.0-H,
-Nemotron-H, Zamba2, LFM2, LFM3, Inkling, OLMo-Hybrid, Lara Mini, Kimi Linear, Ling): attention, MLP
+Nemotron-H, Zamba2, LFM2, LFM3, Inkling, OLMo-Hybrid, Lara Mini, Kimi Linear, Ling, Falcon-H1): attention, MLP
 activations, linear layers and routed experts, each with a row-invariant, path-invariant form (docs/deterministic.md,
 "The ingredients").
 
@@ -45,6 +45,8 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
   upstream's router and experts, each expert's products on the rows routed to it through the row-invariant linear, and
   each token's experts summed in the order of its own top-k choice (upstream sums in expert order, also fixed per
   token; the order here needs no scatter).
+- Granite-4.0-H's and Nemotron-H's experts blocks run :mod:`.moe_deterministic`'s forwards (:data:`FORWARDS
+  <.moe_deterministic.FORWARDS>`).
 
 The RMSNorms, softmaxes, embeddings and residual adds run as upstream (measured row-invariant here). :data:`_OFF` is
 the private switch of the power tests: ``"attention"`` runs the model's own attention function, ``"activation"``
@@ -62,7 +64,7 @@ from .. import _compat
 from .._compat.invariant_attention import gated_attention_parts, invariant_attention_forward, mark, unroutable
 from ..kernels.gated_delta_invariant import sigmoid_invariant
 from ..kernels.mamba1_invariant import silu_invariant
-from . import inkling_deterministic, kda_deterministic, short_conv_deterministic
+from . import inkling_deterministic, kda_deterministic, moe_deterministic, short_conv_deterministic
 from .mamba1_deterministic import linear as _linear
 from .mamba1_deterministic import lm_head_forward
 
@@ -72,19 +74,17 @@ FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock"), "zamba": ("Zamba
             "qwen3_5_text": ("Qwen3_5Attention", None),
             "qwen3_5_moe_text": ("Qwen3_5MoeAttention", "Qwen3_5MoeSparseMoeBlock"),
             "qwen3_next": ("Qwen3NextAttention", "Qwen3NextSparseMoeBlock"),
-            "bamba": ("BambaAttention", None), "granitemoehybrid": ("GraniteMoeHybridAttention", None),
-            "nemotron_h": ("NemotronHAttention", None), "zamba2": ("Zamba2Attention", None),
+            "bamba": ("BambaAttention", None), "granitemoehybrid": ("GraniteMoeHybridAttention", "GraniteMoeHybridMoE"),
+            "nemotron_h": ("NemotronHAttention", "NemotronHMoE"), "zamba2": ("Zamba2Attention", None),
+            "falcon_h1": ("FalconH1Attention", None),
             "lfm2": ("Lfm2Attention", None), "lfm2_moe": ("Lfm2MoeAttention", "Lfm2MoeSparseMoeBlock"),
             "olmo_hybrid": ("OlmoHybridAttention", None),
             "lara_mini": ("LaraMiniAttention", "LaraMiniSparseMoeBlock"),
             "kimi_linear": ("KimiLinearAttention", "KimiLinearMoE"),
             "bailing_hybrid": ("BailingHybridAttention", "BailingHybridMoE"),
             "lfm3": ("Lfm3Attention", None), "inkling_text": ("InklingAttention", None)}
-#: Routed-experts blocks a family may hold that have no deterministic form here yet: a model holding one is refused
-#: (Granite 4.0-H's ``num_local_experts > 0``, Nemotron-H's ``"moe"`` layers; their routers and expert sums differ from
-#: :func:`sparse_moe_forward`'s).
-UNWIRED_EXPERTS = {"granitemoehybrid": "GraniteMoeHybridMoE", "nemotron_h": "NemotronHMoE",
-                   "inkling_text": "InklingMoE"}
+#: Routed-experts blocks a family may hold that have no deterministic form here yet: a model holding one is refused.
+UNWIRED_EXPERTS = {"inkling_text": "InklingMoE"}
 #: The MLP classes that call ``F.silu`` in their forward (no activation module to patch): :func:`swiglu_forward`.
 SWIGLU_MLPS = ("Lfm2MLP", "Lfm2MoeMLP", "Lfm3MLP")
 #: The attention classes whose forward gates its output with a sigmoid (:func:`gated_attention_forward`).
@@ -94,9 +94,9 @@ GATED_ATTENTION = ("Qwen3_5Attention", "Qwen3_5MoeAttention", "Qwen3NextAttentio
 HEAD_GATED_ATTENTION = ("Lfm3Attention",)
 #: The activations with an invariant form here (transformers' ``ACT2FN["silu"]`` / ``ACT2FN["gelu"]`` and torch's).
 ACTIVATIONS = ("silu", "swish", "gelu", "relu2")
-#: The families whose gated delta net / KDA conv runs ``hidden_act``, which has an invariant form there for SiLU only.
+#: The families whose gated delta net / KDA / Falcon-H1 Mamba-2 conv runs ``hidden_act``, which has an invariant form there for SiLU only.
 SILU_CONV = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lara_mini",
-             "kimi_linear", "bailing_hybrid")
+             "kimi_linear", "bailing_hybrid", "falcon_h1")
 #: The families whose sliding-window attention layers are wired (the invariant attention's windowed form).
 WINDOWED = ("lara_mini", "lfm3", "inkling_text")
 #: The routers whose logits are a float32 product of float32 copies of the input and weight (Lara Mini's).
@@ -136,7 +136,9 @@ def product_weights(model: torch.nn.Module, model_type: str) -> list[torch.Tenso
     if experts_class is None:
         return weights
     for module in model.modules():
-        if type(module).__name__ == experts_class:
+        if type(module).__name__ in moe_deterministic.FORWARDS:
+            weights += moe_deterministic.product_weights(module)
+        elif type(module).__name__ == experts_class:
             router = _router(module).weight
             router = router.float() if (type(_router(module)).__name__ in FLOAT32_ROUTERS
                                       or hasattr(module, "shared_experts")) else router
@@ -159,9 +161,10 @@ def install(model: torch.nn.Module, model_type: str) -> None:
         elif name == "GELUActivation":  # ACT2FN["gelu"], the erf form
             _compat.patch_instance_forward(module, gelu_forward)
         elif experts_class is not None and name == experts_class:
-            moe_forward = (shared_moe_forward if hasattr(module, "shared_expert") else
-                           grouped_moe_forward if hasattr(module, "shared_experts") else
-                           sigmoid_moe_forward if name == "Lfm2MoeSparseMoeBlock" else sparse_moe_forward)
+            moe_forward = moe_deterministic.FORWARDS.get(name) or (
+                shared_moe_forward if hasattr(module, "shared_expert") else
+                grouped_moe_forward if hasattr(module, "shared_experts") else
+                sigmoid_moe_forward if name == "Lfm2MoeSparseMoeBlock" else sparse_moe_forward)
             _compat.patch_instance_forward(module, moe_forward)
         elif name in GATED_ATTENTION:
             _compat.patch_instance_forward(module, gated_attention_forward)
@@ -328,18 +331,8 @@ def grouped_moe_forward(block: torch.nn.Module, original, hidden_states: torch.T
 
 def _routed_sum(x: torch.Tensor, experts: torch.nn.Module, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     """``sum_k w_k expert_k(x)`` ``[N, hidden]`` per token in its top-k order for ``x`` ``[N, hidden]``, ``weights`` /
-    ``chosen`` ``[N, k]``; each expert's products on the rows routed to it through the row-invariant linear."""
-    top_k, hidden = chosen.shape[1], x.shape[1]
-    picked = x.new_zeros(x.shape[0], top_k, hidden)
-    for expert in chosen.unique().tolist():
-        token, slot = torch.where(chosen == expert)
-        gate, up = _linear(x[token], experts.gate_up_proj[expert]).chunk(2, dim=-1)
-        act = silu_forward(experts, None, gate) if experts.act_fn is F.silu else experts.act_fn(gate)  # LFM2-MoE's
-        if getattr(experts, "limit", None) is not None:  # Ling's clipped SwiGLU (transformers 5.25)
-            act, up = act.clamp(max=experts.limit), up.clamp(min=-experts.limit, max=experts.limit)
-        out = _linear(act * up, experts.down_proj[expert])
-        picked[token, slot] = (out * weights[token, slot, None]).to(picked.dtype)
-    total = picked[:, 0]
-    for slot in range(1, top_k):
-        total = total + picked[:, slot]
-    return total
+    ``chosen`` ``[N, k]`` (:func:`~.moe_deterministic.routed_sum`); each expert's products on the rows routed to it
+    through the row-invariant linear."""
+    def activation(gate: torch.Tensor) -> torch.Tensor:  # LFM2-MoE's experts call F.silu themselves
+        return silu_forward(experts, None, gate) if experts.act_fn is F.silu else experts.act_fn(gate)
+    return moe_deterministic.routed_sum(x, weights, chosen, moe_deterministic.gated_expert(experts, activation))

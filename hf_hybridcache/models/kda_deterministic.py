@@ -50,9 +50,9 @@ from ..kernels.kda import recurrent_kimi_delta_attention
 from ..kernels.kda_invariant import kda_scan_invariant, kda_step_invariant, sigmoid_gated_rms_norm_invariant
 from ..kernels.mamba1_invariant import softplus_invariant
 from ..kernels.state_update import causal_conv1d_update
-from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_states_at
 from . import mamba1_deterministic
 from .deterministic_linear import routed_linear
+from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_states_at
 from .mamba1_deterministic import lm_head_forward  # noqa: F401 (deterministic.install reads it from here)
 
 #: Ingredients switched off (private: the power tests name them here; empty in use).

@@ -55,12 +55,16 @@ def lm_head_forward(module: torch.nn.Linear, original, hidden_states: torch.Tens
 
 
 @_compat.force_accelerate_hooks(["conv1d"])
-def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_mask: torch.Tensor | None):
+def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_mask: torch.Tensor | None, *,
+                          project=None, gate_and_norm=None):
     """The mixer's output ``[B, T, hidden]`` (the dtype of ``hidden_states`` ``[B, T, hidden]``) for ``T >= 1`` tokens
     over ``cache`` (one of this package's caches: it answers ``checkpoint_positions``), continuing from its conv and
     SSM states (zeros where it holds none) and leaving the states after the last token there: a decode step
     (``T == 1`` over a held state) updates them in place, as the package's decode step does. ``attention_mask``:
-    ``[B, T]`` (1 keeps a token) or None.
+    ``[B, T]`` (1 keeps a token) or None. A variant's hooks (Falcon-H1's, :mod:`.falcon_h1_deterministic`), each
+    row-invariant: ``project(mixer, hidden_states) -> [B, T, gate + conv channels + H]`` in place of ``in_proj``
+    through the row-invariant linear, ``gate_and_norm(mixer, y [B, T, I] float32, gate [B, T, I]) -> [B, T, I]`` in
+    place of the gated RMSNorm.
 
     Raises:
         ValueError: the cached SSM state is not float32 (from the invariant step).
@@ -72,7 +76,7 @@ def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_m
     decode = seq_len == 1 and conv_state is not None and ssm_state is not None
     positions = () if decode else checkpoint_positions(cache, seq_len)
     hidden_states = apply_padding_mask(hidden_states, attention_mask)
-    projected = _linear(hidden_states, mixer.in_proj.weight, mixer.in_proj.bias)
+    projected = (project or _project)(mixer, hidden_states)
     gate, conv_inputs, dt = projected.split([mixer.intermediate_size, mixer.conv_dim, mixer.num_heads], dim=-1)
     conv_inputs = conv_inputs.transpose(1, 2)
     conv_checkpoints = conv_states_at(conv_inputs, conv_state, mixer.conv_kernel_size, positions)
@@ -90,8 +94,12 @@ def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_m
         cache.update_recurrent_state(final_state, layer_idx)
         if positions:
             cache.capture_states(layer_idx, positions, list(zip(conv_checkpoints, ssm_checkpoints)))
-    y = _gated_norm(mixer, y.reshape(batch, seq_len, -1), gate)
+    y = (gate_and_norm or _gated_norm)(mixer, y.reshape(batch, seq_len, -1), gate)
     return _linear(y.to(dtype), mixer.out_proj.weight, mixer.out_proj.bias)
+
+
+def _project(mixer, hidden_states: torch.Tensor) -> torch.Tensor:
+    return _linear(hidden_states, mixer.in_proj.weight, mixer.in_proj.bias)
 
 
 def _conv(mixer, x: torch.Tensor, conv_state: torch.Tensor | None, cache, decode: bool) -> torch.Tensor:
