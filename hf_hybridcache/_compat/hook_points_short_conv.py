@@ -36,7 +36,8 @@ def short_conv_deterministic() -> list[HookPoint]:
                             refers_to(f"{path}:Lfm3Attention.forward", "q_proj", "k_proj", "v_proj", "q_norm",
                                       "k_norm", "apply_rotary_pos_emb", "sliding_window", "g_proj", "sigmoid",
                                       "o_proj"),
-                            f"{_DETERMINISTIC}: head_gated_forward copies it with the invariant sigmoid"))
+                            "hf_hybridcache.models.short_conv_deterministic: head_gated_forward copies it with the "
+                            "invariant sigmoid"))
     return points + _inkling()
 
 
