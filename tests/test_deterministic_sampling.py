@@ -20,6 +20,7 @@ from test_serve import Server
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache.models.deterministic import SUPPORTED
 from hf_hybridcache.serve.__main__ import make_app, parse_args
 from hf_hybridcache.toy import build_model
 
@@ -163,3 +164,52 @@ def test_a_saved_deterministic_cache_loads_in_its_mode_and_hits_bitwise(tmp_path
     with pytest.raises(ValueError, match="saved by a cache with deterministic=False"):
         HybridPrefixCache.load(tmp_path / "plain.safetensors", fresh(), deterministic=True)
     assert not set(entry_digests(plain)) & set(entry_digests(cache))  # other block hashes in each mode
+
+
+#: The trainer-recompute bank: every family deterministic mode accepts, and Granite-4.0-H's and Nemotron-H's toys with
+#: routed experts (test_deterministic.VARIANTS).
+TRAINER_FAMILIES = sorted(SUPPORTED) + ["granitemoehybrid-moe", "nemotron_h-moe"]
+
+
+def rollouts_and_recomputes(family, dtype, deterministic=True):
+    """Four seeded sampled rollouts in one engine run (chunks of 48 tokens), each token's raw logprob as sampled,
+    as the engine scores the prompt + completion as a prompt, and as one ``no_grad`` full-sequence forward computes
+    it (``log_softmax`` of the float32 logits, the forward an RL trainer runs)."""
+    import test_deterministic
+
+    model = test_deterministic.toy(family, dtype)
+    cache = HybridPrefixCache(model, deterministic=deterministic)
+    manager = cache.init_continuous_batching(GenerationConfig(max_new_tokens=10, **SAMPLING),
+                                             ContinuousBatchingConfig(max_batch_tokens=48))
+    prompts = [ids(n, seed=5000 + n) for n in (7, 33, 20, 51)]
+    manager.start()
+    try:
+        names = [manager.add_request(p, max_new_tokens=10, seed=11 + i, logprobs=0) for i, p in enumerate(prompts)]
+        rollouts = finals(manager, names)
+        scored = finals(manager, [manager.add_request(p + rollouts[n].generated_tokens, max_new_tokens=1,
+                                                      prompt_logprobs=0) for p, n in zip(prompts, names)])
+    finally:
+        manager.stop()
+    results = []
+    for prompt, name, scoring in zip(prompts, names, scored.values()):
+        tokens = rollouts[name].generated_tokens
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens]), use_cache=False).logits[0].float()
+        recomputed = torch.log_softmax(logits, dim=-1)
+        results.append(([s.logprob for s in rollouts[name].token_scores],
+                         [s.logprob for s in scoring.prompt_scores[len(prompt):]],
+                         [recomputed[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)]))
+    return results
+
+
+@pytest.mark.parametrize("family", TRAINER_FAMILIES)
+def test_sampled_logprobs_equal_a_trainers_full_forward_bit_for_bit(family, dtype):
+    """The stretch goal of issue 46: a rollout's sampled-token logprobs equal what a trainer recomputes in one
+    full-sequence forward of prompt + completion, and what the engine scores for them as a prompt."""
+    for sampled, scored, recomputed in rollouts_and_recomputes(family, dtype):
+        assert sampled == scored == recomputed
+
+
+def test_power_with_the_mode_off_a_trainers_forward_differs():
+    assert not all(sampled == recomputed for family in ("jamba", "qwen3_5_text")
+                   for sampled, _, recomputed in rollouts_and_recomputes(family, torch.float32, False))

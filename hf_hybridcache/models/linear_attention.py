@@ -37,7 +37,7 @@ from ..config import AttentionLayerSpec, MambaLayerSpec, ModelStateSpec, TensorS
 from ..kernels import get_backend
 from . import emission, fused_decode
 from .base import ModelSupport, attention_layer_spec
-from .mamba1 import DETERMINISTIC_FORWARD, checkpoint_positions
+from .mamba1 import checkpoint_positions, deterministic_over
 
 #: The recurrent state of a short-conv layer: nothing (a ``[B, 0]`` tensor stands in for it).
 NO_RECURRENT_STATE = TensorSpec((0,), torch.float32)
@@ -179,14 +179,15 @@ def _emitting_forward(variant: LinearVariant, mixer, original, *args, **kwargs):
     hidden_states, cache, _ = _compat.split_mixer_call(args, kwargs)
     seq_len = hidden_states.shape[1]
     layer_idx = mixer.layer_idx + _compat.cache_layer_offset(kwargs)  # a loop pass's own cache layer (Inkling 2 Loop)
-    if cache is None or cache.is_recording_past(layer_idx):
-        return original(*args, **kwargs)
-    deterministic = getattr(mixer, DETERMINISTIC_FORWARD, None)  # set by deterministic mode's install
-    if deterministic is not None and hasattr(cache, "checkpoint_positions"):  # this package's caches only
+    deterministic = deterministic_over(mixer, cache)  # set by deterministic mode's install
+    if deterministic is not None and (cache is None or not cache.is_recording_past(layer_idx)):
         if "conv_mask" in kwargs:  # Inkling's short convolutions take their padding mask under this name
             kwargs = {**{k: v for k, v in kwargs.items() if k != "conv_mask"}, "attention_mask": kwargs["conv_mask"]}
         _, _, attention_mask = _compat.split_mixer_call(*_compat.with_local_mixer_mask(args, kwargs))
-        return deterministic(mixer, hidden_states, cache, attention_mask)
+        forward, over = deterministic
+        return forward(mixer, hidden_states, over, attention_mask)
+    if cache is None or cache.is_recording_past(layer_idx):
+        return original(*args, **kwargs)
     if seq_len == 1:
         if not variant.decode_functions or not fused_decode.wanted(hidden_states, cache):
             return original(*args, **kwargs)

@@ -36,6 +36,48 @@ KERNELS = dict(
 #: [B, T, hidden], cache, attention_mask [B, T] or None) -> [B, T, hidden]``, prefill and decode alike.
 DETERMINISTIC_FORWARD = "_hf_hybridcache_deterministic_forward"
 
+
+class _Uncached:
+    """What a deterministic mixer forward reads and writes of a cache, for a call that has none (a full-sequence
+    forward such as an RL trainer's recompute of a rollout's logprobs): no state to continue, no checkpoint wanted,
+    nothing kept."""
+
+    def checkpoint_positions(self, seq_len: int) -> tuple[int, ...]:
+        return ()
+
+    def get_conv_state(self, layer_idx: int, **kwargs) -> None:  # Inkling's convs name their state_idx
+        return None
+
+    def get_recurrent_state(self, layer_idx: int) -> None:
+        return None
+
+    def update_conv_state(self, states: torch.Tensor, layer_idx: int, **kwargs) -> torch.Tensor:
+        return states
+
+    def update_recurrent_state(self, state: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        return state
+
+    def capture_states(self, *args) -> None:
+        return None
+
+
+UNCACHED = _Uncached()
+
+
+def deterministic_over(mixer, cache):
+    """``(deterministic mode's forward of mixer, the cache it runs over)``, or None where it does not run: the model
+    is not in the mode, or the call's cache is not one of this package's. A call without a cache and without autograd
+    runs it too, over :data:`UNCACHED`, so a full-sequence ``no_grad`` forward of a model in deterministic mode gives
+    each position the bits the engine and ``generate()`` give it (docs/deterministic.md, "Logprobs a trainer
+    recomputes"); under autograd the per-token scans, which update their state in place, cannot be differentiated, and
+    upstream's forward runs."""
+    forward = getattr(mixer, DETERMINISTIC_FORWARD, None)
+    if forward is None:
+        return None
+    if cache is None:
+        return None if torch.is_grad_enabled() else (forward, UNCACHED)
+    return (forward, cache) if hasattr(cache, "checkpoint_positions") else None
+
 DecodeStep = Callable[..., torch.Tensor | None]
 
 #: ``(mixer, hidden_states [B, T, hidden], cache, attention_mask [B, T] or None, ssm_state or None, positions)
@@ -70,11 +112,12 @@ def _continuing_forward(
     args, kwargs = _compat.with_local_mixer_mask(args, kwargs)  # Mamba's model hands over its whole mask
     hidden_states, cache, attention_mask = _compat.split_mixer_call(args, kwargs)
     seq_len = hidden_states.shape[1]
+    deterministic = deterministic_over(mixer, cache)
+    if deterministic is not None and (cache is None or not cache.is_recording_past(mixer.layer_idx)):
+        forward, over = deterministic
+        return forward(mixer, hidden_states, over, attention_mask)
     if cache is None or cache.is_recording_past(mixer.layer_idx):
         return original(*args, **kwargs)
-    deterministic = getattr(mixer, DETERMINISTIC_FORWARD, None)
-    if deterministic is not None and hasattr(cache, "checkpoint_positions"):  # this package's caches only
-        return deterministic(mixer, hidden_states, cache, attention_mask)
     if seq_len == 1:
         # Only over this package's caches (they answer checkpoint_positions): another cache runs upstream's decode.
         if decode_step is not None and hasattr(cache, "checkpoint_positions") and get_backend() != "reference":

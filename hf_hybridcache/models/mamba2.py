@@ -39,7 +39,7 @@ from ..config import MambaLayerSpec, ModelStateSpec, TensorSpec
 from ..kernels import mamba2_chunk_scan
 from . import fused_decode
 from .base import ModelSupport, attention_layer_spec
-from .mamba1 import DETERMINISTIC_FORWARD, apply_padding_mask, checkpoint_positions, conv_states_at
+from .mamba1 import apply_padding_mask, checkpoint_positions, conv_states_at, deterministic_over
 
 
 def causal_conv(full_inputs: torch.Tensor, mixer, seq_len: int) -> torch.Tensor:
@@ -155,11 +155,13 @@ def _checkpointing_forward(variant: Mamba2Variant, mixer, original, *args, **kwa
     # here (the mixer has no dropout; upstream's fused training kernel runs only without a cache), so a rollout of a
     # model in training mode hands its checkpoints over as in eval mode; whether anything is stored is the caller's
     # decision (_compat.uncached_cause: dropout elsewhere in the model).
-    if cache is None or (mixer.training and torch.is_grad_enabled()) or cache.is_recording_past(mixer.layer_idx):
+    deterministic = deterministic_over(mixer, cache)  # set by deterministic mode's install
+    training = mixer.training and torch.is_grad_enabled()
+    if deterministic is not None and not training and (cache is None or not cache.is_recording_past(mixer.layer_idx)):
+        forward, over = deterministic
+        return forward(mixer, hidden_states, over, attention_mask)
+    if cache is None or training or cache.is_recording_past(mixer.layer_idx):
         return original(*args, **kwargs)
-    deterministic = getattr(mixer, DETERMINISTIC_FORWARD, None)  # set by deterministic mode's install
-    if deterministic is not None and hasattr(cache, "checkpoint_positions"):  # this package's caches only
-        return deterministic(mixer, hidden_states, cache, attention_mask)
     if seq_len == 1:
         if not fused_decode.wanted(hidden_states, cache):
             return original(*args, **kwargs)
