@@ -65,7 +65,7 @@ def invariant_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
                                 attention_mask: torch.Tensor | None, dropout: float = 0.0,
                                 scaling: float | None = None, softcap: float | None = None,
                                 sliding_window: int | None = None, window_at_zero: bool = False,
-                                **kwargs) -> tuple[torch.Tensor, None]:
+                                position_bias: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature around
     :func:`~hf_hybridcache.kernels.attention_invariant.attention_invariant`: ``query`` ``[B, H, T, D]``, ``key``
     ``[B, Hkv, K, D]``, ``value`` ``[B, Hkv, K, Dv]`` -> ``([B, T, H, Dv]`` in ``query``'s dtype, ``None)``. Other
@@ -75,6 +75,8 @@ def invariant_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     anchored at the query: the bits do not depend on how many keys the cache holds beyond the window.
     ``window_at_zero`` (the power tests' switch, never in use) runs the form anchored at position 0 instead, the
     window in the mask only: a query's bits then move once the cache drops the keys before its window.
+    A ``position_bias`` ``[B, H, T, K]`` (Inkling's relative logits, which its eager function adds to the scaled
+    scores) is added to the scores in float32.
 
     Raises:
         ValueError: dropout is on (a training forward), or a logit softcap is asked for (not supported by the kernel
@@ -93,8 +95,9 @@ def invariant_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     else:
         mask = attention_mask[:, :, :, :num_keys]
         visible = mask if mask.dtype == torch.bool else mask == 0
+    bias = None if position_bias is None else position_bias[:, :, :, :num_keys]
     out = attention_invariant(query, key, value, visible, query.shape[-1] ** -0.5 if scaling is None else scaling,
-                              window=None if window_at_zero else sliding_window)
+                              window=None if window_at_zero else sliding_window, bias=bias)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -102,7 +105,8 @@ def gated_attention_parts(module: torch.nn.Module, kwargs: dict, rotary: str = "
     """What a copy of a gated attention module's forward (Qwen3.5's, Qwen3-Next's: ``Qwen3_5Attention.forward``;
     Ling's ``BailingHybridAttention.forward`` with ``rotary="apply_rotary_pos_emb_interleave"``; transformers 5.23 -
     5.25) takes from transformers: ``(cache or None, the call's other kwargs, the modeling file's function named
-    ``rotary``, the attention function the module's config names, update)``, where
+    ``rotary`` (None where it has none: Inkling's), the attention function the module's config names, update)``,
+    where
     ``update(key [B, Hkv, T, D], value) -> (keys, values)`` writes the call's KV to the cache as that release does."""
     cache = find_cache(kwargs)
     rest = {name: value for name, value in kwargs.items() if name not in CACHE_KWARG_NAMES}
@@ -114,4 +118,4 @@ def gated_attention_parts(module: torch.nn.Module, kwargs: dict, rotary: str = "
             return cache.update(key, value, module.layer_idx, kwargs=rest)
         return cache.update(key, value, module.layer_idx)
 
-    return cache, rest, getattr(modeling, rotary), function, update
+    return cache, rest, getattr(modeling, rotary, None), function, update

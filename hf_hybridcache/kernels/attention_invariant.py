@@ -65,7 +65,7 @@ def causal_visible(num_queries: int, num_keys: int, device: torch.device | None 
 
 
 def attention_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,
-                        scaling: float, window: int | None = None) -> torch.Tensor:
+                        scaling: float, window: int | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention ``softmax(scaling * q k^T) v`` over the keys ``visible`` allows, in the fixed order of the
     module docstring.
 
@@ -77,6 +77,8 @@ def attention_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         scaling: the scores' factor (usually ``D ** -0.5``).
         window: a sliding window of this many keys (each query sees itself and the ``window - 1`` keys before it, as
             far as ``visible`` allows; its own key is the last one ``visible`` shows it), or None.
+        bias: ``[B or 1, 1 or H, T, K]`` float added to the scaled scores in float32 (a relative position bias,
+            Inkling's), laid out with the keys; or None.
 
     Returns:
         ``[B, H, T, Dv]`` in ``query``'s dtype; zeros for a query that sees no key.
@@ -93,41 +95,52 @@ def attention_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         raise ValueError(f"visible must be [B or 1, 1 or H, {num_queries}, {num_keys}] bool, got "
                          f"{list(visible.shape)}.")
     groups = heads // kv_heads
+    if bias is not None:
+        bias = bias.float().expand(batch, -1, -1, -1)
     if window is not None:
-        return _windowed(query, key, value, visible.expand(batch, -1, -1, -1), scaling, window)
-    key, value, visible = _anchor(key.float(), value.float(), visible.expand(batch, -1, -1, -1))
+        return _windowed(query, key, value, visible.expand(batch, -1, -1, -1), scaling, window, bias)
+    key, value, visible, bias = _anchor(key.float(), value.float(), visible.expand(batch, -1, -1, -1), bias)
     q = (query.float() * scaling).view(batch, kv_heads, groups, num_queries, 1, -1)  # [B, Hkv, G, T, 1, D]
     visible = visible.reshape(batch, 1 if visible.shape[1] == 1 else kv_heads, -1, num_queries, visible.shape[-1])
+    if bias is not None:
+        bias = bias.reshape(batch, 1 if bias.shape[1] == 1 else kv_heads, -1, num_queries, bias.shape[-1])
     blocks = [(start, key[:, :, None, None, start : start + KV_BLOCK],  # [B, Hkv, 1, 1, S, D]
                value[:, :, None, None, start : start + KV_BLOCK].transpose(-1, -2))  # [B, Hkv, 1, 1, Dv, S]
               for start in range(0, key.shape[2], KV_BLOCK)]
     out = torch.cat([_query_chunk(q[:, :, :, begin : begin + QUERY_CHUNK], blocks,
-                                  visible[..., begin : begin + QUERY_CHUNK, :])
+                                  visible[..., begin : begin + QUERY_CHUNK, :],
+                                  None if bias is None else bias[..., begin : begin + QUERY_CHUNK, :])
                      for begin in range(0, num_queries, QUERY_CHUNK)], dim=3)
     return out.view(batch, heads, num_queries, -1).to(query.dtype)
 
 
-def _query_chunk(q: torch.Tensor, blocks, visible: torch.Tensor) -> torch.Tensor:
+def _query_chunk(q: torch.Tensor, blocks, visible: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Float32 outputs ``[B, Hkv, G, Tc, Dv]`` of the queries ``q`` ``[B, Hkv, G, Tc, 1, D]`` (scaled) over the
-    ``(start, keys, values^T)`` blocks, ``visible`` ``[B, 1 or Hkv, 1 or G, Tc, K]``. Each query's arithmetic is its
+    ``(start, keys, values^T)`` blocks, ``visible`` ``[B, 1 or Hkv, 1 or G, Tc, K]`` (``bias``, float32, laid out
+    alike, added to the scores). Each query's arithmetic is its
     own (every op is per query row), so cutting the queries in chunks changes no bit; it keeps a chunk's per-block
     terms in cache. A block no query of the chunk sees is skipped: it would leave every running value unchanged."""
     needed = visible.reshape(-1, visible.shape[-1]).any(0)
-    pieces = ((keys, values, ~visible[..., start : start + KV_BLOCK]) for start, keys, values in blocks
+    pieces = ((keys, values, ~visible[..., start : start + KV_BLOCK],
+               None if bias is None else bias[..., start : start + KV_BLOCK]) for start, keys, values in blocks
               if bool(needed[start : start + KV_BLOCK].any()))
     return _online_softmax(q, pieces, blocks[0][2].shape[-2])
 
 
 def _online_softmax(q: torch.Tensor, pieces, value_dim: int) -> torch.Tensor:
     """Float32 ``[B, Hkv, G, Tc, Dv]``: the scaled queries ``q`` ``[B, Hkv, G, Tc, 1, D]`` over ``(keys [.., S, D],
-    values^T [.., Dv, S], hidden [.., Tc, S])`` blocks (broadcasting against ``q``) merged in the order given, a
+    values^T [.., Dv, S], hidden [.., Tc, S], bias [.., Tc, S] or None)`` blocks (broadcasting against ``q``; the bias
+    added to the scores) merged in the order given, a
     hidden key a ``+0`` term in its slot. A block with no visible key may be left out: it changes no running value."""
     shape = q.shape[:4]
     running_max = q.new_full(shape, float("-inf"))
     running_sum = q.new_zeros(shape)
     out = q.new_zeros((*shape, value_dim))
-    for keys, values, hidden in pieces:
-        scores = (q * keys).sum(-1).masked_fill_(hidden, float("-inf"))  # [B, Hkv, G, Tc, S]
+    for keys, values, hidden, bias in pieces:
+        scores = (q * keys).sum(-1)  # [B, Hkv, G, Tc, S]
+        if bias is not None:
+            scores = scores + bias
+        scores = scores.masked_fill_(hidden, float("-inf"))
         new_max = torch.maximum(running_max, scores.amax(-1))
         anchor = torch.where(new_max == float("-inf"), 0.0, new_max)
         probs = torch.exp(scores - anchor[..., None])  # +0 where hidden
@@ -139,7 +152,7 @@ def _online_softmax(q: torch.Tensor, pieces, value_dim: int) -> torch.Tensor:
     return out / torch.where(running_sum == 0, 1.0, running_sum)[..., None]
 
 
-def _windowed(query, key, value, visible, scaling: float, window: int) -> torch.Tensor:
+def _windowed(query, key, value, visible, scaling: float, window: int, bias=None) -> torch.Tensor:
     """:func:`attention_invariant` with a sliding ``window``: each query's keys by distance from its own key (the last
     key ``visible`` shows it), :func:`_window_chunk` per chunk of :data:`QUERY_CHUNK` queries."""
     batch, heads, num_queries, _ = query.shape
@@ -153,15 +166,17 @@ def _windowed(query, key, value, visible, scaling: float, window: int) -> torch.
     distances = torch.arange(-(-window // KV_BLOCK) * KV_BLOCK, device=key.device)
     out = torch.cat([_window_chunk(q[:, :, :, begin : begin + QUERY_CHUNK], key.float(), value.float(),
                                    visible[:, 0, begin : begin + QUERY_CHUNK], own[:, begin : begin + QUERY_CHUNK],
-                                   distances, window)
+                                   distances, window,
+                                   None if bias is None else bias[:, :, begin : begin + QUERY_CHUNK])
                      for begin in range(0, num_queries, QUERY_CHUNK)], dim=3)
     return out.view(batch, heads, num_queries, -1).to(query.dtype)
 
 
-def _window_chunk(q, key, value, visible, own, distances, window: int) -> torch.Tensor:
+def _window_chunk(q, key, value, visible, own, distances, window: int, bias=None) -> torch.Tensor:
     """Float32 outputs ``[B, Hkv, G, Tc, Dv]`` of the scaled queries ``q`` ``[B, Hkv, G, Tc, 1, D]`` whose own keys
-    are ``own`` ``[B, Tc]`` among ``key`` / ``value`` ``[B, Hkv, K, D]``, ``visible`` ``[B, Tc, K]``: slot ``d`` of
-    ``distances`` ``[Wp]`` (a whole number of blocks) holds key ``own - d``, blocks merged in distance order."""
+    are ``own`` ``[B, Tc]`` among ``key`` / ``value`` ``[B, Hkv, K, D]``, ``visible`` ``[B, Tc, K]``, ``bias``
+    ``[B, 1 or H, Tc, K]`` float32 or None: slot ``d`` of ``distances`` ``[Wp]`` (a whole number of blocks) holds key
+    ``own - d``, blocks merged in distance order."""
     index = own[..., None] - distances  # [B, Tc, Wp]
     inside = (index >= 0) & (distances < window)
     index = index.clamp(min=0)
@@ -175,21 +190,26 @@ def _window_chunk(q, key, value, visible, own, distances, window: int) -> torch.
 
     keys, values = take(key), take(value).transpose(-1, -2)  # values: [B, Hkv, 1, Tc, Dv, Wp]
     seen = seen[:, None, None]  # [B, 1, 1, Tc, Wp]
+    if bias is not None:  # [B, 1 or H, Tc, K] -> [B, 1 or Hkv, 1 or G, Tc, Wp]
+        bias = torch.gather(bias, 3, index[:, None].expand(-1, bias.shape[1], -1, -1))
+        bias = bias.reshape(batch, 1 if bias.shape[1] == 1 else kv_heads, -1, num_queries, bias.shape[-1])
     blocks = (slice(start, start + KV_BLOCK) for start in range(0, distances.shape[0], KV_BLOCK))
-    pieces = ((keys[..., block, :], values[..., block], ~seen[..., block]) for block in blocks
-              if bool(seen[..., block].any()))
+    pieces = ((keys[..., block, :], values[..., block], ~seen[..., block], None if bias is None else bias[..., block])
+              for block in blocks if bool(seen[..., block].any()))
     return _online_softmax(q, pieces, value.shape[-1])
 
 
-def _anchor(key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor):
+def _anchor(key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, bias: torch.Tensor | None = None):
     """Shift each row's keys left by its leading padding (the keys before the first one its last query sees), pad
-    the key count to a multiple of :data:`KV_BLOCK` with zero keys nobody sees, and return the three re-laid out."""
+    the key count to a multiple of :data:`KV_BLOCK` with zero keys nobody sees, and return the four (``bias``, laid
+    out as ``visible``, or None) re-laid out."""
     batch, num_keys = key.shape[0], key.shape[2]
     first = visible[:, :, -1].any(1).int().argmax(-1)  # [B] first key the last query sees (0 when it sees none)
     padded = -(-num_keys // KV_BLOCK) * KV_BLOCK
     if bool((first == 0).all()):
         pad = padded - num_keys
-        return F.pad(key, (0, 0, 0, pad)), F.pad(value, (0, 0, 0, pad)), F.pad(visible, (0, pad), value=False)
+        return (F.pad(key, (0, 0, 0, pad)), F.pad(value, (0, 0, 0, pad)), F.pad(visible, (0, pad), value=False),
+                None if bias is None else F.pad(bias, (0, pad)))
     index = torch.arange(padded, device=key.device)[None] + first[:, None]  # [B, padded]
     inside = index < num_keys
     index = index.clamp(max=num_keys - 1)
@@ -199,7 +219,7 @@ def _anchor(key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor):
         return torch.where(inside.view(shape), taken, torch.zeros((), dtype=x.dtype, device=x.device))
 
     return (take(key, 2, (batch, 1, padded, 1)), take(value, 2, (batch, 1, padded, 1)),
-            take(visible, 3, (batch, 1, 1, padded)))
+            take(visible, 3, (batch, 1, 1, padded)), None if bias is None else take(bias, 3, (batch, 1, 1, padded)))
 
 
 def invariance_failures(dtype: torch.dtype, length: int = 90, attention=None, window: int | None = None) -> list[str]:

@@ -11,7 +11,9 @@ same mixer: theirs is upstream Zamba2's plain one; attention and MLPs of :mod:`.
 delta net mixer of :mod:`.gated_delta_deterministic`, the gated, plain, sliding-window or position-free attention, MLPs
 and routed + shared experts of :mod:`.hybrid_deterministic`), LFM2 / LFM2-MoE (the short conv mixer of
 :mod:`.short_conv_deterministic`, the attention with q/k RMSNorms, SwiGLU MLPs and sigmoid-routed experts of
-:mod:`.hybrid_deterministic`), Kimi Linear / Ling (the KDA mixer and Ling's gated MLA attention of
+:mod:`.hybrid_deterministic`; LFM3 the same mixer, its attention also sliding-window with a sigmoid gate per head),
+Inkling's text model with dense MLPs (the four short convolutions and the attention with relative logits of
+:mod:`.inkling_deterministic`), Kimi Linear / Ling (the KDA mixer and Ling's gated MLA attention of
 :mod:`.kda_deterministic`, the MLA attention, MLPs and grouped-router experts of :mod:`.hybrid_deterministic`), and
 Falcon-H1 (the Mamba-2 mixer with its multipliers and gate, :mod:`.falcon_h1_deterministic`, beside attention in every
 layer), on CPU, in float32, bfloat16 and float16. Every other family is refused with the ingredients it lacks named, and
@@ -33,6 +35,7 @@ from . import (
     falcon_h1_deterministic,
     gated_delta_deterministic,
     hybrid_deterministic,
+    inkling_deterministic,
     kda_deterministic,
     mamba1_deterministic,
     mamba2_deterministic,
@@ -62,6 +65,8 @@ SUPPORTED = {
     "lara_mini": ("LaraMiniGatedDeltaNet", gated_delta_deterministic),
     "lfm2": ("Lfm2ShortConv", short_conv_deterministic),
     "lfm2_moe": ("Lfm2MoeShortConv", short_conv_deterministic),
+    "lfm3": ("Lfm3ShortConv", short_conv_deterministic),
+    "inkling_text": ("InklingShortConvolution", inkling_deterministic),
     "kimi_linear": ("KimiLinearDeltaAttention", kda_deterministic),
     "bailing_hybrid": ("BailingHybridDeltaAttention", kda_deterministic),
 }
@@ -74,12 +79,18 @@ _ATTENTION = "its attention layers wired to the attention with a fixed reduction
              "(kernels/attention_invariant.py, as Jamba's are)"
 _ACTIVATIONS = "its MLPs wired to the row-invariant linear and SiLU (F.silu gives an element other float32 bits by " \
                "its offset; models/hybrid_deterministic.py, as Jamba's are)"
-_SHORT_CONV = "the short conv mixer wired through the invariant conv (kernels/conv_invariant.py)"
+_INKLING2 = ("Inkling 2's short convs wired to the invariant conv (its dynamic short conv's per-token taps, projected "
+             "from the layer input, have no invariant form yet; Inkling's static ones are in "
+             "models/inkling_deterministic.py), its attention's sink logits, output gate and l2-clipped projections "
+             "and its experts' softcapped activations")
 #: model_type -> the mixer ingredients its family lacks (attention and MLP activations are added from the model).
 _MIXERS = {
-    **dict.fromkeys(("lfm3", "inkling_text", "inkling2_text", "inkling2_loop_text"),
-                    (_SHORT_CONV,)),
-    "zaya": ("ZAYA's CCA conv mixer wired to the invariant conv",),
+    "inkling2_text": (_INKLING2,),
+    "inkling2_loop_text": (_INKLING2, "its loop passes' own cache layers (cache_offset) reaching the deterministic "
+                                      "mixers"),
+    "zaya": ("ZAYA's CCA projection wired to the invariant conv (a depthwise then a grouped conv over q|k, whose "
+             "grouped sum has no invariant form yet, and the delayed value), its router MLP's nn.GELU and its routed "
+             "experts",),
 }
 
 

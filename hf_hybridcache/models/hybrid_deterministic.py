@@ -1,5 +1,5 @@
 """The layers a hybrid adds to its mixers in deterministic mode (issue 46; Jamba, Zamba, Qwen3.5, Bamba, Granite-4.0-H,
-Nemotron-H, Zamba2, LFM2, OLMo-Hybrid, Lara Mini, Kimi Linear, Ling, Falcon-H1): attention, MLP
+Nemotron-H, Zamba2, LFM2, LFM3, Inkling, OLMo-Hybrid, Lara Mini, Kimi Linear, Ling, Falcon-H1): attention, MLP
 activations, linear layers and routed experts, each with a row-invariant, path-invariant form (docs/deterministic.md,
 "The ingredients").
 
@@ -8,8 +8,8 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
 - The attention modules of :data:`FAMILIES` answer through
   :func:`~hf_hybridcache._compat.invariant_attention.invariant_attention_forward` (keys summed in fixed blocks
   anchored at position 0, whatever the call), in ``generate()`` and in the engine's steps alike. A sliding-window
-  layer (Lara Mini's, :data:`WINDOWED`) passes its window, which the kernel anchors at each query instead (its bits
-  do not depend on how many keys the cache holds beyond the window); OLMo-Hybrid's and Lara Mini's attention forwards
+  layer (Lara Mini's, LFM3's, Inkling's: :data:`WINDOWED`) passes its window, which the kernel anchors at each query
+  instead (its bits do not depend on how many keys the cache holds beyond the window); OLMo-Hybrid's and Lara Mini's attention forwards
   (q/k RMSNorms, rotary or none: Lara Mini's full layers and a ``rope_theta=None`` OLMo-Hybrid are position-free)
   run as upstream around that call.
 - The MLP activations (``SiLUActivation`` / ``nn.SiLU`` modules, and the ``F.silu`` of LFM2's ``Lfm2MLP``, whose
@@ -20,6 +20,11 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
   beside it. ``GELUActivation`` (Zamba's, the erf form) runs ``F.gelu`` in float32, rounded once: float32's is
   offset-invariant here, float16's is not. ``ReLUSquaredActivation`` (Nemotron-H's ``relu2``) runs as upstream: relu is
   exact and its square one correctly rounded product, the same bits at any offset in every dtype (measured).
+- LFM3's attention (``Lfm3Attention``) runs
+  :func:`~hf_hybridcache.models.short_conv_deterministic.head_gated_forward` (its window and head gate there).
+- Inkling's attention (``InklingAttention``) runs
+  :func:`~hf_hybridcache.models.inkling_deterministic.attention_forward` (its relative bias handed to the invariant
+  attention), its MLP activations as above; its routed experts (``InklingMoE``) are refused.
 - A gated attention module (Qwen3.5's ``Qwen3_5Attention``, transformers 5.23 - 5.25) runs
   :func:`gated_attention_forward`: upstream's forward with its output gate ``sigmoid(gate)`` taken as
   :func:`~hf_hybridcache.kernels.gated_delta_invariant.sigmoid_invariant` in float32, rounded once to the gate's
@@ -59,7 +64,7 @@ from .. import _compat
 from .._compat.invariant_attention import gated_attention_parts, invariant_attention_forward, mark, unroutable
 from ..kernels.gated_delta_invariant import sigmoid_invariant
 from ..kernels.mamba1_invariant import silu_invariant
-from . import kda_deterministic, moe_deterministic
+from . import inkling_deterministic, kda_deterministic, moe_deterministic, short_conv_deterministic
 from .mamba1_deterministic import linear as _linear
 from .mamba1_deterministic import lm_head_forward
 
@@ -76,18 +81,24 @@ FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock"), "zamba": ("Zamba
             "olmo_hybrid": ("OlmoHybridAttention", None),
             "lara_mini": ("LaraMiniAttention", "LaraMiniSparseMoeBlock"),
             "kimi_linear": ("KimiLinearAttention", "KimiLinearMoE"),
-            "bailing_hybrid": ("BailingHybridAttention", "BailingHybridMoE")}
+            "bailing_hybrid": ("BailingHybridAttention", "BailingHybridMoE"),
+            "lfm3": ("Lfm3Attention", None), "inkling_text": ("InklingAttention", None)}
+#: Routed-experts blocks a family may hold that have no deterministic form here yet: a model holding one is refused.
+UNWIRED_EXPERTS = {"inkling_text": "InklingMoE"}
 #: The MLP classes that call ``F.silu`` in their forward (no activation module to patch): :func:`swiglu_forward`.
-SWIGLU_MLPS = ("Lfm2MLP", "Lfm2MoeMLP")
+SWIGLU_MLPS = ("Lfm2MLP", "Lfm2MoeMLP", "Lfm3MLP")
 #: The attention classes whose forward gates its output with a sigmoid (:func:`gated_attention_forward`).
 GATED_ATTENTION = ("Qwen3_5Attention", "Qwen3_5MoeAttention", "Qwen3NextAttention")
+#: The attention classes gated per head by ``sigmoid(g_proj(x))`` after the attention
+#: (:func:`~hf_hybridcache.models.short_conv_deterministic.head_gated_forward`).
+HEAD_GATED_ATTENTION = ("Lfm3Attention",)
 #: The activations with an invariant form here (transformers' ``ACT2FN["silu"]`` / ``ACT2FN["gelu"]`` and torch's).
 ACTIVATIONS = ("silu", "swish", "gelu", "relu2")
 #: The families whose gated delta net / KDA / Falcon-H1 Mamba-2 conv runs ``hidden_act``, which has an invariant form there for SiLU only.
 SILU_CONV = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lara_mini",
              "kimi_linear", "bailing_hybrid", "falcon_h1")
 #: The families whose sliding-window attention layers are wired (the invariant attention's windowed form).
-WINDOWED = ("lara_mini",)
+WINDOWED = ("lara_mini", "lfm3", "inkling_text")
 #: The routers whose logits are a float32 product of float32 copies of the input and weight (Lara Mini's).
 FLOAT32_ROUTERS = ("LaraMiniTopKRouter",)
 #: Ingredients switched off (private: the power tests name them here; empty in use).
@@ -104,6 +115,10 @@ def refusals(model: torch.nn.Module, model_type: str) -> list[str]:
     elif model_type in SILU_CONV and config.hidden_act not in ("silu", "swish"):
         problems.append(f"hidden_act={config.hidden_act!r} (the mixer's conv, a gated delta net's, KDA's or "
                         "Falcon-H1's Mamba-2, has an invariant SiLU only)")
+    unwired = UNWIRED_EXPERTS.get(model_type)
+    if unwired is not None and any(type(m).__name__ == unwired for m in model.modules()):
+        problems.append(f"routed experts ({unwired}: no deterministic form of its router and expert sum yet; a "
+                        "config without them is accepted)")
     if getattr(model.config, "vision_config", None) is not None:
         problems.append("a vision tower (its attention and merger have no invariant form here; load the text model, "
                         "e.g. Qwen3_5ForCausalLM, for text requests)")
@@ -155,6 +170,10 @@ def install(model: torch.nn.Module, model_type: str) -> None:
             _compat.patch_instance_forward(module, gated_attention_forward)
         elif name == "BailingHybridAttention":
             _compat.patch_instance_forward(module, kda_deterministic.gated_mla_forward)
+        elif name in HEAD_GATED_ATTENTION:
+            _compat.patch_instance_forward(module, short_conv_deterministic.head_gated_forward)
+        elif name in inkling_deterministic.ATTENTION:
+            _compat.patch_instance_forward(module, inkling_deterministic.attention_forward)
         elif name in SWIGLU_MLPS:
             _compat.patch_instance_forward(module, swiglu_forward)
     mark(model, [m for m in model.modules() if type(m).__name__ == attention_class], attention_forward)

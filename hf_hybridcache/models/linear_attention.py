@@ -181,6 +181,8 @@ def _emitting_forward(variant: LinearVariant, mixer, original, *args, **kwargs):
     layer_idx = mixer.layer_idx + _compat.cache_layer_offset(kwargs)  # a loop pass's own cache layer (Inkling 2 Loop)
     deterministic = deterministic_over(mixer, cache)  # set by deterministic mode's install
     if deterministic is not None and (cache is None or not cache.is_recording_past(layer_idx)):
+        if "conv_mask" in kwargs:  # Inkling's short convolutions take their padding mask under this name
+            kwargs = {**{k: v for k, v in kwargs.items() if k != "conv_mask"}, "attention_mask": kwargs["conv_mask"]}
         _, _, attention_mask = _compat.split_mixer_call(*_compat.with_local_mixer_mask(args, kwargs))
         forward, over = deterministic
         return forward(mixer, hidden_states, over, attention_mask)

@@ -45,7 +45,7 @@ class _Uncached:
     def checkpoint_positions(self, seq_len: int) -> tuple[int, ...]:
         return ()
 
-    def get_conv_state(self, layer_idx: int) -> None:
+    def get_conv_state(self, layer_idx: int, **kwargs) -> None:  # Inkling's convs name their state_idx
         return None
 
     def get_recurrent_state(self, layer_idx: int) -> None:

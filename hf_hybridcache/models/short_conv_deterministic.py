@@ -19,7 +19,12 @@ state ``[B, 0]`` float32, as :mod:`.linear_attention` stores a short conv's chec
 
 :data:`_OFF` is the private switch of the power tests: an ingredient named there runs the package's default op instead
 (``"linear"``: ``F.linear``; ``"conv"``: :func:`~hf_hybridcache.models.mamba1.causal_conv` over the cached window /
-the conv update :func:`~hf_hybridcache.kernels.state_update.causal_conv1d_update`).
+the conv update :func:`~hf_hybridcache.kernels.state_update.causal_conv1d_update`; ``"gate"``: LFM3's head gate as
+``torch.sigmoid``).
+
+LFM3 (``Lfm3ShortConv`` is the same mixer) gates its attention per head after the attention:
+:func:`head_gated_forward` is ``Lfm3Attention.forward`` with that gate from ``exp`` and its sliding window handed to
+the attention function.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ from __future__ import annotations
 import torch
 
 from .. import _compat
+from .._compat.invariant_attention import gated_attention_parts
 from ..kernels.conv_invariant import causal_conv_invariant
+from ..kernels.gated_delta_invariant import sigmoid_invariant
 from ..kernels.state_update import causal_conv1d_update
 from . import mamba1_deterministic
 from .deterministic_linear import routed_linear
@@ -83,3 +90,29 @@ def _conv(mixer, x: torch.Tensor, conv_state: torch.Tensor | None, cache, decode
     else:
         cache.update_conv_state(x, layer_idx, conv_kernel_size=mixer.conv_kernel_size)
     return out
+
+
+def head_gated_forward(module: torch.nn.Module, original, hidden_states: torch.Tensor,
+                       position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask=None, **kwargs):
+    """LFM3's attention ``(output [B, T, hidden], None)`` for ``hidden_states`` ``[B, T, hidden]`` and the rotary
+    ``(cos, sin)`` (float32): ``Lfm3Attention.forward`` (transformers 5.23 - 5.25), its sliding window handed to the
+    attention function and its per-head gate ``sigmoid(g_proj(x))`` through
+    :func:`~hf_hybridcache.kernels.gated_delta_invariant.sigmoid_invariant` in float32, rounded once to the gate's
+    dtype."""
+    cache, kwargs, apply_rotary, attention, update = gated_attention_parts(module, kwargs)
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, module.head_dim)
+    query = module.q_norm(module.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+    key = module.k_norm(module.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+    value = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    query, key = apply_rotary(query, key, *position_embeddings)
+    if cache is not None:
+        key, value = update(key, value)
+    dropout = module.attention_dropout if module.training else 0.0
+    out, _ = attention(module, query, key, value, attention_mask, dropout=dropout, scaling=module.scaling,
+                       sliding_window=module.sliding_window, **kwargs)
+    if module.g_proj is not None:
+        gate = module.g_proj(hidden_states)
+        gated = torch.sigmoid(gate) if "gate" in _OFF else sigmoid_invariant(gate.float()).to(gate.dtype)
+        out = out * gated.unsqueeze(-1)
+    return module.o_proj(out.reshape(*input_shape, -1).contiguous()), None
