@@ -30,7 +30,9 @@ beyond the window (a full layer's every past key, a sliding layer's last ``W - 1
 wherever its keys start in the call, which a block grid anchored at position 0 would not give once the keys before
 the window are dropped. Elementwise ops are IEEE operations and ``exp``, whose vectorized body and tail agree
 here (``benchmarks/batch_invariance.py``, table 2). Everything is computed in float32 and rounded once to the query's
-dtype. Not supported: logit softcaps (no family in deterministic mode has them yet), dropout.
+dtype. Sink logits (one extra logit per query and head with a zero value, which only absorbs probability mass:
+Inkling 2's) sit in a fixed slot, before the first block: the online softmax starts from the sink's running max and a
+running sum of ``1``. Not supported: logit softcaps (no family in deterministic mode has them yet), dropout.
 
 Shapes (the package's legend): ``query`` ``[B, H, T, D]``, ``key`` ``[B, Hkv, K, D]``, ``value`` ``[B, Hkv, K, Dv]``
 with ``H`` a multiple of ``Hkv`` (grouped-query attention: query head ``h`` reads KV head ``h // (H // Hkv)``),
@@ -65,7 +67,8 @@ def causal_visible(num_queries: int, num_keys: int, device: torch.device | None 
 
 
 def attention_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,
-                        scaling: float, window: int | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+                        scaling: float, window: int | None = None, bias: torch.Tensor | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention ``softmax(scaling * q k^T) v`` over the keys ``visible`` allows, in the fixed order of the
     module docstring.
 
@@ -79,6 +82,7 @@ def attention_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
             far as ``visible`` allows; its own key is the last one ``visible`` shows it), or None.
         bias: ``[B or 1, 1 or H, T, K]`` float added to the scaled scores in float32 (a relative position bias,
             Inkling's), laid out with the keys; or None.
+        sinks: ``[B or 1, H, T]`` float sink logits (compared with the scaled, biased scores in float32), or None.
 
     Returns:
         ``[B, H, T, Dv]`` in ``query``'s dtype; zeros for a query that sees no key.
@@ -97,8 +101,10 @@ def attention_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     groups = heads // kv_heads
     if bias is not None:
         bias = bias.float().expand(batch, -1, -1, -1)
+    if sinks is not None:
+        sinks = sinks.float().expand(batch, -1, -1).reshape(batch, kv_heads, groups, num_queries)
     if window is not None:
-        return _windowed(query, key, value, visible.expand(batch, -1, -1, -1), scaling, window, bias)
+        return _windowed(query, key, value, visible.expand(batch, -1, -1, -1), scaling, window, bias, sinks)
     key, value, visible, bias = _anchor(key.float(), value.float(), visible.expand(batch, -1, -1, -1), bias)
     q = (query.float() * scaling).view(batch, kv_heads, groups, num_queries, 1, -1)  # [B, Hkv, G, T, 1, D]
     visible = visible.reshape(batch, 1 if visible.shape[1] == 1 else kv_heads, -1, num_queries, visible.shape[-1])
@@ -109,12 +115,14 @@ def attention_invariant(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
               for start in range(0, key.shape[2], KV_BLOCK)]
     out = torch.cat([_query_chunk(q[:, :, :, begin : begin + QUERY_CHUNK], blocks,
                                   visible[..., begin : begin + QUERY_CHUNK, :],
-                                  None if bias is None else bias[..., begin : begin + QUERY_CHUNK, :])
+                                  None if bias is None else bias[..., begin : begin + QUERY_CHUNK, :],
+                                  None if sinks is None else sinks[..., begin : begin + QUERY_CHUNK])
                      for begin in range(0, num_queries, QUERY_CHUNK)], dim=3)
     return out.view(batch, heads, num_queries, -1).to(query.dtype)
 
 
-def _query_chunk(q: torch.Tensor, blocks, visible: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _query_chunk(q: torch.Tensor, blocks, visible: torch.Tensor, bias: torch.Tensor | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Float32 outputs ``[B, Hkv, G, Tc, Dv]`` of the queries ``q`` ``[B, Hkv, G, Tc, 1, D]`` (scaled) over the
     ``(start, keys, values^T)`` blocks, ``visible`` ``[B, 1 or Hkv, 1 or G, Tc, K]`` (``bias``, float32, laid out
     alike, added to the scores). Each query's arithmetic is its
@@ -124,17 +132,18 @@ def _query_chunk(q: torch.Tensor, blocks, visible: torch.Tensor, bias: torch.Ten
     pieces = ((keys, values, ~visible[..., start : start + KV_BLOCK],
                None if bias is None else bias[..., start : start + KV_BLOCK]) for start, keys, values in blocks
               if bool(needed[start : start + KV_BLOCK].any()))
-    return _online_softmax(q, pieces, blocks[0][2].shape[-2])
+    return _online_softmax(q, pieces, blocks[0][2].shape[-2], sinks)
 
 
-def _online_softmax(q: torch.Tensor, pieces, value_dim: int) -> torch.Tensor:
+def _online_softmax(q: torch.Tensor, pieces, value_dim: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Float32 ``[B, Hkv, G, Tc, Dv]``: the scaled queries ``q`` ``[B, Hkv, G, Tc, 1, D]`` over ``(keys [.., S, D],
     values^T [.., Dv, S], hidden [.., Tc, S], bias [.., Tc, S] or None)`` blocks (broadcasting against ``q``; the bias
     added to the scores) merged in the order given, a
-    hidden key a ``+0`` term in its slot. A block with no visible key may be left out: it changes no running value."""
+    hidden key a ``+0`` term in its slot. A block with no visible key may be left out: it changes no running value.
+    ``sinks`` ``[B, Hkv, G, Tc]`` float32 (or None): a sink logit per query, merged first (its term ``1``, no value)."""
     shape = q.shape[:4]
-    running_max = q.new_full(shape, float("-inf"))
-    running_sum = q.new_zeros(shape)
+    running_max = q.new_full(shape, float("-inf")) if sinks is None else sinks.clone()
+    running_sum = q.new_zeros(shape) if sinks is None else q.new_ones(shape)
     out = q.new_zeros((*shape, value_dim))
     for keys, values, hidden, bias in pieces:
         scores = (q * keys).sum(-1)  # [B, Hkv, G, Tc, S]
@@ -152,7 +161,7 @@ def _online_softmax(q: torch.Tensor, pieces, value_dim: int) -> torch.Tensor:
     return out / torch.where(running_sum == 0, 1.0, running_sum)[..., None]
 
 
-def _windowed(query, key, value, visible, scaling: float, window: int, bias=None) -> torch.Tensor:
+def _windowed(query, key, value, visible, scaling: float, window: int, bias=None, sinks=None) -> torch.Tensor:
     """:func:`attention_invariant` with a sliding ``window``: each query's keys by distance from its own key (the last
     key ``visible`` shows it), :func:`_window_chunk` per chunk of :data:`QUERY_CHUNK` queries."""
     batch, heads, num_queries, _ = query.shape
@@ -167,12 +176,13 @@ def _windowed(query, key, value, visible, scaling: float, window: int, bias=None
     out = torch.cat([_window_chunk(q[:, :, :, begin : begin + QUERY_CHUNK], key.float(), value.float(),
                                    visible[:, 0, begin : begin + QUERY_CHUNK], own[:, begin : begin + QUERY_CHUNK],
                                    distances, window,
-                                   None if bias is None else bias[:, :, begin : begin + QUERY_CHUNK])
+                                   None if bias is None else bias[:, :, begin : begin + QUERY_CHUNK],
+                                   None if sinks is None else sinks[..., begin : begin + QUERY_CHUNK])
                      for begin in range(0, num_queries, QUERY_CHUNK)], dim=3)
     return out.view(batch, heads, num_queries, -1).to(query.dtype)
 
 
-def _window_chunk(q, key, value, visible, own, distances, window: int, bias=None) -> torch.Tensor:
+def _window_chunk(q, key, value, visible, own, distances, window: int, bias=None, sinks=None) -> torch.Tensor:
     """Float32 outputs ``[B, Hkv, G, Tc, Dv]`` of the scaled queries ``q`` ``[B, Hkv, G, Tc, 1, D]`` whose own keys
     are ``own`` ``[B, Tc]`` among ``key`` / ``value`` ``[B, Hkv, K, D]``, ``visible`` ``[B, Tc, K]``, ``bias``
     ``[B, 1 or H, Tc, K]`` float32 or None: slot ``d`` of ``distances`` ``[Wp]`` (a whole number of blocks) holds key
@@ -196,7 +206,7 @@ def _window_chunk(q, key, value, visible, own, distances, window: int, bias=None
     blocks = (slice(start, start + KV_BLOCK) for start in range(0, distances.shape[0], KV_BLOCK))
     pieces = ((keys[..., block, :], values[..., block], ~seen[..., block], None if bias is None else bias[..., block])
               for block in blocks if bool(seen[..., block].any()))
-    return _online_softmax(q, pieces, value.shape[-1])
+    return _online_softmax(q, pieces, value.shape[-1], sinks)
 
 
 def _anchor(key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, bias: torch.Tensor | None = None):

@@ -14,7 +14,14 @@ and each output is ``W`` float32 products added left to right, plus the bias, th
 an elementwise operation, whose IEEE result does not depend on the element's place in the tensor, so a token's output
 is the same bits in a prefill (at any offset, in any split) as in a one-token decode call, whatever rows share it.
 
-Shapes: B rows, C channels, T new tokens, W conv width.
+Inkling 2's dynamic short conv (``Inkling2DynamicShortConvolution``) adds per-token taps to its static ones: token
+t's tap ``k`` (``k`` steps back) on channel ``c`` of head ``h`` is ``static[k, c] + dynamic[t, h, k]``, the dynamic taps a
+projection of the layer input (a row-invariant linear in deterministic mode). :func:`dynamic_conv_invariant` forms each
+tap elementwise and adds the ``W`` products in the fixed order ``k = 0 .. W-1`` in float32, over the same window of
+raw inputs, so a token's output is again the same bits in a prefill, a chunk or a decode step (upstream reduces
+``windows * weights`` over the taps with ``sum(-1)``).
+
+Shapes: B rows, C channels, T new tokens, W conv width, H heads (the dynamic taps are shared by a head's channels).
 """
 
 from __future__ import annotations
@@ -70,3 +77,48 @@ def causal_conv_invariant(
     if activation is not None:
         out = silu_invariant(out)
     return out.to(x.dtype), inputs[..., -width:].to(conv_state.dtype).contiguous()
+
+
+def dynamic_conv_invariant(
+    x: torch.Tensor,
+    static_weight: torch.Tensor,
+    dynamic_weight: torch.Tensor,
+    conv_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv of ``x`` with per-token taps, continued from ``conv_state`` (as
+    :func:`causal_conv_invariant`'s): ``y_t[c] = sum_k (static[k, c] + dynamic[t, h(c), k]) * x_{t-k}[c]``, the taps
+    formed and the terms added in order ``k = 0 .. W-1`` in float32 (``k``: the backward distance, ``h(c)``: the head
+    of ``C // H`` consecutive channels holding ``c``). No bias or activation (Inkling 2's has none).
+
+    Args:
+        x: new conv inputs ``[B, C, T]``, any float dtype.
+        static_weight: ``[W, C]`` (``static_weight[0]`` weights the current token).
+        dynamic_weight: ``[B, T, H, W]`` per-token taps of each head (float32 in Inkling 2).
+        conv_state: ``[B, C, W]`` or None (zeros); read, not written.
+
+    Returns:
+        ``(y [B, C, T] float32, the new conv state [B, C, W])``: the last ``W`` raw inputs after ``x``.
+
+    Raises:
+        ValueError: a state whose width does not match, or channels not a multiple of the heads.
+    """
+    width, channels = static_weight.shape
+    batch, seq_len, heads = dynamic_weight.shape[:3]
+    if channels % heads:
+        raise ValueError(f"dynamic_conv_invariant needs the channels ({channels}) to be a multiple of the heads "
+                         f"({heads}).")
+    if conv_state is None:
+        conv_state = x.new_zeros(*x.shape[:-1], width)
+    if conv_state.shape[-1] != width:
+        raise ValueError(f"The conv state holds {conv_state.shape[-1]} inputs; the weight is {width} wide.")
+    inputs = torch.cat([conv_state.to(x.dtype), x], dim=-1)  # token t's input: inputs[..., width + t]
+    static = static_weight.float()
+    per_channel = dynamic_weight.float().permute(0, 2, 3, 1)[:, :, None]  # [B, H, 1, W, T]
+    per_channel = per_channel.expand(batch, heads, channels // heads, width, seq_len).reshape(batch, channels, width,
+                                                                                              seq_len)
+    out = None
+    for k in range(width):
+        tap = static[k][None, :, None] + per_channel[:, :, k]  # [B, C, T]
+        term = inputs[..., width - k : width - k + seq_len].float() * tap
+        out = term if out is None else out + term
+    return out, inputs[..., -width:].to(conv_state.dtype).contiguous()
