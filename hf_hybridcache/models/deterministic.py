@@ -79,10 +79,13 @@ _ATTENTION = "its attention layers wired to the attention with a fixed reduction
              "(kernels/attention_invariant.py, as Jamba's are)"
 _ACTIVATIONS = "its MLPs wired to the row-invariant linear and SiLU (F.silu gives an element other float32 bits by " \
                "its offset; models/hybrid_deterministic.py, as Jamba's are)"
-_INKLING2 = ("Inkling 2's short convs wired to the invariant conv (its dynamic short conv's per-token taps, projected "
-             "from the layer input, have no invariant form yet; Inkling's static ones are in "
-             "models/inkling_deterministic.py), its attention's sink logits, output gate and l2-clipped projections "
-             "and its experts' softcapped activations")
+_INKLING2 = ("Inkling 2's short convs wired to the invariant conv (the dynamic one's per-token taps have an "
+             "invariant form, kernels/conv_invariant.dynamic_conv_invariant, not yet wired to its "
+             "cache calls), its attention (sink logits: attention_invariant's sinks, not yet wired; its output gate, "
+             "l2-clipped projections and log-scaled relative bias), its routed experts in every layer "
+             "(Inkling2SparseMoeBlock: a sigmoid router with a score correction and softcapped SwiGLU experts; no "
+             "config has dense MLPs) and its block attention residuals (an attention over the earlier layers' states "
+             "at each position)")
 #: model_type -> the mixer ingredients its family lacks (attention and MLP activations are added from the model).
 _MIXERS = {
     "inkling2_text": (_INKLING2,),
