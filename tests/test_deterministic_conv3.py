@@ -11,6 +11,9 @@ issue 46; both families stay refused (their layers are not wired yet, docs/deter
   fixed first slot of its online softmax, so a decode step over the keys a cache layer keeps (a sliding layer's
   window) and a prefill chunk give a query its bits in one prefill, full or windowed, with a relative bias or not; the
   result is upstream's eager attention with sinks within round-off.
+- The experts' softcapped SwiGLU and the l2 clip of the queries, keys and relative states
+  (:mod:`hf_hybridcache.kernels.softcap_invariant`): an element's (a head vector's) bits at any offset and among other
+  rows, and upstream's modules within round-off.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.kernels.attention_invariant import attention_invariant, causal_visible
 from hf_hybridcache.kernels.conv_invariant import dynamic_conv_invariant
+from hf_hybridcache.kernels.softcap_invariant import l2_clip_invariant, softcapped_swiglu_invariant
 from hf_hybridcache.toy import TINY_CONFIGS, build_model
 
 DTYPES3 = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
@@ -133,3 +137,40 @@ def test_inkling2_families_are_refused_with_what_they_lack(family):
                                          "deterministic=False"):
         HybridPrefixCache(model, deterministic=True)
     HybridPrefixCache(model)  # nothing was patched: the default mode still builds
+
+
+@DTYPES3
+def test_softcapped_swiglu_and_l2_clip_give_an_element_its_bits_at_any_offset(dtype):
+    """An element (a head vector, for the clip) alone, at every offset of a longer tensor and among other rows: the
+    same bits."""
+    gen = torch.Generator().manual_seed(17)
+    gate, up = ((4 * torch.randn(3, 37, 40, generator=gen)).to(dtype) for _ in range(2))
+    full = softcapped_swiglu_invariant(gate, up, 3.0, 5.0)
+    flat_gate, flat_up = gate.reshape(-1), up.reshape(-1)
+    flat = full.reshape(-1)
+    for start in range(0, flat.shape[0] - 20, 13):
+        part = softcapped_swiglu_invariant(flat_gate[start:], flat_up[start:], 3.0, 5.0)
+        alone = softcapped_swiglu_invariant(flat_gate[start : start + 1], flat_up[start : start + 1], 3.0, 5.0)
+        assert torch.equal(part[:1], flat[start : start + 1]) and torch.equal(alone, flat[start : start + 1]), start
+    heads = (3 * torch.randn(5, 29, 4, 24, generator=gen)).to(dtype)
+    scale = torch.rand(4, 24, generator=gen) + 0.5
+    clipped = l2_clip_invariant(heads, 2.0, scale)
+    for row in range(5):
+        for t in (0, 7, 28):
+            assert torch.equal(l2_clip_invariant(heads[row, t : t + 1], 2.0, scale), clipped[row, t : t + 1])
+        assert torch.equal(l2_clip_invariant(heads[row : row + 1, 3:], 2.0, scale), clipped[row : row + 1, 3:])
+
+
+def test_softcapped_swiglu_and_l2_clip_are_upstreams_within_round_off():
+    modeling = pytest.importorskip("transformers.models.inkling2.modeling_inkling2")
+    gen = torch.Generator().manual_seed(19)
+    gate, up = 6 * torch.randn(4, 50, generator=gen), 6 * torch.randn(4, 50, generator=gen)
+    config = type("Config", (), {"mlp_gate_softcap": 3.0, "mlp_up_softcap": 5.0})()
+    expected = modeling.Inkling2SoftcappedSwiGLU(config)(gate, up)
+    torch.testing.assert_close(softcapped_swiglu_invariant(gate, up, 3.0, 5.0), expected, atol=3e-6, rtol=1e-6)
+    heads = 3 * torch.randn(2, 9, 4, 24, generator=gen)
+    torch.testing.assert_close(l2_clip_invariant(heads, 2.0), modeling.Inkling2L2Clip(2.0)(heads), atol=1e-6, rtol=1e-6)
+    scaled = modeling.Inkling2ScaledL2Clip(4, 24, 2.0)
+    with torch.no_grad():
+        scaled.scale.uniform_(0.5, 1.5)
+        torch.testing.assert_close(l2_clip_invariant(heads, 2.0, scaled.scale), scaled(heads), atol=1e-6, rtol=1e-6)

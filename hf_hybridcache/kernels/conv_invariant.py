@@ -15,10 +15,10 @@ an elementwise operation, whose IEEE result does not depend on the element's pla
 is the same bits in a prefill (at any offset, in any split) as in a one-token decode call, whatever rows share it.
 
 Inkling 2's dynamic short conv (``Inkling2DynamicShortConvolution``) adds per-token taps to its static ones: token
-t's tap ``k`` (``k`` steps back) on channel ``c`` of head ``h`` is ``static[k, c] + dynamic[t, h, k]``, the dynamic taps a
-projection of the layer input (a row-invariant linear in deterministic mode). :func:`dynamic_conv_invariant` forms each
-tap elementwise and adds the ``W`` products in the fixed order ``k = 0 .. W-1`` in float32, over the same window of
-raw inputs, so a token's output is again the same bits in a prefill, a chunk or a decode step (upstream reduces
+t's tap ``k`` (``k`` steps back) on channel ``c`` of head ``h`` is ``static[k, c] + dynamic[t, h, k]``, the dynamic
+taps a projection of the layer input (a row-invariant linear in deterministic mode). :func:`dynamic_conv_invariant`
+forms each tap elementwise and adds the ``W`` products in the fixed order ``k = 0 .. W-1`` in float32, over the same
+window of raw inputs, so a token's output is again the same bits in a prefill, a chunk or a decode step (upstream reduces
 ``windows * weights`` over the taps with ``sum(-1)``).
 
 Shapes: B rows, C channels, T new tokens, W conv width, H heads (the dynamic taps are shared by a head's channels).
