@@ -18,8 +18,8 @@ Inkling 2's dynamic short conv (``Inkling2DynamicShortConvolution``) adds per-to
 t's tap ``k`` (``k`` steps back) on channel ``c`` of head ``h`` is ``static[k, c] + dynamic[t, h, k]``, the dynamic
 taps a projection of the layer input (a row-invariant linear in deterministic mode). :func:`dynamic_conv_invariant`
 forms each tap elementwise and adds the ``W`` products in the fixed order ``k = 0 .. W-1`` in float32, over the same
-window of raw inputs, so a token's output is again the same bits in a prefill, a chunk or a decode step (upstream reduces
-``windows * weights`` over the taps with ``sum(-1)``).
+window of raw inputs, so a token's output is again the same bits in a prefill, a chunk or a decode step (upstream
+reduces ``windows * weights`` over the taps with ``sum(-1)``).
 
 Shapes: B rows, C channels, T new tokens, W conv width, H heads (the dynamic taps are shared by a head's channels).
 """
