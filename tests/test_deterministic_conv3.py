@@ -12,8 +12,10 @@ issue 46; both families stay refused (their layers are not wired yet, docs/deter
   window) and a prefill chunk give a query its bits in one prefill, full or windowed, with a relative bias or not; the
   result is upstream's eager attention with sinks within round-off.
 - The experts' softcapped SwiGLU and the l2 clip of the queries, keys and relative states
-  (:mod:`hf_hybridcache.kernels.softcap_invariant`): an element's (a head vector's) bits at any offset and among other
+  (:mod:`hf_hybridcache.kernels.inkling2_invariant`): an element's (a head vector's) bits at any offset and among other
   rows, and upstream's modules within round-off.
+- The block attention residual (learned queries over the earlier blocks' states at each position): a position's bits
+  alone, in any chunk and among other rows, and upstream's scaled-dot-product attention within round-off.
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ import torch
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.kernels.attention_invariant import attention_invariant, causal_visible
 from hf_hybridcache.kernels.conv_invariant import dynamic_conv_invariant
-from hf_hybridcache.kernels.softcap_invariant import l2_clip_invariant, softcapped_swiglu_invariant
+from hf_hybridcache.kernels.inkling2_invariant import (
+    block_residual_invariant,
+    l2_clip_invariant,
+    softcapped_swiglu_invariant,
+)
 from hf_hybridcache.toy import TINY_CONFIGS, build_model
 
 DTYPES3 = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
@@ -174,3 +180,21 @@ def test_softcapped_swiglu_and_l2_clip_are_upstreams_within_round_off():
     with torch.no_grad():
         scaled.scale.uniform_(0.5, 1.5)
         torch.testing.assert_close(l2_clip_invariant(heads, 2.0, scaled.scale), scaled(heads), atol=1e-6, rtol=1e-6)
+
+
+@DTYPES3
+def test_block_residual_gives_a_position_its_bits_in_any_call(dtype):
+    """A position's block residual alone, in a chunk from any offset and as a row among others: the same bits; and
+    the scaled-dot-product attention upstream runs (positions as heads) within round-off."""
+    gen = torch.Generator().manual_seed(23)
+    stacked = torch.randn(3, 41, 5, 48, generator=gen).to(dtype).float()
+    query = torch.randn(3, 48, generator=gen)
+    full = block_residual_invariant(query, stacked, 48**-0.5)
+    for t in (0, 1, 17, 40):
+        assert torch.equal(block_residual_invariant(query, stacked[:, t : t + 1], 48**-0.5), full[:, t : t + 1])
+        assert torch.equal(block_residual_invariant(query, stacked[:, t:], 48**-0.5), full[:, t:])
+    for row in range(3):
+        assert torch.equal(block_residual_invariant(query, stacked[row : row + 1], 48**-0.5), full[row : row + 1])
+    expected = torch.nn.functional.scaled_dot_product_attention(query.expand(3, 41, 3, 48), stacked, stacked,
+                                                                scale=48**-0.5)
+    torch.testing.assert_close(full, expected, atol=2e-6, rtol=1e-6)

@@ -85,7 +85,7 @@ _INKLING2 = ("Inkling 2's short convs wired to the invariant conv (the dynamic o
              "l2-clipped projections and log-scaled relative bias), its routed experts in every layer "
              "(Inkling2SparseMoeBlock: a sigmoid router with a score correction and softcapped SwiGLU experts; no "
              "config has dense MLPs) and its block attention residuals (an attention over the earlier layers' states "
-             "at each position)")
+             "at each position: kernels/inkling2_invariant.py has it and the softcaps and l2 clips, not yet wired)")
 #: model_type -> the mixer ingredients its family lacks (attention and MLP activations are added from the model).
 _MIXERS = {
     "inkling2_text": (_INKLING2,),

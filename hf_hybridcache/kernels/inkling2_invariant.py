@@ -11,6 +11,10 @@
 - The l2 clip (``Inkling2L2Clip``, on the keys and, after a learned scale, the queries and relative states): each head
   vector scaled down to a norm of ``threshold``, its norm ``sqrt(sum x^2)`` over the contiguous last dim of fixed length
   (a reduction whose order depends on that length only, not on how many vectors are reduced).
+- The block attention residual (``Inkling2BlockAttentionResidual``): at each position, learned queries attend over
+  the RMS-normed states of the earlier blocks and the current one (upstream: SDPA with the positions as heads, whose
+  kernel and split depend on the call's shape). Here each score is a sum over the contiguous hidden dim and the
+  softmax and weighted sum run over the ``L`` stacked states, a last dim whose length is the layer's, not the call's.
 """
 
 from __future__ import annotations
@@ -40,3 +44,16 @@ def l2_clip_invariant(x: torch.Tensor, threshold: float, scale: torch.Tensor | N
     x = x.float() if scale is None else x.float() * scale.float()
     norm = (x * x).sum(-1, keepdim=True).sqrt()
     return (x * (threshold / (norm + 1e-6)).clamp(max=1.0)).to(dtype)
+
+
+def block_residual_invariant(query: torch.Tensor, stacked: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``softmax(scaling * q s^T) s`` at each position, in float32: ``query`` ``[Q, N]`` or ``[N]`` (the learned
+    queries), ``stacked`` ``[B, T, L, N]`` (the normed block states; ``L`` fixed per layer); returns float32
+    ``[B, T, Q, N]``."""
+    hidden = stacked.shape[-1]
+    q = (query.float().view(-1, hidden) * scaling)[None, None, :, None, :]  # [1, 1, Q, 1, N]
+    states = stacked.float()
+    scores = (q * states[:, :, None]).sum(-1)  # [B, T, Q, L]
+    probs = torch.exp(scores - scores.amax(-1, keepdim=True))
+    weighted = (probs[..., None, :] * states.transpose(-1, -2)[:, :, None]).sum(-1)  # [B, T, Q, N]
+    return weighted / probs.sum(-1)[..., None]
