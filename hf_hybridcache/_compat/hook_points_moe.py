@@ -43,7 +43,7 @@ def moe_and_falcon_h1_deterministic() -> list[HookPoint]:
                f"{_MOE}: inkling_moe_forward copies its sigmoid router over routed and shared experts"),
         _point(f"{_INKLING}:InklingExperts.forward", ("gate_up_proj", "down_proj", "act_fn", "chunk"),
                f"{_MOE}: its experts' gate-up and down products run through the row-invariant linear"),
-        _point(f"{_INKLING}:InklingSharedExperts.forward", ("gate_proj", "up_proj", "down_proj", "act_fn", "gammas"),
+        _point(f"{_INKLING}:InklingSharedExperts.forward", ("gate_proj", "up_proj", "down_proj", "act_fn"),
                f"{_MOE}: inkling_moe_forward runs its shared experts one by one, weighted by their gammas"),
         _point(f"{_INKLING}:InklingMoE.forward", ("gate", "experts", "shared_experts"),
                f"{_MOE}: inkling_moe_forward stands in for it"),
