@@ -92,14 +92,17 @@ OVERRIDES = {"jamba": dict(num_experts=4, num_experts_per_tok=2, intermediate_si
                                ssm_out_multiplier=1.1, mlp_multipliers=[0.8, 1.2], embedding_multiplier=3.0,
                                lm_head_multiplier=0.5)}
 #: Bank names of a family's toy with other settings: name -> (family, config overrides). Granite 4.0-H and Nemotron-H
-#: with routed experts (4 of 56, top 2; Nemotron-H's 12 in 2 groups, the best group chosen, scaled by 2.5).
+#: with routed experts (4 of 56, top 2; Nemotron-H's 12 in 2 groups, the best group chosen, scaled by 2.5); Inkling with
+#: routed experts on two layers (4 of 56, top 2, two shared experts weighted by their gammas, its route_scale 8).
 VARIANTS = {"granitemoehybrid-moe": ("granitemoehybrid", dict(OVERRIDES["granitemoehybrid"], num_local_experts=4,
                                                               num_experts_per_tok=2, intermediate_size=56)),
             "nemotron_h-moe": ("nemotron_h", dict(
                 OVERRIDES["nemotron_h"], layers_block_type=["linear_attention", "moe", "full_attention",
                                                             "linear_attention"],
                 n_routed_experts=12, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=56,
-                moe_shared_expert_intermediate_size=104, routed_scaling_factor=2.5))}
+                moe_shared_expert_intermediate_size=104, routed_scaling_factor=2.5)),
+            "inkling_text-moe": ("inkling_text", dict(OVERRIDES["inkling_text"], moe_intermediate_size=56,
+                                                      mlp_layer_types=["dense", "sparse", "dense", "sparse"]))}
 
 
 def toy(name, dtype=torch.float32):

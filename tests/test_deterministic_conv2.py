@@ -307,13 +307,9 @@ def test_inkling_with_the_mode_off_some_case_differs():
     assert not all(case(INKLING, torch.float32, deterministic=False) for case in cases)
 
 
-def test_inkling_routed_experts_and_other_families_are_refused():
-    """Inkling's MoE layers (a sigmoid router with a global scale, shared experts weighted by gammas) have no
-    deterministic form here yet; Inkling 2 (and its loop) and ZAYA are refused with their ingredients named."""
-    model = build_model(INKLING, seed=0, mlp_layer_types=["dense", "sparse", "dense", "sparse"])
-    with pytest.raises(ValueError, match="(?s)routed experts \\(InklingMoE.*deterministic=False"):
-        HybridPrefixCache(model, deterministic=True)
-    HybridPrefixCache(model)  # nothing was patched: the default mode still builds
+def test_other_inkling_families_are_refused():
+    """Inkling 2 (and its loop) and ZAYA are refused with their ingredients named (Inkling's MoE layers are
+    test_deterministic_inkling_moe.py's)."""
     for family in ("inkling2_text", "zaya"):
         with pytest.raises(ValueError, match="(?s)wired to the invariant conv.*deterministic=False"):
             HybridPrefixCache(build_model(family, seed=0), deterministic=True)

@@ -31,9 +31,9 @@ BASE = ids(60, seed=4700)
 PROMPTS = [BASE[:40] + ids(1 + n % 9, seed=4710 + n) if n % 4 == 0 else ids(1 + (7 * n) % 70, seed=4750 + n)
            for n in range(32)]
 FAMILIES = ["mamba", "jamba", "qwen3_5_text"]
-#: Every family the mode accepts, and Granite-4.0-H's and Nemotron-H's toys with routed experts
+#: Every family the mode accepts, and Granite-4.0-H's, Nemotron-H's and Inkling's toys with routed experts
 #: (test_deterministic.VARIANTS); each toy is the bank's (test_deterministic.toy: widths off the CPU's vector width).
-ALL_FAMILIES = sorted(SUPPORTED) + ["granitemoehybrid-moe", "nemotron_h-moe"]
+ALL_FAMILIES = sorted(SUPPORTED) + ["granitemoehybrid-moe", "nemotron_h-moe", "inkling_text-moe"]
 
 
 def serve(family, dtype, prompts, seeds, max_batch_tokens, deterministic=True, generation=SAMPLING, cache=None):

@@ -24,7 +24,8 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
   :func:`~hf_hybridcache.models.short_conv_deterministic.head_gated_forward` (its window and head gate there).
 - Inkling's attention (``InklingAttention``) runs
   :func:`~hf_hybridcache.models.inkling_deterministic.attention_forward` (its relative bias handed to the invariant
-  attention), its MLP activations as above; its routed experts (``InklingMoE``) are refused.
+  attention), its MLP activations as above; its routed experts (``InklingMoE``) run
+  :func:`~hf_hybridcache.models.moe_deterministic.inkling_moe_forward`.
 - A gated attention module (Qwen3.5's ``Qwen3_5Attention``, transformers 5.23 - 5.25) runs
   :func:`gated_attention_forward`: upstream's forward with its output gate ``sigmoid(gate)`` taken as
   :func:`~hf_hybridcache.kernels.gated_delta_invariant.sigmoid_invariant` in float32, rounded once to the gate's
@@ -45,7 +46,7 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
   upstream's router and experts, each expert's products on the rows routed to it through the row-invariant linear, and
   each token's experts summed in the order of its own top-k choice (upstream sums in expert order, also fixed per
   token; the order here needs no scatter).
-- Granite-4.0-H's and Nemotron-H's experts blocks run :mod:`.moe_deterministic`'s forwards (:data:`FORWARDS
+- Granite-4.0-H's, Nemotron-H's and Inkling's experts blocks run :mod:`.moe_deterministic`'s forwards (:data:`FORWARDS
   <.moe_deterministic.FORWARDS>`).
 
 The RMSNorms, softmaxes, embeddings and residual adds run as upstream (measured row-invariant here). :data:`_OFF` is
@@ -82,9 +83,9 @@ FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock"), "zamba": ("Zamba
             "lara_mini": ("LaraMiniAttention", "LaraMiniSparseMoeBlock"),
             "kimi_linear": ("KimiLinearAttention", "KimiLinearMoE"),
             "bailing_hybrid": ("BailingHybridAttention", "BailingHybridMoE"),
-            "lfm3": ("Lfm3Attention", None), "inkling_text": ("InklingAttention", None)}
+            "lfm3": ("Lfm3Attention", None), "inkling_text": ("InklingAttention", "InklingMoE")}
 #: Routed-experts blocks a family may hold that have no deterministic form here yet: a model holding one is refused.
-UNWIRED_EXPERTS = {"inkling_text": "InklingMoE"}
+UNWIRED_EXPERTS: dict[str, str] = {}
 #: The MLP classes that call ``F.silu`` in their forward (no activation module to patch): :func:`swiglu_forward`.
 SWIGLU_MLPS = ("Lfm2MLP", "Lfm2MoeMLP", "Lfm3MLP")
 #: The attention classes whose forward gates its output with a sigmoid (:func:`gated_attention_forward`).

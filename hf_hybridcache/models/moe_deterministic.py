@@ -1,4 +1,4 @@
-"""The routed-experts blocks of Granite-4.0-H and Nemotron-H in deterministic mode (issue 46), and the per-token sum of
+"""The routed-experts blocks of Granite-4.0-H, Nemotron-H and Inkling in deterministic mode (issue 46), and the per-token sum of
 routed experts every deterministic experts block shares (:func:`routed_sum`).
 
 - Granite-4.0-H's ``GraniteMoeHybridMoE`` (``num_local_experts > 0``) runs :func:`granite_moe_forward`: its router's
@@ -12,10 +12,18 @@ routed experts every deterministic experts block shares (:func:`routed_sum`).
   top-k inside them, the chosen scores renormalized by their sum in top-k order where ``norm_topk_prob`` and scaled by
   ``routed_scaling_factor``), the optional latent projections, each expert ``down(relu2(up(x)))`` (no gate) through
   the row-invariant linear, summed per token in its top-k order, plus the shared experts' MLP.
+- Inkling's ``InklingMoE`` (``"sparse"`` MLP layers) runs :func:`inkling_moe_forward`: the float32 router over routed
+  and shared experts (sigmoid from ``exp`` plus ``e_score_correction_bias`` for the choice, the weights of the k
+  chosen and the shared experts ``sigmoid(l) / sum sigmoid(l)`` from ``exp`` where upstream takes ``logsigmoid`` and
+  ``logsumexp``, whose float32 ``log`` moves an element with its offset; times ``route_scale * global_scale``), the
+  routed experts summed per token in top-k order, and the shared experts (upstream's ``bmm`` stack) one by one through
+  the row-invariant linear, weighted by their gammas and summed in float32.
 
 Upstream code mirrored: ``GraniteMoeHybridTopKRouter`` / ``GraniteMoeHybridExperts`` / ``GraniteMoeHybridMoE``
-(``transformers/models/granitemoehybrid/modeling_granitemoehybrid.py``) and ``NemotronHTopkRouter`` /
-``NemotronHExperts`` / ``NemotronHMoE`` (``models/nemotron_h/modeling_nemotron_h.py``), transformers 5.23 - 5.25.
+(``transformers/models/granitemoehybrid/modeling_granitemoehybrid.py``), ``NemotronHTopkRouter`` /
+``NemotronHExperts`` / ``NemotronHMoE`` (``models/nemotron_h/modeling_nemotron_h.py``) and ``InklingTopkRouter`` /
+``InklingExperts`` / ``InklingSharedExperts`` / ``InklingMoE`` (``models/inkling/modeling_inkling.py``), transformers
+5.23 - 5.25.
 Upstream sums a token's experts in expert order (``index_add_``); here in its top-k order (also fixed per token,
 no scatter). Nemotron-H's experts round each weighted expert output to the model's dtype before the sum, as 5.25
 does (5.23 and 5.24 summed in float32 and rounded once: the same bits in float32, round-off apart in bf16).
@@ -24,7 +32,8 @@ relu, products and the top-k's choices do not.
 
 :data:`_OFF` is the private switch of the power tests: ``"router"`` takes the routers' sigmoid / softmax from torch,
 ``"experts"`` runs the routed experts as upstream's experts module does (``F.linear`` on each expert's rows, summed
-in expert order).
+in expert order), ``"shared"`` Inkling's shared experts as upstream (``bmm``), Inkling's router its weights from
+``logsigmoid`` / ``logsumexp`` under ``"router"``.
 """
 
 from __future__ import annotations
@@ -138,8 +147,58 @@ def nemotron_moe_forward(block: torch.nn.Module, original, hidden_states: torch.
     return block.fc2_latent_proj(routed).view(shape) + block.shared_experts(hidden_states)
 
 
+def _sigmoid_shares(logits: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(l_i) / sum_j sigmoid(l_j)`` ``[N, m]`` float32 for ``logits`` ``[N, m]`` float32 (upstream's
+    ``exp(logsigmoid(l) - logsumexp(logsigmoid(l)))``, whose ``log`` moves an element with its offset) from ``exp``
+    only: each ``sigmoid(l_i) / sigmoid(l_max)``, written so that no ``exp`` overflows into ``inf / inf``, over their
+    sum in column order."""
+    if "router" in _OFF:
+        log_probs = torch.nn.functional.logsigmoid(logits)
+        return torch.exp(log_probs - torch.logsumexp(log_probs, dim=-1, keepdim=True))
+    top = logits.max(dim=-1, keepdim=True)[0]
+    high = (1 + torch.exp(-top)) / (1 + torch.exp(-logits))  # top >= 0: exp(-top) <= 1
+    low = (torch.exp(top) + 1) / (torch.exp(top) + torch.exp(top - logits))  # top < 0: exp(top) < 1
+    ratios = torch.where(top >= 0, high, low)
+    return ratios / _ordered_sum(ratios)
+
+
+def inkling_moe_forward(block: torch.nn.Module, original, hidden_states: torch.Tensor) -> torch.Tensor:
+    """``InklingMoE``'s output ``[B, T, hidden]`` (the input's dtype) for ``hidden_states`` ``[B, T, hidden]``
+    (``InklingTopkRouter`` / ``InklingExperts`` / ``InklingSharedExperts``, transformers 5.23 - 5.25): float32 router
+    logits through the row-invariant linear over the routed and shared experts, the top-k routed experts by
+    ``sigmoid`` (from ``exp``) plus ``e_score_correction_bias``, the weights of the k chosen and the shared experts
+    ``sigmoid(l) / sum sigmoid(l)`` (:func:`_sigmoid_shares`) times ``route_scale * global_scale``, rounded to the
+    input's dtype; the routed experts summed per token in top-k order (:func:`routed_sum`), plus each shared expert
+    ``down(act(gate(x)) * up(x) * gamma)`` through the row-invariant linear, summed in float32 in expert order and
+    rounded once, as upstream's ``bmm`` stack sums them."""
+    shape = hidden_states.shape
+    x = hidden_states.reshape(-1, shape[-1])
+    router, experts, shared = block.gate, block.experts, block.shared_experts
+    n_shared = router.n_shared_experts
+    logits = _linear(x.float(), router.weight.float())
+    routed_logits, shared_logits = logits[:, :-n_shared], logits[:, -n_shared:]
+    scores = torch.sigmoid(logits)[:, :-n_shared] if "router" in _OFF else sigmoid_invariant(routed_logits)
+    chosen = torch.topk(scores + router.e_score_correction_bias.float(), router.top_k, dim=-1)[1]
+    weights = _sigmoid_shares(torch.cat([routed_logits.gather(-1, chosen), shared_logits], dim=-1))
+    weights = (weights * router.route_scale * router.global_scale.float()).to(x.dtype)
+    routed_weights, gammas = weights[:, :router.top_k].contiguous(), weights[:, router.top_k:].contiguous()
+    if "experts" in _OFF:
+        routed = experts(x, chosen, routed_weights)
+    else:
+        routed = routed_sum(x, routed_weights, chosen, gated_expert(experts, experts.act_fn))
+    if "shared" in _OFF:
+        return routed.view(shape) + shared(hidden_states, gammas=gammas)
+    total = None
+    for index in range(n_shared):
+        gate, up = _linear(x, shared.gate_proj[index]), _linear(x, shared.up_proj[index])
+        down = _linear(shared.act_fn(gate) * up * gammas[:, index:index + 1], shared.down_proj[index]).float()
+        total = down if total is None else total + down
+    return routed.view(shape) + total.to(x.dtype).view(shape)
+
+
 #: Experts block class -> its deterministic forward (``hybrid_deterministic.install`` patches them by name).
-FORWARDS = {"GraniteMoeHybridMoE": granite_moe_forward, "NemotronHMoE": nemotron_moe_forward}
+FORWARDS = {"GraniteMoeHybridMoE": granite_moe_forward, "NemotronHMoE": nemotron_moe_forward,
+            "InklingMoE": inkling_moe_forward}
 
 
 def product_weights(block: torch.nn.Module) -> list[torch.Tensor]:
@@ -147,4 +206,8 @@ def product_weights(block: torch.nn.Module) -> list[torch.Tensor]:
     they run in (the row-invariance probes): the router's, one expert's."""
     if type(block).__name__ == "NemotronHMoE":
         return [block.gate.weight.float(), block.experts.up_proj[0], block.experts.down_proj[0]]
+    if type(block).__name__ == "InklingMoE":
+        shared = block.shared_experts
+        return [block.gate.weight.float(), block.experts.gate_up_proj[0], block.experts.down_proj[0],
+                shared.gate_proj[0], shared.up_proj[0], shared.down_proj[0]]
     return [block.router.weight, block.experts.gate_up_proj[0], block.experts.down_proj[0]]
