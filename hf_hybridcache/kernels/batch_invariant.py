@@ -13,9 +13,11 @@ call gets a row count that is a multiple of :data:`ROW_TILE` (zero rows appended
 summed in one order, by one of two products chosen per weight (:func:`product_form`, never per call):
 
 - ``"onednn"``: oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``, the op torch's own compiler emits for a CPU
-  linear) for float32 CPU weights of at least :data:`ONEDNN_MIN_ELEMENTS` elements. Measured on this CPU it sums a row
-  one way at every row count from 2 to 1024 and on one thread as on two (1 row alone is a matrix-vector kernel,
-  hence the tile), and it reads a large weight faster than MKL's product at 4 rows and more;
+  linear) for float32 CPU weights of at least :data:`ONEDNN_MIN_ELEMENTS` elements, on the weight packed once in
+  oneDNN's blocked layout (:func:`packed_weight`; on the plain weight it reorders it on every call, about half a
+  decode step's product time). Measured on this CPU it sums a row one way at every row count from 2 to 1024 and on
+  one thread as on two (1 row alone is a matrix-vector kernel, hence the tile), packed or not, and packed it reads a
+  weight at 4 rows in about the time of the default's 1-row matrix-vector read;
 - ``"blas"``: ``F.linear`` (MKL in float32, oneDNN in bf16 / fp16) for every other weight: a small float32 weight
   (below the threshold oneDNN's per-call set-up costs more than it saves), any bf16 / fp16 one, a torch without
   oneDNN.
@@ -26,7 +28,9 @@ another torch or another device instead of silently losing its guarantee.
 
 Cost on the 2-core CPU against plain ``F.linear`` (``benchmarks/batch_invariance.py``, table 5; a ``[4096, 1024]``
 weight): float32 2.0x at 1 row (the 4-row product against MKL's matrix-vector one; MKL's 4-row product was 3.0x),
-0.42x at 8 rows and 0.40x at 64; a small float32 weight's single row pays MKL's 4-row product; bf16 within noise.
+0.42x at 8 rows and 0.40x at 64 (on the plain weight, before :func:`packed_weight`; packed, the 4-row product of the
+100M Qwen3.5 shape's weights took 0.55-0.98x the 1-row ``F.linear`` on one thread in one run); a small float32
+weight's single row pays MKL's 4-row product; bf16 within noise.
 
 Shapes: ``x`` ``[..., K]`` (M rows in all), ``weight`` ``[N, K]``, ``bias`` ``[N]``; any float dtype and device that
 ``F.linear`` takes.
