@@ -116,6 +116,28 @@ def test_under_autograd_the_product_gives_the_same_bits_and_gradients():
         torch.testing.assert_close(g, w)
 
 
+@pytest.mark.skipif(not bi._onednn_available(), reason="this torch has no oneDNN linear")
+def test_the_onednn_product_packs_a_weight_once_and_again_after_a_write():
+    """oneDNN's product runs on the weight packed once (``packed_weight``), the same packed tensor on the next call; an
+    in-place write to the weight packs it again (its version moved), so the product follows the weight; a freed
+    weight's packed copy goes with it."""
+    import gc
+
+    x, weight, b = _setup(LARGE, torch.float32, True)
+    first = bi.invariant_linear(x[:3], weight, b)
+    packed = bi.packed_weight(weight)
+    assert bi.packed_weight(weight) is packed and id(weight) in bi._PACKED
+    torch.testing.assert_close(first, F.linear(x[:3], weight, b))
+    with torch.no_grad():
+        weight.mul_(2)
+    assert bi.packed_weight(weight) is not packed
+    torch.testing.assert_close(bi.invariant_linear(x[:3], weight, b), F.linear(x[:3], weight, b))
+    key = id(weight)
+    del weight, packed
+    gc.collect()
+    assert key not in bi._PACKED
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_the_probe_passes_here_and_is_cached(dtype, monkeypatch):
     _, weight, b = _setup((256, 64), dtype, True)

@@ -13,9 +13,11 @@ call gets a row count that is a multiple of :data:`ROW_TILE` (zero rows appended
 summed in one order, by one of two products chosen per weight (:func:`product_form`, never per call):
 
 - ``"onednn"``: oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``, the op torch's own compiler emits for a CPU
-  linear) for float32 CPU weights of at least :data:`ONEDNN_MIN_ELEMENTS` elements. Measured on this CPU it sums a row
-  one way at every row count from 2 to 1024 and on one thread as on two (1 row alone is a matrix-vector kernel,
-  hence the tile), and it reads a large weight faster than MKL's product at 4 rows and more;
+  linear) for float32 CPU weights of at least :data:`ONEDNN_MIN_ELEMENTS` elements, on the weight packed once in
+  oneDNN's blocked layout (:func:`packed_weight`; on the plain weight it reorders it on every call, about half a
+  decode step's product time). Measured on this CPU it sums a row one way at every row count from 2 to 1024 and on
+  one thread as on two (1 row alone is a matrix-vector kernel, hence the tile), packed or not, and packed it reads a
+  weight at 4 rows in about the time of the default's 1-row matrix-vector read;
 - ``"blas"``: ``F.linear`` (MKL in float32, oneDNN in bf16 / fp16) for every other weight: a small float32 weight
   (below the threshold oneDNN's per-call set-up costs more than it saves), any bf16 / fp16 one, a torch without
   oneDNN.
@@ -26,7 +28,9 @@ another torch or another device instead of silently losing its guarantee.
 
 Cost on the 2-core CPU against plain ``F.linear`` (``benchmarks/batch_invariance.py``, table 5; a ``[4096, 1024]``
 weight): float32 2.0x at 1 row (the 4-row product against MKL's matrix-vector one; MKL's 4-row product was 3.0x),
-0.42x at 8 rows and 0.40x at 64; a small float32 weight's single row pays MKL's 4-row product; bf16 within noise.
+0.42x at 8 rows and 0.40x at 64 (on the plain weight, before :func:`packed_weight`; packed, the 4-row product of the
+100M Qwen3.5 shape's weights took 0.55-0.98x the 1-row ``F.linear`` on one thread in one run); a small float32
+weight's single row pays MKL's 4-row product; bf16 within noise.
 
 Shapes: ``x`` ``[..., K]`` (M rows in all), ``weight`` ``[N, K]``, ``bias`` ``[N]``; any float dtype and device that
 ``F.linear`` takes.
@@ -35,6 +39,7 @@ Shapes: ``x`` ``[..., K]`` (M rows in all), ``weight`` ``[N, K]``, ``bias`` ``[N
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -60,7 +65,8 @@ PROBE_ROWS = (4, 8, 12, 16, 28, 64, 256)
 
 
 def _onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
 _ONEDNN = _onednn_available()
@@ -106,7 +112,7 @@ class _OneDnnLinear(torch.autograd.Function):
     def forward(ctx, rows, weight, bias):
         ctx.save_for_backward(rows, weight)
         ctx.has_bias = bias is not None
-        return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(rows, packed_weight(weight), bias, "none", [], "")
 
     @staticmethod
     def backward(ctx, grad):
@@ -114,10 +120,36 @@ class _OneDnnLinear(torch.autograd.Function):
         return grad @ weight, grad.t() @ rows, grad.sum(0) if ctx.has_bias else None
 
 
+#: ``id(weight)`` -> (a weak reference to ``weight``, its data pointer and version counter when packed, the packed
+#: weight): :func:`packed_weight`'s store, an entry dropped when its weight is freed.
+_PACKED: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
+
+
+def packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[N, K]`` (float32, CPU) in oneDNN's blocked layout for a :data:`ROW_TILE`-row product
+    (``torch.ops.mkldnn._reorder_linear_weight``, what torch's compiler does to a frozen linear's weight), packed once
+    and kept while ``weight`` lives and is unchanged (a new data pointer or an in-place write, which bumps its version
+    counter, packs it again). A product on the plain weight reorders it on every call: measured on this CPU that doubled
+    a decode step's 4-row products (``[2048, 768]`` 0.25 ms against 0.10 ms packed, the ``[32768, 768]`` LM head 11.5
+    ms against 6.1, about the 1-row matrix-vector read). The cost is memory: a second copy of every float32 weight of
+    :data:`ONEDNN_MIN_ELEMENTS` elements or more. Row-invariance is probed on the packed product like any other
+    (:func:`check_row_invariance`, :func:`check_thread_invariance`)."""
+    entry = _PACKED.get(id(weight))
+    if entry is not None and entry[0]() is weight and entry[1:3] == (weight.data_ptr(), weight._version):
+        return entry[3]
+    with torch.no_grad():
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROW_TILE)
+    key = id(weight)
+    if entry is None or entry[0]() is not weight:
+        weakref.finalize(weight, _PACKED.pop, key, None)
+    _PACKED[key] = (weakref.ref(weight), weight.data_ptr(), weight._version, packed)
+    return packed
+
+
 def _onednn_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (rows, weight, bias)):
         return _OneDnnLinear.apply(rows, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(rows, packed_weight(weight), bias, "none", [], "")
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
