@@ -5,8 +5,8 @@ and a head gate), a dense MLP then routed + shared experts behind a grouped sigm
 ``OVERRIDES``: an MLP of 104, experts of 56, 3 MLA heads, KDA heads of 20). A request's tokens and logits / logprobs
 are the same bits cold and after hits of several lengths, with a reply replayed in a chat, decoded or prefilled, as a
 row of a left-padded generate() batch, and among 1-8 concurrent engine requests at prefill chunks of 16, 48 and 512
-tokens (and in speculative verify groups) against generate() alone, and the server's completions through the
-``openai`` client alone, concurrent and after a hit; float32 and bfloat16 throughout, float16 for hits, decode and
+tokens (and in speculative verify groups) against generate() alone (the server's completions:
+test_deterministic_serve.py, on every accepted family); float32 and bfloat16 throughout, float16 for hits, decode and
 the engine.
 
 Power (each ingredient switched off alone through the private ``kda_deterministic._OFF`` or
@@ -35,8 +35,6 @@ from test_deterministic import (
     run,
     speculative_case,
 )
-
-from test_deterministic_serve import test_completions_are_bitwise_alone_concurrent_and_after_a_hit as serve_case
 
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.models import hybrid_deterministic, kda_deterministic
@@ -128,11 +126,6 @@ def test_engine_requests_hit_each_others_prefix(family):
 def test_speculative_verify_groups_equal_generate_alone(family, dtype):
     speculative_case(family, dtype)
 
-
-def test_server_completions_are_bitwise_alone_concurrent_and_after_a_hit(family, dtype):
-    """``python -m hf_hybridcache.serve --deterministic`` on the family's own toy (test_deterministic_serve.py's
-    case)."""
-    serve_case(str(dtype)[6:], f"toy:{family}")
 
 
 def test_eager_attention_gives_the_bits_of_sdpa(family):
