@@ -204,3 +204,14 @@ def test_falcon_h1_with_another_conv_activation_is_refused():
     model = build_model("falcon_h1", seed=0, hidden_act="gelu")
     with pytest.raises(ValueError, match="(?s)hidden_act='gelu'.*mixer's conv.*deterministic=False"):
         HybridPrefixCache(model, deterministic=True)
+
+
+@pytest.mark.parametrize("family, overrides", [("bamba", dict(hidden_act="gelu")),
+                                               ("nemotron_h", dict(mamba_hidden_act="gelu"))])
+def test_a_mamba_conv_activation_other_than_silu_is_refused_at_construction(family, overrides):
+    """Regression: these configs were accepted and their first forward raised from the invariant conv; they are
+    refused when the cache is built, before anything is patched."""
+    model = build_model(family, seed=0, **overrides)
+    with pytest.raises(ValueError, match="(?s)conv runs 'gelu'.*deterministic=False"):
+        HybridPrefixCache(model, deterministic=True)
+    HybridPrefixCache(model)  # nothing was patched: the default mode still builds

@@ -116,7 +116,8 @@ def check(model: torch.nn.Module, spec: ModelStateSpec) -> None:
     few products of up to 256 rows).
 
     Raises:
-        ValueError: the family lacks ingredients (named, with what to do); a Hub kernel library is swapped in;
+        ValueError: the family lacks ingredients (named, with what to do); its mixers' conv runs an activation other
+            than SiLU (the invariant conv has SiLU only); a Hub kernel library is swapped in;
             a parameter is off the CPU or of a dtype other than float32 / bfloat16 / float16; this BLAS sums a
             linear layer's row differently at some row count or on one thread; the invariant attention gives a
             query other bits in a decode step or a prefill chunk here (a hybrid's probe).
@@ -155,6 +156,13 @@ def check(model: torch.nn.Module, spec: ModelStateSpec) -> None:
         except RuntimeError as error:
             raise ValueError(f"deterministic=True refuses {name} here: {error} Build the cache with "
                              "deterministic=False.") from error
+    mixer_class = SUPPORTED[model_type][0]
+    activations = sorted({a for m in model.modules() if type(m).__name__ == mixer_class
+                          and isinstance(a := getattr(m, "activation", None), str) and a not in ("silu", "swish")})
+    if activations:
+        raise ValueError(f"deterministic=True refuses {name}: its mixers' conv runs {', '.join(map(repr, activations))}"
+                         ", and the invariant conv has an invariant SiLU only (kernels/conv_invariant.py). Build the "
+                         "cache with deterministic=False.")
     for weight, bias in products:
         try:
             check_row_invariance(weight, bias)
