@@ -1,4 +1,5 @@
-"""The products of deterministic mode (issue 46): every linear layer its per-family forwards run, in one place.
+"""The products of deterministic mode (issue 46): every linear layer its per-family forwards run, in one place; and
+the invariant causal conv over a cache, which every mixer with a conv window runs alike (:func:`conv_over_cache`).
 
 Each mixer module (:mod:`.mamba1_deterministic`, :mod:`.mamba2_deterministic`, :mod:`.gated_delta_deterministic`,
 :mod:`.short_conv_deterministic`) keeps its own private ``_OFF`` switch set for the power tests and passes it here at
@@ -12,7 +13,9 @@ from collections.abc import Collection
 import torch
 import torch.nn.functional as F
 
+from .. import _compat
 from ..kernels.batch_invariant import invariant_linear
+from ..kernels.conv_invariant import causal_conv_invariant
 from ..kernels.decode_linear import weight_qualifies
 from .decode_linear import wide_threads
 
@@ -32,3 +35,20 @@ def routed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return invariant_linear(x, weight, bias)
     with wide_threads():
         return invariant_linear(x, weight, bias)
+
+
+def conv_over_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+                    conv_state: torch.Tensor | None, cache, layer_idx: int, kernel_size: int, decode: bool,
+                    state_idx: int | None = None) -> torch.Tensor:
+    """The invariant causal conv of ``x`` ``[B, C, T]`` (``weight`` ``[C, W]``, ``activation`` None / ``"silu"``)
+    continuing ``conv_state`` ``[B, C, W]`` (None: zeros) -> ``[B, C, T]``; the window goes to ``cache``: in place for a
+    decode step (``decode``: one token over a held state), which counts its token as the package's decode step does,
+    else through ``cache.update_conv_state``. ``state_idx``: the conv's own state slot in its layer (Inkling's four)."""
+    slot = {} if state_idx is None else {"state_idx": state_idx}
+    out, window = causal_conv_invariant(x, weight, bias, activation, conv_state)
+    if decode:
+        conv_state.copy_(window)
+        _compat.count_decode_token(cache, layer_idx, **slot)
+    else:
+        cache.update_conv_state(x, layer_idx, **slot, conv_kernel_size=kernel_size)
+    return out

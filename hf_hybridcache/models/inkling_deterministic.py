@@ -29,8 +29,8 @@ import torch
 from .. import _compat
 from .._compat.invariant_attention import gated_attention_parts
 from ..config import state_key
-from ..kernels.conv_invariant import causal_conv_invariant
 from ..kernels.state_update import causal_conv1d_update
+from .deterministic_linear import conv_over_cache
 from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_states_at
 from .mamba1_deterministic import lm_head_forward  # noqa: F401 (deterministic.install reads it from here)
 
@@ -58,12 +58,7 @@ def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_m
     if "conv" in _OFF:
         out = _default_conv(x, conv_state, weight, bias, cache, layer_idx, state_idx, width, decode)
     else:
-        out, window = causal_conv_invariant(x, weight, bias, None, conv_state)
-        if decode:
-            conv_state.copy_(window)
-            _compat.count_decode_token(cache, layer_idx, state_idx)
-        else:
-            cache.update_conv_state(x, layer_idx, state_idx=state_idx, conv_kernel_size=width)
+        out = conv_over_cache(x, weight, bias, None, conv_state, cache, layer_idx, width, decode, state_idx=state_idx)
     if positions:
         empty = x.new_zeros((x.shape[0], 0), dtype=torch.float32)
         cache.capture_states(state_key(layer_idx, state_idx), positions, [(conv, empty) for conv in checkpoints])

@@ -44,14 +44,13 @@ import torch.nn.functional as F
 from .. import _compat
 from .._compat.invariant_attention import gated_attention_parts
 from ..kernels import chunk_kimi_delta_attention
-from ..kernels.conv_invariant import causal_conv_invariant
 from ..kernels.gated_delta_invariant import sigmoid_invariant
 from ..kernels.kda import recurrent_kimi_delta_attention
 from ..kernels.kda_invariant import kda_scan_invariant, kda_step_invariant, sigmoid_gated_rms_norm_invariant
 from ..kernels.mamba1_invariant import softplus_invariant
 from ..kernels.state_update import causal_conv1d_update
 from . import mamba1_deterministic
-from .deterministic_linear import routed_linear
+from .deterministic_linear import conv_over_cache, routed_linear
 from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_states_at
 from .mamba1_deterministic import lm_head_forward  # noqa: F401 (deterministic.install reads it from here)
 
@@ -144,13 +143,8 @@ def _conv(mixer, x: torch.Tensor, conv_state: torch.Tensor | None, cache, decode
             return out.to(x.dtype)
         full = cache.update_conv_state(x, layer_idx, conv_kernel_size=mixer.conv_kernel_size)
         return causal_conv(full, weight, bias, mixer.activation, x.shape[-1]).to(x.dtype)
-    out, window = causal_conv_invariant(x, weight, bias, mixer.activation, conv_state)
-    if decode:
-        conv_state.copy_(window)
-        _compat.count_decode_token(cache, layer_idx)
-    else:
-        cache.update_conv_state(x, layer_idx, conv_kernel_size=mixer.conv_kernel_size)
-    return out
+    return conv_over_cache(x, weight, bias, mixer.activation, conv_state, cache, layer_idx, mixer.conv_kernel_size,
+                           decode)
 
 
 def _step(state, query, key, value, g, beta) -> torch.Tensor:

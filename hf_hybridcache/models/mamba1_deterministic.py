@@ -34,10 +34,9 @@ import torch
 
 from .. import _compat
 from ..kernels import selective_scan
-from ..kernels.conv_invariant import causal_conv_invariant
 from ..kernels.mamba1_invariant import selective_scan_invariant, selective_step_invariant
 from ..kernels.state_update import causal_conv1d_update, selective_state_update
-from .deterministic_linear import routed_linear
+from .deterministic_linear import conv_over_cache, routed_linear
 from .jamba import selective_norms
 from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_states_at
 
@@ -110,13 +109,8 @@ def conv(mixer, x: torch.Tensor, conv_state: torch.Tensor | None, cache, decode:
             return out
         full = cache.update_conv_state(x, layer_idx, conv_kernel_size=mixer.conv_kernel_size)
         return causal_conv(full, weight, bias, mixer.activation, x.shape[-1])
-    out, window = causal_conv_invariant(x, weight, bias, mixer.activation, conv_state)
-    if decode:
-        conv_state.copy_(window)
-        _compat.count_decode_token(cache, layer_idx)
-    else:
-        cache.update_conv_state(x, layer_idx, conv_kernel_size=mixer.conv_kernel_size)
-    return out
+    return conv_over_cache(x, weight, bias, mixer.activation, conv_state, cache, layer_idx, mixer.conv_kernel_size,
+                           decode)
 
 
 def ssm_step(state, x, time_step, B, C, gate, scan: dict) -> torch.Tensor:

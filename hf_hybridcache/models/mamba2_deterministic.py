@@ -33,10 +33,9 @@ import torch
 
 from .. import _compat
 from ..kernels import mamba2_chunk_scan
-from ..kernels.conv_invariant import causal_conv_invariant
 from ..kernels.mamba2_invariant import gated_rms_norm_invariant, mamba2_scan_invariant, mamba2_step_invariant
 from ..kernels.state_update import causal_conv1d_update, mamba2_state_update
-from .deterministic_linear import routed_linear
+from .deterministic_linear import conv_over_cache, routed_linear
 from .mamba1 import apply_padding_mask, checkpoint_positions, conv_states_at
 from .mamba2 import causal_conv
 
@@ -113,13 +112,8 @@ def _conv(mixer, x: torch.Tensor, conv_state: torch.Tensor | None, cache, decode
             return out
         full = cache.update_conv_state(x, layer_idx, conv_kernel_size=mixer.conv_kernel_size)
         return causal_conv(full, mixer, x.shape[-1])
-    out, window = causal_conv_invariant(x, weight, bias, mixer.activation, conv_state)
-    if decode:
-        conv_state.copy_(window)
-        _compat.count_decode_token(cache, layer_idx)
-    else:
-        cache.update_conv_state(x, layer_idx, conv_kernel_size=mixer.conv_kernel_size)
-    return out
+    return conv_over_cache(x, weight, bias, mixer.activation, conv_state, cache, layer_idx, mixer.conv_kernel_size,
+                           decode)
 
 
 def _step(mixer, state, x, dt, B, C) -> torch.Tensor:

@@ -33,11 +33,10 @@ import torch
 
 from .. import _compat
 from .._compat.invariant_attention import gated_attention_parts
-from ..kernels.conv_invariant import causal_conv_invariant
 from ..kernels.gated_delta_invariant import sigmoid_invariant
 from ..kernels.state_update import causal_conv1d_update
 from . import mamba1_deterministic
-from .deterministic_linear import routed_linear
+from .deterministic_linear import conv_over_cache, routed_linear
 from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_states_at
 from .mamba1_deterministic import lm_head_forward  # noqa: F401 (deterministic.install reads it from here)
 
@@ -83,13 +82,8 @@ def _conv(mixer, x: torch.Tensor, conv_state: torch.Tensor | None, cache, decode
             return out
         full = cache.update_conv_state(x, layer_idx, conv_kernel_size=mixer.conv_kernel_size)
         return causal_conv(full, weight, bias, None, x.shape[-1])
-    out, window = causal_conv_invariant(x, weight, bias, None, conv_state)
-    if decode:
-        conv_state.copy_(window)
-        _compat.count_decode_token(cache, layer_idx)
-    else:
-        cache.update_conv_state(x, layer_idx, conv_kernel_size=mixer.conv_kernel_size)
-    return out
+    return conv_over_cache(x, weight, bias, None, conv_state, cache, layer_idx, mixer.conv_kernel_size,
+                           decode)
 
 
 def head_gated_forward(module: torch.nn.Module, original, hidden_states: torch.Tensor,
