@@ -11,6 +11,7 @@ The Mamba-2 mixers stored no checkpoints in training mode (a mode flag decided i
 single-expert config fails in transformers' load-balancing loss, which TRL turns on (docs/post-training.md)."""
 
 import re
+import zlib
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,10 @@ PROMPTS = [f"Question {i}: how many legs does a spider have? Think it through." 
 
 
 def reward(completions, **kwargs):
-    return [float(len(set(c))) for c in completions]
+    """Distinct characters, with a fraction from the text's CRC-32 so that different completions never tie: a group
+    whose rewards all tie has zero advantages, and a run of such groups leaves the weights unchanged (GRPO with
+    ``beta=0``), which the weights-reads test saw as no identity read."""
+    return [len(set(c)) + zlib.crc32(c.encode()) % 1000 / 1000 for c in completions]
 
 
 def make_trainer(kind: str, model, steps: int, **config):
