@@ -126,16 +126,38 @@ def test_the_onednn_product_packs_a_weight_once_and_again_after_a_write():
     x, weight, b = _setup(LARGE, torch.float32, True)
     first = bi.invariant_linear(x[:3], weight, b)
     packed = bi.packed_weight(weight)
-    assert bi.packed_weight(weight) is packed and id(weight) in bi._PACKED
+    assert bi.packed_weight(weight) is packed and _packed_keys(weight)
     torch.testing.assert_close(first, F.linear(x[:3], weight, b))
     with torch.no_grad():
         weight.mul_(2)
     assert bi.packed_weight(weight) is not packed
     torch.testing.assert_close(bi.invariant_linear(x[:3], weight, b), F.linear(x[:3], weight, b))
-    key = id(weight)
+    keys = _packed_keys(weight)
     del weight, packed
     gc.collect()
-    assert key not in bi._PACKED
+    assert keys and not keys & bi._PACKED.keys()
+
+
+def _packed_keys(base: torch.Tensor) -> set:
+    return {key for key in bi._PACKED if key[0] == id(base)}
+
+
+@pytest.mark.skipif(not bi._onednn_available(), reason="this torch has no oneDNN linear")
+def test_an_experts_slice_is_packed_once_per_expert_and_again_after_a_write():
+    """One expert's ``[N, K]`` slice of a ``[E, N, K]`` parameter is a new view at each call: its packed copy is kept
+    under the parameter (one per expert, each the product of its own slice) and packed again after a write to the
+    parameter."""
+    experts = torch.nn.Parameter(torch.randn(3, *LARGE, generator=torch.Generator().manual_seed(5)) / LARGE[1] ** 0.5)
+    x = torch.randn(4, LARGE[1], generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        packed = [bi.packed_weight(experts[e]) for e in range(3)]
+        assert all(bi.packed_weight(experts[e]) is packed[e] for e in range(3))
+        assert len(_packed_keys(experts)) == 3
+        for e in range(3):
+            torch.testing.assert_close(bi.invariant_linear(x, experts[e]), F.linear(x, experts[e]))
+        experts.mul_(2)
+        assert bi.packed_weight(experts[1]) is not packed[1]
+        torch.testing.assert_close(bi.invariant_linear(x, experts[1]), F.linear(x, experts[1]))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -120,29 +120,32 @@ class _OneDnnLinear(torch.autograd.Function):
         return grad @ weight, grad.t() @ rows, grad.sum(0) if ctx.has_bias else None
 
 
-#: ``id(weight)`` -> (a weak reference to ``weight``, its data pointer and version counter when packed, the packed
-#: weight): :func:`packed_weight`'s store, an entry dropped when its weight is freed.
-_PACKED: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
+#: (``id`` of the weight's base tensor, the weight's data pointer, shape and strides) -> (a weak reference to the base,
+#: the version counter when packed, the packed weight): :func:`packed_weight`'s store, an entry dropped when its base is
+#: freed. A view (one expert's ``gate_up_proj[e]``, a new tensor at each call) is keyed by its base and place in it.
+_PACKED: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` ``[N, K]`` (float32, CPU) in oneDNN's blocked layout for a :data:`ROW_TILE`-row product
     (``torch.ops.mkldnn._reorder_linear_weight``, what torch's compiler does to a frozen linear's weight), packed once
-    and kept while ``weight`` lives and is unchanged (a new data pointer or an in-place write, which bumps its version
-    counter, packs it again). A product on the plain weight reorders it on every call: measured on this CPU that doubled
-    a decode step's 4-row products (``[2048, 768]`` 0.25 ms against 0.10 ms packed, the ``[32768, 768]`` LM head 11.5
-    ms against 6.1, about the 1-row matrix-vector read). The cost is memory: a second copy of every float32 weight of
-    :data:`ONEDNN_MIN_ELEMENTS` elements or more. Row-invariance is probed on the packed product like any other
-    (:func:`check_row_invariance`, :func:`check_thread_invariance`)."""
-    entry = _PACKED.get(id(weight))
-    if entry is not None and entry[0]() is weight and entry[1:3] == (weight.data_ptr(), weight._version):
-        return entry[3]
+    and kept while ``weight`` (for a view such as one expert's slice of a ``[E, N, K]`` parameter, its base) lives and
+    is unchanged (an in-place write bumps the version counter a view shares with its base and packs it again; another
+    data pointer, shape or stride is another entry). A product on the plain weight reorders it on every call: measured
+    on this CPU that doubled a decode step's 4-row products (``[2048, 768]`` 0.25 ms against 0.10 ms packed, the
+    ``[32768, 768]`` LM head 11.5 ms against 6.1, about the 1-row matrix-vector read). The cost is memory: a second
+    copy of every float32 weight of :data:`ONEDNN_MIN_ELEMENTS` elements or more. Row-invariance is probed on the
+    packed product like any other (:func:`check_row_invariance`, :func:`check_thread_invariance`)."""
+    base = weight if weight._base is None else weight._base
+    key = (id(base), weight.data_ptr(), tuple(weight.shape), weight.stride())
+    entry = _PACKED.get(key)
+    if entry is not None and entry[0]() is base and entry[1] == weight._version:
+        return entry[2]
     with torch.no_grad():
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROW_TILE)
-    key = id(weight)
-    if entry is None or entry[0]() is not weight:
-        weakref.finalize(weight, _PACKED.pop, key, None)
-    _PACKED[key] = (weakref.ref(weight), weight.data_ptr(), weight._version, packed)
+    if entry is None or entry[0]() is not base:
+        weakref.finalize(base, _PACKED.pop, key, None)
+    _PACKED[key] = (weakref.ref(base), weight._version, packed)
     return packed
 
 
