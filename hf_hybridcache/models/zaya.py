@@ -22,13 +22,17 @@ import torch
 from .. import _compat
 from ..config import MambaLayerSpec, ModelStateSpec, TensorSpec
 from .base import ModelSupport, attention_layer_spec
-from .mamba1 import checkpoint_positions, conv_states_at
+from .mamba1 import checkpoint_positions, conv_states_at, deterministic_over
 
 _CCA_CLASS = "ZayaCCAProjection"
 
 
 def _emitting_forward(cca, original, hidden_states, past_key_values=None, conv_mask=None):
     cache, seq_len = past_key_values, hidden_states.shape[1]
+    deterministic = deterministic_over(cca, cache)
+    if deterministic is not None and (cache is None or not cache.is_recording_past(cca.layer_idx)):
+        forward, over = deterministic  # deterministic mode's (models/zaya_deterministic.py)
+        return forward(cca, hidden_states, over, conv_mask)
     if cache is None or seq_len == 1 or cache.is_recording_past(cca.layer_idx):
         return original(hidden_states, past_key_values, conv_mask)
     positions = checkpoint_positions(cache, seq_len)
