@@ -39,7 +39,8 @@ from deterministic_bank import (
 )
 from test_deterministic import toy
 
-from hf_hybridcache.models import hybrid_deterministic, mamba1_deterministic, moe_deterministic
+from hf_hybridcache import HybridPrefixCache
+from hf_hybridcache.models import hybrid_deterministic, mamba1_deterministic, moe_deterministic, zaya_deterministic
 
 ZAYA = "zaya"
 DTYPES3 = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
@@ -121,3 +122,11 @@ def test_each_ingredient_off_alone_breaks_a_case(monkeypatch, module, off, dtype
 
 def test_with_the_mode_off_some_case_differs():
     mode_off_some_case_differs(ZAYA, torch.float32, cases=(decode_vs_prefill_case, engine_case, hit_case))
+
+
+def test_refused_where_the_gelu_probe_fails(monkeypatch):
+    """Where ``torch.erf`` gives an element other bits alone than in a tensor, the router's GELU has no invariant
+    form: the mode refuses ZAYA at construction, naming it."""
+    monkeypatch.setattr(zaya_deterministic, "_GELU_FAILURES", [3])
+    with pytest.raises(ValueError, match="(?s)torch.erf gives 3 of 64.*deterministic=False"):
+        HybridPrefixCache(toy(ZAYA), deterministic=True)

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hf_hybridcache.kernels import zaya_invariant
 from hf_hybridcache.kernels.zaya_invariant import cca_conv_invariant, gelu_invariant, grouped_conv_invariant
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -121,3 +122,11 @@ def test_float16_gelu_moves_a_row_with_its_offset_here():
     flat = (torch.randn(40 * 20, generator=g) * 3).half()
     whole = F.gelu(flat)
     assert any(not torch.equal(F.gelu(flat[o:o + 60]), whole[o:o + 60]) for o in range(1, 33))
+
+
+def test_the_gelu_probe_passes_here_and_catches_f_gelu(monkeypatch):
+    """The probe the mode runs at construction finds no element moved here; with ``F.gelu`` in the invariant form's
+    place it finds some (its power)."""
+    assert zaya_invariant.gelu_invariance_failures() == 0
+    monkeypatch.setattr(zaya_invariant, "gelu_invariant", F.gelu)
+    assert zaya_invariant.gelu_invariance_failures() > 0

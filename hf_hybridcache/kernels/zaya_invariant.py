@@ -19,6 +19,8 @@
   width off the vector width) than inside a longer tensor (measured here: 37 of 92 single elements differed).
   :func:`gelu_invariant` is ``0.5 * x * (1 + erf(x / sqrt(2)))`` in float32 with ``torch.erf``, whose body and tail
   agreed on 4096 single elements here (``tests/test_zaya_invariant.py`` probes it), rounded once by the caller.
+  That agreement is the CPU's and torch's, so :func:`gelu_invariance_failures` measures it where the mode is built
+  (deterministic mode refuses ZAYA where it fails).
 
 Shapes: B rows, C channels (``(H + Hkv) * D``), G groups, T new tokens, W = ``(K0 - 1) + (K1 - 1)`` cached inputs.
 """
@@ -104,3 +106,12 @@ def cca_conv_invariant(x: torch.Tensor, conv_state: torch.Tensor | None, depthwi
 def gelu_invariant(x: torch.Tensor) -> torch.Tensor:
     """``gelu(x) = 0.5 * x * (1 + erf(x / sqrt(2)))`` (the erf form) elementwise in ``x``'s dtype (pass float32)."""
     return 0.5 * x * (1 + torch.erf(x * (1 / math.sqrt(2))))
+
+
+def gelu_invariance_failures(count: int = 64, seed: int = 0) -> int:
+    """How many of ``count`` float32 elements (``randn * 3``, seeded) :func:`gelu_invariant` gives other bits alone
+    (a one-element call: the elementwise loop's scalar path) than inside the whole tensor (its vectorized body); 0
+    where ``torch.erf``'s two paths agree, as measured here."""
+    x = torch.randn(count, generator=torch.Generator().manual_seed(seed)) * 3
+    whole = gelu_invariant(x)
+    return sum(not torch.equal(gelu_invariant(x[i:i + 1]), whole[i:i + 1]) for i in range(count))

@@ -32,12 +32,14 @@ from __future__ import annotations
 import torch
 
 from .. import _compat
-from ..kernels.zaya_invariant import cca_conv_invariant, gelu_invariant
+from ..kernels.zaya_invariant import cca_conv_invariant, gelu_invariance_failures, gelu_invariant
 from .mamba1 import apply_padding_mask, checkpoint_positions, conv_states_at
 from .mamba1_deterministic import lm_head_forward  # noqa: F401 (deterministic.install reads it from here)
 
 #: Ingredients switched off (private: the power tests name them here; empty in use).
 _OFF: set[str] = set()
+#: The GELU probe's failures, measured once per process (:func:`refusal`).
+_GELU_FAILURES: list[int] = []
 
 
 @_compat.force_accelerate_hooks(["q_proj", "k_proj", "v_proj_current", "v_proj_delayed", "conv_qk_depthwise",
@@ -116,3 +118,15 @@ def gelu_forward(module: torch.nn.Module, original, x: torch.Tensor) -> torch.Te
     if "gelu" in _OFF:
         return original(x)
     return gelu_invariant(x.float()).to(x.dtype)
+
+
+def refusal() -> str | None:
+    """Why deterministic mode cannot hold for ZAYA here (``torch.erf`` gives a float32 element other bits alone than
+    inside a tensor, so the router's GELU would move with a token's place), or None; probed once per process."""
+    if not _GELU_FAILURES:
+        _GELU_FAILURES.append(gelu_invariance_failures())
+    failures = _GELU_FAILURES[0]
+    if not failures:
+        return None
+    return (f"torch.erf gives {failures} of 64 float32 elements other bits alone than inside a tensor on this "
+            "machine, so ZAYA's router GELU (kernels/zaya_invariant.gelu_invariant) has no invariant form here")
