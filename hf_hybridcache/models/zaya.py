@@ -11,7 +11,8 @@ The projection hands the cache its window already cut (``update_conv_state(qk[..
 boundaries inside a forward cannot be cut from what the cache sees. The patched forward runs the upstream one
 unchanged and, when the cache wants states inside the call, recomputes the projection's conv inputs and delayed
 values from the same inputs with the same modules (the same ops on the same shapes, so bit-identical): the window
-after ``t`` tokens is ``qk`` up to ``t``, the recurrent state is the delayed value of token ``t - 1``. Upstream:
+after ``t`` tokens is ``qk`` up to ``t``, the recurrent state is the delayed value of token ``t - 1``. In
+deterministic mode the patched forward runs :mod:`.zaya_deterministic`'s instead, which keeps the same states. Upstream:
 ``transformers/models/zaya/modeling_zaya.py`` (5.23.0).
 """
 

@@ -42,8 +42,7 @@ _OFF: set[str] = set()
 _GELU_FAILURES: list[int] = []
 
 
-@_compat.force_accelerate_hooks(["q_proj", "k_proj", "v_proj_current", "v_proj_delayed", "conv_qk_depthwise",
-                                 "conv_qk_grouped"])
+@_compat.force_accelerate_hooks(["conv_qk_depthwise", "conv_qk_grouped"])  # their weights are read directly
 def deterministic_forward(cca, hidden_states: torch.Tensor, cache, attention_mask: torch.Tensor | None):
     """The CCA projection's ``(query [B, T, H, D], key [B, T, Hkv, D], value [B, T, Hkv, D])`` (the dtype of
     ``hidden_states`` ``[B, T, hidden]``) for ``T >= 1`` tokens over ``cache`` (one of this package's caches, or the
