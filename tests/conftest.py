@@ -83,7 +83,7 @@ _COLD_MODELS: dict[str, torch.nn.Module] = {}
 #: of transformers that differs (their scenarios run on the newest release only). Every test module is in one of the
 #: two sets (test_ci_split.py checks it).
 VERSION_SPECIFIC_MODULES = {
-    "test_batches", "test_continuation", "test_decode_linear", "test_deterministic", "test_deterministic_conv", "test_deterministic_conv2", "test_deterministic_conv3", "test_deterministic_gdn", "test_deterministic_gdn2", "test_deterministic_kda", "test_deterministic_hybrid", "test_deterministic_inkling_moe", "test_deterministic_linear", "test_deterministic_m2hybrid", "test_deterministic_mamba2", "test_deterministic_sampling", "test_deterministic_serve", "test_fresh_scan", "test_greedy_argmax", "test_devices", "test_engine_faults", "test_engine_families",
+    "test_batches", "test_continuation", "test_decode_linear", "test_deterministic", "test_deterministic_conv", "test_deterministic_conv2", "test_deterministic_conv3", "test_deterministic_gdn", "test_deterministic_gdn2", "test_deterministic_kda", "test_deterministic_hybrid", "test_deterministic_inkling_moe", "test_deterministic_linear", "test_deterministic_m2hybrid", "test_deterministic_mamba2", "test_deterministic_sampling", "test_deterministic_serve", "test_deterministic_zaya", "test_fresh_scan", "test_greedy_argmax", "test_devices", "test_engine_faults", "test_engine_families",
     "test_engine_generation_fields", "test_engine_isolation", "test_engine_reentry", "test_engine_scoring",
     "test_engine_mtp", "test_engine_serving", "test_engine_speculative",
     "test_engine_vision",
@@ -97,7 +97,7 @@ VERSION_SPECIFIC_MODULES = {
     "test_state_update", "test_tool_auto", "test_tool_strict", "test_upstream_mixers", "test_vision", "test_weights",
 }
 VERSION_INDEPENDENT_MODULES = {
-    "test_attention_invariant", "test_batch_invariant", "test_benchmarks", "test_block_pool", "test_ci_split", "test_conv_invariant", "test_kda_invariant",
+    "test_attention_invariant", "test_batch_invariant", "test_benchmarks", "test_block_pool", "test_ci_split", "test_conv_invariant", "test_kda_invariant", "test_zaya_invariant",
     "test_entry_layout", "test_exactness", "test_explain", "test_mamba1_invariant", "test_mamba2_invariant",
     "test_fuzz", "test_gated_delta", "test_gated_delta_invariant", "test_grouped_query_sdpa", "test_hashing", "test_isolation", "test_kda",
     "test_kernels", "test_kernels_triton", "test_layout", "test_lm_eval", "test_pages", "test_persistence",

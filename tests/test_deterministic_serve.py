@@ -41,7 +41,7 @@ def test_completions_are_bitwise_alone_concurrent_and_after_a_hit(dtype, family)
 
 
 @pytest.mark.parametrize("argv, refused", [
-    (["--model", "toy:zaya", "--deterministic"], "attention with a fixed reduction order"),
+    (["--model", "toy:inkling2_text", "--deterministic"], "attention with a fixed reduction order"),
     (["--model", "toy:mamba", "--deterministic", "--no-cache"], "drop --no-cache"),
 ])
 def test_deterministic_startup_refusals(argv, refused):

@@ -13,6 +13,7 @@ from .hook_checks import HookPoint, dotted, exists, fields, named_parameters, pa
 from .hook_points_gdn import gdn_deterministic
 from .hook_points_kda import kda_deterministic
 from .hook_points_moe import moe_and_falcon_h1_deterministic
+from .hook_points_zaya import zaya_deterministic
 from .hook_points_short_conv import short_conv_deterministic
 
 _CACHE_NAMES = ("past_key_values", "cache", "cache_params")
@@ -269,7 +270,7 @@ def _deterministic() -> list[HookPoint]:
                   f"{_DETERMINISTIC}: Zamba's MLP activation (ACT2FN['gelu']) computed in float32, found by name"),
         *_gated_delta_deterministic(),
         *_mamba2_hybrids_deterministic(), *short_conv_deterministic(), *gdn_deterministic(), *kda_deterministic(),
-        *moe_and_falcon_h1_deterministic(),
+        *moe_and_falcon_h1_deterministic(), *zaya_deterministic(),
     ]
 
 

@@ -14,11 +14,13 @@ and routed + shared experts of :mod:`.hybrid_deterministic`), LFM2 / LFM2-MoE (t
 :mod:`.hybrid_deterministic`; LFM3 the same mixer, its attention also sliding-window with a sigmoid gate per head),
 Inkling's text model with dense MLPs (the four short convolutions and the attention with relative logits of
 :mod:`.inkling_deterministic`), Kimi Linear / Ling (the KDA mixer and Ling's gated MLA attention of
-:mod:`.kda_deterministic`, the MLA attention, MLPs and grouped-router experts of :mod:`.hybrid_deterministic`), and
+:mod:`.kda_deterministic`, the MLA attention, MLPs and grouped-router experts of :mod:`.hybrid_deterministic`),
 Falcon-H1 (the Mamba-2 mixer with its multipliers and gate, :mod:`.falcon_h1_deterministic`, beside attention in every
-layer), on CPU, in float32, bfloat16 and float16. Every other family is refused with the ingredients it lacks named, and
-so is a model whose kernels or BLAS would break the guarantee: refusing, never warning and continuing, is the point of
-the mode (vLLM's batch-invariant mode likewise fails closed on layers it has no kernel for).
+layer) and ZAYA (its CCA projection and router GELU of :mod:`.zaya_deterministic`, its full and sliding-window
+attention and routed experts of :mod:`.hybrid_deterministic`), on CPU, in float32, bfloat16 and float16. Every other
+family is refused with the ingredients it lacks named, and so is a model whose kernels or BLAS would break the
+guarantee: refusing, never warning and continuing, is the point of the mode (vLLM's batch-invariant mode likewise
+fails closed on layers it has no kernel for).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from . import (
     mamba2_deterministic,
     short_conv_deterministic,
     zamba_deterministic,
+    zaya_deterministic,
 )
 from .mamba1 import DETERMINISTIC_FORWARD
 from .wrappers import decoder_model_type
@@ -69,6 +72,7 @@ SUPPORTED = {
     "inkling_text": ("InklingShortConvolution", inkling_deterministic),
     "kimi_linear": ("KimiLinearDeltaAttention", kda_deterministic),
     "bailing_hybrid": ("BailingHybridDeltaAttention", kda_deterministic),
+    "zaya": ("ZayaCCAProjection", zaya_deterministic),
 }
 #: The dtypes the mode's tests hold in.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -91,9 +95,6 @@ _MIXERS = {
     "inkling2_text": (_INKLING2,),
     "inkling2_loop_text": (_INKLING2, "its loop passes' own cache layers (cache_offset) reaching the deterministic "
                                       "mixers"),
-    "zaya": ("ZAYA's CCA projection wired to the invariant conv (a depthwise then a grouped conv over q|k, whose "
-             "grouped sum has no invariant form yet, and the delayed value), its router MLP's nn.GELU and its routed "
-             "experts",),
 }
 
 

@@ -1,5 +1,5 @@
-"""The routed-experts blocks of Granite-4.0-H, Nemotron-H and Inkling in deterministic mode (issue 46), and the per-token sum of
-routed experts every deterministic experts block shares (:func:`routed_sum`).
+"""The routed-experts blocks of Granite-4.0-H, Nemotron-H, Inkling and ZAYA in deterministic mode (issue 46), and the
+per-token sum of routed experts every deterministic experts block shares (:func:`routed_sum`).
 
 - Granite-4.0-H's ``GraniteMoeHybridMoE`` (``num_local_experts > 0``) runs :func:`granite_moe_forward`: its router's
   logits through the row-invariant linear, the top-k by logit, the softmax over the k chosen logits from ``exp`` in
@@ -18,6 +18,8 @@ routed experts every deterministic experts block shares (:func:`routed_sum`).
   ``logsumexp``, whose float32 ``log`` moves an element with its offset; times ``route_scale * global_scale``), the
   routed experts summed per token in top-k order, and the shared experts (upstream's ``bmm`` stack) one by one through
   the row-invariant linear, weighted by their gammas and summed in float32.
+- ZAYA's ``ZayaExperts`` runs :func:`zaya_experts_forward`: the experts its router chose, summed per token in
+  top-k order.
 
 Upstream code mirrored: ``GraniteMoeHybridTopKRouter`` / ``GraniteMoeHybridExperts`` / ``GraniteMoeHybridMoE``
 (``transformers/models/granitemoehybrid/modeling_granitemoehybrid.py``), ``NemotronHTopkRouter`` /
@@ -196,9 +198,21 @@ def inkling_moe_forward(block: torch.nn.Module, original, hidden_states: torch.T
     return routed.view(shape) + total.to(x.dtype).view(shape)
 
 
+def zaya_experts_forward(experts: torch.nn.Module, original, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                         top_k_weights: torch.Tensor) -> torch.Tensor:
+    """``ZayaExperts``' output ``[N, hidden]`` (the input's dtype) for ``hidden_states`` ``[N, hidden]`` and the
+    router's ``top_k_index`` / ``top_k_weights`` ``[N, k]`` (``ZayaExperts.forward``, transformers 5.23 - 5.25): each
+    expert ``down(act(gate(x)) * up(x))`` through the row-invariant linear, summed per token in its top-k order
+    (:func:`routed_sum`). The router (``ZayaRouter``: its MLP's GELU patched, its softmax a per-row reduction) ran as
+    upstream and masked a choice of the skip expert to expert 0 with weight 0, whose term adds a zero here as there."""
+    if "experts" in _OFF:
+        return original(hidden_states, top_k_index, top_k_weights)
+    return routed_sum(hidden_states, top_k_weights, top_k_index, gated_expert(experts, experts.act_fn))
+
+
 #: Experts block class -> its deterministic forward (``hybrid_deterministic.install`` patches them by name).
 FORWARDS = {"GraniteMoeHybridMoE": granite_moe_forward, "NemotronHMoE": nemotron_moe_forward,
-            "InklingMoE": inkling_moe_forward}
+            "InklingMoE": inkling_moe_forward, "ZayaExperts": zaya_experts_forward}
 
 
 def product_weights(block: torch.nn.Module) -> list[torch.Tensor]:
@@ -206,6 +220,8 @@ def product_weights(block: torch.nn.Module) -> list[torch.Tensor]:
     they run in (the row-invariance probes): the router's, one expert's."""
     if type(block).__name__ == "NemotronHMoE":
         return [block.gate.weight.float(), block.experts.up_proj[0], block.experts.down_proj[0]]
+    if type(block).__name__ == "ZayaExperts":  # its router's products are nn.Linear modules
+        return [block.gate_up_proj[0], block.down_proj[0]]
     if type(block).__name__ == "InklingMoE":
         shared = block.shared_experts
         return [block.gate.weight.float(), block.experts.gate_up_proj[0], block.experts.down_proj[0],

@@ -11,7 +11,8 @@ The projection hands the cache its window already cut (``update_conv_state(qk[..
 boundaries inside a forward cannot be cut from what the cache sees. The patched forward runs the upstream one
 unchanged and, when the cache wants states inside the call, recomputes the projection's conv inputs and delayed
 values from the same inputs with the same modules (the same ops on the same shapes, so bit-identical): the window
-after ``t`` tokens is ``qk`` up to ``t``, the recurrent state is the delayed value of token ``t - 1``. Upstream:
+after ``t`` tokens is ``qk`` up to ``t``, the recurrent state is the delayed value of token ``t - 1``. In
+deterministic mode the patched forward runs :mod:`.zaya_deterministic`'s instead, which keeps the same states. Upstream:
 ``transformers/models/zaya/modeling_zaya.py`` (5.23.0).
 """
 
@@ -22,13 +23,17 @@ import torch
 from .. import _compat
 from ..config import MambaLayerSpec, ModelStateSpec, TensorSpec
 from .base import ModelSupport, attention_layer_spec
-from .mamba1 import checkpoint_positions, conv_states_at
+from .mamba1 import checkpoint_positions, conv_states_at, deterministic_over
 
 _CCA_CLASS = "ZayaCCAProjection"
 
 
 def _emitting_forward(cca, original, hidden_states, past_key_values=None, conv_mask=None):
     cache, seq_len = past_key_values, hidden_states.shape[1]
+    deterministic = deterministic_over(cca, cache)
+    if deterministic is not None and (cache is None or not cache.is_recording_past(cca.layer_idx)):
+        forward, over = deterministic  # deterministic mode's (models/zaya_deterministic.py)
+        return forward(cca, hidden_states, over, conv_mask)
     if cache is None or seq_len == 1 or cache.is_recording_past(cca.layer_idx):
         return original(hidden_states, past_key_values, conv_mask)
     positions = checkpoint_positions(cache, seq_len)
