@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from . import backend
+from .mamba1_few import FEW_SCAN_TOKENS, selective_scan_few
 from .scan_steps import check_emit_positions, gate, time_steps
 
 #: Tokens per chunk of :func:`selective_scan_chunked`: the within-chunk pass takes this many sequential steps, the
@@ -244,9 +245,10 @@ def selective_scan(
     emit_positions: Sequence[int] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Selective scan from ``initial_state`` with state emission; same arguments, results and errors as
-    :func:`selective_scan_ref`. Runs Triton on CUDA, :func:`selective_scan_chunked` on CPU for float32 inputs, the
-    reference for other CPU dtypes or when the ``"reference"`` backend is forced
-    (:func:`hf_hybridcache.kernels.set_backend`)."""
+    :func:`selective_scan_ref`. Runs Triton on CUDA, :func:`selective_scan_chunked` on CPU for float32 inputs
+    (:func:`~hf_hybridcache.kernels.mamba1_few.selective_scan_few` for at most
+    :data:`~hf_hybridcache.kernels.mamba1_few.FEW_SCAN_TOKENS` tokens), the reference for other CPU dtypes or when the
+    ``"reference"`` backend is forced (:func:`hf_hybridcache.kernels.set_backend`)."""
     choice = backend.resolve(u.device)
     if choice == "torch" and u.dtype != torch.float32:
         # transformers' own scan rounds each state to the input dtype before the C product; in bf16/fp16 only the
@@ -259,7 +261,7 @@ def selective_scan(
     if choice == "triton":
         from .mamba1_scan_triton import selective_scan_triton as scan
     elif choice == "torch":
-        scan = selective_scan_chunked
+        scan = selective_scan_few if u.shape[-1] <= FEW_SCAN_TOKENS else selective_scan_chunked
     else:
         scan = selective_scan_ref
     return scan(
