@@ -100,7 +100,7 @@ VERSION_INDEPENDENT_MODULES = {
     "test_attention_invariant", "test_batch_invariant", "test_benchmarks", "test_block_pool", "test_ci_split", "test_conv_invariant", "test_kda_invariant", "test_zaya_invariant",
     "test_entry_layout", "test_exactness", "test_explain", "test_mamba1_invariant", "test_mamba2_invariant",
     "test_fuzz", "test_gated_delta", "test_gated_delta_invariant", "test_grouped_query_sdpa", "test_hashing", "test_isolation", "test_kda",
-    "test_kernels", "test_kernels_triton", "test_layout", "test_lm_eval", "test_pages", "test_persistence",
+    "test_kernels", "test_mamba1_few", "test_kernels_triton", "test_layout", "test_lm_eval", "test_pages", "test_persistence",
     "test_policy", "test_power", "test_randomized", "test_regressions", "test_remote", "test_remote_trust",
     "test_remote_units", "test_retry_budget", "test_scale_out", "test_serve_lifecycle", "test_sizing", "test_space",
     "test_threads", "test_tier_failover", "test_version_window", "test_vs_llama_cpp", "test_weights_identity",
