@@ -124,6 +124,15 @@ def test_a_vocab_size_below_the_tokenizer_names_that_cause_not_fastness():
         GrammarCompiler(byte_tokenizer(), vocab_size=100)
     assert "fast tokenizer" not in str(caught.value)
 
+    class SlowTokenizer:  # what llguidance refuses: anything but a PreTrainedTokenizerFast
+        eos_token_id = 2
+
+        def __len__(self) -> int:
+            return 262
+
+    with pytest.raises(ValueError, match=r"need a fast tokenizer \(PreTrainedTokenizerFast\), got SlowTokenizer"):
+        GrammarCompiler(SlowTokenizer())
+
 
 def test_a_missing_llguidance_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "llguidance", None)
