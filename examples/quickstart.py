@@ -60,17 +60,24 @@ _RULES = [
 ]
 
 
-def support_desk_system_prompt(min_chars: int, seed: int = 0) -> str:
-    """A long, deterministic support-desk policy text (about one token per character with the byte tokenizer)."""
+def support_desk_system_prompt(num_tokens: int, tokenizer, seed: int = 0) -> str:
+    """A deterministic support-desk policy text of ``num_tokens`` tokens of ``tokenizer`` (special tokens aside): whole
+    policy sections cut at that token (the cut decoded and encoded again may merge a token or two of a BPE
+    tokenizer; the byte tokenizer keeps it exact)."""
     rng = random.Random(seed)
     lines = ["You are the support assistant of Northwind Devices. Follow the policies below.", ""]
     section = 1
-    while sum(len(line) + 1 for line in lines) < min_chars:
+    # ASCII text has no more tokens than characters: tokenize only once the characters would do
+    while sum(len(line) + 1 for line in lines) < num_tokens or len(_ids(tokenizer, lines)) < num_tokens:
         topic = rng.choice(_TOPICS)
         lines.append(f"Section {section}: {topic}.")
         lines.extend(rng.choice(_RULES).format(t=topic) for _ in range(4))
         section += 1
-    return "\n".join(lines)
+    return tokenizer.decode(_ids(tokenizer, lines)[:num_tokens])
+
+
+def _ids(tokenizer, lines: list[str]) -> list[int]:
+    return tokenizer("\n".join(lines), add_special_tokens=False).input_ids
 
 
 class _FirstTokenTimer(BaseStreamer):
@@ -92,6 +99,17 @@ class _FirstTokenTimer(BaseStreamer):
     @property
     def ttft_seconds(self) -> float:
         return self.first_token_at - self.start
+
+
+def _positive(text: str) -> int:
+    """argparse type of --system-tokens: a positive int."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"the system prompt needs at least 1 token, got {value}")
+    return value
 
 
 def _retention(text: str) -> int | str:
@@ -199,7 +217,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", help="path or hub id of a real checkpoint (default: built-in small model)")
     parser.add_argument("--family", default="jamba", choices=FAMILIES,
                         help="family of the built-in model (default: jamba; ignored with --model)")
-    parser.add_argument("--system-tokens", type=int, default=4000, help="length of the shared system prompt")
+    parser.add_argument("--system-tokens", type=_positive, default=4000,
+                        help="tokens in the shared system prompt (each request adds its question; the cache "
+                             "reuses the shared part up to its last full block)")
     parser.add_argument("--questions", type=int, default=6, help="number of user questions (requests)")
     parser.add_argument("--new-tokens", type=int, default=16, help="tokens generated per request")
     parser.add_argument("--block-size", type=int, default=16)
@@ -214,7 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(str(error))
 
     model, tokenizer = load(args)
-    system = support_desk_system_prompt(args.system_tokens, seed=args.seed)
+    system = support_desk_system_prompt(args.system_tokens, tokenizer, seed=args.seed)
     prompts = [
         tokenizer(f"{system}\n\nCustomer: {q}\nAssistant:", return_tensors="pt").input_ids
         for q in (QUESTIONS * (args.questions // len(QUESTIONS) + 1))[: args.questions]

@@ -275,6 +275,8 @@ class HybridPrefixCache(LiveCache):
 
         Raises:
             ValueError: ``path`` is a directory or its folder does not exist; nothing is written.
+            OSError: the file cannot be written there (``PermissionError`` and the like where the system says so);
+                the message names ``path`` and the cause, nothing is written and the cache stays usable.
             RuntimeError: called from inside a running ``generate()`` or engine step in this thread.
         """
         with self.core.idle("save()"):

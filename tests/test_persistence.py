@@ -187,10 +187,23 @@ def test_failed_save_keeps_the_previous_file(warm, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(persistence, "save_file", failing_save_file)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(OSError, match=f"cannot be saved to {str(path)!r}: disk full"):
         cache.save(path)
     assert path.read_bytes() == before
     assert os.listdir(path.parent) == [path.name]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs a folder that takes no new files (Linux's /proc)")
+def test_a_folder_that_takes_no_files_names_the_path_given_and_the_cache_stays_usable(warm, model, cold_model):
+    # save("/proc/x.safetensors") raised safetensors' raw SafetensorError naming its temp file "/proc/.tmpXXXX".
+    cache, path = warm
+    with pytest.raises(OSError, match=r"cannot be saved to '/proc/x\.safetensors': No such file") as caught:
+        cache.save("/proc/x.safetensors")
+    assert ".tmp" not in str(caught.value)
+    assert_matches_cold(model, cold_model, cache, random_ids(70, seed=300), new_tokens=4)
+    assert cache.last_hit_tokens == [64]
+    cache.save(path)
+    assert entry_digests(HybridPrefixCache.load(path, model)) == entry_digests(cache)
 
 
 def _rewrite(path, out, edit_meta):

@@ -33,6 +33,19 @@ def test_quickstart_small_setting(capsys, family):
     assert "exact: the 8 tokens identical and max|dlogit| <= 1e-04" in out
 
 
+def test_system_tokens_is_the_system_prompts_length_in_tokens(capsys):
+    # --system-tokens 500 gave a 723-token prompt (whole policy sections past a character count) with 640 shared.
+    quickstart = load()
+    rows = quickstart.main(["--family", "jamba", "--system-tokens", "500", "--questions", "3", "--new-tokens", "2"])
+    rows = rows["rows"]
+    turns = [f"\n\nCustomer: {q}\nAssistant:" for q in quickstart.QUESTIONS[:3]]
+    assert [r["prompt"] for r in rows] == [500 + len(turn) for turn in turns]
+    assert [r["hit"] for r in rows] == [0, 512, 512]  # 500 + "\n\nCustomer: ", where the questions part
+    with pytest.raises(SystemExit):
+        quickstart.main(["--help"])
+    assert "tokens in the shared system prompt" in capsys.readouterr().out
+
+
 def test_logits_off_by_more_than_the_bound_are_not_exact_though_the_tokens_agree(capsys, monkeypatch):
     """The fault of 5.25's first pass: hits 0.034 off in the logits, same tokens, and the table said True."""
     quickstart = load()

@@ -330,6 +330,40 @@ def test_every_bad_input_gets_its_json_error_and_disturbs_no_one(server, cold_mo
     assert text == expected
 
 
+FIELD_MISTAKES = {  # endpoint, body, the field the 400 names, words of its message
+    "max_tokens true": ("completions", {"prompt": "x", "max_tokens": True}, "max_tokens", "not a boolean"),
+    "n true": ("completions", {"prompt": "x", "n": True}, "n", "not a boolean"),
+    "a boolean token id": ("completions", {"prompt": [True, 2]}, "prompt", "not booleans"),
+    "a boolean in a batch of ids": ("completions", {"prompt": [[5, 6], [7, False]]}, "prompt", "not booleans"),
+    "chat max_completion_tokens true": ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                             "max_completion_tokens": True},
+                                        "max_completion_tokens", "not a boolean"),
+    "an empty stop string": ("completions", {"prompt": "x", "stop": [""]}, "stop", "must not be empty"),
+    "stop empty": ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": ""}, "stop",
+                   "must not be empty"),
+    "null user content": ("chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages.0",
+                          "user message needs `content`"),
+    "null system content": ("chat/completions", {"messages": [{"role": "system", "content": None},
+                                                              {"role": "user", "content": "hi"}]}, "messages.0",
+                            "system message needs `content`"),
+}
+
+
+@pytest.mark.plain_only("every request is refused before it reaches the engine: nothing is decoded")
+def test_a_boolean_integer_an_empty_stop_and_null_content_are_400s_naming_the_field(server):
+    with httpx.Client(base_url=server.url) as http:
+        for name, (endpoint, body, param, says) in FIELD_MISTAKES.items():
+            response = http.post(f"/v1/{endpoint}", json={"model": MODEL, **body})
+            error = response.json()["error"]
+            assert (response.status_code, error["param"]) == (400, param) and says in error["message"], (name, error)
+        messages = [{"role": "user", "content": "What is 2 + 2?"},
+                    {"role": "assistant", "content": None,
+                     "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "4"}]
+        response = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2})
+        assert response.status_code == 200, response.json()
+
+
 @pytest.mark.plain_only("every request is refused before it reaches the engine: nothing is decoded")
 def test_a_prompt_that_leaves_no_room_is_a_400_whoever_computed_max_tokens(served):
     """A prompt at or over the engine's limit is a 400 ``context_length_exceeded`` whether the client sent

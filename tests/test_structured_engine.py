@@ -119,6 +119,21 @@ def test_requests_a_grammar_cannot_run_are_refused_with_a_sentence():
         GrammarCompiler(tokenizer).json_schema({"type": "object", "properties": {"x": {"type": "no such type"}}})
 
 
+def test_a_vocab_size_below_the_tokenizer_names_that_cause_not_fastness():
+    with pytest.raises(ValueError, match=r"vocab_size=100 is smaller than the tokenizer's 262 tokens") as caught:
+        GrammarCompiler(byte_tokenizer(), vocab_size=100)
+    assert "fast tokenizer" not in str(caught.value)
+
+    class SlowTokenizer:  # what llguidance refuses: anything but a PreTrainedTokenizerFast
+        eos_token_id = 2
+
+        def __len__(self) -> int:
+            return 262
+
+    with pytest.raises(ValueError, match=r"need a fast tokenizer \(PreTrainedTokenizerFast\), got SlowTokenizer"):
+        GrammarCompiler(SlowTokenizer())
+
+
 def test_a_missing_llguidance_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "llguidance", None)
     with pytest.raises(ImportError, match=r"pip install 'llguidance>=1.0,<2' \(or pip install -e '\.\[structured\]'"):

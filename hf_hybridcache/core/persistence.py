@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterable
 
 import torch
@@ -46,6 +47,8 @@ def save_cache(cache, path: str | os.PathLike) -> None:
 
     Raises:
         ValueError: ``path`` is a directory, or its directory does not exist.
+        OSError: the file cannot be written (no permission, a full disk, a filesystem that holds no files); the
+            message names ``path`` and the cause, and nothing is left behind.
     """
     path = os.fspath(path)
     if os.path.isdir(path):
@@ -159,9 +162,24 @@ def _write_atomically(tensors: dict, metadata: dict, path: str) -> None:
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except (OSError, SafetensorError) as error:
+        raise _write_error(path, error) from error
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _write_error(path: str, error: Exception) -> OSError:
+    """An ``OSError`` (``PermissionError`` and the like where the errno says so) that names ``path``, not the temp file
+    safetensors or we wrote, and the cause."""
+    number = getattr(error, "errno", None)
+    reason = getattr(error, "strerror", None) or str(error)
+    if isinstance(error, SafetensorError):  # "... I/O error: <reason> (os error N) at path <temp file>"
+        found = re.search(r"I/O error: (.*?) \(os error (\d+)\)", str(error))
+        number, reason = (int(found[2]), found[1]) if found else (None, str(error).split(" at path ")[0])
+    message = (f"The cache cannot be saved to {path!r}: {reason}. Save it to a file in a folder you can write to; "
+               f"nothing was written there and the cache is unchanged.")
+    return OSError(number, message) if number else OSError(message)
 
 
 def _tensor_digest(tensor: torch.Tensor) -> str:

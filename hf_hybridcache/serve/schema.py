@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 
 class APIError(Exception):
@@ -19,6 +20,17 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def _not_bool(value):
+    # JSON's true/false are Python ints, so pydantic's lax mode reads `max_tokens: true` as 1
+    if isinstance(value, bool):
+        raise PydanticCustomError("int_type", "Input should be an integer, not a boolean")
+    return value
+
+
+#: An integer field: a JSON integer (or a string or float that is one, pydantic's lax reading), never a boolean.
+Int = Annotated[int, BeforeValidator(_not_bool)]
 
 
 class TextPart(BaseModel):
@@ -51,6 +63,13 @@ class Message(BaseModel):
     tool_call_id: str | None = None  # a tool's result: the call it answers
     name: str | None = None
 
+    @model_validator(mode="after")
+    def _content_unless_assistant(self):
+        # OpenAI lets only an assistant turn (one that called tools) go without content
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs `content` (a string or a list of parts), got null")
+        return self
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content if isinstance(part, TextPart))
@@ -82,13 +101,13 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=16)
+    n: Int = Field(1, ge=1, le=16)
     stop: str | list[str] | None = None
     # torch seeds a generator with a value in [-2**63, 2**64); choice k of n samples with seed + k (k < 16)
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    seed: Int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, min_length=1)
@@ -101,6 +120,8 @@ class _Common(BaseModel):
     def _at_most_four(cls, stop):
         if isinstance(stop, list) and len(stop) > 4:
             raise ValueError("`stop` takes at most 4 strings")
+        if stop == "" or isinstance(stop, list) and "" in stop:
+            raise ValueError("a `stop` string must not be empty (it would match before any text); leave it out")
         return stop
 
     def stop_strings(self) -> list[str]:
@@ -114,9 +135,9 @@ class ChatRequest(_Common):
     model_config = ConfigDict(extra="allow")
 
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: Int | None = Field(None, ge=0, le=20)
     # serve/structured.py reads and checks these four
     response_format: dict | None = None
     tools: list[dict] | None = None
@@ -132,11 +153,20 @@ class CompletionRequest(_Common):
     model_config = ConfigDict(extra="allow")
 
     prompt: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=0)
+    max_tokens: Int | None = Field(None, ge=0)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=5)
-    best_of: int | None = None
+    logprobs: Int | None = Field(None, ge=0, le=5)
+    best_of: Int | None = None
     suffix: str | None = None
     logit_bias: dict | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _no_bool_token_ids(cls, prompt):
+        # before the union, which would report each branch's failure instead of this one
+        rows = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else [prompt]
+        if any(isinstance(row, list) and any(isinstance(t, bool) for t in row) for row in rows):
+            raise PydanticCustomError("int_type", "Token ids should be integers, not booleans")
+        return prompt

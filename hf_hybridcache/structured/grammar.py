@@ -54,12 +54,16 @@ class GrammarCompiler:
 
     Raises:
         ImportError: llguidance is missing.
-        ValueError: the tokenizer is not a fast one.
+        ValueError: the tokenizer is not a fast one, or ``vocab_size`` is smaller than the tokenizer.
     """
 
     def __init__(self, tokenizer, vocab_size: int | None = None, eos_token_ids: list[int] | None = None) -> None:
         llg = llguidance()
         self.vocab_size = vocab_size or len(tokenizer)
+        if self.vocab_size < len(tokenizer):
+            raise ValueError(f"vocab_size={self.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens; "
+                             f"pass the width of the model's logits (model.config.vocab_size, at least "
+                             f"{len(tokenizer)}) or leave vocab_size out to use the tokenizer's length.")
         eos = list(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id]
         if any(not isinstance(i, int) or not 0 <= i < self.vocab_size for i in eos):
             raise ValueError(f"eos_token_ids must be token ids in [0, {self.vocab_size}), got {eos}.")
@@ -67,7 +71,11 @@ class GrammarCompiler:
         try:
             self.tokenizer = llg.hf.from_tokenizer(tokenizer, self.vocab_size, eos_token=eos)
         except ValueError as error:
-            raise ValueError(f"Grammars need a fast tokenizer (PreTrainedTokenizerFast): {error}") from error
+            if "fast" not in str(error):
+                raise ValueError(f"llguidance cannot load this tokenizer: {error}") from error
+            raise ValueError(f"Grammars need a fast tokenizer (PreTrainedTokenizerFast), got "
+                             f"{type(tokenizer).__name__}; load it with AutoTokenizer.from_pretrained(..., "
+                             f"use_fast=True).") from error
 
     def json_schema(self, schema: dict | None = None, closed: bool = True) -> Grammar:
         """The grammar of JSON that validates against ``schema`` (None: any JSON object).
