@@ -275,8 +275,7 @@ class HybridPrefixCache(LiveCache):
 
         Raises:
             ValueError: ``path`` is a directory or its folder does not exist; nothing is written.
-            OSError: the file cannot be written there (``PermissionError`` and the like where the system says so);
-                the message names ``path`` and the cause, nothing is written and the cache stays usable.
+            OSError: the file cannot be written (naming ``path`` and the cause); nothing is written, the cache is kept.
             RuntimeError: called from inside a running ``generate()`` or engine step in this thread.
         """
         with self.core.idle("save()"):
@@ -303,8 +302,7 @@ class HybridPrefixCache(LiveCache):
 
         Raises:
             ValueError: the file is not a cache file, is truncated or corrupted (checksums), or was saved for another
-                model or version, or in the other mode (deterministic mode restores only states its own arithmetic
-                computed); nothing in memory changes.
+                model or version or in the other mode (whose states its arithmetic did not compute); nothing changes.
         """
         return load_cache(cls, path, model, max_cache_bytes, retention_interval, offload, remote, deterministic)
 

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_hybridcache
 from hf_hybridcache import HybridPrefixCache, _compat
-from hf_hybridcache.core import check_store, entry_digests, persistence
+from hf_hybridcache.core import atomic_file, check_store, entry_digests
 from hf_hybridcache.toy import build_model
 
 # Kimi Linear: an MLA layer stores keys and values of two widths (two tensors per layer in the file).
@@ -186,7 +186,7 @@ def test_failed_save_keeps_the_previous_file(warm, monkeypatch):
             f.write(b"half")
         raise OSError("disk full")
 
-    monkeypatch.setattr(persistence, "save_file", failing_save_file)
+    monkeypatch.setattr(atomic_file, "save_file", failing_save_file)
     with pytest.raises(OSError, match=f"cannot be saved to {str(path)!r}: disk full"):
         cache.save(path)
     assert path.read_bytes() == before

@@ -19,12 +19,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from collections.abc import Iterable
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from .. import _compat, _version
 from ..config import ModelStateSpec
@@ -32,6 +30,7 @@ from ..hashing import BlockHash, block_hash, identity_config, model_identity
 from ..models import support_for
 from ..models.deterministic import serves_deterministic
 from ..store import EntryLayout, StoredBlock, entry_layout
+from .atomic_file import write_atomically
 
 #: Version 2: the weights state (weights fingerprint and adapters) is part of every hash root. Version 3: keys and
 #: values of a layer are two tensors (``keys.{layer}``, ``values.{layer}``) instead of one ``kv.{layer}
@@ -87,7 +86,7 @@ def save_cache(cache, path: str | os.PathLike) -> None:
     }
     text = json.dumps(meta, sort_keys=True, default=str)
     metadata = {"format": FORMAT, "meta": text, "meta_sha256": hashlib.sha256(text.encode()).hexdigest()}
-    _write_atomically(tensors, metadata, path)
+    write_atomically(tensors, metadata, path)
 
 
 def load_cache(cls, path, model, max_cache_bytes, retention_interval, offload, remote=None, deterministic=None):
@@ -153,33 +152,6 @@ def _stack_entries(spec: ModelStateSpec, blocks: list[StoredBlock], with_checkpo
         for name in layout.names if rows else ():
             tensors[name] = torch.stack([row[name].cpu() for row in rows])
     return {name: t.contiguous() for name, t in tensors.items()}
-
-
-def _write_atomically(tensors: dict, metadata: dict, path: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}-{id(tensors):x}"
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except (OSError, SafetensorError) as error:
-        raise _write_error(path, error) from error
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def _write_error(path: str, error: Exception) -> OSError:
-    """An ``OSError`` (``PermissionError`` and the like where the errno says so) that names ``path``, not the temp file
-    safetensors or we wrote, and the cause."""
-    number = getattr(error, "errno", None)
-    reason = getattr(error, "strerror", None) or str(error)
-    if isinstance(error, SafetensorError):  # "... I/O error: <reason> (os error N) at path <temp file>"
-        found = re.search(r"I/O error: (.*?) \(os error (\d+)\)", str(error))
-        number, reason = (int(found[2]), found[1]) if found else (None, str(error).split(" at path ")[0])
-    message = (f"The cache cannot be saved to {path!r}: {reason}. Save it to a file in a folder you can write to; "
-               f"nothing was written there and the cache is unchanged.")
-    return OSError(number, message) if number else OSError(message)
 
 
 def _tensor_digest(tensor: torch.Tensor) -> str:
