@@ -1,5 +1,6 @@
-"""The products of deterministic mode (issue 46): every linear layer its per-family forwards run, in one place; and
-the invariant causal conv over a cache, which every mixer with a conv window runs alike (:func:`conv_over_cache`).
+"""The products of deterministic mode (issue 46): every linear layer its per-family forwards run, in one place; the
+invariant causal conv over a cache, which every mixer with a conv window runs alike (:func:`conv_over_cache`); and
+the delta rule over a cache, which the gated delta net and KDA mixers run alike (:func:`delta_rule_over_cache`).
 
 Each mixer module (:mod:`.mamba1_deterministic`, :mod:`.mamba2_deterministic`, :mod:`.gated_delta_deterministic`,
 :mod:`.short_conv_deterministic`) keeps its own private ``_OFF`` switch set for the power tests and passes it here at
@@ -8,7 +9,8 @@ call time, so a test that reassigns a module's ``_OFF`` switches exactly the pro
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -52,3 +54,53 @@ def conv_over_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     else:
         cache.update_conv_state(x, layer_idx, **slot, conv_kernel_size=kernel_size)
     return out
+
+
+class DeltaRule(NamedTuple):
+    """A delta rule's kernels: deterministic mode's invariant ``step`` and ``scan`` (the gated delta net's
+    :func:`~hf_hybridcache.kernels.gated_delta_invariant.gated_delta_rule_step_invariant`, KDA's
+    :func:`~hf_hybridcache.kernels.kda_invariant.kda_step_invariant`, ...) and the package's ``recurrent`` step and
+    ``chunked`` scan, which a mixer's power switch ``"rule"`` runs instead (same arguments as upstream's)."""
+
+    step: Callable
+    scan: Callable
+    recurrent: Callable
+    chunked: Callable
+
+
+def delta_rule_over_cache(rule: DeltaRule, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          g: torch.Tensor, beta: torch.Tensor, recurrent_state: torch.Tensor | None, cache,
+                          layer_idx: int, decode: bool, positions: Sequence[int], conv_checkpoints: Sequence,
+                          *, off: Collection[str] = ()) -> torch.Tensor:
+    """The rule's output ``[B, T, H, Dv]`` (``query``'s dtype) for ``query`` / ``key`` ``[B, T, Hk, Dk]``, ``value``
+    ``[B, T, H, Dv]``, the log decay ``g`` ``[B, T, H]`` (gated delta net) or ``[B, T, H, Dk]`` (KDA) and ``beta``
+    ``[B, T, H]``, from ``recurrent_state`` ``[B, H, Dk, Dv]`` float32 (None: zeros). A ``decode`` step (one token
+    over a held state) updates the state in place; otherwise the final state goes to ``cache`` and the state after
+    each of ``positions`` tokens, beside its ``conv_checkpoints``, to the cache's checkpoints. ``off``: the caller's
+    switch set; with ``"rule"`` in it, the rule's ``recurrent`` / ``chunked`` kernels instead.
+
+    Raises:
+        ValueError: the cached recurrent state is not float32 (from the invariant rule).
+    """
+    if decode:
+        return _rule_step(rule, off, recurrent_state, query[:, 0], key[:, 0], value[:, 0], g[:, 0], beta[:, 0])[:, None]
+    if "rule" in off:
+        out, final_state, states = rule.chunked(query, key, value, g, beta, initial_state=recurrent_state,
+                                                output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                                emit_positions=positions)
+    else:
+        out, final_state, states = rule.scan(query, key, value, g, beta, recurrent_state, emit_positions=positions)
+    cache.update_recurrent_state(final_state, layer_idx)
+    if positions:
+        cache.capture_states(layer_idx, positions, list(zip(conv_checkpoints, states)))
+    return out
+
+
+def _rule_step(rule: DeltaRule, off: Collection[str], state, query, key, value, g, beta) -> torch.Tensor:
+    """One token in place on the cached state ``[B, H, Dk, Dv]`` float32 -> ``[B, H, Dv]`` in ``query``'s dtype."""
+    if "rule" in off:
+        out, final, _ = rule.recurrent(query[:, None], key[:, None], value[:, None], g[:, None], beta[:, None],
+                                       initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        state.copy_(final)
+        return out[:, 0]
+    return rule.step(state, query, key, value, g, beta)

@@ -50,7 +50,7 @@ from ..kernels.gated_delta_invariant import (
 from ..kernels.mamba1_invariant import softplus_invariant
 from ..kernels.state_update import causal_conv1d_update
 from . import mamba1_deterministic
-from .deterministic_linear import conv_over_cache, routed_linear
+from .deterministic_linear import DeltaRule, conv_over_cache, delta_rule_over_cache, routed_linear
 from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_states_at
 from .mamba1_deterministic import lm_head_forward  # noqa: F401 (deterministic.install reads it from here)
 
@@ -59,6 +59,9 @@ from .mamba1_deterministic import lm_head_forward  # noqa: F401 (deterministic.i
 FLOAT32_WEIGHT_NORMS = ("LaraMiniRMSNormGated",)
 #: Ingredients switched off (private: the power tests name them here; empty in use).
 _OFF: set[str] = set()
+#: The rule's invariant kernels and the defaults its ``"rule"`` switch runs.
+_RULE = DeltaRule(gated_delta_rule_step_invariant, gated_delta_rule_scan_invariant, recurrent_gated_delta_rule,
+                  chunk_gated_delta_rule)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -91,13 +94,8 @@ def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_m
     key = key.reshape(batch, seq_len, -1, mixer.head_k_dim)
     value = value.reshape(batch, seq_len, -1, mixer.head_v_dim)
     beta, g = _gates(mixer, b, a)
-    if decode:
-        out = _step(recurrent_state, query[:, 0], key[:, 0], value[:, 0], g[:, 0], beta[:, 0])[:, None]
-    else:
-        out, final_state, states = _scan(query, key, value, g, beta, recurrent_state, positions)
-        cache.update_recurrent_state(final_state, layer_idx)
-        if positions:
-            cache.capture_states(layer_idx, positions, list(zip(conv_checkpoints, states)))
+    out = delta_rule_over_cache(_RULE, query, key, value, g, beta, recurrent_state, cache, layer_idx, decode, positions,
+                                conv_checkpoints, off=_OFF)
     out = _gated_norm(mixer, out.reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
     out_proj = mixer.o_proj if hasattr(mixer, "o_proj") else mixer.out_proj  # OLMo-Hybrid's name
     return _linear(out.reshape(batch, seq_len, -1), out_proj.weight)
@@ -149,27 +147,6 @@ def _conv(mixer, x: torch.Tensor, conv_state: torch.Tensor | None, cache, decode
         return causal_conv(full, weight, bias, mixer.activation, x.shape[-1])
     return conv_over_cache(x, weight, bias, mixer.activation, conv_state, cache, layer_idx, mixer.conv_kernel_size,
                            decode)
-
-
-def _step(state, query, key, value, g, beta) -> torch.Tensor:
-    """One token in place on the cached state ``[B, Hv, Dk, Dv]`` float32: ``query`` / ``key`` ``[B, Hk, Dk]``,
-    ``value`` ``[B, Hv, Dv]``, ``g`` / ``beta`` ``[B, Hv]``; returns ``[B, Hv, Dv]`` in ``query``'s dtype."""
-    if "rule" in _OFF:
-        out, final, _ = recurrent_gated_delta_rule(query[:, None], key[:, None], value[:, None], g[:, None],
-                                                   beta[:, None], initial_state=state, output_final_state=True,
-                                                   use_qk_l2norm_in_kernel=True)
-        state.copy_(final)
-        return out[:, 0]
-    return gated_delta_rule_step_invariant(state, query, key, value, g, beta)
-
-
-def _scan(query, key, value, g, beta, state, positions):
-    """The rule over ``T`` tokens from ``state`` (None: zeros) -> ``(out [B, T, Hv, Dv], final state, [state per
-    position])``."""
-    if "rule" in _OFF:
-        return chunk_gated_delta_rule(query, key, value, g, beta, initial_state=state, output_final_state=True,
-                                      use_qk_l2norm_in_kernel=True, emit_positions=positions)
-    return gated_delta_rule_scan_invariant(query, key, value, g, beta, state, emit_positions=positions)
 
 
 def _gated_norm(mixer, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

@@ -50,12 +50,14 @@ from ..kernels.kda_invariant import kda_scan_invariant, kda_step_invariant, sigm
 from ..kernels.mamba1_invariant import softplus_invariant
 from ..kernels.state_update import causal_conv1d_update
 from . import mamba1_deterministic
-from .deterministic_linear import conv_over_cache, routed_linear
+from .deterministic_linear import DeltaRule, conv_over_cache, delta_rule_over_cache, routed_linear
 from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_states_at
 from .mamba1_deterministic import lm_head_forward  # noqa: F401 (deterministic.install reads it from here)
 
 #: Ingredients switched off (private: the power tests name them here; empty in use).
 _OFF: set[str] = set()
+#: The rule's invariant kernels and the defaults its ``"rule"`` switch runs.
+_RULE = DeltaRule(kda_step_invariant, kda_scan_invariant, recurrent_kimi_delta_attention, chunk_kimi_delta_attention)
 
 
 def _linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
@@ -97,13 +99,8 @@ def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_m
     g = _forget_gate(mixer.forget_gate, hidden_states)
     b = _linear(hidden_states, mixer.b_proj)
     beta = _sigmoid(b.float()).to(b.dtype)
-    if decode:
-        out = _step(recurrent_state, query[:, 0], key[:, 0], value[:, 0], g[:, 0], beta[:, 0])[:, None]
-    else:
-        out, final_state, states = _scan(query, key, value, g, beta, recurrent_state, positions)
-        cache.update_recurrent_state(final_state, layer_idx)
-        if positions:
-            cache.capture_states(layer_idx, positions, list(zip(conv_checkpoints, states)))
+    out = delta_rule_over_cache(_RULE, query, key, value, g, beta, recurrent_state, cache, layer_idx, decode, positions,
+                                conv_checkpoints, off=_OFF)
     gate = _output_gate(mixer, hidden_states).reshape(heads)
     return _linear(_norm(mixer, out, gate).reshape(batch, seq_len, -1), mixer.o_proj)
 
@@ -145,27 +142,6 @@ def _conv(mixer, x: torch.Tensor, conv_state: torch.Tensor | None, cache, decode
         return causal_conv(full, weight, bias, mixer.activation, x.shape[-1]).to(x.dtype)
     return conv_over_cache(x, weight, bias, mixer.activation, conv_state, cache, layer_idx, mixer.conv_kernel_size,
                            decode)
-
-
-def _step(state, query, key, value, g, beta) -> torch.Tensor:
-    """One token in place on the cached state ``[B, H, Dk, Dv]`` float32: ``query`` / ``key`` / ``g``
-    ``[B, H, Dk]``, ``value`` ``[B, H, Dv]``, ``beta`` ``[B, H]``; returns ``[B, H, Dv]`` in ``query``'s dtype."""
-    if "rule" in _OFF:
-        out, final, _ = recurrent_kimi_delta_attention(query[:, None], key[:, None], value[:, None], g[:, None],
-                                                       beta[:, None], initial_state=state, output_final_state=True,
-                                                       use_qk_l2norm_in_kernel=True)
-        state.copy_(final)
-        return out[:, 0]
-    return kda_step_invariant(state, query, key, value, g, beta)
-
-
-def _scan(query, key, value, g, beta, state, positions):
-    """The rule over ``T`` tokens from ``state`` (None: zeros) -> ``(out [B, T, H, Dv], final state, [state per
-    position])``."""
-    if "rule" in _OFF:
-        return chunk_kimi_delta_attention(query, key, value, g, beta, initial_state=state, output_final_state=True,
-                                          use_qk_l2norm_in_kernel=True, emit_positions=positions)
-    return kda_scan_invariant(query, key, value, g, beta, state, emit_positions=positions)
 
 
 def _norm(mixer, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
