@@ -19,7 +19,9 @@ from .. import _compat
 from ..kernels.batch_invariant import invariant_linear
 from ..kernels.conv_invariant import causal_conv_invariant
 from ..kernels.decode_linear import weight_qualifies
+from ..kernels.state_update import causal_conv1d_update
 from .decode_linear import wide_threads
+from .mamba1 import causal_conv
 
 
 def routed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -41,12 +43,22 @@ def routed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def conv_over_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
                     conv_state: torch.Tensor | None, cache, layer_idx: int, kernel_size: int, decode: bool,
-                    state_idx: int | None = None) -> torch.Tensor:
+                    state_idx: int | None = None, *, off: Collection[str] = ()) -> torch.Tensor:
     """The invariant causal conv of ``x`` ``[B, C, T]`` (``weight`` ``[C, W]``, ``activation`` None / ``"silu"``)
     continuing ``conv_state`` ``[B, C, W]`` (None: zeros) -> ``[B, C, T]``; the window goes to ``cache``: in place for a
     decode step (``decode``: one token over a held state), which counts its token as the package's decode step does,
-    else through ``cache.update_conv_state``. ``state_idx``: the conv's own state slot in its layer (Inkling's four)."""
+    else through ``cache.update_conv_state``. ``state_idx``: the conv's own state slot in its layer (Inkling's four).
+    ``off``: the caller's switch set; with ``"conv"`` in it, the package's default conv instead (the fused conv update
+    :func:`~hf_hybridcache.kernels.state_update.causal_conv1d_update` for a decode step, else
+    :func:`~hf_hybridcache.models.mamba1.causal_conv` over the window ``update_conv_state`` returns)."""
     slot = {} if state_idx is None else {"state_idx": state_idx}
+    if "conv" in off:
+        if decode:
+            out = causal_conv1d_update(x[..., 0], conv_state, weight, bias, activation)[..., None]
+            _compat.count_decode_token(cache, layer_idx, **slot)
+            return out
+        full = cache.update_conv_state(x, layer_idx, **slot, conv_kernel_size=kernel_size)
+        return causal_conv(full, weight, bias, activation, x.shape[-1])
     out, window = causal_conv_invariant(x, weight, bias, activation, conv_state)
     if decode:
         conv_state.copy_(window)
@@ -54,7 +66,6 @@ def conv_over_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     else:
         cache.update_conv_state(x, layer_idx, **slot, conv_kernel_size=kernel_size)
     return out
-
 
 class DeltaRule(NamedTuple):
     """A delta rule's kernels: deterministic mode's invariant ``step`` and ``scan`` (the gated delta net's

@@ -48,10 +48,9 @@ from ..kernels.gated_delta_invariant import (
     sigmoid_invariant,
 )
 from ..kernels.mamba1_invariant import softplus_invariant
-from ..kernels.state_update import causal_conv1d_update
 from . import mamba1_deterministic
 from .deterministic_linear import DeltaRule, conv_over_cache, delta_rule_over_cache, routed_linear
-from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_states_at
+from .mamba1 import apply_padding_mask, checkpoint_positions, conv_states_at
 from .mamba1_deterministic import lm_head_forward  # noqa: F401 (deterministic.install reads it from here)
 
 #: The gated norms that apply their weight in float32 before rounding (``LaraMiniRMSNormGated``); the others round the
@@ -88,7 +87,8 @@ def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_m
     hidden_states = apply_padding_mask(hidden_states, attention_mask)
     mixed_qkv, z, b, a = _projections(mixer, hidden_states)
     conv_checkpoints = conv_states_at(mixed_qkv, conv_state, mixer.conv_kernel_size, positions)
-    mixed_qkv = _conv(mixer, mixed_qkv, conv_state, cache, decode).transpose(1, 2)
+    mixed_qkv = conv_over_cache(mixed_qkv, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.activation,
+                                conv_state, cache, layer_idx, mixer.conv_kernel_size, decode, off=_OFF).transpose(1, 2)
     query, key, value = torch.split(mixed_qkv, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
     query = query.reshape(batch, seq_len, -1, mixer.head_k_dim)
     key = key.reshape(batch, seq_len, -1, mixer.head_k_dim)
@@ -132,21 +132,6 @@ def _gates(mixer, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch
     if getattr(mixer, "allow_neg_eigval", False):
         beta = beta * 2.0
     return beta, g
-
-
-def _conv(mixer, x: torch.Tensor, conv_state: torch.Tensor | None, cache, decode: bool) -> torch.Tensor:
-    """The conv output ``[B, C, T]`` of the raw conv inputs ``x`` ``[B, C, T]``; the window goes to the cache (in
-    place for a decode step, which counts its token as upstream's decode step does)."""
-    weight, bias, layer_idx = mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.layer_idx
-    if "conv" in _OFF:
-        if decode:
-            out = causal_conv1d_update(x[..., 0], conv_state, weight, bias, mixer.activation)[..., None]
-            _compat.count_decode_token(cache, layer_idx)
-            return out
-        full = cache.update_conv_state(x, layer_idx, conv_kernel_size=mixer.conv_kernel_size)
-        return causal_conv(full, weight, bias, mixer.activation, x.shape[-1])
-    return conv_over_cache(x, weight, bias, mixer.activation, conv_state, cache, layer_idx, mixer.conv_kernel_size,
-                           decode)
 
 
 def _gated_norm(mixer, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

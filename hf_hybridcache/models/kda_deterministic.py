@@ -48,10 +48,9 @@ from ..kernels.gated_delta_invariant import sigmoid_invariant
 from ..kernels.kda import recurrent_kimi_delta_attention
 from ..kernels.kda_invariant import kda_scan_invariant, kda_step_invariant, sigmoid_gated_rms_norm_invariant
 from ..kernels.mamba1_invariant import softplus_invariant
-from ..kernels.state_update import causal_conv1d_update
 from . import mamba1_deterministic
 from .deterministic_linear import DeltaRule, conv_over_cache, delta_rule_over_cache, routed_linear
-from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_states_at
+from .mamba1 import apply_padding_mask, checkpoint_positions, conv_states_at
 from .mamba1_deterministic import lm_head_forward  # noqa: F401 (deterministic.install reads it from here)
 
 #: Ingredients switched off (private: the power tests name them here; empty in use).
@@ -94,7 +93,8 @@ def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_m
     mixed_qkv = torch.cat([_linear(hidden_states, p) for p in (mixer.q_proj, mixer.k_proj, mixer.v_proj)], dim=-1)
     mixed_qkv = mixed_qkv.transpose(1, 2)
     conv_checkpoints = conv_states_at(mixed_qkv, conv_state, mixer.conv_kernel_size, positions)
-    mixed_qkv = _conv(mixer, mixed_qkv, conv_state, cache, decode).transpose(1, 2)
+    mixed_qkv = conv_over_cache(mixed_qkv, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.activation,
+                                conv_state, cache, layer_idx, mixer.conv_kernel_size, decode, off=_OFF).transpose(1, 2)
     query, key, value = (x.reshape(heads) for x in torch.split(mixed_qkv, [mixer.qkv_dim] * 3, dim=-1))
     g = _forget_gate(mixer.forget_gate, hidden_states)
     b = _linear(hidden_states, mixer.b_proj)
@@ -127,21 +127,6 @@ def _output_gate(mixer, hidden_states: torch.Tensor) -> torch.Tensor:
     if hasattr(mixer, "g_a_proj"):
         return _linear(_linear(hidden_states, mixer.g_a_proj), mixer.g_b_proj)
     return _linear(hidden_states, mixer.g_proj)
-
-
-def _conv(mixer, x: torch.Tensor, conv_state: torch.Tensor | None, cache, decode: bool) -> torch.Tensor:
-    """The conv output ``[B, C, T]`` of the raw conv inputs ``x`` ``[B, C, T]``; the window goes to the cache (in
-    place for a decode step, which counts its token as upstream's decode step does)."""
-    weight, bias, layer_idx = mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.layer_idx
-    if "conv" in _OFF:
-        if decode:
-            out = causal_conv1d_update(x[..., 0], conv_state, weight, bias, mixer.activation)[..., None]
-            _compat.count_decode_token(cache, layer_idx)
-            return out.to(x.dtype)
-        full = cache.update_conv_state(x, layer_idx, conv_kernel_size=mixer.conv_kernel_size)
-        return causal_conv(full, weight, bias, mixer.activation, x.shape[-1]).to(x.dtype)
-    return conv_over_cache(x, weight, bias, mixer.activation, conv_state, cache, layer_idx, mixer.conv_kernel_size,
-                           decode)
 
 
 def _norm(mixer, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
