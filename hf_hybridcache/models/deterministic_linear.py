@@ -1,6 +1,7 @@
 """The products of deterministic mode (issue 46): every linear layer its per-family forwards run, in one place; the
-invariant causal conv over a cache, which every mixer with a conv window runs alike (:func:`conv_over_cache`); and
-the delta rule over a cache, which the gated delta net and KDA mixers run alike (:func:`delta_rule_over_cache`).
+invariant causal conv over a cache, which every mixer with a conv window runs alike (:func:`conv_over_cache`), after
+reading what the cache holds for the call (:func:`cached_states`); and the delta rule over a cache, which the gated
+delta net and KDA mixers run alike (:func:`delta_rule_over_cache`).
 
 Each mixer module (:mod:`.mamba1_deterministic`, :mod:`.mamba2_deterministic`, :mod:`.gated_delta_deterministic`,
 :mod:`.short_conv_deterministic`) keeps its own private ``_OFF`` switch set for the power tests and passes it here at
@@ -21,7 +22,7 @@ from ..kernels.conv_invariant import causal_conv_invariant
 from ..kernels.decode_linear import weight_qualifies
 from ..kernels.state_update import causal_conv1d_update
 from .decode_linear import wide_threads
-from .mamba1 import causal_conv
+from .mamba1 import causal_conv, checkpoint_positions
 
 
 def routed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -39,6 +40,18 @@ def routed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return invariant_linear(x, weight, bias)
     with wide_threads():
         return invariant_linear(x, weight, bias)
+
+
+def cached_states(cache, layer_idx: int, seq_len: int) -> tuple[torch.Tensor | None, torch.Tensor | None, bool,
+                                                                Sequence[int]]:
+    """``(conv_state, recurrent_state, decode, positions)`` of a recurrent mixer's call over ``seq_len`` tokens: the
+    conv and recurrent states ``cache`` holds for ``layer_idx`` (None where it holds none), whether the call is a
+    decode step (one token over held states, which it updates in place), and the token counts after which the call
+    checkpoints its states (none for a decode step)."""
+    conv_state = cache.get_conv_state(layer_idx)
+    recurrent_state = cache.get_recurrent_state(layer_idx)
+    decode = seq_len == 1 and conv_state is not None and recurrent_state is not None
+    return conv_state, recurrent_state, decode, () if decode else checkpoint_positions(cache, seq_len)
 
 
 def conv_over_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,

@@ -49,8 +49,8 @@ from ..kernels.kda import recurrent_kimi_delta_attention
 from ..kernels.kda_invariant import kda_scan_invariant, kda_step_invariant, sigmoid_gated_rms_norm_invariant
 from ..kernels.mamba1_invariant import softplus_invariant
 from . import mamba1_deterministic
-from .deterministic_linear import DeltaRule, conv_over_cache, delta_rule_over_cache, routed_linear
-from .mamba1 import apply_padding_mask, checkpoint_positions, conv_states_at
+from .deterministic_linear import DeltaRule, cached_states, conv_over_cache, delta_rule_over_cache, routed_linear
+from .mamba1 import apply_padding_mask, conv_states_at
 from .mamba1_deterministic import lm_head_forward  # noqa: F401 (deterministic.install reads it from here)
 
 #: Ingredients switched off (private: the power tests name them here; empty in use).
@@ -84,10 +84,7 @@ def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_m
     """
     batch, seq_len, _ = hidden_states.shape
     layer_idx = mixer.layer_idx
-    conv_state = cache.get_conv_state(layer_idx)
-    recurrent_state = cache.get_recurrent_state(layer_idx)
-    decode = seq_len == 1 and conv_state is not None and recurrent_state is not None
-    positions = () if decode else checkpoint_positions(cache, seq_len)
+    conv_state, recurrent_state, decode, positions = cached_states(cache, layer_idx, seq_len)
     hidden_states = apply_padding_mask(hidden_states, attention_mask)
     heads = (batch, seq_len, -1, mixer.head_dim)
     mixed_qkv = torch.cat([_linear(hidden_states, p) for p in (mixer.q_proj, mixer.k_proj, mixer.v_proj)], dim=-1)

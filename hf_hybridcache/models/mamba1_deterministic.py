@@ -36,9 +36,9 @@ from .. import _compat
 from ..kernels import selective_scan
 from ..kernels.mamba1_invariant import selective_scan_invariant, selective_step_invariant
 from ..kernels.state_update import selective_state_update
-from .deterministic_linear import conv_over_cache, routed_linear
+from .deterministic_linear import cached_states, conv_over_cache, routed_linear
 from .jamba import selective_norms
-from .mamba1 import apply_padding_mask, checkpoint_positions, conv_states_at
+from .mamba1 import apply_padding_mask, conv_states_at
 
 #: Ingredients switched off (private: the power tests name them here; empty in use).
 _OFF: set[str] = set()
@@ -71,10 +71,7 @@ def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_m
         ValueError: the cached SSM state is not float32 (from the invariant step).
     """
     layer_idx, seq_len, dtype = mixer.layer_idx, hidden_states.shape[1], hidden_states.dtype
-    conv_state = cache.get_conv_state(layer_idx)
-    ssm_state = cache.get_recurrent_state(layer_idx)
-    decode = seq_len == 1 and conv_state is not None and ssm_state is not None
-    positions = () if decode else checkpoint_positions(cache, seq_len)
+    conv_state, ssm_state, decode, positions = cached_states(cache, layer_idx, seq_len)
     hidden_states = apply_padding_mask(hidden_states, attention_mask)
     x, gate = linear(hidden_states, mixer.in_proj.weight, mixer.in_proj.bias).transpose(1, 2).chunk(2, dim=1)
     conv_checkpoints = conv_states_at(x, conv_state, mixer.conv_kernel_size, positions)
