@@ -124,17 +124,18 @@ def identical_prompt_and_decoded_tokens(family, dtype):
     assert decode_vs_prefill_case(family, dtype)
 
 
-def chat_with_the_reply_replayed(family, dtype, turns):
-    """``turns`` chat turns, each a reply of 9 tokens replayed with 5 new ones: each turn's blocks hit, and its tokens
-    and logits are cold's."""
+def chat_with_the_reply_replayed(family, dtype, turns, first=BASE[:50], runner=run):
+    """``turns`` chat turns from the prompt ``first``, each a reply of 9 tokens replayed with 5 new ones: each turn's
+    blocks hit, and its tokens and logits are cold's. ``runner``: how generate() is called (:func:`run`'s
+    arguments); a reply holding the pad token 0 is masked by :func:`run` (the turn then does not hit)."""
     model, cache = fresh(family, dtype, replay_replies=True)
-    turn = BASE[:50]
+    turn = first
     for n in range(turns):
-        reply, _ = run(model, cache, turn, new_tokens=9)
+        reply, _ = runner(model, cache, turn, new_tokens=9)
         turn = turn + reply + ids(5, seed=4630 + n)
-        tokens, logits = run(model, cache, turn)
-        assert cache.last_hit_tokens[0] >= len(turn) - 5 - 9 - 16  # the reply's blocks hit
-        ref_tokens, ref_logits = cold(family, dtype, turn)
+        tokens, logits = runner(model, cache, turn)
+        assert cache.last_hit_tokens[0] >= len(turn) - 5 - 9 - 16, f"turn {n + 2}: the reply {reply} did not hit"
+        ref_tokens, ref_logits = runner(*fresh(family, dtype), turn)
         assert tokens == ref_tokens and torch.equal(logits, ref_logits), f"turn {n + 2}"
 
 
@@ -173,13 +174,14 @@ def engine_requests_hit_each_others_prefix(family):
     assert sorted(o.hit_tokens for o in outputs[:2]) == [0, 32]
 
 
-def mode_is_the_model(family):
-    """The deterministic forward computes the model: its float32 logits are a plain forward's within round-off."""
+def mode_is_the_model(family, prompt_tokens=40):
+    """The deterministic forward computes the model: its float32 logits after BASE's first ``prompt_tokens`` are a
+    plain forward's within round-off."""
     model, cache = fresh(family, torch.float32)
     plain = plain_toy(family)
-    _, logits = run(model, cache, BASE[:40], new_tokens=1)
+    _, logits = run(model, cache, BASE[:prompt_tokens], new_tokens=1)
     with torch.no_grad():
-        expected = plain(torch.tensor([BASE[:40]])).logits[0, -1]
+        expected = plain(torch.tensor([BASE[:prompt_tokens]])).logits[0, -1]
     torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=0)
 
 

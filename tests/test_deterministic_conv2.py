@@ -23,21 +23,21 @@ each make some case differ, as do the ingredients they share with LFM2 (the powe
 import pytest
 import test_deterministic
 import torch
-from conftest import assert_restored_states_match
-from engine_scenarios import ids
-from test_deterministic import (
-    BASE,
-    GREEDY,
-    OVERRIDES,
-    PROMPTS,
-    cold,
+from deterministic_bank import (
+    chat_with_the_reply_replayed,
+    checkpoints_hold_upstream_states,
     decode_vs_prefill_case,
     engine_case,
-    fresh,
-    hit_case,
-    run,
+    engine_requests_equal_generate_alone,
+    hits_equal_cold,
+    identical_prompt_and_decoded_tokens,
+    ingredient_off_breaks,
+    mode_is_the_model,
+    mode_off_some_case_differs,
+    padded_batch_rows_equal_each_alone,
     speculative_case,
 )
+from test_deterministic import OVERRIDES
 from test_deterministic_conv import build_with_biases
 
 from hf_hybridcache import HybridPrefixCache
@@ -63,34 +63,6 @@ def dtype(request):
 @pytest.fixture(autouse=True)
 def biases(monkeypatch):
     monkeypatch.setattr(test_deterministic, "build_model", build_with_biases)
-
-
-def padded_batch_case(family, dtype, deterministic=True) -> bool:
-    """Three prompts left-padded into one generate() batch: every row's tokens and logits equal the prompt alone."""
-    prompts = [PROMPTS[i] for i in (3, 1, 6)]
-    width = max(map(len, prompts))
-    batch = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    model, cache = fresh(family, dtype, deterministic)
-    with torch.no_grad():
-        out = model.generate(batch, attention_mask=(batch != 0).long(), past_key_values=cache, max_new_tokens=5,
-                             min_new_tokens=5, output_logits=True, return_dict_in_generate=True, **GREEDY)
-    for row, prompt in enumerate(prompts):
-        tokens, logits = cold(family, dtype, prompt, 5, deterministic)
-        if out.sequences[row, width:].tolist() != tokens or not torch.equal(
-                torch.stack([step[row] for step in out.logits]), logits):
-            return False
-    return True
-
-
-def within_round_off(family):
-    """The deterministic forward computes the model: its float32 logits are a plain forward's within round-off (a
-    mistake in a window, a gate, the conv or the MLP would move them by far more)."""
-    model, cache = fresh(family, torch.float32)
-    plain = build_with_biases(family, seed=0, **OVERRIDES[family])
-    _, logits = run(model, cache, BASE[:60], new_tokens=1)
-    with torch.no_grad():
-        expected = plain(torch.tensor([BASE[:60]])).logits[0, -1]
-    torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=0)
 
 
 @DTYPES3
@@ -130,45 +102,29 @@ def test_attention_with_a_bias_is_sdpa_within_round_off(window):
 @DTYPES3
 @pytest.mark.parametrize("length", [17, 40, 64, 89])
 def test_lfm3_hits_equal_cold_bit_for_bit(dtype, length):
-    model, cache = fresh(LFM3, dtype)
-    run(model, cache, BASE)
-    prompt = BASE[:length] + ids(7, seed=4601)
-    tokens, logits = run(model, cache, prompt)
-    assert cache.last_hit_tokens == [min(length, 80) // 16 * 16]
-    ref_tokens, ref_logits = cold(LFM3, dtype, prompt)
-    assert tokens == ref_tokens and torch.equal(logits, ref_logits)
+    hits_equal_cold(LFM3, dtype, length)
 
 
 @DTYPES3
 def test_lfm3_identical_prompt_decoded_tokens_and_padded_rows_equal_cold(dtype):
-    assert hit_case(LFM3, dtype)
-    assert decode_vs_prefill_case(LFM3, dtype)
-    assert padded_batch_case(LFM3, dtype)
+    identical_prompt_and_decoded_tokens(LFM3, dtype)
+    padded_batch_rows_equal_each_alone(LFM3, dtype)
 
 
 def test_lfm3_chat_turns_with_the_reply_replayed_equal_cold(dtype):
-    model, cache = fresh(LFM3, dtype, replay_replies=True)
-    turn = BASE[:50]
-    for n in range(2):
-        reply, _ = run(model, cache, turn, new_tokens=9)
-        turn = turn + reply + ids(5, seed=4630 + n)
-        tokens, logits = run(model, cache, turn)
-        assert cache.last_hit_tokens[0] >= len(turn) - 5 - 9 - 16
-        ref_tokens, ref_logits = cold(LFM3, dtype, turn)
-        assert tokens == ref_tokens and torch.equal(logits, ref_logits), f"turn {n + 2}"
+    chat_with_the_reply_replayed(LFM3, dtype, turns=2)
 
 
 @pytest.mark.parametrize("max_batch_tokens", [16, 48, 512])
 def test_lfm3_engine_requests_equal_generate_alone_in_any_batch(dtype, max_batch_tokens):
     """The engine's tokens and logprobs for 1, 3 and 8 concurrent requests (two of them hit each other's prefix)
     equal each one alone in generate()."""
-    for prompts in (PROMPTS[:1], PROMPTS[2:5], PROMPTS):
-        assert engine_case(LFM3, dtype, prompts, max_batch_tokens), f"{len(prompts)} requests"
+    engine_requests_equal_generate_alone(LFM3, dtype, max_batch_tokens)
 
 
 @pytest.mark.parametrize("max_batch_tokens", [16, 48, 512])
 def test_lfm3_engine_in_float16_equals_generate_alone(max_batch_tokens):
-    assert engine_case(LFM3, torch.float16, PROMPTS, max_batch_tokens)
+    assert engine_case(LFM3, torch.float16, max_batch_tokens=max_batch_tokens)
 
 
 def test_lfm3_speculative_verify_groups_equal_generate_alone(dtype):
@@ -176,7 +132,9 @@ def test_lfm3_speculative_verify_groups_equal_generate_alone(dtype):
 
 
 def test_lfm3_mode_is_the_model_within_round_off():
-    within_round_off(LFM3)
+    """Over 60 tokens, past the window: a mistake in a window, a gate, the conv or the MLP would move the logits by far
+    more than round-off."""
+    mode_is_the_model(LFM3, prompt_tokens=60)
 
 
 #: (module, ingredient, dtype, a case it breaks when switched off alone), measured at 2 threads.
@@ -194,14 +152,11 @@ POWER = [
                          ids=[f"{off}-{str(dtype)[6:]}-{case.__name__}" for _, off, dtype, case in POWER])
 def test_lfm3_each_ingredient_off_alone_breaks_a_case(monkeypatch, module, off, dtype, case):
     torch.set_num_threads(2)  # MKL's float32 1-row product sums in another order at 2 threads (the suite runs 1)
-    assert case(LFM3, dtype)
-    monkeypatch.setattr(module, "_OFF", {off})
-    assert not case(LFM3, dtype)
+    ingredient_off_breaks(monkeypatch, module, off, case, LFM3, dtype)
 
 
 def test_lfm3_with_the_mode_off_some_case_differs():
-    cases = (decode_vs_prefill_case, engine_case, hit_case)
-    assert not all(case(LFM3, torch.float32, deterministic=False) for case in cases)
+    mode_off_some_case_differs(LFM3, torch.float32)
 
 
 def test_lfm3_layers_it_cannot_hold_for_are_refused():
@@ -214,55 +169,31 @@ def test_lfm3_layers_it_cannot_hold_for_are_refused():
 @DTYPES3
 @pytest.mark.parametrize("length", [17, 40, 64, 89])
 def test_inkling_hits_equal_cold_bit_for_bit(dtype, length):
-    model, cache = fresh(INKLING, dtype)
-    run(model, cache, BASE)
-    prompt = BASE[:length] + ids(7, seed=4601)
-    tokens, logits = run(model, cache, prompt)
-    assert cache.last_hit_tokens == [min(length, 80) // 16 * 16]
-    ref_tokens, ref_logits = cold(INKLING, dtype, prompt)
-    assert tokens == ref_tokens and torch.equal(logits, ref_logits)
-
-
-def unscaled_padded_batch_case(family, dtype, deterministic=True) -> bool:
-    """:func:`padded_batch_case` on Inkling without its logarithmic query scaling: upstream scales a query by its
-    position in the cache (``get_query_offset``), which counts a left-padded row's padding, so with the scaling on a
-    padded row is another computation than the prompt alone (in exact arithmetic too)."""
-    overrides = {**OVERRIDES[family], "log_scaling_n_floor": None}
-    saved, OVERRIDES[family] = OVERRIDES[family], overrides
-    try:
-        return padded_batch_case(family, dtype, deterministic)
-    finally:
-        OVERRIDES[family] = saved
+    hits_equal_cold(INKLING, dtype, length)
 
 
 @DTYPES3
-def test_inkling_identical_prompt_decoded_tokens_and_padded_rows_equal_cold(dtype):
-    assert hit_case(INKLING, dtype)
-    assert decode_vs_prefill_case(INKLING, dtype)
-    assert unscaled_padded_batch_case(INKLING, dtype)
+def test_inkling_identical_prompt_decoded_tokens_and_padded_rows_equal_cold(dtype, monkeypatch):
+    identical_prompt_and_decoded_tokens(INKLING, dtype)
+    # The padded rows without the logarithmic query scaling: upstream scales a query by its position in the cache
+    # (``get_query_offset``), which counts a left-padded row's padding, so with the scaling on a padded row is another
+    # computation than the prompt alone (in exact arithmetic too).
+    monkeypatch.setitem(OVERRIDES, INKLING, dict(OVERRIDES[INKLING], log_scaling_n_floor=None))
+    padded_batch_rows_equal_each_alone(INKLING, dtype)
 
 
 def test_inkling_chat_turns_with_the_reply_replayed_equal_cold(dtype):
-    model, cache = fresh(INKLING, dtype, replay_replies=True)
-    turn = BASE[:50]
-    for n in range(2):
-        reply, _ = run(model, cache, turn, new_tokens=9)
-        turn = turn + reply + ids(5, seed=4630 + n)
-        tokens, logits = run(model, cache, turn)
-        assert cache.last_hit_tokens[0] >= len(turn) - 5 - 9 - 16
-        ref_tokens, ref_logits = cold(INKLING, dtype, turn)
-        assert tokens == ref_tokens and torch.equal(logits, ref_logits), f"turn {n + 2}"
+    chat_with_the_reply_replayed(INKLING, dtype, turns=2)
 
 
 @pytest.mark.parametrize("max_batch_tokens", [16, 48, 512])
 def test_inkling_engine_requests_equal_generate_alone_in_any_batch(dtype, max_batch_tokens):
-    for prompts in (PROMPTS[:1], PROMPTS[2:5], PROMPTS):
-        assert engine_case(INKLING, dtype, prompts, max_batch_tokens), f"{len(prompts)} requests"
+    engine_requests_equal_generate_alone(INKLING, dtype, max_batch_tokens)
 
 
 @pytest.mark.parametrize("max_batch_tokens", [16, 48, 512])
 def test_inkling_engine_in_float16_equals_generate_alone(max_batch_tokens):
-    assert engine_case(INKLING, torch.float16, PROMPTS, max_batch_tokens)
+    assert engine_case(INKLING, torch.float16, max_batch_tokens=max_batch_tokens)
 
 
 def test_inkling_speculative_verify_groups_equal_generate_alone(dtype):
@@ -270,16 +201,13 @@ def test_inkling_speculative_verify_groups_equal_generate_alone(dtype):
 
 
 def test_inkling_mode_is_the_model_within_round_off():
-    within_round_off(INKLING)
+    mode_is_the_model(INKLING, prompt_tokens=60)
 
 
 def test_inkling_checkpoints_hold_the_states_of_an_upstream_cold_forward():
     """The four windows of every layer and the convolved keys and values at a block boundary equal an unpatched
     model's within round-off."""
-    model, cache = fresh(INKLING, torch.float32)
-    run(model, cache, BASE)
-    plain = build_model(INKLING, seed=0, **OVERRIDES[INKLING])
-    assert_restored_states_match(cache, plain, torch.tensor([BASE[:70]]), expected_hit=64)
+    checkpoints_hold_upstream_states(INKLING)
 
 
 #: Inkling's ingredients (module, ingredient, dtype, case), measured at 2 threads.
@@ -297,14 +225,11 @@ INKLING_POWER = [
                          ids=[f"{off}-{str(dtype)[6:]}-{case.__name__}" for _, off, dtype, case in INKLING_POWER])
 def test_inkling_each_ingredient_off_alone_breaks_a_case(monkeypatch, module, off, dtype, case):
     torch.set_num_threads(2)
-    assert case(INKLING, dtype)
-    monkeypatch.setattr(module, "_OFF", {off})
-    assert not case(INKLING, dtype)
+    ingredient_off_breaks(monkeypatch, module, off, case, INKLING, dtype)
 
 
 def test_inkling_with_the_mode_off_some_case_differs():
-    cases = (decode_vs_prefill_case, engine_case, hit_case)
-    assert not all(case(INKLING, torch.float32, deterministic=False) for case in cases)
+    mode_off_some_case_differs(INKLING, torch.float32)
 
 
 def test_other_inkling_families_are_refused():

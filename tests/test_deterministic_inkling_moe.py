@@ -23,20 +23,19 @@ import test_deterministic
 import torch
 from deterministic_bank import (
     BASE,
-    PROMPTS,
-    cold,
+    chat_with_the_reply_replayed,
     decode_vs_prefill_case,
     engine_case,
-    fresh,
+    engine_requests_equal_generate_alone,
     hit_case,
     hits_equal_cold,
+    identical_prompt_and_decoded_tokens,
+    ingredient_off_breaks,
     mode_is_the_model,
     mode_off_some_case_differs,
     padded_batch_rows_equal_each_alone,
-    run,
     speculative_case,
 )
-from engine_scenarios import ids
 from test_deterministic import VARIANTS
 
 from hf_hybridcache.models import hybrid_deterministic, mamba1_deterministic, moe_deterministic
@@ -54,8 +53,7 @@ def test_hits_equal_cold_bit_for_bit(dtype, length):
 
 @DTYPES3
 def test_identical_prompt_decoded_tokens_and_padded_rows_equal_cold(dtype, monkeypatch):
-    assert hit_case(INKLING_MOE, dtype)
-    assert decode_vs_prefill_case(INKLING_MOE, dtype)
+    identical_prompt_and_decoded_tokens(INKLING_MOE, dtype)
     # Without the logarithmic query scaling, which counts a left-padded row's padding (test_deterministic_conv2.py).
     family, settings = VARIANTS[INKLING_MOE]
     monkeypatch.setitem(test_deterministic.VARIANTS, INKLING_MOE, (family, dict(settings, log_scaling_n_floor=None)))
@@ -66,23 +64,13 @@ def test_identical_prompt_decoded_tokens_and_padded_rows_equal_cold(dtype, monke
 def test_chat_turns_with_the_reply_replayed_equal_cold(dtype):
     """The bank's chat from another first turn: from BASE[:50] the bfloat16 toy replies with token 0, the pad token,
     which generate() masks (and the cache then does not reuse the turn)."""
-    model, cache = fresh(INKLING_MOE, dtype, replay_replies=True)
-    turn = BASE[3:53]
-    for n in range(2):
-        reply, _ = run(model, cache, turn, new_tokens=9)
-        assert 0 not in reply
-        turn = turn + reply + ids(5, seed=4630 + n)
-        tokens, logits = run(model, cache, turn)
-        assert cache.last_hit_tokens[0] >= len(turn) - 5 - 9 - 16  # the reply's blocks hit
-        ref_tokens, ref_logits = cold(INKLING_MOE, dtype, turn)
-        assert tokens == ref_tokens and torch.equal(logits, ref_logits), f"turn {n + 2}"
+    chat_with_the_reply_replayed(INKLING_MOE, dtype, turns=2, first=BASE[3:53])
 
 
 @DTYPES3
 @pytest.mark.parametrize("max_batch_tokens", [16, 48, 512])
 def test_engine_requests_equal_generate_alone_in_any_batch(dtype, max_batch_tokens):
-    for prompts in (PROMPTS[:1], PROMPTS[2:5], PROMPTS):
-        assert engine_case(INKLING_MOE, dtype, prompts, max_batch_tokens), f"{len(prompts)} requests"
+    engine_requests_equal_generate_alone(INKLING_MOE, dtype, max_batch_tokens)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -139,9 +127,7 @@ POWER = [
                          ids=[f"{off}-{str(dtype)[6:]}-{case.__name__}" for _, off, dtype, case in POWER])
 def test_each_ingredient_off_alone_breaks_a_case(monkeypatch, module, off, dtype, case):
     torch.set_num_threads(2)
-    assert case(INKLING_MOE, dtype)
-    monkeypatch.setattr(module, "_OFF", {off})
-    assert not case(INKLING_MOE, dtype)
+    ingredient_off_breaks(monkeypatch, module, off, case, INKLING_MOE, dtype)
 
 
 def test_with_the_mode_off_some_case_differs():

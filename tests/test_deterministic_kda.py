@@ -19,22 +19,26 @@ case per ingredient; the conv also in bf16 / fp16 on Kimi, the rule in bf16 and 
 
 import pytest
 import torch
-from conftest import assert_restored_states_match
-from engine_scenarios import ids
-from test_deterministic import (
+from deterministic_bank import (
     BASE,
-    GREEDY,
-    OVERRIDES,
-    PROMPTS,
+    chat_with_the_reply_replayed,
+    checkpoints_hold_upstream_states,
     cold,
     decode_vs_prefill_case,
     engine_case,
-    engine_outputs,
-    fresh,
+    engine_requests_equal_generate_alone,
+    engine_requests_hit_each_others_prefix,
     hit_case,
+    hits_equal_cold,
+    identical_prompt_and_decoded_tokens,
+    ingredient_off_breaks,
+    mode_is_the_model,
+    mode_off_some_case_differs,
+    padded_batch_rows_equal_each_alone,
     run,
     speculative_case,
 )
+from test_deterministic import OVERRIDES
 
 from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.models import hybrid_deterministic, kda_deterministic
@@ -58,74 +62,46 @@ def family(request):
 @DTYPES3
 @pytest.mark.parametrize("length", [17, 64, 89])
 def test_hits_equal_cold_bit_for_bit(family, dtype, length):
-    model, cache = fresh(family, dtype)
-    run(model, cache, BASE)
-    prompt = BASE[:length] + ids(7, seed=4601)
-    tokens, logits = run(model, cache, prompt)
-    assert cache.last_hit_tokens == [min(length, 80) // 16 * 16]
-    ref_tokens, ref_logits = cold(family, dtype, prompt)
-    assert tokens == ref_tokens and torch.equal(logits, ref_logits)
+    hits_equal_cold(family, dtype, length)
 
 
 @DTYPES3
 def test_identical_prompt_and_decoded_tokens_equal_cold_and_prefilled(family, dtype):
-    assert hit_case(family, dtype)
-    assert decode_vs_prefill_case(family, dtype)
+    identical_prompt_and_decoded_tokens(family, dtype)
 
 
 def test_chat_turns_with_the_reply_replayed_equal_cold(family, dtype):
-    model, cache = fresh(family, dtype, replay_replies=True)
-    turn = BASE[:50]
-    for n in range(2):
-        reply, _ = run(model, cache, turn, new_tokens=9)
-        turn = turn + reply + ids(5, seed=4630 + n)
-        tokens, logits = run(model, cache, turn)
-        assert cache.last_hit_tokens[0] >= len(turn) - 5 - 9 - 16
-        ref_tokens, ref_logits = cold(family, dtype, turn)
-        assert tokens == ref_tokens and torch.equal(logits, ref_logits), f"turn {n + 2}"
+    chat_with_the_reply_replayed(family, dtype, turns=2)
 
 
 def test_padded_generate_batch_rows_equal_each_alone(family, dtype):
     """Left padding: a padded row's recurrent state stays zero until its first token, its keys re-anchor there."""
-    prompts = [PROMPTS[i] for i in (3, 1, 6)]
-    width = max(map(len, prompts))
-    batch = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    model, cache = fresh(family, dtype)
-    with torch.no_grad():
-        out = model.generate(batch, attention_mask=(batch != 0).long(), past_key_values=cache, max_new_tokens=5,
-                             min_new_tokens=5, output_logits=True, return_dict_in_generate=True, **GREEDY)
-    for row, prompt in enumerate(prompts):
-        tokens, logits = cold(family, dtype, prompt, 5)
-        assert out.sequences[row, width:].tolist() == tokens
-        assert torch.equal(torch.stack([step[row] for step in out.logits]), logits), f"row {row}"
+    padded_batch_rows_equal_each_alone(family, dtype)
 
 
 @pytest.mark.parametrize("max_batch_tokens", [16, 48, 512])
 def test_engine_requests_equal_generate_alone_in_any_batch(family, dtype, max_batch_tokens):
     """The engine's tokens and logprobs for 1, 3 and 8 concurrent requests (two of them hit each other's prefix)
     equal each one alone in generate()."""
-    for prompts in (PROMPTS[:1], PROMPTS[2:5], PROMPTS):
-        assert engine_case(family, dtype, prompts, max_batch_tokens), f"{len(prompts)} requests"
+    engine_requests_equal_generate_alone(family, dtype, max_batch_tokens)
 
 
 @pytest.mark.parametrize("max_batch_tokens", [16, 48, 512])
 def test_engine_in_float16_equals_generate_alone(family, max_batch_tokens):
-    assert engine_case(family, torch.float16, PROMPTS, max_batch_tokens)
+    assert engine_case(family, torch.float16, max_batch_tokens=max_batch_tokens)
 
 
 def test_engine_at_two_threads_equals_generate_alone(family):
     torch.set_num_threads(2)
-    assert engine_case(family, torch.float32, PROMPTS, 48)
+    assert engine_case(family, torch.float32)
 
 
 def test_engine_requests_hit_each_others_prefix(family):
-    outputs = engine_outputs(family, torch.bfloat16, PROMPTS, 48)
-    assert sorted(o.hit_tokens for o in outputs[:2]) == [0, 32]
+    engine_requests_hit_each_others_prefix(family)
 
 
 def test_speculative_verify_groups_equal_generate_alone(family, dtype):
     speculative_case(family, dtype)
-
 
 
 def test_eager_attention_gives_the_bits_of_sdpa(family):
@@ -142,21 +118,13 @@ def test_eager_attention_gives_the_bits_of_sdpa(family):
 def test_the_mode_is_the_model_within_round_off(family):
     """The deterministic forward computes the model: its float32 logits are a plain forward's within round-off (a
     mistake in the gates, the rule, the norm, the router or Ling's clipping would move them by far more)."""
-    model, cache = fresh(family, torch.float32)
-    plain = build_model(family, seed=0, **OVERRIDES[family])
-    _, logits = run(model, cache, BASE[:40], new_tokens=1)
-    with torch.no_grad():
-        expected = plain(torch.tensor([BASE[:40]])).logits[0, -1]
-    torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=0)
+    mode_is_the_model(family)
 
 
 def test_checkpoints_hold_the_states_of_an_upstream_cold_forward(family):
     """What the mode stores is what the default path stores: the conv window and the float32 state ``[H, Dk, Dv]``
     at a block boundary equal an unpatched model's (transformers' chunked KDA) within round-off."""
-    model, cache = fresh(family, torch.float32)
-    run(model, cache, BASE)
-    plain = build_model(family, seed=0, **OVERRIDES[family])
-    assert_restored_states_match(cache, plain, torch.tensor([BASE[:70]]), expected_hit=64)
+    checkpoints_hold_upstream_states(family)
 
 
 #: (family, module, ingredient, dtype, a case it breaks when switched off alone), measured at 2 threads.
@@ -187,14 +155,11 @@ POWER = [
                               for family, _, off, dtype, case in POWER])
 def test_each_ingredient_off_alone_breaks_a_case(monkeypatch, family, module, off, dtype, case):
     torch.set_num_threads(2)  # MKL's float32 1-row product sums in another order at 2 threads (the suite runs 1)
-    assert case(family, dtype)
-    monkeypatch.setattr(module, "_OFF", {off})
-    assert not case(family, dtype)
+    ingredient_off_breaks(monkeypatch, module, off, case, family, dtype)
 
 
 def test_with_the_mode_off_some_case_differs(family, dtype):
-    cases = (decode_vs_prefill_case, engine_case, hit_case)
-    assert not all(case(family, dtype, deterministic=False) for case in cases)
+    mode_off_some_case_differs(family, dtype)
 
 
 def test_layers_it_cannot_hold_for_are_refused(family):

@@ -15,7 +15,9 @@ one row: the state is held value-major (``[Dv, Dk]`` per head) while it runs, so
 contiguous key dim, as are the l2-norms of ``q`` and ``k`` (no ``bmm`` / ``matmul``, whose float32 result for a row
 depends on the row count on this CPU). A token's output and state are then the same bits in a prefill at any offset,
 a split prompt or a decode step, whatever rows share the call. The states the functions take and return keep the
-package's layout ``[B, Hv, Dk, Dv]`` (the cache's); transposing is a copy, exact.
+package's layout ``[B, Hv, Dk, Dv]`` (the cache's); transposing is a copy, exact. KDA's invariant rule
+(:mod:`.kda_invariant`) runs the same step and loop (:func:`delta_rule_step`, :func:`delta_rule_scan`) with a decay
+per key channel and its own :class:`DeltaRuleForm` (its l2-norm and query scaling as its upstream writes them).
 
 Cost: a step per token instead of chunk-sized matrix products (docs/deterministic.md has the measured cost).
 
@@ -33,7 +35,8 @@ Source: Yang, Kautz & Hatamizadeh, "Gated Delta Networks" (ICLR 2025); the recur
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -54,6 +57,26 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
 
 
+def _scale_query(q: torch.Tensor) -> torch.Tensor:
+    return q / (q.shape[-1] ** 0.5)
+
+
+@dataclass(frozen=True)
+class DeltaRuleForm:
+    """What two invariant delta rules differ in besides the decay's shape (:func:`delta_rule_step` takes a decay per
+    head or per key channel): the l2-norm of ``q`` and ``k`` and the query's ``1 / sqrt(Dk)`` scaling, each written as
+    its upstream writes it (``rsqrt`` then a product, or a division; a division by ``sqrt(Dk)`` or a product with its
+    reciprocal: other float32 bits), and the rule's name for the float32-state error."""
+
+    name: str
+    l2norm: Callable[[torch.Tensor], torch.Tensor]
+    scale_query: Callable[[torch.Tensor], torch.Tensor]
+
+
+#: The gated delta net's form (``l2norm`` and the query scaling of ``torch_recurrent_gated_delta_rule``).
+GATED_DELTA = DeltaRuleForm("gated delta rule", _l2norm, _scale_query)
+
+
 def _heads(x: torch.Tensor, num_v_heads: int) -> torch.Tensor:
     """``[..., Hk, D]`` -> float32 ``[..., Hv, D]``, each query/key head serving ``Hv // Hk`` consecutive value
     heads."""
@@ -61,22 +84,66 @@ def _heads(x: torch.Tensor, num_v_heads: int) -> torch.Tensor:
     return x if x.shape[-2] == num_v_heads else x.repeat_interleave(num_v_heads // x.shape[-2], dim=-2)
 
 
-def _step(state_vk, q, k, v, g, beta, l2norm: bool) -> torch.Tensor:
-    """One token in place on the value-major float32 state ``[B, Hv, Dv, Dk]``: ``q`` / ``k`` ``[B, Hv, Dk]``,
-    ``v`` ``[B, Hv, Dv]``, ``g`` / ``beta`` ``[B, Hv]``, all float32; returns ``o`` ``[B, Hv, Dv]`` float32."""
+def _step(form: DeltaRuleForm, state_vk, q, k, v, g, beta, l2norm: bool) -> torch.Tensor:
+    """One token in place on the value-major float32 state ``[B, H, Dv, Dk]``: ``q`` / ``k`` ``[B, H, Dk]``,
+    ``v`` ``[B, H, Dv]``, ``g`` ``[B, H, 1]`` or ``[B, H, Dk]``, ``beta`` ``[B, H]``, all float32; returns ``o``
+    ``[B, H, Dv]`` float32."""
     if l2norm:
-        q, k = _l2norm(q), _l2norm(k)
-    q = q / (q.shape[-1] ** 0.5)
-    state_vk.mul_(torch.exp(g)[..., None, None])
+        q, k = form.l2norm(q), form.l2norm(k)
+    q = form.scale_query(q)
+    state_vk.mul_(torch.exp(g)[..., None, :])
     kv_mem = (state_vk * k[..., None, :]).sum(-1)
     delta = (v - kv_mem) * beta[..., None]
     state_vk.add_(delta[..., :, None] * k[..., None, :])
     return (state_vk * q[..., None, :]).sum(-1)
 
 
-def _check_state(state: torch.Tensor) -> None:
+def delta_rule_step(form: DeltaRuleForm, state: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, use_qk_l2norm: bool) -> torch.Tensor:
+    """The token step :func:`gated_delta_rule_step_invariant` and
+    :func:`~hf_hybridcache.kernels.kda_invariant.kda_step_invariant` share, in place on ``state``
+    ``[B, H, Dk, Dv]`` float32: ``query`` / ``key`` ``[B, H, Dk]`` (heads already repeated up to ``H``), ``value``
+    ``[B, H, Dv]``, the log decay ``g`` ``[B, H, 1]`` (one per head) or ``[B, H, Dk]`` (one per key channel), ``beta``
+    ``[B, H]``, any float dtype; returns ``o`` ``[B, H, Dv]`` float32.
+
+    Raises:
+        ValueError: ``state`` is not float32.
+    """
     if state.dtype != torch.float32:
-        raise ValueError(f"The recurrent state must be float32 for the invariant gated delta rule; got {state.dtype}.")
+        raise ValueError(f"The recurrent state must be float32 for the invariant {form.name}; got {state.dtype}.")
+    work = state.transpose(-1, -2).contiguous()
+    out = _step(form, work, query.float(), key.float(), value.float(), g.float(), beta.float(), use_qk_l2norm)
+    state.copy_(work.transpose(-1, -2))
+    return out
+
+
+def delta_rule_scan(form: DeltaRuleForm, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor | None, use_qk_l2norm: bool,
+                    emit_positions: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The token loop :func:`gated_delta_rule_scan_invariant` and
+    :func:`~hf_hybridcache.kernels.kda_invariant.kda_scan_invariant` share: the step of :func:`delta_rule_step` once
+    per token on contiguous token-major slices (as a decode step reads them), the state value-major while it runs.
+    ``query`` / ``key`` ``[B, T, H, Dk]`` (heads already repeated up to ``H``), ``value`` ``[B, T, H, Dv]``, ``g``
+    ``[B, T, H, 1]`` or ``[B, T, H, Dk]``, ``beta`` ``[B, T, H]``, any float dtype; ``initial_state``
+    ``[B, H, Dk, Dv]`` or None for zeros. Returns ``(out [B, T, H, Dv] float32, final state, [state per emit
+    position])``, the states ``[B, H, Dk, Dv]`` float32 and new tensors.
+
+    Raises:
+        ValueError: ``emit_positions`` out of range or not strictly increasing.
+    """
+    batch, seq_len, num_heads, v_dim = value.shape
+    emit = set(check_emit_positions(emit_positions, seq_len))
+    if initial_state is None:
+        work = torch.zeros(batch, num_heads, v_dim, key.shape[-1], dtype=torch.float32, device=value.device)
+    else:
+        work = initial_state.float().transpose(-1, -2).contiguous()
+    q_t, k_t, v_t, g_t, b_t = (x.float().transpose(0, 1).contiguous() for x in (query, key, value, g, beta))
+    outputs, emitted = [], []
+    for t in range(seq_len):
+        outputs.append(_step(form, work, q_t[t], k_t[t], v_t[t], g_t[t], b_t[t], use_qk_l2norm))
+        if t + 1 in emit:
+            emitted.append(work.transpose(-1, -2).contiguous())
+    return torch.stack(outputs, dim=1), work.transpose(-1, -2).contiguous(), emitted
 
 
 def gated_delta_rule_step_invariant(
@@ -104,12 +171,9 @@ def gated_delta_rule_step_invariant(
     Raises:
         ValueError: ``state`` is not float32.
     """
-    _check_state(state)
     num_v_heads = value.shape[-2]
-    work = state.transpose(-1, -2).contiguous()
-    out = _step(work, _heads(query, num_v_heads), _heads(key, num_v_heads), value.float(), g.float(), beta.float(),
-                use_qk_l2norm)
-    state.copy_(work.transpose(-1, -2))
+    out = delta_rule_step(GATED_DELTA, state, _heads(query, num_v_heads), _heads(key, num_v_heads), value,
+                          g.unsqueeze(-1), beta, use_qk_l2norm)
     return out.to(query.dtype)
 
 
@@ -140,25 +204,13 @@ def gated_delta_rule_scan_invariant(
     Raises:
         ValueError: ``emit_positions`` out of range or not strictly increasing; ``Hv`` not a multiple of ``Hk``.
     """
-    batch, seq_len, num_v_heads, v_dim = value.shape
-    num_k_heads, k_dim = key.shape[-2:]
+    num_v_heads, num_k_heads = value.shape[-2], key.shape[-2]
     if num_v_heads % num_k_heads:
         raise ValueError(f"value has {num_v_heads} heads, which is not a multiple of the {num_k_heads} query/key "
                          "heads; each query/key head must serve the same number of value heads.")
-    emit = set(check_emit_positions(emit_positions, seq_len))
-    if initial_state is None:
-        work = torch.zeros(batch, num_v_heads, v_dim, k_dim, dtype=torch.float32, device=value.device)
-    else:
-        work = initial_state.float().transpose(-1, -2).contiguous()
-    # Token-major copies, so each step reads contiguous slices, as a decode step does.
-    q_t, k_t = (_heads(x, num_v_heads).transpose(0, 1).contiguous() for x in (query, key))
-    v_t, g_t, b_t = (x.float().transpose(0, 1).contiguous() for x in (value, g, beta))
-    outputs, emitted = [], []
-    for t in range(seq_len):
-        outputs.append(_step(work, q_t[t], k_t[t], v_t[t], g_t[t], b_t[t], use_qk_l2norm))
-        if t + 1 in emit:
-            emitted.append(work.transpose(-1, -2).contiguous())
-    return torch.stack(outputs, dim=1).to(query.dtype), work.transpose(-1, -2).contiguous(), emitted
+    out, state, emitted = delta_rule_scan(GATED_DELTA, _heads(query, num_v_heads), _heads(key, num_v_heads), value,
+                                          g.unsqueeze(-1), beta, initial_state, use_qk_l2norm, emit_positions)
+    return out.to(query.dtype), state, emitted
 
 
 def gated_rms_norm_after_invariant(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,

@@ -8,16 +8,18 @@ over the key dim of a ``[Dk, Dv]`` state, not its last dim) give the same token 
 prefill starting elsewhere and a decode step; :func:`~hf_hybridcache.kernels.kimi_delta_steps` sums with ``matmul``,
 whose float32 result for a row follows the row count.
 
-As for the gated delta rule (:mod:`.gated_delta_invariant`), a prefill here *is* a sequence of decode steps:
-:func:`kda_scan_invariant` runs the step of :func:`kda_step_invariant` once per token on contiguous token-major
-slices, the state held value-major (``[Dv, Dk]`` per head) while it runs, so ``k S``, ``q S`` and the l2-norms of
-``q`` and ``k`` are sums over the contiguous key dim of one row (no ``bmm`` / ``matmul``), and the decay
+As for the gated delta rule, a prefill here *is* a sequence of decode steps: :func:`kda_scan_invariant` runs the
+step of :func:`kda_step_invariant` once per token on contiguous token-major slices (step and loop are
+:func:`~.gated_delta_invariant.delta_rule_step` and :func:`~.gated_delta_invariant.delta_rule_scan`, in the
+:data:`KDA` form), the state held value-major (``[Dv, Dk]`` per head) while it runs, so ``k S``, ``q S`` and the
+l2-norms of ``q`` and ``k`` are sums over the contiguous key dim of one row (no ``bmm`` / ``matmul``), and the decay
 ``exp(g)`` ``[Dk]`` scales the state's last dim elementwise. A token's output and state are then the same bits in a
 prefill at any offset, a split prompt or a decode step, whatever rows share the call. The states taken and returned
 keep the package's layout ``[B, H, Dk, Dv]`` (the cache's); transposing is a copy, exact.
 
 The l2-norm is KDA's own, ``x / sqrt(sum x^2 + eps)`` (``l2norm`` of ``modeling_kimi_linear.py``, a division where
-the gated delta net multiplies by ``rsqrt``).
+the gated delta net multiplies by ``rsqrt``), and so is the query scaling, a product with ``1 / sqrt(Dk)`` where the
+gated delta net divides.
 
 Shapes: B rows, T tokens, H heads (query, key and value alike: KDA has no grouped heads), Dk key head dim, Dv value
 head dim. Source: Kimi Team, "Kimi Linear: An Expressive, Efficient Attention Architecture" (2025); the recurrence of
@@ -30,7 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .scan_steps import check_emit_positions
+from .gated_delta_invariant import DeltaRuleForm, delta_rule_scan, delta_rule_step
 
 #: The epsilon of upstream's ``l2norm`` of ``q`` and ``k``.
 L2NORM_EPS = 1e-6
@@ -40,22 +42,12 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
 
 
-def _step(state_vk, q, k, v, g, beta, l2norm: bool) -> torch.Tensor:
-    """One token in place on the value-major float32 state ``[B, H, Dv, Dk]``: ``q`` / ``k`` / ``g`` ``[B, H, Dk]``,
-    ``v`` ``[B, H, Dv]``, ``beta`` ``[B, H]``, all float32; returns ``o`` ``[B, H, Dv]`` float32."""
-    if l2norm:
-        q, k = _l2norm(q), _l2norm(k)
-    q = q * (1 / (q.shape[-1] ** 0.5))
-    state_vk.mul_(torch.exp(g)[..., None, :])
-    kv_mem = (state_vk * k[..., None, :]).sum(-1)
-    delta = (v - kv_mem) * beta[..., None]
-    state_vk.add_(delta[..., :, None] * k[..., None, :])
-    return (state_vk * q[..., None, :]).sum(-1)
+def _scale_query(q: torch.Tensor) -> torch.Tensor:
+    return q * (1 / (q.shape[-1] ** 0.5))
 
 
-def _check_state(state: torch.Tensor) -> None:
-    if state.dtype != torch.float32:
-        raise ValueError(f"The recurrent state must be float32 for the invariant KDA rule; got {state.dtype}.")
+#: KDA's form of the shared step (``l2norm`` and the query scaling of ``recurrent_kimi_delta_attention``).
+KDA = DeltaRuleForm("KDA rule", _l2norm, _scale_query)
 
 
 def kda_step_invariant(
@@ -83,11 +75,7 @@ def kda_step_invariant(
     Raises:
         ValueError: ``state`` is not float32.
     """
-    _check_state(state)
-    work = state.transpose(-1, -2).contiguous()
-    out = _step(work, query.float(), key.float(), value.float(), g.float(), beta.float(), use_qk_l2norm)
-    state.copy_(work.transpose(-1, -2))
-    return out.to(query.dtype)
+    return delta_rule_step(KDA, state, query, key, value, g, beta, use_qk_l2norm).to(query.dtype)
 
 
 def kda_scan_invariant(
@@ -117,24 +105,13 @@ def kda_scan_invariant(
     Raises:
         ValueError: ``emit_positions`` out of range or not strictly increasing; query, key and value heads differ.
     """
-    batch, seq_len, num_heads, v_dim = value.shape
-    k_dim = key.shape[-1]
+    num_heads = value.shape[-2]
     if query.shape[-2] != num_heads or key.shape[-2] != num_heads:
         raise ValueError(f"KDA takes as many query and key heads as value heads; got {query.shape[-2]}, "
                          f"{key.shape[-2]} and {num_heads}.")
-    emit = set(check_emit_positions(emit_positions, seq_len))
-    if initial_state is None:
-        work = torch.zeros(batch, num_heads, v_dim, k_dim, dtype=torch.float32, device=value.device)
-    else:
-        work = initial_state.float().transpose(-1, -2).contiguous()
-    # Token-major copies, so each step reads contiguous slices, as a decode step does.
-    q_t, k_t, v_t, g_t, b_t = (x.float().transpose(0, 1).contiguous() for x in (query, key, value, g, beta))
-    outputs, emitted = [], []
-    for t in range(seq_len):
-        outputs.append(_step(work, q_t[t], k_t[t], v_t[t], g_t[t], b_t[t], use_qk_l2norm))
-        if t + 1 in emit:
-            emitted.append(work.transpose(-1, -2).contiguous())
-    return torch.stack(outputs, dim=1).to(query.dtype), work.transpose(-1, -2).contiguous(), emitted
+    out, state, emitted = delta_rule_scan(KDA, query, key, value, g, beta, initial_state, use_qk_l2norm,
+                                          emit_positions)
+    return out.to(query.dtype), state, emitted
 
 
 def sigmoid_gated_rms_norm_invariant(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,

@@ -48,10 +48,9 @@ from ..kernels.gated_delta_invariant import (
     sigmoid_invariant,
 )
 from ..kernels.mamba1_invariant import softplus_invariant
-from ..kernels.state_update import causal_conv1d_update
 from . import mamba1_deterministic
-from .deterministic_linear import conv_over_cache, routed_linear
-from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_states_at
+from .deterministic_linear import DeltaRule, cached_states, conv_over_cache, delta_rule_over_cache, routed_linear
+from .mamba1 import apply_padding_mask, conv_states_at
 from .mamba1_deterministic import lm_head_forward  # noqa: F401 (deterministic.install reads it from here)
 
 #: The gated norms that apply their weight in float32 before rounding (``LaraMiniRMSNormGated``); the others round the
@@ -59,6 +58,9 @@ from .mamba1_deterministic import lm_head_forward  # noqa: F401 (deterministic.i
 FLOAT32_WEIGHT_NORMS = ("LaraMiniRMSNormGated",)
 #: Ingredients switched off (private: the power tests name them here; empty in use).
 _OFF: set[str] = set()
+#: The rule's invariant kernels and the defaults its ``"rule"`` switch runs.
+_RULE = DeltaRule(gated_delta_rule_step_invariant, gated_delta_rule_scan_invariant, recurrent_gated_delta_rule,
+                  chunk_gated_delta_rule)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -78,26 +80,19 @@ def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_m
     """
     batch, seq_len, _ = hidden_states.shape
     layer_idx = mixer.layer_idx
-    conv_state = cache.get_conv_state(layer_idx)
-    recurrent_state = cache.get_recurrent_state(layer_idx)
-    decode = seq_len == 1 and conv_state is not None and recurrent_state is not None
-    positions = () if decode else checkpoint_positions(cache, seq_len)
+    conv_state, recurrent_state, decode, positions = cached_states(cache, layer_idx, seq_len)
     hidden_states = apply_padding_mask(hidden_states, attention_mask)
     mixed_qkv, z, b, a = _projections(mixer, hidden_states)
     conv_checkpoints = conv_states_at(mixed_qkv, conv_state, mixer.conv_kernel_size, positions)
-    mixed_qkv = _conv(mixer, mixed_qkv, conv_state, cache, decode).transpose(1, 2)
+    mixed_qkv = conv_over_cache(mixed_qkv, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.activation,
+                                conv_state, cache, layer_idx, mixer.conv_kernel_size, decode, off=_OFF).transpose(1, 2)
     query, key, value = torch.split(mixed_qkv, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
     query = query.reshape(batch, seq_len, -1, mixer.head_k_dim)
     key = key.reshape(batch, seq_len, -1, mixer.head_k_dim)
     value = value.reshape(batch, seq_len, -1, mixer.head_v_dim)
     beta, g = _gates(mixer, b, a)
-    if decode:
-        out = _step(recurrent_state, query[:, 0], key[:, 0], value[:, 0], g[:, 0], beta[:, 0])[:, None]
-    else:
-        out, final_state, states = _scan(query, key, value, g, beta, recurrent_state, positions)
-        cache.update_recurrent_state(final_state, layer_idx)
-        if positions:
-            cache.capture_states(layer_idx, positions, list(zip(conv_checkpoints, states)))
+    out = delta_rule_over_cache(_RULE, query, key, value, g, beta, recurrent_state, cache, layer_idx, decode, positions,
+                                conv_checkpoints, off=_OFF)
     out = _gated_norm(mixer, out.reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
     out_proj = mixer.o_proj if hasattr(mixer, "o_proj") else mixer.out_proj  # OLMo-Hybrid's name
     return _linear(out.reshape(batch, seq_len, -1), out_proj.weight)
@@ -134,42 +129,6 @@ def _gates(mixer, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch
     if getattr(mixer, "allow_neg_eigval", False):
         beta = beta * 2.0
     return beta, g
-
-
-def _conv(mixer, x: torch.Tensor, conv_state: torch.Tensor | None, cache, decode: bool) -> torch.Tensor:
-    """The conv output ``[B, C, T]`` of the raw conv inputs ``x`` ``[B, C, T]``; the window goes to the cache (in
-    place for a decode step, which counts its token as upstream's decode step does)."""
-    weight, bias, layer_idx = mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.layer_idx
-    if "conv" in _OFF:
-        if decode:
-            out = causal_conv1d_update(x[..., 0], conv_state, weight, bias, mixer.activation)[..., None]
-            _compat.count_decode_token(cache, layer_idx)
-            return out
-        full = cache.update_conv_state(x, layer_idx, conv_kernel_size=mixer.conv_kernel_size)
-        return causal_conv(full, weight, bias, mixer.activation, x.shape[-1])
-    return conv_over_cache(x, weight, bias, mixer.activation, conv_state, cache, layer_idx, mixer.conv_kernel_size,
-                           decode)
-
-
-def _step(state, query, key, value, g, beta) -> torch.Tensor:
-    """One token in place on the cached state ``[B, Hv, Dk, Dv]`` float32: ``query`` / ``key`` ``[B, Hk, Dk]``,
-    ``value`` ``[B, Hv, Dv]``, ``g`` / ``beta`` ``[B, Hv]``; returns ``[B, Hv, Dv]`` in ``query``'s dtype."""
-    if "rule" in _OFF:
-        out, final, _ = recurrent_gated_delta_rule(query[:, None], key[:, None], value[:, None], g[:, None],
-                                                   beta[:, None], initial_state=state, output_final_state=True,
-                                                   use_qk_l2norm_in_kernel=True)
-        state.copy_(final)
-        return out[:, 0]
-    return gated_delta_rule_step_invariant(state, query, key, value, g, beta)
-
-
-def _scan(query, key, value, g, beta, state, positions):
-    """The rule over ``T`` tokens from ``state`` (None: zeros) -> ``(out [B, T, Hv, Dv], final state, [state per
-    position])``."""
-    if "rule" in _OFF:
-        return chunk_gated_delta_rule(query, key, value, g, beta, initial_state=state, output_final_state=True,
-                                      use_qk_l2norm_in_kernel=True, emit_positions=positions)
-    return gated_delta_rule_scan_invariant(query, key, value, g, beta, state, emit_positions=positions)
 
 
 def _gated_norm(mixer, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

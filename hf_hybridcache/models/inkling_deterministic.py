@@ -29,9 +29,8 @@ import torch
 from .. import _compat
 from .._compat.invariant_attention import gated_attention_parts
 from ..config import state_key
-from ..kernels.state_update import causal_conv1d_update
 from .deterministic_linear import conv_over_cache
-from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_states_at
+from .mamba1 import apply_padding_mask, checkpoint_positions, conv_states_at
 from .mamba1_deterministic import lm_head_forward  # noqa: F401 (deterministic.install reads it from here)
 
 #: The attention classes :func:`attention_forward` copies.
@@ -55,10 +54,7 @@ def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_m
     x = apply_padding_mask(residual, attention_mask).transpose(1, 2)  # [B, C, T] float32
     checkpoints = conv_states_at(x, conv_state, width, positions)
     weight, bias = mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias
-    if "conv" in _OFF:
-        out = _default_conv(x, conv_state, weight, bias, cache, layer_idx, state_idx, width, decode)
-    else:
-        out = conv_over_cache(x, weight, bias, None, conv_state, cache, layer_idx, width, decode, state_idx=state_idx)
+    out = conv_over_cache(x, weight, bias, None, conv_state, cache, layer_idx, width, decode, state_idx, off=_OFF)
     if positions:
         empty = x.new_zeros((x.shape[0], 0), dtype=torch.float32)
         cache.capture_states(state_key(layer_idx, state_idx), positions, [(conv, empty) for conv in checkpoints])
@@ -66,16 +62,6 @@ def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_m
     # head dim (and the layer's norms) then reduced a prefill row in another order than a decode step's.
     out = (out.transpose(1, 2) + residual).to(hidden_states.dtype)
     return out if "contiguous" in _OFF else out.contiguous()
-
-
-def _default_conv(x, conv_state, weight, bias, cache, layer_idx: int, state_idx: int, width: int, decode: bool):
-    """The package's default conv ``[B, C, T]`` (the power tests' ``"conv"`` switch)."""
-    if decode:
-        out = causal_conv1d_update(x[..., 0], conv_state, weight, bias, None)[..., None]
-        _compat.count_decode_token(cache, layer_idx, state_idx)
-        return out
-    full = cache.update_conv_state(x, layer_idx, state_idx=state_idx, conv_kernel_size=width)
-    return causal_conv(full, weight, bias, None, x.shape[-1])
 
 
 def attention_forward(module: torch.nn.Module, original, hidden_states: torch.Tensor, attention_mask=None,

@@ -48,14 +48,15 @@ from ..kernels.gated_delta_invariant import sigmoid_invariant
 from ..kernels.kda import recurrent_kimi_delta_attention
 from ..kernels.kda_invariant import kda_scan_invariant, kda_step_invariant, sigmoid_gated_rms_norm_invariant
 from ..kernels.mamba1_invariant import softplus_invariant
-from ..kernels.state_update import causal_conv1d_update
 from . import mamba1_deterministic
-from .deterministic_linear import conv_over_cache, routed_linear
-from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_states_at
+from .deterministic_linear import DeltaRule, cached_states, conv_over_cache, delta_rule_over_cache, routed_linear
+from .mamba1 import apply_padding_mask, conv_states_at
 from .mamba1_deterministic import lm_head_forward  # noqa: F401 (deterministic.install reads it from here)
 
 #: Ingredients switched off (private: the power tests name them here; empty in use).
 _OFF: set[str] = set()
+#: The rule's invariant kernels and the defaults its ``"rule"`` switch runs.
+_RULE = DeltaRule(kda_step_invariant, kda_scan_invariant, recurrent_kimi_delta_attention, chunk_kimi_delta_attention)
 
 
 def _linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
@@ -83,27 +84,20 @@ def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_m
     """
     batch, seq_len, _ = hidden_states.shape
     layer_idx = mixer.layer_idx
-    conv_state = cache.get_conv_state(layer_idx)
-    recurrent_state = cache.get_recurrent_state(layer_idx)
-    decode = seq_len == 1 and conv_state is not None and recurrent_state is not None
-    positions = () if decode else checkpoint_positions(cache, seq_len)
+    conv_state, recurrent_state, decode, positions = cached_states(cache, layer_idx, seq_len)
     hidden_states = apply_padding_mask(hidden_states, attention_mask)
     heads = (batch, seq_len, -1, mixer.head_dim)
     mixed_qkv = torch.cat([_linear(hidden_states, p) for p in (mixer.q_proj, mixer.k_proj, mixer.v_proj)], dim=-1)
     mixed_qkv = mixed_qkv.transpose(1, 2)
     conv_checkpoints = conv_states_at(mixed_qkv, conv_state, mixer.conv_kernel_size, positions)
-    mixed_qkv = _conv(mixer, mixed_qkv, conv_state, cache, decode).transpose(1, 2)
+    mixed_qkv = conv_over_cache(mixed_qkv, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.activation,
+                                conv_state, cache, layer_idx, mixer.conv_kernel_size, decode, off=_OFF).transpose(1, 2)
     query, key, value = (x.reshape(heads) for x in torch.split(mixed_qkv, [mixer.qkv_dim] * 3, dim=-1))
     g = _forget_gate(mixer.forget_gate, hidden_states)
     b = _linear(hidden_states, mixer.b_proj)
     beta = _sigmoid(b.float()).to(b.dtype)
-    if decode:
-        out = _step(recurrent_state, query[:, 0], key[:, 0], value[:, 0], g[:, 0], beta[:, 0])[:, None]
-    else:
-        out, final_state, states = _scan(query, key, value, g, beta, recurrent_state, positions)
-        cache.update_recurrent_state(final_state, layer_idx)
-        if positions:
-            cache.capture_states(layer_idx, positions, list(zip(conv_checkpoints, states)))
+    out = delta_rule_over_cache(_RULE, query, key, value, g, beta, recurrent_state, cache, layer_idx, decode, positions,
+                                conv_checkpoints, off=_OFF)
     gate = _output_gate(mixer, hidden_states).reshape(heads)
     return _linear(_norm(mixer, out, gate).reshape(batch, seq_len, -1), mixer.o_proj)
 
@@ -130,42 +124,6 @@ def _output_gate(mixer, hidden_states: torch.Tensor) -> torch.Tensor:
     if hasattr(mixer, "g_a_proj"):
         return _linear(_linear(hidden_states, mixer.g_a_proj), mixer.g_b_proj)
     return _linear(hidden_states, mixer.g_proj)
-
-
-def _conv(mixer, x: torch.Tensor, conv_state: torch.Tensor | None, cache, decode: bool) -> torch.Tensor:
-    """The conv output ``[B, C, T]`` of the raw conv inputs ``x`` ``[B, C, T]``; the window goes to the cache (in
-    place for a decode step, which counts its token as upstream's decode step does)."""
-    weight, bias, layer_idx = mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.layer_idx
-    if "conv" in _OFF:
-        if decode:
-            out = causal_conv1d_update(x[..., 0], conv_state, weight, bias, mixer.activation)[..., None]
-            _compat.count_decode_token(cache, layer_idx)
-            return out.to(x.dtype)
-        full = cache.update_conv_state(x, layer_idx, conv_kernel_size=mixer.conv_kernel_size)
-        return causal_conv(full, weight, bias, mixer.activation, x.shape[-1]).to(x.dtype)
-    return conv_over_cache(x, weight, bias, mixer.activation, conv_state, cache, layer_idx, mixer.conv_kernel_size,
-                           decode)
-
-
-def _step(state, query, key, value, g, beta) -> torch.Tensor:
-    """One token in place on the cached state ``[B, H, Dk, Dv]`` float32: ``query`` / ``key`` / ``g``
-    ``[B, H, Dk]``, ``value`` ``[B, H, Dv]``, ``beta`` ``[B, H]``; returns ``[B, H, Dv]`` in ``query``'s dtype."""
-    if "rule" in _OFF:
-        out, final, _ = recurrent_kimi_delta_attention(query[:, None], key[:, None], value[:, None], g[:, None],
-                                                       beta[:, None], initial_state=state, output_final_state=True,
-                                                       use_qk_l2norm_in_kernel=True)
-        state.copy_(final)
-        return out[:, 0]
-    return kda_step_invariant(state, query, key, value, g, beta)
-
-
-def _scan(query, key, value, g, beta, state, positions):
-    """The rule over ``T`` tokens from ``state`` (None: zeros) -> ``(out [B, T, H, Dv], final state, [state per
-    position])``."""
-    if "rule" in _OFF:
-        return chunk_kimi_delta_attention(query, key, value, g, beta, initial_state=state, output_final_state=True,
-                                          use_qk_l2norm_in_kernel=True, emit_positions=positions)
-    return kda_scan_invariant(query, key, value, g, beta, state, emit_positions=positions)
 
 
 def _norm(mixer, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

@@ -35,10 +35,10 @@ import torch
 from .. import _compat
 from ..kernels import selective_scan
 from ..kernels.mamba1_invariant import selective_scan_invariant, selective_step_invariant
-from ..kernels.state_update import causal_conv1d_update, selective_state_update
-from .deterministic_linear import conv_over_cache, routed_linear
+from ..kernels.state_update import selective_state_update
+from .deterministic_linear import cached_states, conv_over_cache, routed_linear
 from .jamba import selective_norms
-from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_states_at
+from .mamba1 import apply_padding_mask, conv_states_at
 
 #: Ingredients switched off (private: the power tests name them here; empty in use).
 _OFF: set[str] = set()
@@ -71,10 +71,7 @@ def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_m
         ValueError: the cached SSM state is not float32 (from the invariant step).
     """
     layer_idx, seq_len, dtype = mixer.layer_idx, hidden_states.shape[1], hidden_states.dtype
-    conv_state = cache.get_conv_state(layer_idx)
-    ssm_state = cache.get_recurrent_state(layer_idx)
-    decode = seq_len == 1 and conv_state is not None and ssm_state is not None
-    positions = () if decode else checkpoint_positions(cache, seq_len)
+    conv_state, ssm_state, decode, positions = cached_states(cache, layer_idx, seq_len)
     hidden_states = apply_padding_mask(hidden_states, attention_mask)
     x, gate = linear(hidden_states, mixer.in_proj.weight, mixer.in_proj.bias).transpose(1, 2).chunk(2, dim=1)
     conv_checkpoints = conv_states_at(x, conv_state, mixer.conv_kernel_size, positions)
@@ -101,16 +98,8 @@ def conv(mixer, x: torch.Tensor, conv_state: torch.Tensor | None, cache, decode:
     ``conv1d``, ``activation``, ``conv_kernel_size``, ``layer_idx``) through the invariant conv, from ``conv_state``
     ``[B, I, W]`` (None: zeros); the window goes to ``cache`` (in place for a ``decode`` step, which counts its token
     as the package's decode step does)."""
-    weight, bias, layer_idx = mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.layer_idx
-    if "conv" in _OFF:
-        if decode:
-            out = causal_conv1d_update(x[..., 0], conv_state, weight, bias, mixer.activation)[..., None]
-            _compat.count_decode_token(cache, layer_idx)
-            return out
-        full = cache.update_conv_state(x, layer_idx, conv_kernel_size=mixer.conv_kernel_size)
-        return causal_conv(full, weight, bias, mixer.activation, x.shape[-1])
-    return conv_over_cache(x, weight, bias, mixer.activation, conv_state, cache, layer_idx, mixer.conv_kernel_size,
-                           decode)
+    return conv_over_cache(x, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.activation, conv_state, cache,
+                           mixer.layer_idx, mixer.conv_kernel_size, decode, off=_OFF)
 
 
 def ssm_step(state, x, time_step, B, C, gate, scan: dict) -> torch.Tensor:

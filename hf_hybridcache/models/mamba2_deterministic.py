@@ -35,8 +35,8 @@ from .. import _compat
 from ..kernels import mamba2_chunk_scan
 from ..kernels.mamba2_invariant import gated_rms_norm_invariant, mamba2_scan_invariant, mamba2_step_invariant
 from ..kernels.state_update import causal_conv1d_update, mamba2_state_update
-from .deterministic_linear import conv_over_cache, routed_linear
-from .mamba1 import apply_padding_mask, checkpoint_positions, conv_states_at
+from .deterministic_linear import cached_states, conv_over_cache, routed_linear
+from .mamba1 import apply_padding_mask, conv_states_at
 from .mamba2 import causal_conv
 
 #: Ingredients switched off (private: the power tests name them here; empty in use).
@@ -70,10 +70,7 @@ def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_m
     """
     batch, seq_len, _ = hidden_states.shape
     layer_idx, dtype = mixer.layer_idx, hidden_states.dtype
-    conv_state = cache.get_conv_state(layer_idx)
-    ssm_state = cache.get_recurrent_state(layer_idx)
-    decode = seq_len == 1 and conv_state is not None and ssm_state is not None
-    positions = () if decode else checkpoint_positions(cache, seq_len)
+    conv_state, ssm_state, decode, positions = cached_states(cache, layer_idx, seq_len)
     hidden_states = apply_padding_mask(hidden_states, attention_mask)
     projected = (project or _project)(mixer, hidden_states)
     gate, conv_inputs, dt = projected.split([mixer.intermediate_size, mixer.conv_dim, mixer.num_heads], dim=-1)

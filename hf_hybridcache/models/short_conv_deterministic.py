@@ -34,10 +34,9 @@ import torch
 from .. import _compat
 from .._compat.invariant_attention import gated_attention_parts
 from ..kernels.gated_delta_invariant import sigmoid_invariant
-from ..kernels.state_update import causal_conv1d_update
 from . import mamba1_deterministic
 from .deterministic_linear import conv_over_cache, routed_linear
-from .mamba1 import apply_padding_mask, causal_conv, checkpoint_positions, conv_states_at
+from .mamba1 import apply_padding_mask, checkpoint_positions, conv_states_at
 from .mamba1_deterministic import lm_head_forward  # noqa: F401 (deterministic.install reads it from here)
 
 #: Ingredients switched off (private: the power tests name them here; empty in use).
@@ -74,16 +73,8 @@ def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_m
 def _conv(mixer, x: torch.Tensor, conv_state: torch.Tensor | None, cache, decode: bool) -> torch.Tensor:
     """The conv output ``[B, C, T]`` of the raw conv inputs ``x`` ``[B, C, T]``; the window goes to the cache (in
     place for a decode step, which counts its token as upstream's decode step does)."""
-    weight, bias, layer_idx = mixer.conv.weight.squeeze(1), mixer.conv.bias, mixer.layer_idx
-    if "conv" in _OFF:
-        if decode:
-            out = causal_conv1d_update(x[..., 0], conv_state, weight, bias, None)[..., None]
-            _compat.count_decode_token(cache, layer_idx)
-            return out
-        full = cache.update_conv_state(x, layer_idx, conv_kernel_size=mixer.conv_kernel_size)
-        return causal_conv(full, weight, bias, None, x.shape[-1])
-    return conv_over_cache(x, weight, bias, None, conv_state, cache, layer_idx, mixer.conv_kernel_size,
-                           decode)
+    return conv_over_cache(x, mixer.conv.weight.squeeze(1), mixer.conv.bias, None, conv_state, cache, mixer.layer_idx,
+                           mixer.conv_kernel_size, decode, off=_OFF)
 
 
 def head_gated_forward(module: torch.nn.Module, original, hidden_states: torch.Tensor,

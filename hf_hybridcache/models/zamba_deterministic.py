@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from .. import _compat
-from .mamba1 import apply_padding_mask, checkpoint_positions, conv_states_at
+from .deterministic_linear import cached_states
+from .mamba1 import apply_padding_mask, conv_states_at
 from .mamba1_deterministic import conv, linear, lm_head_forward, ssm_scan, ssm_step
 
 __all__ = ["deterministic_forward", "lm_head_forward"]
@@ -26,10 +27,7 @@ def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_m
     on its slice of the SSM state ``[B, H, I/H, N]`` float32. Same arguments, returns and raises."""
     layer_idx, (batch, seq_len, _), dtype = mixer.layer_idx, hidden_states.shape, hidden_states.dtype
     head_dim, sizes = mixer.mamba_head_dim, [mixer.time_step_rank, mixer.ssm_state_size, mixer.ssm_state_size]
-    conv_state = cache.get_conv_state(layer_idx)
-    ssm_state = cache.get_recurrent_state(layer_idx)
-    decode = seq_len == 1 and conv_state is not None and ssm_state is not None
-    positions = () if decode else checkpoint_positions(cache, seq_len)
+    conv_state, ssm_state, decode, positions = cached_states(cache, layer_idx, seq_len)
     hidden_states = apply_padding_mask(hidden_states, attention_mask)
     projected = linear(hidden_states, mixer.in_proj.weight, mixer.in_proj.bias).transpose(1, 2)  # [B, 2I, T]
     x, gate = projected.reshape(batch, -1, 2, seq_len).unbind(2)
