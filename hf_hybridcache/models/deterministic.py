@@ -35,6 +35,7 @@ from . import (
     falcon_h1_deterministic,
     gated_delta_deterministic,
     hybrid_deterministic,
+    inkling2_deterministic,
     inkling_deterministic,
     kda_deterministic,
     mamba1_deterministic,
@@ -45,7 +46,7 @@ from . import (
 from .mamba1 import DETERMINISTIC_FORWARD
 from .wrappers import decoder_model_type
 
-#: model_type -> (the mixer class, the module whose ``deterministic_forward`` stands in for its forward and whose
+#: model_type -> (the mixer class, or a tuple of them, the module whose ``deterministic_forward`` stands in for its forward and whose
 #: ``lm_head_forward`` for the LM head's). A hybrid's other layers are :mod:`.hybrid_deterministic`'s ``FAMILIES``.
 SUPPORTED = {
     "mamba": ("MambaMixer", mamba1_deterministic),
@@ -67,6 +68,7 @@ SUPPORTED = {
     "lfm2_moe": ("Lfm2MoeShortConv", short_conv_deterministic),
     "lfm3": ("Lfm3ShortConv", short_conv_deterministic),
     "inkling_text": ("InklingShortConvolution", inkling_deterministic),
+    "inkling2_text": (inkling2_deterministic.MIXERS, inkling2_deterministic),
     "kimi_linear": ("KimiLinearDeltaAttention", kda_deterministic),
     "bailing_hybrid": ("BailingHybridDeltaAttention", kda_deterministic),
 }
@@ -79,18 +81,11 @@ _ATTENTION = "its attention layers wired to the attention with a fixed reduction
              "(kernels/attention_invariant.py, as Jamba's are)"
 _ACTIVATIONS = "its MLPs wired to the row-invariant linear and SiLU (F.silu gives an element other float32 bits by " \
                "its offset; models/hybrid_deterministic.py, as Jamba's are)"
-_INKLING2 = ("Inkling 2's short convs wired to the invariant conv (the dynamic one's per-token taps have an "
-             "invariant form, kernels/conv_invariant.dynamic_conv_invariant, not yet wired to its "
-             "cache calls), its attention (sink logits: attention_invariant's sinks, not yet wired; its output gate, "
-             "l2-clipped projections and log-scaled relative bias), its routed experts in every layer "
-             "(Inkling2SparseMoeBlock: a sigmoid router with a score correction and softcapped SwiGLU experts; no "
-             "config has dense MLPs) and its block attention residuals (an attention over the earlier layers' states "
-             "at each position: kernels/inkling2_invariant.py has it and the softcaps and l2 clips, not yet wired)")
 #: model_type -> the mixer ingredients its family lacks (attention and MLP activations are added from the model).
 _MIXERS = {
-    "inkling2_text": (_INKLING2,),
-    "inkling2_loop_text": (_INKLING2, "its loop passes' own cache layers (cache_offset) reaching the deterministic "
-                                      "mixers"),
+    "inkling2_loop_text": ("Inkling 2 Loop's layers wired to Inkling 2's deterministic forms (models/"
+                           "inkling2_deterministic.py, which Inkling 2 runs) and its loop passes' own cache layers "
+                           "(cache_offset) reaching them; no bank of its own yet",),
     "zaya": ("ZAYA's CCA projection wired to the invariant conv (a depthwise then a grouped conv over q|k, whose "
              "grouped sum has no invariant form yet, and the delayed value), its router MLP's nn.GELU and its routed "
              "experts",),
@@ -156,8 +151,8 @@ def check(model: torch.nn.Module, spec: ModelStateSpec) -> None:
         except RuntimeError as error:
             raise ValueError(f"deterministic=True refuses {name} here: {error} Build the cache with "
                              "deterministic=False.") from error
-    mixer_class = SUPPORTED[model_type][0]
-    activations = sorted({a for m in model.modules() if type(m).__name__ == mixer_class
+    mixer_classes = _classes(SUPPORTED[model_type][0])
+    activations = sorted({a for m in model.modules() if type(m).__name__ in mixer_classes
                           and isinstance(a := getattr(m, "activation", None), str) and a not in ("silu", "swish")})
     if activations:
         raise ValueError(f"deterministic=True refuses {name}: its mixers' conv runs {', '.join(map(repr, activations))}"
@@ -209,10 +204,15 @@ def install(model: torch.nn.Module) -> None:
     hybrid's other layers (attention, MLPs, experts) through :mod:`.hybrid_deterministic` (idempotent). Call after
     :func:`check`."""
     model_type = decoder_model_type(model.config)
-    mixer_class, forwards = SUPPORTED[model_type]
+    mixer_classes, forwards = SUPPORTED[model_type]
     for module in model.modules():
-        if type(module).__name__ == mixer_class:
+        if type(module).__name__ in _classes(mixer_classes):
             setattr(module, DETERMINISTIC_FORWARD, forwards.deterministic_forward)
     _compat.patch_instance_forward(model.get_output_embeddings(), forwards.lm_head_forward)
     if model_type in hybrid_deterministic.FAMILIES:
         hybrid_deterministic.install(model, model_type)
+
+
+def _classes(names: str | tuple[str, ...]) -> tuple[str, ...]:
+    """A :data:`SUPPORTED` mixer entry as a tuple of class names."""
+    return (names,) if isinstance(names, str) else names

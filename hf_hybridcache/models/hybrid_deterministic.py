@@ -65,7 +65,7 @@ from .. import _compat
 from .._compat.invariant_attention import gated_attention_parts, invariant_attention_forward, mark, unroutable
 from ..kernels.gated_delta_invariant import sigmoid_invariant
 from ..kernels.mamba1_invariant import silu_invariant
-from . import inkling_deterministic, kda_deterministic, moe_deterministic, short_conv_deterministic
+from . import inkling2_deterministic, inkling_deterministic, kda_deterministic, moe_deterministic, short_conv_deterministic
 from .mamba1_deterministic import linear as _linear
 from .mamba1_deterministic import lm_head_forward
 
@@ -83,7 +83,8 @@ FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock"), "zamba": ("Zamba
             "lara_mini": ("LaraMiniAttention", "LaraMiniSparseMoeBlock"),
             "kimi_linear": ("KimiLinearAttention", "KimiLinearMoE"),
             "bailing_hybrid": ("BailingHybridAttention", "BailingHybridMoE"),
-            "lfm3": ("Lfm3Attention", None), "inkling_text": ("InklingAttention", "InklingMoE")}
+            "lfm3": ("Lfm3Attention", None), "inkling_text": ("InklingAttention", "InklingMoE"),
+            "inkling2_text": (("Inkling2SlidingAttention", "Inkling2FullAttention"), "Inkling2SparseMoeBlock")}
 #: Routed-experts blocks a family may hold that have no deterministic form here yet: a model holding one is refused.
 UNWIRED_EXPERTS: dict[str, str] = {}
 #: The MLP classes that call ``F.silu`` in their forward (no activation module to patch): :func:`swiglu_forward`.
@@ -99,7 +100,7 @@ ACTIVATIONS = ("silu", "swish", "gelu", "relu2")
 SILU_CONV = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lara_mini",
              "kimi_linear", "bailing_hybrid", "falcon_h1")
 #: The families whose sliding-window attention layers are wired (the invariant attention's windowed form).
-WINDOWED = ("lara_mini", "lfm3", "inkling_text")
+WINDOWED = ("lara_mini", "lfm3", "inkling_text", "inkling2_text")
 #: The routers whose logits are a float32 product of float32 copies of the input and weight (Lara Mini's).
 FLOAT32_ROUTERS = ("LaraMiniTopKRouter",)
 #: Ingredients switched off (private: the power tests name them here; empty in use).
@@ -177,7 +178,10 @@ def install(model: torch.nn.Module, model_type: str) -> None:
             _compat.patch_instance_forward(module, inkling_deterministic.attention_forward)
         elif name in SWIGLU_MLPS:
             _compat.patch_instance_forward(module, swiglu_forward)
-    mark(model, [m for m in model.modules() if type(m).__name__ == attention_class], attention_forward)
+        elif name in inkling2_deterministic.FORWARDS:
+            _compat.patch_instance_forward(module, inkling2_deterministic.FORWARDS[name])
+    classes = (attention_class,) if isinstance(attention_class, str) else attention_class
+    mark(model, [m for m in model.modules() if type(m).__name__ in classes], attention_forward)
 
 
 def attention_forward(original, module, query, key, value, attention_mask, *args, **kwargs):
