@@ -1,5 +1,5 @@
 """Deterministic mode's ingredients for Inkling 2 (``inkling2_text``) and Inkling 2 Loop (``inkling2_loop_text``),
-issue 46; both families stay refused (their layers are not wired yet, docs/deterministic.md).
+issue 46; Inkling 2 runs them (tests/test_deterministic_inkling2.py), Inkling 2 Loop stays refused.
 
 - The dynamic short conv's per-token taps (``Inkling2DynamicShortConvolution``, on the keys and values of the
   full-attention layers): :func:`~hf_hybridcache.kernels.conv_invariant.dynamic_conv_invariant` forms each tap
@@ -133,14 +133,13 @@ def test_attention_with_sinks_is_upstreams_eager_attention_within_round_off(wind
     assert not torch.allclose(plain[0], expected[0], atol=1e-3)
 
 
-@pytest.mark.parametrize("family", ["inkling2_text", "inkling2_loop_text"])
-def test_inkling2_families_are_refused_with_what_they_lack(family):
-    """Not wired yet: refused before anything is patched, naming the layers that lack a deterministic forward."""
-    if family not in TINY_CONFIGS:
-        pytest.skip(f"{family} needs a newer transformers")
-    model = build_model(family, seed=0)
-    with pytest.raises(ValueError, match="(?s)Inkling 2.*routed experts.*block attention residuals.*"
-                                         "deterministic=False"):
+def test_inkling2_loop_is_refused_with_what_it_lacks():
+    """Not wired yet: refused before anything is patched, naming what it lacks (Inkling 2's layers are wired:
+    tests/test_deterministic_inkling2.py)."""
+    if "inkling2_loop_text" not in TINY_CONFIGS:
+        pytest.skip("inkling2_loop_text needs a newer transformers")
+    model = build_model("inkling2_loop_text", seed=0)
+    with pytest.raises(ValueError, match="(?s)Inkling 2 Loop.*cache_offset.*deterministic=False"):
         HybridPrefixCache(model, deterministic=True)
     HybridPrefixCache(model)  # nothing was patched: the default mode still builds
 

@@ -117,6 +117,8 @@ def refusals(model: torch.nn.Module, model_type: str) -> list[str]:
     elif model_type in SILU_CONV and config.hidden_act not in ("silu", "swish"):
         problems.append(f"hidden_act={config.hidden_act!r} (the mixer's conv, a gated delta net's, KDA's or "
                         "Falcon-H1's Mamba-2, has an invariant SiLU only)")
+    if model_type == "inkling2_text":
+        problems += inkling2_deterministic.refusals(config)
     unwired = UNWIRED_EXPERTS.get(model_type)
     if unwired is not None and any(type(m).__name__ == unwired for m in model.modules()):
         problems.append(f"routed experts ({unwired}: no deterministic form of its router and expert sum yet; a "

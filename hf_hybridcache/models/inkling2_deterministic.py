@@ -26,7 +26,7 @@ attention forwards call them. Each op runs in a form whose bits do not depend on
   as upstream.
 
 :data:`_OFF` is the private switch of the power tests; each name runs upstream's op in place of this module's:
-``"dynamic_conv"``, ``"l2_clip"``, ``"relative"``, ``"gate"``, ``"softcap"`` (the final logits'), ``"swiglu"``,
+``"l2_clip"``, ``"relative"``, ``"gate"``, ``"softcap"`` (the final logits'), ``"swiglu"``,
 ``"block_residual"``.
 """
 
@@ -56,6 +56,14 @@ from .mamba1_deterministic import lm_head_forward  # noqa: F401 (deterministic.i
 MIXERS = ("Inkling2ShortConvolution", "Inkling2DynamicShortConvolution")
 #: Ingredients switched off (private: the power tests name them here; empty in use).
 _OFF: set[str] = set()
+
+
+def refusals(config) -> list[str]:
+    """What keeps an Inkling 2 text ``config`` from deterministic mode beyond its layers' kinds; empty when none."""
+    scoring = getattr(config, "scoring_func", "sigmoid")
+    if scoring == "sigmoid":
+        return []
+    return [f"scoring_func={scoring!r} (its experts' router has an invariant form for 'sigmoid' only)"]
 
 
 def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_mask: torch.Tensor | None,
