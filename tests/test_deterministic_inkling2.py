@@ -50,58 +50,66 @@ from hf_hybridcache.models import (
     mamba1_deterministic,
     moe_deterministic,
 )
-from hf_hybridcache.toy import build_model
+from hf_hybridcache.toy import TINY_CONFIGS, build_model
 
 INKLING2 = "inkling2_text"
+LOOP = "inkling2_loop_text"
 DTYPES3 = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+
+
+@pytest.fixture(params=[INKLING2, LOOP])
+def family(request):
+    if request.param not in TINY_CONFIGS:
+        pytest.skip(f"{request.param} needs transformers >= 5.24")
+    return request.param
 
 
 @DTYPES3
 @pytest.mark.parametrize("length", [17, 40, 64, 89])
-def test_hits_equal_cold_bit_for_bit(dtype, length):
-    hits_equal_cold(INKLING2, dtype, length)
+def test_hits_equal_cold_bit_for_bit(family, dtype, length):
+    hits_equal_cold(family, dtype, length)
 
 
 @DTYPES3
-def test_identical_prompt_decoded_tokens_and_padded_rows_equal_cold(dtype):
-    assert hit_case(INKLING2, dtype)
-    assert decode_vs_prefill_case(INKLING2, dtype)
-    padded_batch_rows_equal_each_alone(INKLING2, dtype)
+def test_identical_prompt_decoded_tokens_and_padded_rows_equal_cold(family, dtype):
+    assert hit_case(family, dtype)
+    assert decode_vs_prefill_case(family, dtype)
+    padded_batch_rows_equal_each_alone(family, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_chat_turns_with_the_reply_replayed_equal_cold(dtype):
-    model, cache = fresh(INKLING2, dtype, replay_replies=True)
+def test_chat_turns_with_the_reply_replayed_equal_cold(family, dtype):
+    model, cache = fresh(family, dtype, replay_replies=True)
     turn = BASE[:50]
     for n in range(2):
         reply, _ = run(model, cache, turn, new_tokens=9)
         turn = turn + reply + ids(5, seed=4630 + n)
         tokens, logits = run(model, cache, turn)
         assert cache.last_hit_tokens[0] >= len(turn) - 5 - 9 - 16  # the reply's blocks hit
-        ref_tokens, ref_logits = cold(INKLING2, dtype, turn)
+        ref_tokens, ref_logits = cold(family, dtype, turn)
         assert tokens == ref_tokens and torch.equal(logits, ref_logits), f"turn {n + 2}"
 
 
 @DTYPES3
 @pytest.mark.parametrize("max_batch_tokens", [16, 48, 512])
-def test_engine_requests_equal_generate_alone_in_any_batch(dtype, max_batch_tokens):
+def test_engine_requests_equal_generate_alone_in_any_batch(family, dtype, max_batch_tokens):
     for prompts in (PROMPTS[:1], PROMPTS[2:5], PROMPTS):
-        assert engine_case(INKLING2, dtype, prompts, max_batch_tokens), f"{len(prompts)} requests"
+        assert engine_case(family, dtype, prompts, max_batch_tokens), f"{len(prompts)} requests"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_speculative_verify_groups_equal_generate_alone(dtype):
-    speculative_case(INKLING2, dtype)
+def test_speculative_verify_groups_equal_generate_alone(family, dtype):
+    speculative_case(family, dtype)
 
 
-def test_mode_is_the_model_within_round_off():
-    mode_is_the_model(INKLING2)
+def test_mode_is_the_model_within_round_off(family):
+    mode_is_the_model(family)
 
 
-def test_checkpoints_hold_the_states_of_an_upstream_cold_forward():
+def test_checkpoints_hold_the_states_of_an_upstream_cold_forward(family):
     """The four windows of every layer (the dynamic convs' raw inputs included) and the keys and values at a block
     boundary equal an unpatched model's within round-off."""
-    checkpoints_hold_upstream_states(INKLING2)
+    checkpoints_hold_upstream_states(family)
 
 
 @pytest.mark.parametrize("bias", [0.0, 0.05])
@@ -150,5 +158,5 @@ def test_each_ingredient_off_alone_breaks_a_case(monkeypatch, module, off, dtype
     assert not case(INKLING2, dtype)
 
 
-def test_with_the_mode_off_some_case_differs():
-    mode_off_some_case_differs(INKLING2, torch.float32)
+def test_with_the_mode_off_some_case_differs(family):
+    mode_off_some_case_differs(family, torch.float32)

@@ -63,4 +63,24 @@ def inkling2_deterministic() -> list[HookPoint]:
         _point("Inkling2Experts.forward", ("gate_up_proj", "down_proj", "_apply_gate"),
                f"{_MOE} runs its experts through the row-invariant linear"),
         _point("Inkling2SparseMoeBlock.forward", ("gate", "experts"), f"{_MOE} stands in for it"),
+        *_loop(),
     ]
+
+
+def _loop() -> list[HookPoint]:
+    """Inkling 2 Loop's copies of the same modules (5.24 on) and its message gate and message residual."""
+    path = "transformers.models.inkling2_loop.modeling_inkling2_loop"
+    reads = {"ShortConvolution": ("conv1d", "conv_idx", "conv_kernel_size", "sqrt"),
+             "DynamicShortConvolution": ("weight_proj", "static_weight", "num_heads", "conv_kernel_size", "sqrt"),
+             "L2Clip": ("threshold", "vector_norm"), "ScaledL2Clip": ("threshold", "scale", "vector_norm"),
+             "RelativePositionBias": ("linear", "num_heads", "norm", "proj", "rel_extent", "gather"),
+             "GatedOutputProjection": ("gate_proj", "sigmoid", "linear"), "Softcap": ("softcap", "tanh"),
+             "SoftcappedSwiGLU": ("gate_softcap", "up_softcap", "sigmoid"), "BlockAttentionResidual": ("norm", "query"),
+             "MessageGate": ("norm", "down_proj", "forget_gate_proj", "message_gate_proj", "tanh"),
+             "MessageAttentionResidual": ("norm", "query"),
+             "TopKRouter": ("weight", "score_fn", "e_score_correction_bias", "top_k", "routed_scaling_factor"),
+             "Experts": ("gate_up_proj", "down_proj", "_apply_gate"), "SparseMoeBlock": ("gate", "experts")}
+    return [HookPoint(f"{path}.Inkling2Loop{name}.forward[deterministic copy]",
+                      refers_to(f"{path}:Inkling2Loop{name}.forward", *names),
+                      f"{_USED_BY}: its Inkling 2 form stands in for it (Inkling 2 Loop)", ">=5.24.0")
+            for name, names in reads.items()]

@@ -69,6 +69,7 @@ SUPPORTED = {
     "lfm3": ("Lfm3ShortConv", short_conv_deterministic),
     "inkling_text": ("InklingShortConvolution", inkling_deterministic),
     "inkling2_text": (inkling2_deterministic.MIXERS, inkling2_deterministic),
+    "inkling2_loop_text": (inkling2_deterministic.LOOP_MIXERS, inkling2_deterministic),
     "kimi_linear": ("KimiLinearDeltaAttention", kda_deterministic),
     "bailing_hybrid": ("BailingHybridDeltaAttention", kda_deterministic),
 }
@@ -83,9 +84,6 @@ _ACTIVATIONS = "its MLPs wired to the row-invariant linear and SiLU (F.silu give
                "its offset; models/hybrid_deterministic.py, as Jamba's are)"
 #: model_type -> the mixer ingredients its family lacks (attention and MLP activations are added from the model).
 _MIXERS = {
-    "inkling2_loop_text": ("Inkling 2 Loop's layers wired to Inkling 2's deterministic forms (models/"
-                           "inkling2_deterministic.py, which Inkling 2 runs) and its loop passes' own cache layers "
-                           "(cache_offset) reaching them; no bank of its own yet",),
     "zaya": ("ZAYA's CCA projection wired to the invariant conv (a depthwise then a grouped conv over q|k, whose "
              "grouped sum has no invariant form yet, and the delayed value), its router MLP's nn.GELU and its routed "
              "experts",),

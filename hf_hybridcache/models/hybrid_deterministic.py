@@ -84,7 +84,9 @@ FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock"), "zamba": ("Zamba
             "kimi_linear": ("KimiLinearAttention", "KimiLinearMoE"),
             "bailing_hybrid": ("BailingHybridAttention", "BailingHybridMoE"),
             "lfm3": ("Lfm3Attention", None), "inkling_text": ("InklingAttention", "InklingMoE"),
-            "inkling2_text": (("Inkling2SlidingAttention", "Inkling2FullAttention"), "Inkling2SparseMoeBlock")}
+            "inkling2_text": (("Inkling2SlidingAttention", "Inkling2FullAttention"), "Inkling2SparseMoeBlock"),
+            "inkling2_loop_text": (("Inkling2LoopSlidingAttention", "Inkling2LoopFullAttention"),
+                                   "Inkling2LoopSparseMoeBlock")}
 #: Routed-experts blocks a family may hold that have no deterministic form here yet: a model holding one is refused.
 UNWIRED_EXPERTS: dict[str, str] = {}
 #: The MLP classes that call ``F.silu`` in their forward (no activation module to patch): :func:`swiglu_forward`.
@@ -100,7 +102,7 @@ ACTIVATIONS = ("silu", "swish", "gelu", "relu2")
 SILU_CONV = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lara_mini",
              "kimi_linear", "bailing_hybrid", "falcon_h1")
 #: The families whose sliding-window attention layers are wired (the invariant attention's windowed form).
-WINDOWED = ("lara_mini", "lfm3", "inkling_text", "inkling2_text")
+WINDOWED = ("lara_mini", "lfm3", "inkling_text", "inkling2_text", "inkling2_loop_text")
 #: The routers whose logits are a float32 product of float32 copies of the input and weight (Lara Mini's).
 FLOAT32_ROUTERS = ("LaraMiniTopKRouter",)
 #: Ingredients switched off (private: the power tests name them here; empty in use).
@@ -117,7 +119,7 @@ def refusals(model: torch.nn.Module, model_type: str) -> list[str]:
     elif model_type in SILU_CONV and config.hidden_act not in ("silu", "swish"):
         problems.append(f"hidden_act={config.hidden_act!r} (the mixer's conv, a gated delta net's, KDA's or "
                         "Falcon-H1's Mamba-2, has an invariant SiLU only)")
-    if model_type == "inkling2_text":
+    if model_type in ("inkling2_text", "inkling2_loop_text"):
         problems += inkling2_deterministic.refusals(config)
     unwired = UNWIRED_EXPERTS.get(model_type)
     if unwired is not None and any(type(m).__name__ == unwired for m in model.modules()):

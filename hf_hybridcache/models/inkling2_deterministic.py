@@ -52,8 +52,9 @@ from .mamba1 import apply_padding_mask, checkpoint_positions, conv_states_at
 from .mamba1_deterministic import linear as _linear
 from .mamba1_deterministic import lm_head_forward  # noqa: F401 (deterministic.install reads it from here)
 
-#: The short convolution classes :func:`deterministic_forward` stands in for.
+#: The short convolution classes :func:`deterministic_forward` stands in for (Inkling 2's, Inkling 2 Loop's).
 MIXERS = ("Inkling2ShortConvolution", "Inkling2DynamicShortConvolution")
+LOOP_MIXERS = ("Inkling2LoopShortConvolution", "Inkling2LoopDynamicShortConvolution")
 #: Ingredients switched off (private: the power tests name them here; empty in use).
 _OFF: set[str] = set()
 
@@ -173,6 +174,29 @@ def block_residual_forward(module, original, block_states: torch.Tensor, partial
     return block_residual_invariant(module.query, stacked, stacked.shape[-1] ** -0.5).unbind(-2)
 
 
+def message_gate_forward(module, original, hidden_states: torch.Tensor, message: torch.Tensor) -> torch.Tensor:
+    """``Inkling2LoopMessageGate`` (Inkling 2 Loop, 5.24 - 5.25): ``(1 - tanh(f)) * h + tanh(m) * message`` float32
+    ``[B, T, hidden]``, its two ``tanh`` as the softcap of 1 from ``exp``."""
+    if "softcap" in _OFF:
+        return original(hidden_states, message)
+    hidden_states, message = hidden_states.float(), message.float()
+    gate_input = torch.cat([module.norm(hidden_states), module.norm(message)], dim=-1)
+    gate_input = module.down_proj(gate_input.to(module.down_proj.weight.dtype)).float()
+    forget = softcap_invariant(module.forget_gate_proj(gate_input), 1.0)
+    keep = softcap_invariant(module.message_gate_proj(gate_input), 1.0)
+    return (1 - forget) * hidden_states + keep * message
+
+
+def message_residual_forward(module, original, block_states: torch.Tensor, partial_block_states: torch.Tensor,
+                             loop_layer_idx: int) -> torch.Tensor:
+    """``Inkling2LoopMessageAttentionResidual``: the previous pass's block states ``[B, T, L, hidden]`` and hidden
+    states ``[B, T, hidden]`` -> its four messages ``[B, T, 4, hidden]`` float32 for loop layer ``loop_layer_idx``."""
+    if "block_residual" in _OFF:
+        return original(block_states, partial_block_states, loop_layer_idx)
+    stacked = module.norm(torch.cat([block_states, partial_block_states.unsqueeze(-2)], dim=-2).float())
+    return block_residual_invariant(module.query[loop_layer_idx], stacked, stacked.shape[-1] ** -0.5)
+
+
 def attention_forward(module, original, hidden_states: torch.Tensor, *args, **kwargs):
     """An Inkling 2 attention module's ``(output [B, T, hidden], None)``: from 5.24 on upstream's forward (its parts
     are patched), in 5.23 :func:`_fused_attention_forward`."""
@@ -234,4 +258,10 @@ FORWARDS = {"Inkling2L2Clip": l2_clip_forward, "Inkling2ScaledL2Clip": l2_clip_f
             "Inkling2RelativePositionBias": relative_bias_forward, "Inkling2RelativeLogits": relative_logits_forward,
             "Inkling2GatedOutputProjection": gated_output_forward, "Inkling2Softcap": softcap_forward,
             "Inkling2SoftcappedSwiGLU": swiglu_forward, "Inkling2BlockAttentionResidual": block_residual_forward,
-            "Inkling2SlidingAttention": attention_forward, "Inkling2FullAttention": attention_forward}
+            "Inkling2SlidingAttention": attention_forward, "Inkling2FullAttention": attention_forward,
+            "Inkling2LoopL2Clip": l2_clip_forward, "Inkling2LoopScaledL2Clip": l2_clip_forward,
+            "Inkling2LoopRelativePositionBias": relative_bias_forward,
+            "Inkling2LoopGatedOutputProjection": gated_output_forward, "Inkling2LoopSoftcap": softcap_forward,
+            "Inkling2LoopSoftcappedSwiGLU": swiglu_forward, "Inkling2LoopBlockAttentionResidual": block_residual_forward,
+            "Inkling2LoopMessageGate": message_gate_forward,
+            "Inkling2LoopMessageAttentionResidual": message_residual_forward}

@@ -224,7 +224,8 @@ def inkling2_moe_forward(block: torch.nn.Module, original, hidden_states: torch.
 
 #: Experts block class -> its deterministic forward (``hybrid_deterministic.install`` patches them by name).
 FORWARDS = {"GraniteMoeHybridMoE": granite_moe_forward, "NemotronHMoE": nemotron_moe_forward,
-            "InklingMoE": inkling_moe_forward, "Inkling2SparseMoeBlock": inkling2_moe_forward}
+            "InklingMoE": inkling_moe_forward, "Inkling2SparseMoeBlock": inkling2_moe_forward,
+            "Inkling2LoopSparseMoeBlock": inkling2_moe_forward}
 
 
 def product_weights(block: torch.nn.Module) -> list[torch.Tensor]:
@@ -236,6 +237,6 @@ def product_weights(block: torch.nn.Module) -> list[torch.Tensor]:
         shared = block.shared_experts
         return [block.gate.weight.float(), block.experts.gate_up_proj[0], block.experts.down_proj[0],
                 shared.gate_proj[0], shared.up_proj[0], shared.down_proj[0]]
-    if type(block).__name__ == "Inkling2SparseMoeBlock":
+    if type(block).__name__ in ("Inkling2SparseMoeBlock", "Inkling2LoopSparseMoeBlock"):
         return [block.gate.weight.float(), block.experts.gate_up_proj[0], block.experts.down_proj[0]]
     return [block.router.weight, block.experts.gate_up_proj[0], block.experts.down_proj[0]]
