@@ -1,25 +1,28 @@
-"""deterministic=True on Inkling 2 (``inkling2_text``), issue 46.
+"""deterministic=True on Inkling 2 (``inkling2_text``) and Inkling 2 Loop (``inkling2_loop_text``, transformers >=
+5.24; skipped on older releases), issue 46.
 
-The toy is Inkling 2's tiny config (sliding-window, window 24, and full attention layers; four float32 short convs per
+The toys are the tiny configs (sliding-window, window 24, and full attention layers; four float32 short convs per
 layer, the full layers' key and value convs dynamic; routed experts in every layer, 4 of them, top 2, softcapped
-SwiGLUs of 56) with test_deterministic.py's ``OVERRIDES``: block attention residuals every 2 layers (the toy's 4
-layers then hold two blocks), the logarithmic scaling from position 8 on, 3 query heads of 24 over one key head in
-both layer kinds and relative states of 6 (widths off the CPU's vector width). A request's tokens and logits /
-logprobs are the same bits cold and after hits of several lengths, with a reply replayed in a chat, decoded or
-prefilled, as a row of a left-padded generate() batch, and among 1-8 concurrent engine requests at prefill chunks of
-16, 48 and 512 tokens (and in speculative verify groups) against generate() alone, in float32, bfloat16 and float16;
-the mode computes the model (upstream's logits within round-off) and stores upstream's states.
+SwiGLUs of 56; the Loop's six layers with layers 2-3 run three times, message gates of rank 8) with
+test_deterministic.py's ``OVERRIDES``: block attention residuals every 2 layers, the logarithmic scaling from position
+8 on, 3 query heads of 24 over one key head in both layer kinds and relative states of 6 (widths off the CPU's vector
+width). A request's tokens and logits / logprobs are the same bits cold and after hits of several lengths, with a
+reply replayed in a chat, decoded or prefilled, as a row of a left-padded generate() batch, and among 1-8 concurrent
+engine requests at prefill chunks of 16, 48 and 512 tokens (and in speculative verify groups) against generate()
+alone, in float32, bfloat16 and float16; the mode computes the model (upstream's logits within round-off) and stores
+upstream's states.
 
 Power (each ingredient switched off alone through the private ``_OFF`` sets; measured on the 2-core AVX-512 CPU,
-torch 2.13 with MKL, at 2 intra-op threads; docs/deterministic.md has the table): the relative bias's row-invariant
-product (``inkling2_deterministic`` ``"relative"``: upstream's ``relative_states @ proj``) and the output gate's
-invariant sigmoid (``"gate"``) make a decoded token differ from the same token prefilled; the experts through the
-row-invariant linear (``moe_deterministic`` ``"experts"``) a float32 hit from cold; the router's exp-only sigmoid
-(``"router"``) the engine's logprobs from generate()'s; so do the invariant attention (with the sink logits) and the
-row-invariant linear. The l2 clips, the softcaps, the softcapped SwiGLU and the block attention residual are kept
-without a case of this bank that differs: upstream's ``vector_norm`` over a head vector, ``torch.tanh`` and the SwiGLU
-on a row of a chunked view, and scaled-dot-product attention with the positions as heads gave a row its bits in any
-call here (their invariance does not rest on that: tests/test_deterministic_conv3.py tests the forms).
+torch 2.13 with MKL, at 2 intra-op threads, the same on both families; docs/deterministic.md has the table): the
+relative bias's row-invariant product (``inkling2_deterministic`` ``"relative"``: upstream's ``relative_states @
+proj``) and the output gate's invariant sigmoid (``"gate"``) make a decoded token differ from the same token
+prefilled; the experts through the row-invariant linear (``moe_deterministic`` ``"experts"``) a float32 hit from
+cold; the router's exp-only sigmoid (``"router"``) the engine's logprobs from generate()'s; so do the invariant
+attention (with the sink logits), its window anchored at the query and the row-invariant linear. The l2 clips, the
+softcaps (the final logits', the Loop's message gates' ``tanh``), the softcapped SwiGLU and the block attention
+residuals are kept without a case of this bank that differs: upstream's ``vector_norm`` over a head vector,
+``torch.tanh``, the SwiGLU on a row of a chunked view and scaled-dot-product attention with the positions as heads
+gave a row its bits in any call here (tests/test_deterministic_conv3.py tests the invariant forms themselves).
 """
 
 import pytest
@@ -138,24 +141,26 @@ def test_a_router_scoring_other_than_sigmoid_is_refused():
     HybridPrefixCache(model)  # nothing was patched: the default mode still builds
 
 
-#: (module, ingredient, dtype, a case it breaks when switched off alone), measured at 2 threads.
+#: (module, ingredient, dtype, a case it breaks when switched off alone), measured at 2 threads on both families.
 POWER = [
     (inkling2_deterministic, "relative", torch.float32, decode_vs_prefill_case),
     (inkling2_deterministic, "gate", torch.float32, decode_vs_prefill_case),
     (moe_deterministic, "experts", torch.float32, hit_case),
     (moe_deterministic, "router", torch.float32, engine_case),
     (hybrid_deterministic, "attention", torch.float32, engine_case),
-    (mamba1_deterministic, "linear", torch.float32, engine_case),
+    (hybrid_deterministic, "window", torch.float32, engine_case),
+    (hybrid_deterministic, "window", torch.bfloat16, decode_vs_prefill_case),
+    (mamba1_deterministic, "linear", torch.float32, hit_case),
 ]
 
 
 @pytest.mark.parametrize("module, off, dtype, case", POWER,
                          ids=[f"{off}-{str(dtype)[6:]}-{case.__name__}" for _, off, dtype, case in POWER])
-def test_each_ingredient_off_alone_breaks_a_case(monkeypatch, module, off, dtype, case):
+def test_each_ingredient_off_alone_breaks_a_case(monkeypatch, family, module, off, dtype, case):
     torch.set_num_threads(2)  # MKL's float32 1-row product sums in another order at 2 threads (the suite runs 1)
-    assert case(INKLING2, dtype)
+    assert case(family, dtype)
     monkeypatch.setattr(module, "_OFF", {off})
-    assert not case(INKLING2, dtype)
+    assert not case(family, dtype)
 
 
 def test_with_the_mode_off_some_case_differs(family):

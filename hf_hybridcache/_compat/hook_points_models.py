@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from .hook_checks import HookPoint, dotted, exists, fields, named_parameters, parameters, refers_to, resolve
 from .hook_points_gdn import gdn_deterministic
-from .hook_points_kda import kda_deterministic
 from .hook_points_inkling2 import inkling2_deterministic
+from .hook_points_kda import kda_deterministic
 from .hook_points_moe import moe_and_falcon_h1_deterministic
 from .hook_points_short_conv import short_conv_deterministic
 

@@ -13,7 +13,10 @@ and routed + shared experts of :mod:`.hybrid_deterministic`), LFM2 / LFM2-MoE (t
 :mod:`.short_conv_deterministic`, the attention with q/k RMSNorms, SwiGLU MLPs and sigmoid-routed experts of
 :mod:`.hybrid_deterministic`; LFM3 the same mixer, its attention also sliding-window with a sigmoid gate per head),
 Inkling's text model with dense MLPs (the four short convolutions and the attention with relative logits of
-:mod:`.inkling_deterministic`), Kimi Linear / Ling (the KDA mixer and Ling's gated MLA attention of
+:mod:`.inkling_deterministic`), Inkling 2's and Inkling 2 Loop's (the static and dynamic short convolutions, l2
+clips, relative bias, output gate, softcaps, block attention residuals and message gates of
+:mod:`.inkling2_deterministic`, the sink logits in the invariant attention, the experts of :mod:`.moe_deterministic`),
+Kimi Linear / Ling (the KDA mixer and Ling's gated MLA attention of
 :mod:`.kda_deterministic`, the MLA attention, MLPs and grouped-router experts of :mod:`.hybrid_deterministic`), and
 Falcon-H1 (the Mamba-2 mixer with its multipliers and gate, :mod:`.falcon_h1_deterministic`, beside attention in every
 layer), on CPU, in float32, bfloat16 and float16. Every other family is refused with the ingredients it lacks named, and

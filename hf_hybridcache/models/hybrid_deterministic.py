@@ -1,7 +1,7 @@
 """The layers a hybrid adds to its mixers in deterministic mode (issue 46; Jamba, Zamba, Qwen3.5, Bamba, Granite-4.0-H,
-Nemotron-H, Zamba2, LFM2, LFM3, Inkling, OLMo-Hybrid, Lara Mini, Kimi Linear, Ling, Falcon-H1): attention, MLP
-activations, linear layers and routed experts, each with a row-invariant, path-invariant form (docs/deterministic.md,
-"The ingredients").
+Nemotron-H, Zamba2, LFM2, LFM3, Inkling, Inkling 2 and its Loop, OLMo-Hybrid, Lara Mini, Kimi Linear, Ling,
+Falcon-H1): attention, MLP activations, linear layers and routed experts, each with a row-invariant, path-invariant
+form (docs/deterministic.md, "The ingredients").
 
 - Every ``torch.nn.Linear`` (attention projections, MLPs, the LM head) runs through
   :func:`~hf_hybridcache.models.mamba1_deterministic.lm_head_forward` (the row-invariant linear).
@@ -46,8 +46,8 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
   upstream's router and experts, each expert's products on the rows routed to it through the row-invariant linear, and
   each token's experts summed in the order of its own top-k choice (upstream sums in expert order, also fixed per
   token; the order here needs no scatter).
-- Granite-4.0-H's, Nemotron-H's and Inkling's experts blocks run :mod:`.moe_deterministic`'s forwards (:data:`FORWARDS
-  <.moe_deterministic.FORWARDS>`).
+- Granite-4.0-H's, Nemotron-H's, Inkling's and Inkling 2's experts blocks run :mod:`.moe_deterministic`'s forwards
+  (:data:`FORWARDS <.moe_deterministic.FORWARDS>`); Inkling 2's other modules :mod:`.inkling2_deterministic`'s.
 
 The RMSNorms, softmaxes, embeddings and residual adds run as upstream (measured row-invariant here). :data:`_OFF` is
 the private switch of the power tests: ``"attention"`` runs the model's own attention function, ``"activation"``
@@ -65,7 +65,13 @@ from .. import _compat
 from .._compat.invariant_attention import gated_attention_parts, invariant_attention_forward, mark, unroutable
 from ..kernels.gated_delta_invariant import sigmoid_invariant
 from ..kernels.mamba1_invariant import silu_invariant
-from . import inkling2_deterministic, inkling_deterministic, kda_deterministic, moe_deterministic, short_conv_deterministic
+from . import (
+    inkling2_deterministic,
+    inkling_deterministic,
+    kda_deterministic,
+    moe_deterministic,
+    short_conv_deterministic,
+)
 from .mamba1_deterministic import linear as _linear
 from .mamba1_deterministic import lm_head_forward
 

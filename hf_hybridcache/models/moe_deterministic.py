@@ -1,4 +1,4 @@
-"""The routed-experts blocks of Granite-4.0-H, Nemotron-H and Inkling in deterministic mode (issue 46), and the per-token sum of
+"""The routed-experts blocks of Granite-4.0-H, Nemotron-H, Inkling and Inkling 2 in deterministic mode (issue 46), and the per-token sum of
 routed experts every deterministic experts block shares (:func:`routed_sum`).
 
 - Granite-4.0-H's ``GraniteMoeHybridMoE`` (``num_local_experts > 0``) runs :func:`granite_moe_forward`: its router's
@@ -18,6 +18,9 @@ routed experts every deterministic experts block shares (:func:`routed_sum`).
   ``logsumexp``, whose float32 ``log`` moves an element with its offset; times ``route_scale * global_scale``), the
   routed experts summed per token in top-k order, and the shared experts (upstream's ``bmm`` stack) one by one through
   the row-invariant linear, weighted by their gammas and summed in float32.
+- Inkling 2's ``Inkling2SparseMoeBlock`` (every layer; Inkling 2 Loop's copy alike) runs
+  :func:`inkling2_moe_forward`: the float32 sigmoid router with its score correction, the softcapped SwiGLU experts
+  (their module patched by :mod:`.inkling2_deterministic`), summed per token in float32 in top-k order.
 
 Upstream code mirrored: ``GraniteMoeHybridTopKRouter`` / ``GraniteMoeHybridExperts`` / ``GraniteMoeHybridMoE``
 (``transformers/models/granitemoehybrid/modeling_granitemoehybrid.py``), ``NemotronHTopkRouter`` /
