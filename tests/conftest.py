@@ -113,6 +113,8 @@ VERSION_INDEPENDENT_MODULES = {
 NEEDS_NEWER_TRANSFORMERS = {
     "lara_mini": "needs transformers >= 5.24 (Lara Mini is new there): run it with a newer release of the tested "
                  "window (hf_hybridcache/_compat/versions.py), as CI does",
+    "inkling2_loop_text": "needs transformers >= 5.24 (Inkling 2 Loop is new there): run it with a newer release of "
+                          "the tested window (hf_hybridcache/_compat/versions.py), as CI does",
 }
 
 
