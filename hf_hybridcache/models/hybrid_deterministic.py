@@ -65,13 +65,9 @@ from .. import _compat
 from .._compat.invariant_attention import gated_attention_parts, invariant_attention_forward, mark, unroutable
 from ..kernels.gated_delta_invariant import sigmoid_invariant
 from ..kernels.mamba1_invariant import silu_invariant
-from . import (
-    inkling2_deterministic,
-    inkling_deterministic,
-    kda_deterministic,
-    moe_deterministic,
-    short_conv_deterministic,
-)
+from . import inkling_deterministic, kda_deterministic, moe_deterministic, short_conv_deterministic
+from .inkling2_deterministic import FORWARDS as INKLING2_FORWARDS
+from .inkling2_deterministic import refusals as inkling2_refusals
 from .mamba1_deterministic import linear as _linear
 from .mamba1_deterministic import lm_head_forward
 
@@ -125,8 +121,7 @@ def refusals(model: torch.nn.Module, model_type: str) -> list[str]:
     elif model_type in SILU_CONV and config.hidden_act not in ("silu", "swish"):
         problems.append(f"hidden_act={config.hidden_act!r} (the mixer's conv, a gated delta net's, KDA's or "
                         "Falcon-H1's Mamba-2, has an invariant SiLU only)")
-    if model_type in ("inkling2_text", "inkling2_loop_text"):
-        problems += inkling2_deterministic.refusals(config)
+    problems += inkling2_refusals(model_type, config)
     unwired = UNWIRED_EXPERTS.get(model_type)
     if unwired is not None and any(type(m).__name__ == unwired for m in model.modules()):
         problems.append(f"routed experts ({unwired}: no deterministic form of its router and expert sum yet; a "
@@ -188,8 +183,8 @@ def install(model: torch.nn.Module, model_type: str) -> None:
             _compat.patch_instance_forward(module, inkling_deterministic.attention_forward)
         elif name in SWIGLU_MLPS:
             _compat.patch_instance_forward(module, swiglu_forward)
-        elif name in inkling2_deterministic.FORWARDS:
-            _compat.patch_instance_forward(module, inkling2_deterministic.FORWARDS[name])
+        elif name in INKLING2_FORWARDS:
+            _compat.patch_instance_forward(module, INKLING2_FORWARDS[name])
     classes = (attention_class,) if isinstance(attention_class, str) else attention_class
     mark(model, [m for m in model.modules() if type(m).__name__ in classes], attention_forward)
 

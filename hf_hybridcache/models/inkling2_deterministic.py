@@ -59,10 +59,11 @@ LOOP_MIXERS = ("Inkling2LoopShortConvolution", "Inkling2LoopDynamicShortConvolut
 _OFF: set[str] = set()
 
 
-def refusals(config) -> list[str]:
-    """What keeps an Inkling 2 text ``config`` from deterministic mode beyond its layers' kinds; empty when none."""
+def refusals(model_type: str, config) -> list[str]:
+    """What keeps a model of ``model_type`` (Inkling 2's and its Loop's; no other's) with the text ``config`` from
+    deterministic mode beyond its layers' kinds; empty when none."""
     scoring = getattr(config, "scoring_func", "sigmoid")
-    if scoring == "sigmoid":
+    if model_type not in ("inkling2_text", "inkling2_loop_text") or scoring == "sigmoid":
         return []
     return [f"scoring_func={scoring!r} (its experts' router has an invariant form for 'sigmoid' only)"]
 
