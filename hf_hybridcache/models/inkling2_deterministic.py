@@ -1,5 +1,6 @@
-"""Inkling 2's layers in deterministic mode (issue 46): its short convolutions, static and dynamic, its attention's
-l2 clips, relative bias, sink logits and output gate, its softcaps, and its block attention residuals.
+"""Inkling 2's and Inkling 2 Loop's layers in deterministic mode (issue 46): their short convolutions, static and
+dynamic, their attention's l2 clips, relative bias, sink logits and output gate, their softcaps, their block attention
+residuals and the Loop's message gates and message residuals.
 
 Upstream: ``transformers/models/inkling2/modeling_inkling2.py``, 5.23.0 - 5.25.0, in two layouts. In 5.23 the
 attention modules (``Inkling2SlidingAttention``, ``Inkling2FullAttention``) hold their projections, short convs, clips
@@ -24,10 +25,13 @@ attention forwards call them. Each op runs in a form whose bits do not depend on
   :func:`~hf_hybridcache.models.moe_deterministic.inkling2_moe_forward`. RMSNorms, the logarithmic scaling
   (float32 ``torch.log`` of the positions, measured the same bits at any offset for Inkling) and the residual adds run
   as upstream.
+- Inkling 2 Loop (``models/inkling2_loop/modeling_inkling2_loop.py``, 5.24.0 - 5.25.0, the later layout) holds its own
+  copies of these modules, which run the same forms; its message gates (``Inkling2LoopMessageGate``) take their two
+  ``tanh`` as the softcap of 1, its message residuals (``Inkling2LoopMessageAttentionResidual``) the block residual.
 
 :data:`_OFF` is the private switch of the power tests; each name runs upstream's op in place of this module's:
-``"l2_clip"``, ``"relative"``, ``"gate"``, ``"softcap"`` (the final logits'), ``"swiglu"``,
-``"block_residual"``.
+``"l2_clip"``, ``"relative"``, ``"gate"``, ``"softcap"`` (the final logits', the message gates'), ``"swiglu"``,
+``"block_residual"`` (the message residuals too).
 """
 
 from __future__ import annotations
