@@ -65,9 +65,8 @@ from .. import _compat
 from .._compat.invariant_attention import gated_attention_parts, invariant_attention_forward, mark, unroutable
 from ..kernels.gated_delta_invariant import sigmoid_invariant
 from ..kernels.mamba1_invariant import silu_invariant
+from . import inkling2_deterministic as inkling2
 from . import inkling_deterministic, kda_deterministic, moe_deterministic, short_conv_deterministic
-from .inkling2_deterministic import FORWARDS as INKLING2_FORWARDS
-from .inkling2_deterministic import refusals as inkling2_refusals
 from .mamba1_deterministic import linear as _linear
 from .mamba1_deterministic import lm_head_forward
 
@@ -86,9 +85,7 @@ FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock"), "zamba": ("Zamba
             "kimi_linear": ("KimiLinearAttention", "KimiLinearMoE"),
             "bailing_hybrid": ("BailingHybridAttention", "BailingHybridMoE"),
             "lfm3": ("Lfm3Attention", None), "inkling_text": ("InklingAttention", "InklingMoE"),
-            "inkling2_text": (("Inkling2SlidingAttention", "Inkling2FullAttention"), "Inkling2SparseMoeBlock"),
-            "inkling2_loop_text": (("Inkling2LoopSlidingAttention", "Inkling2LoopFullAttention"),
-                                   "Inkling2LoopSparseMoeBlock")}
+            **inkling2.FAMILIES}
 #: Routed-experts blocks a family may hold that have no deterministic form here yet: a model holding one is refused.
 UNWIRED_EXPERTS: dict[str, str] = {}
 #: The MLP classes that call ``F.silu`` in their forward (no activation module to patch): :func:`swiglu_forward`.
@@ -104,7 +101,7 @@ ACTIVATIONS = ("silu", "swish", "gelu", "relu2")
 SILU_CONV = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lara_mini",
              "kimi_linear", "bailing_hybrid", "falcon_h1")
 #: The families whose sliding-window attention layers are wired (the invariant attention's windowed form).
-WINDOWED = ("lara_mini", "lfm3", "inkling_text", "inkling2_text", "inkling2_loop_text")
+WINDOWED = ("lara_mini", "lfm3", "inkling_text", *inkling2.FAMILIES)
 #: The routers whose logits are a float32 product of float32 copies of the input and weight (Lara Mini's).
 FLOAT32_ROUTERS = ("LaraMiniTopKRouter",)
 #: Ingredients switched off (private: the power tests name them here; empty in use).
@@ -121,7 +118,7 @@ def refusals(model: torch.nn.Module, model_type: str) -> list[str]:
     elif model_type in SILU_CONV and config.hidden_act not in ("silu", "swish"):
         problems.append(f"hidden_act={config.hidden_act!r} (the mixer's conv, a gated delta net's, KDA's or "
                         "Falcon-H1's Mamba-2, has an invariant SiLU only)")
-    problems += inkling2_refusals(model_type, config)
+    problems += inkling2.refusals(model_type, config)
     unwired = UNWIRED_EXPERTS.get(model_type)
     if unwired is not None and any(type(m).__name__ == unwired for m in model.modules()):
         problems.append(f"routed experts ({unwired}: no deterministic form of its router and expert sum yet; a "
@@ -183,10 +180,8 @@ def install(model: torch.nn.Module, model_type: str) -> None:
             _compat.patch_instance_forward(module, inkling_deterministic.attention_forward)
         elif name in SWIGLU_MLPS:
             _compat.patch_instance_forward(module, swiglu_forward)
-        elif name in INKLING2_FORWARDS:
-            _compat.patch_instance_forward(module, INKLING2_FORWARDS[name])
-    classes = (attention_class,) if isinstance(attention_class, str) else attention_class
-    mark(model, [m for m in model.modules() if type(m).__name__ in classes], attention_forward)
+    mark(model, [m for m in model.modules() if type(m).__name__ == attention_class], attention_forward)
+    inkling2.install(model, attention_forward)  # Inkling 2's modules and its two attention classes
 
 
 def attention_forward(original, module, query, key, value, attention_mask, *args, **kwargs):

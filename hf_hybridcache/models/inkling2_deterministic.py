@@ -41,7 +41,7 @@ import math
 import torch
 
 from .. import _compat
-from .._compat.invariant_attention import gated_attention_parts
+from .._compat.invariant_attention import gated_attention_parts, mark
 from ..config import state_key
 from ..kernels.conv_invariant import dynamic_conv_invariant
 from ..kernels.gated_delta_invariant import sigmoid_invariant
@@ -59,8 +59,26 @@ from .mamba1_deterministic import lm_head_forward  # noqa: F401 (deterministic.i
 #: The short convolution classes :func:`deterministic_forward` stands in for (Inkling 2's, Inkling 2 Loop's).
 MIXERS = ("Inkling2ShortConvolution", "Inkling2DynamicShortConvolution")
 LOOP_MIXERS = ("Inkling2LoopShortConvolution", "Inkling2LoopDynamicShortConvolution")
+#: model_type -> (its attention classes, its experts block class): :mod:`.hybrid_deterministic`'s ``FAMILIES``
+#: entries (:func:`install` marks both attention classes).
+FAMILIES = {"inkling2_text": (("Inkling2SlidingAttention", "Inkling2FullAttention"), "Inkling2SparseMoeBlock"),
+            "inkling2_loop_text": (("Inkling2LoopSlidingAttention", "Inkling2LoopFullAttention"),
+                                   "Inkling2LoopSparseMoeBlock")}
 #: Ingredients switched off (private: the power tests name them here; empty in use).
 _OFF: set[str] = set()
+
+
+def install(model: torch.nn.Module, attention_forward) -> None:
+    """Patch ``model``'s Inkling 2 modules (:data:`FORWARDS`) and answer its attention modules' calls with
+    ``attention_forward`` (:mod:`.hybrid_deterministic`'s, the invariant attention); idempotent, nothing on a model of
+    another family (called for every hybrid, after :func:`refusals` came back empty)."""
+    classes = {name for attention, _ in FAMILIES.values() for name in attention}
+    for module in model.modules():
+        if type(module).__name__ in FORWARDS:
+            _compat.patch_instance_forward(module, FORWARDS[type(module).__name__])
+    attention = [m for m in model.modules() if type(m).__name__ in classes]
+    if attention:
+        mark(model, attention, attention_forward)
 
 
 def refusals(model_type: str, config) -> list[str]:
