@@ -230,11 +230,3 @@ def test_inkling_each_ingredient_off_alone_breaks_a_case(monkeypatch, module, of
 
 def test_inkling_with_the_mode_off_some_case_differs():
     mode_off_some_case_differs(INKLING, torch.float32)
-
-
-def test_other_inkling_families_are_refused():
-    """Inkling 2 (and its loop) is refused with its ingredients named (Inkling's MoE layers are
-    test_deterministic_inkling_moe.py's; ZAYA is accepted: test_deterministic_zaya.py)."""
-    for family in ("inkling2_text",):
-        with pytest.raises(ValueError, match="(?s)wired to the invariant conv.*deterministic=False"):
-            HybridPrefixCache(build_model(family, seed=0), deterministic=True)

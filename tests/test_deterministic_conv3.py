@@ -1,5 +1,5 @@
 """Deterministic mode's ingredients for Inkling 2 (``inkling2_text``) and Inkling 2 Loop (``inkling2_loop_text``),
-issue 46; both families stay refused (their layers are not wired yet, docs/deterministic.md).
+issue 46: the forms the two families run in deterministic mode (their banks: tests/test_deterministic_inkling2.py).
 
 - The dynamic short conv's per-token taps (``Inkling2DynamicShortConvolution``, on the keys and values of the
   full-attention layers): :func:`~hf_hybridcache.kernels.conv_invariant.dynamic_conv_invariant` forms each tap
@@ -25,7 +25,6 @@ import math
 import pytest
 import torch
 
-from hf_hybridcache import HybridPrefixCache
 from hf_hybridcache.kernels.attention_invariant import attention_invariant, causal_visible
 from hf_hybridcache.kernels.conv_invariant import dynamic_conv_invariant
 from hf_hybridcache.kernels.inkling2_invariant import (
@@ -33,7 +32,6 @@ from hf_hybridcache.kernels.inkling2_invariant import (
     l2_clip_invariant,
     softcapped_swiglu_invariant,
 )
-from hf_hybridcache.toy import TINY_CONFIGS, build_model
 
 DTYPES3 = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 
@@ -131,18 +129,6 @@ def test_attention_with_sinks_is_upstreams_eager_attention_within_round_off(wind
     # Without the sink the same call is plain softmax attention, which differs from upstream's here.
     plain = attention_invariant(q, k, v, visible, 0.25, window=window, bias=bias)
     assert not torch.allclose(plain[0], expected[0], atol=1e-3)
-
-
-@pytest.mark.parametrize("family", ["inkling2_text", "inkling2_loop_text"])
-def test_inkling2_families_are_refused_with_what_they_lack(family):
-    """Not wired yet: refused before anything is patched, naming the layers that lack a deterministic forward."""
-    if family not in TINY_CONFIGS:
-        pytest.skip(f"{family} needs a newer transformers")
-    model = build_model(family, seed=0)
-    with pytest.raises(ValueError, match="(?s)Inkling 2.*routed experts.*block attention residuals.*"
-                                         "deterministic=False"):
-        HybridPrefixCache(model, deterministic=True)
-    HybridPrefixCache(model)  # nothing was patched: the default mode still builds
 
 
 @DTYPES3

@@ -13,6 +13,7 @@ from test_serve import Server
 
 from hf_hybridcache.models.deterministic import SUPPORTED
 from hf_hybridcache.serve.__main__ import make_app, parse_args
+from hf_hybridcache.toy import build_model, byte_tokenizer
 
 PROMPTS = ["The deterministic mode of a state-space model ", "ab", "Prefix caching for hybrids " * 3,
            "The deterministic mode of a state-space model serves ", "xyz" * 11, "0123456789"]
@@ -40,10 +41,11 @@ def test_completions_are_bitwise_alone_concurrent_and_after_a_hit(dtype, family)
         server.close()
 
 
-@pytest.mark.parametrize("argv, refused", [
-    (["--model", "toy:inkling2_text", "--deterministic"], "attention with a fixed reduction order"),
-    (["--model", "toy:mamba", "--deterministic", "--no-cache"], "drop --no-cache"),
-])
-def test_deterministic_startup_refusals(argv, refused):
-    with pytest.raises(ValueError, match=refused):
-        make_app(parse_args(argv))
+def test_deterministic_startup_refusals(tmp_path):
+    """A model the mode refuses (every toy family is accepted: a saved Qwen3.5 with GELU MLPs) and --no-cache."""
+    build_model("qwen3_5_text", seed=0, hidden_act="gelu").save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="(?s)hidden_act='gelu'.*deterministic=False"):
+        make_app(parse_args(["--model", str(tmp_path), "--deterministic"]))
+    with pytest.raises(ValueError, match="drop --no-cache"):
+        make_app(parse_args(["--model", "toy:mamba", "--deterministic", "--no-cache"]))

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 
 from .hook_checks import HookPoint, dotted, exists, fields, named_parameters, parameters, refers_to, resolve
 from .hook_points_gdn import gdn_deterministic
+from .hook_points_inkling2 import inkling2_deterministic
 from .hook_points_kda import kda_deterministic
 from .hook_points_moe import moe_and_falcon_h1_deterministic
-from .hook_points_zaya import zaya_deterministic
 from .hook_points_short_conv import short_conv_deterministic
+from .hook_points_zaya import zaya_deterministic
 
 _CACHE_NAMES = ("past_key_values", "cache", "cache_params")
 
@@ -271,6 +272,7 @@ def _deterministic() -> list[HookPoint]:
         *_gated_delta_deterministic(),
         *_mamba2_hybrids_deterministic(), *short_conv_deterministic(), *gdn_deterministic(), *kda_deterministic(),
         *moe_and_falcon_h1_deterministic(), *zaya_deterministic(),
+        *inkling2_deterministic(),
     ]
 
 

@@ -65,7 +65,8 @@ def invariant_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
                                 attention_mask: torch.Tensor | None, dropout: float = 0.0,
                                 scaling: float | None = None, softcap: float | None = None,
                                 sliding_window: int | None = None, window_at_zero: bool = False,
-                                position_bias: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                                position_bias: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                                **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature around
     :func:`~hf_hybridcache.kernels.attention_invariant.attention_invariant`: ``query`` ``[B, H, T, D]``, ``key``
     ``[B, Hkv, K, D]``, ``value`` ``[B, Hkv, K, Dv]`` -> ``([B, T, H, Dv]`` in ``query``'s dtype, ``None)``. Other
@@ -76,7 +77,8 @@ def invariant_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     ``window_at_zero`` (the power tests' switch, never in use) runs the form anchored at position 0 instead, the
     window in the mask only: a query's bits then move once the cache drops the keys before its window.
     A ``position_bias`` ``[B, H, T, K]`` (Inkling's relative logits, which its eager function adds to the scaled
-    scores) is added to the scores in float32.
+    scores) is added to the scores in float32. ``sinks`` ``[B, H, T, 1]`` (Inkling 2's sink logits, which its eager
+    function appends to the scores as a last logit with no value) go to the kernel's fixed sink slot.
 
     Raises:
         ValueError: dropout is on (a training forward), or a logit softcap is asked for (not supported by the kernel
@@ -97,7 +99,8 @@ def invariant_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
         visible = mask if mask.dtype == torch.bool else mask == 0
     bias = None if position_bias is None else position_bias[:, :, :, :num_keys]
     out = attention_invariant(query, key, value, visible, query.shape[-1] ** -0.5 if scaling is None else scaling,
-                              window=None if window_at_zero else sliding_window, bias=bias)
+                              window=None if window_at_zero else sliding_window, bias=bias,
+                              sinks=None if sinks is None else sinks[..., 0])
     return out.transpose(1, 2).contiguous(), None
 
 

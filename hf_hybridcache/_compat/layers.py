@@ -58,6 +58,20 @@ def cache_layer_offset(kwargs: dict) -> int:
     return kwargs.get("cache_offset") or 0
 
 
+def dynamic_conv_input(args: tuple, kwargs: dict):
+    """The tap input of an Inkling 2 short conv call (``Inkling2DynamicShortConvolution.forward(hidden_states,
+    dynamic_input, cache=..., conv_mask=...)``, transformers 5.23 - 5.25, its static sibling taking and ignoring the
+    same argument from 5.24 on): the second positional argument, or the ``dynamic_input`` keyword; None where the call
+    has none."""
+    return args[1] if len(args) > 1 else kwargs.get("dynamic_input")
+
+
+def inkling2_fused_attention(module) -> bool:
+    """Whether an Inkling 2 attention module is transformers 5.23's, which holds its projections, clips and output
+    gate itself and gates its output inline (``gate_proj``); from 5.24 on they sit in projection modules."""
+    return hasattr(module, "gate_proj")
+
+
 def decoder_layers(model) -> torch.nn.ModuleList:
     """The decoder layers; layer ``i`` owns cache layer ``i`` in every supported family. A vision-language wrapper's
     are its language model's (``model.language_model``, or ``language_model.model`` where that is a whole

@@ -1,5 +1,5 @@
 """Inkling 2's elementwise and per-head ops in a form whose bits do not depend on a token's place in the call (issue
-46, ingredients of deterministic mode; no family's forward uses them yet: Inkling 2 is refused).
+46, ingredients of deterministic mode; Inkling 2 and Inkling 2 Loop run them: ``models/inkling2_deterministic.py``).
 
 - A softcap ``cap * tanh(x / cap)`` (Inkling 2's experts bound their SwiGLU's linear gate factor and ``up`` with one)
   as ``cap * (1 - 2 / (exp(2 x / cap) + 1))``: IEEE operations and ``exp``, whose vectorized body and scalar tail agree

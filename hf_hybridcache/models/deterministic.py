@@ -13,8 +13,11 @@ and routed + shared experts of :mod:`.hybrid_deterministic`), LFM2 / LFM2-MoE (t
 :mod:`.short_conv_deterministic`, the attention with q/k RMSNorms, SwiGLU MLPs and sigmoid-routed experts of
 :mod:`.hybrid_deterministic`; LFM3 the same mixer, its attention also sliding-window with a sigmoid gate per head),
 Inkling's text model with dense MLPs (the four short convolutions and the attention with relative logits of
-:mod:`.inkling_deterministic`), Kimi Linear / Ling (the KDA mixer and Ling's gated MLA attention of
-:mod:`.kda_deterministic`, the MLA attention, MLPs and grouped-router experts of :mod:`.hybrid_deterministic`),
+:mod:`.inkling_deterministic`), Inkling 2's and Inkling 2 Loop's (the static and dynamic short convolutions, l2
+clips, relative bias, output gate, softcaps, block attention residuals and message gates of
+:mod:`.inkling2_deterministic`, the sink logits in the invariant attention, the experts of :mod:`.moe_deterministic`),
+Kimi Linear / Ling (the KDA mixer and Ling's gated MLA attention of
+:mod:`.kda_deterministic`, the MLA attention, MLPs and grouped-router experts of :mod:`.hybrid_deterministic`), and
 Falcon-H1 (the Mamba-2 mixer with its multipliers and gate, :mod:`.falcon_h1_deterministic`, beside attention in every
 layer) and ZAYA (its CCA projection and router GELU of :mod:`.zaya_deterministic`, its full and sliding-window
 attention and routed experts of :mod:`.hybrid_deterministic`), on CPU, in float32, bfloat16 and float16. Every other
@@ -37,6 +40,7 @@ from . import (
     falcon_h1_deterministic,
     gated_delta_deterministic,
     hybrid_deterministic,
+    inkling2_deterministic,
     inkling_deterministic,
     kda_deterministic,
     mamba1_deterministic,
@@ -48,7 +52,7 @@ from . import (
 from .mamba1 import DETERMINISTIC_FORWARD
 from .wrappers import decoder_model_type
 
-#: model_type -> (the mixer class, the module whose ``deterministic_forward`` stands in for its forward and whose
+#: model_type -> (the mixer class, or a tuple of them, the module whose ``deterministic_forward`` stands in for its forward and whose
 #: ``lm_head_forward`` for the LM head's). A hybrid's other layers are :mod:`.hybrid_deterministic`'s ``FAMILIES``.
 SUPPORTED = {
     "mamba": ("MambaMixer", mamba1_deterministic),
@@ -70,6 +74,8 @@ SUPPORTED = {
     "lfm2_moe": ("Lfm2MoeShortConv", short_conv_deterministic),
     "lfm3": ("Lfm3ShortConv", short_conv_deterministic),
     "inkling_text": ("InklingShortConvolution", inkling_deterministic),
+    "inkling2_text": (inkling2_deterministic.MIXERS, inkling2_deterministic),
+    "inkling2_loop_text": (inkling2_deterministic.LOOP_MIXERS, inkling2_deterministic),
     "kimi_linear": ("KimiLinearDeltaAttention", kda_deterministic),
     "bailing_hybrid": ("BailingHybridDeltaAttention", kda_deterministic),
     "zaya": ("ZayaCCAProjection", zaya_deterministic),
@@ -83,19 +89,6 @@ _ATTENTION = "its attention layers wired to the attention with a fixed reduction
              "(kernels/attention_invariant.py, as Jamba's are)"
 _ACTIVATIONS = "its MLPs wired to the row-invariant linear and SiLU (F.silu gives an element other float32 bits by " \
                "its offset; models/hybrid_deterministic.py, as Jamba's are)"
-_INKLING2 = ("Inkling 2's short convs wired to the invariant conv (the dynamic one's per-token taps have an "
-             "invariant form, kernels/conv_invariant.dynamic_conv_invariant, not yet wired to its "
-             "cache calls), its attention (sink logits: attention_invariant's sinks, not yet wired; its output gate, "
-             "l2-clipped projections and log-scaled relative bias), its routed experts in every layer "
-             "(Inkling2SparseMoeBlock: a sigmoid router with a score correction and softcapped SwiGLU experts; no "
-             "config has dense MLPs) and its block attention residuals (an attention over the earlier layers' states "
-             "at each position: kernels/inkling2_invariant.py has it and the softcaps and l2 clips, not yet wired)")
-#: model_type -> the mixer ingredients its family lacks (attention and MLP activations are added from the model).
-_MIXERS = {
-    "inkling2_text": (_INKLING2,),
-    "inkling2_loop_text": (_INKLING2, "its loop passes' own cache layers (cache_offset) reaching the deterministic "
-                                      "mixers"),
-}
 
 
 def missing_ingredients(model: torch.nn.Module, spec: ModelStateSpec) -> list[str]:
@@ -104,7 +97,7 @@ def missing_ingredients(model: torch.nn.Module, spec: ModelStateSpec) -> list[st
     model_type = decoder_model_type(model.config)
     if model_type in SUPPORTED:
         return []
-    missing = list(_MIXERS.get(model_type, (f"a deterministic path for model_type={model_type!r}",)))
+    missing = [f"a deterministic path for model_type={model_type!r}"]  # a family registered after this table
     return missing + ([_ATTENTION, _ACTIVATIONS] if spec.attention else [])
 
 
@@ -157,8 +150,8 @@ def check(model: torch.nn.Module, spec: ModelStateSpec) -> None:
         except RuntimeError as error:
             raise ValueError(f"deterministic=True refuses {name} here: {error} Build the cache with "
                              "deterministic=False.") from error
-    mixer_class = SUPPORTED[model_type][0]
-    activations = sorted({a for m in model.modules() if type(m).__name__ == mixer_class
+    mixer_classes = _classes(SUPPORTED[model_type][0])
+    activations = sorted({a for m in model.modules() if type(m).__name__ in mixer_classes
                           and isinstance(a := getattr(m, "activation", None), str) and a not in ("silu", "swish")})
     if activations:
         raise ValueError(f"deterministic=True refuses {name}: its mixers' conv runs {', '.join(map(repr, activations))}"
@@ -210,10 +203,15 @@ def install(model: torch.nn.Module) -> None:
     hybrid's other layers (attention, MLPs, experts) through :mod:`.hybrid_deterministic` (idempotent). Call after
     :func:`check`."""
     model_type = decoder_model_type(model.config)
-    mixer_class, forwards = SUPPORTED[model_type]
+    mixer_classes, forwards = SUPPORTED[model_type]
     for module in model.modules():
-        if type(module).__name__ == mixer_class:
+        if type(module).__name__ in _classes(mixer_classes):
             setattr(module, DETERMINISTIC_FORWARD, forwards.deterministic_forward)
     _compat.patch_instance_forward(model.get_output_embeddings(), forwards.lm_head_forward)
     if model_type in hybrid_deterministic.FAMILIES:
         hybrid_deterministic.install(model, model_type)
+
+
+def _classes(names: str | tuple[str, ...]) -> tuple[str, ...]:
+    """A :data:`SUPPORTED` mixer entry as a tuple of class names."""
+    return (names,) if isinstance(names, str) else names

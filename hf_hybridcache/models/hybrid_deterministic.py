@@ -1,7 +1,7 @@
 """The layers a hybrid adds to its mixers in deterministic mode (issue 46; Jamba, Zamba, Qwen3.5, Bamba, Granite-4.0-H,
-Nemotron-H, Zamba2, LFM2, LFM3, Inkling, OLMo-Hybrid, Lara Mini, Kimi Linear, Ling, Falcon-H1, ZAYA): attention, MLP
-activations, linear layers and routed experts, each with a row-invariant, path-invariant form (docs/deterministic.md,
-"The ingredients").
+Nemotron-H, Zamba2, LFM2, LFM3, Inkling, Inkling 2 and its Loop, OLMo-Hybrid, Lara Mini, Kimi Linear, Ling,
+Falcon-H1, ZAYA): attention, MLP activations, linear layers and routed experts, each with a row-invariant, path-invariant
+form (docs/deterministic.md, "The ingredients").
 
 - Every ``torch.nn.Linear`` (attention projections, MLPs, the LM head) runs through
   :func:`~hf_hybridcache.models.mamba1_deterministic.lm_head_forward` (the row-invariant linear).
@@ -46,10 +46,11 @@ activations, linear layers and routed experts, each with a row-invariant, path-i
   upstream's router and experts, each expert's products on the rows routed to it through the row-invariant linear, and
   each token's experts summed in the order of its own top-k choice (upstream sums in expert order, also fixed per
   token; the order here needs no scatter).
-- Granite-4.0-H's, Nemotron-H's and Inkling's experts blocks and ZAYA's experts run :mod:`.moe_deterministic`'s
+- Granite-4.0-H's, Nemotron-H's, Inkling's and Inkling 2's experts blocks and ZAYA's experts run :mod:`.moe_deterministic`'s
   forwards (:data:`FORWARDS <.moe_deterministic.FORWARDS>`); ZAYA's attention (sliding-window layers too, the window
   handed over by upstream) is routed like Jamba's, its router MLP's ``nn.GELU`` runs
   :func:`~hf_hybridcache.models.zaya_deterministic.gelu_forward`.
+  Inkling 2's other modules run :mod:`.inkling2_deterministic`'s.
 
 The RMSNorms, softmaxes, embeddings and residual adds run as upstream (measured row-invariant here). :data:`_OFF` is
 the private switch of the power tests: ``"attention"`` runs the model's own attention function, ``"activation"``
@@ -67,6 +68,7 @@ from .. import _compat
 from .._compat.invariant_attention import gated_attention_parts, invariant_attention_forward, mark, unroutable
 from ..kernels.gated_delta_invariant import sigmoid_invariant
 from ..kernels.mamba1_invariant import silu_invariant
+from . import inkling2_deterministic as inkling2
 from . import inkling_deterministic, kda_deterministic, moe_deterministic, short_conv_deterministic, zaya_deterministic
 from .mamba1_deterministic import linear as _linear
 from .mamba1_deterministic import lm_head_forward
@@ -86,7 +88,8 @@ FAMILIES = {"jamba": ("JambaAttention", "JambaSparseMoeBlock"), "zamba": ("Zamba
             "kimi_linear": ("KimiLinearAttention", "KimiLinearMoE"),
             "bailing_hybrid": ("BailingHybridAttention", "BailingHybridMoE"),
             "lfm3": ("Lfm3Attention", None), "inkling_text": ("InklingAttention", "InklingMoE"),
-            "zaya": ("ZayaAttention", "ZayaExperts")}
+            "zaya": ("ZayaAttention", "ZayaExperts"),
+            **inkling2.FAMILIES}
 #: Routed-experts blocks a family may hold that have no deterministic form here yet: a model holding one is refused.
 UNWIRED_EXPERTS: dict[str, str] = {}
 #: The MLP classes that call ``F.silu`` in their forward (no activation module to patch): :func:`swiglu_forward`.
@@ -102,7 +105,7 @@ ACTIVATIONS = ("silu", "swish", "gelu", "relu2")
 SILU_CONV = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lara_mini",
              "kimi_linear", "bailing_hybrid", "falcon_h1")
 #: The families whose sliding-window attention layers are wired (the invariant attention's windowed form).
-WINDOWED = ("lara_mini", "lfm3", "inkling_text", "zaya")
+WINDOWED = ("lara_mini", "lfm3", "inkling_text", "zaya", *inkling2.FAMILIES)
 #: The routers whose logits are a float32 product of float32 copies of the input and weight (Lara Mini's).
 FLOAT32_ROUTERS = ("LaraMiniTopKRouter",)
 #: Ingredients switched off (private: the power tests name them here; empty in use).
@@ -121,6 +124,7 @@ def refusals(model: torch.nn.Module, model_type: str) -> list[str]:
                         "Falcon-H1's Mamba-2, has an invariant SiLU only)")
     if model_type == "zaya" and (gelu := zaya_deterministic.refusal()) is not None:
         problems.append(gelu)
+    problems += inkling2.refusals(model_type, config)
     unwired = UNWIRED_EXPERTS.get(model_type)
     if unwired is not None and any(type(m).__name__ == unwired for m in model.modules()):
         problems.append(f"routed experts ({unwired}: no deterministic form of its router and expert sum yet; a "
@@ -185,6 +189,7 @@ def install(model: torch.nn.Module, model_type: str) -> None:
         elif name == "ZayaRouterMLP":  # its nn.GELU (models/zaya_deterministic.py)
             _compat.patch_instance_forward(module.act_fn, zaya_deterministic.gelu_forward)
     mark(model, [m for m in model.modules() if type(m).__name__ == attention_class], attention_forward)
+    inkling2.install(model, attention_forward)  # Inkling 2's modules and its two attention classes
 
 
 def attention_forward(original, module, query, key, value, attention_mask, *args, **kwargs):

@@ -185,6 +185,9 @@ def _emitting_forward(variant: LinearVariant, mixer, original, *args, **kwargs):
             kwargs = {**{k: v for k, v in kwargs.items() if k != "conv_mask"}, "attention_mask": kwargs["conv_mask"]}
         _, _, attention_mask = _compat.split_mixer_call(*_compat.with_local_mixer_mask(args, kwargs))
         forward, over = deterministic
+        if getattr(forward, "takes_call_inputs", False):  # Inkling 2's: its tap input, a loop pass's cache layer
+            return forward(mixer, hidden_states, over, attention_mask,
+                           dynamic_input=_compat.dynamic_conv_input(args, kwargs), layer_idx=layer_idx)
         return forward(mixer, hidden_states, over, attention_mask)
     if cache is None or cache.is_recording_past(layer_idx):
         return original(*args, **kwargs)

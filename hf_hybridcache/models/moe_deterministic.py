@@ -1,5 +1,5 @@
-"""The routed-experts blocks of Granite-4.0-H, Nemotron-H, Inkling and ZAYA in deterministic mode (issue 46), and the
-per-token sum of routed experts every deterministic experts block shares (:func:`routed_sum`).
+"""The routed-experts blocks of Granite-4.0-H, Nemotron-H, Inkling, Inkling 2 and ZAYA in deterministic mode (issue
+46), and the per-token sum of routed experts every deterministic experts block shares (:func:`routed_sum`).
 
 - Granite-4.0-H's ``GraniteMoeHybridMoE`` (``num_local_experts > 0``) runs :func:`granite_moe_forward`: its router's
   logits through the row-invariant linear, the top-k by logit, the softmax over the k chosen logits from ``exp`` in
@@ -20,6 +20,9 @@ per-token sum of routed experts every deterministic experts block shares (:func:
   the row-invariant linear, weighted by their gammas and summed in float32.
 - ZAYA's ``ZayaExperts`` runs :func:`zaya_experts_forward`: the experts its router chose, summed per token in
   top-k order.
+- Inkling 2's ``Inkling2SparseMoeBlock`` (every layer; Inkling 2 Loop's copy alike) runs
+  :func:`inkling2_moe_forward`: the float32 sigmoid router with its score correction, the softcapped SwiGLU experts
+  (their module patched by :mod:`.inkling2_deterministic`), summed per token in float32 in top-k order.
 
 Upstream code mirrored: ``GraniteMoeHybridTopKRouter`` / ``GraniteMoeHybridExperts`` / ``GraniteMoeHybridMoE``
 (``transformers/models/granitemoehybrid/modeling_granitemoehybrid.py``), ``NemotronHTopkRouter`` /
@@ -52,19 +55,20 @@ _OFF: set[str] = set()
 
 
 def routed_sum(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
-               expert: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+               expert: Callable[[torch.Tensor, int], torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
     """``sum_k w_k expert_k(x)`` ``[N, hidden]`` (``x``'s dtype) per token in its top-k order, for ``x``
     ``[N, hidden]``, ``weights`` / ``chosen`` ``[N, k]``: ``expert(rows [n, hidden], e)`` is expert ``e`` on the rows
-    routed to it; each weighted output is rounded to ``x``'s dtype before the sum."""
+    routed to it; each weighted output is rounded to ``dtype`` (default ``x``'s) before the sum, the sum to ``x``'s
+    dtype after it."""
     top_k = chosen.shape[1]
-    picked = x.new_zeros(x.shape[0], top_k, x.shape[1])
+    picked = x.new_zeros(x.shape[0], top_k, x.shape[1], dtype=dtype or x.dtype)
     for index in chosen.unique().tolist():
         token, slot = torch.where(chosen == index)
-        picked[token, slot] = (expert(x[token], index) * weights[token, slot, None]).to(x.dtype)
+        picked[token, slot] = (expert(x[token], index) * weights[token, slot, None]).to(picked.dtype)
     total = picked[:, 0]
     for slot in range(1, top_k):
         total = total + picked[:, slot]
-    return total
+    return total.to(x.dtype)
 
 
 def gated_expert(experts: torch.nn.Module, activation: Callable[[torch.Tensor], torch.Tensor]):
@@ -210,9 +214,35 @@ def zaya_experts_forward(experts: torch.nn.Module, original, hidden_states: torc
     return routed_sum(hidden_states, top_k_weights, top_k_index, gated_expert(experts, experts.act_fn))
 
 
+def inkling2_moe_forward(block: torch.nn.Module, original, hidden_states: torch.Tensor) -> torch.Tensor:
+    """``Inkling2SparseMoeBlock``'s output ``[B, T, hidden]`` (the input's dtype) for ``hidden_states``
+    ``[B, T, hidden]`` (``Inkling2TopKRouter`` / ``Inkling2Experts``, transformers 5.23 - 5.25): float32 router logits
+    through the row-invariant linear, sigmoid scores from ``exp``, the top-k by score plus
+    ``e_score_correction_bias``, the chosen scores over their sum in top-k order times ``routed_scaling_factor``;
+    each expert ``down(act_fn(gate, up))`` (its softcapped SwiGLU module, patched) through the row-invariant linear,
+    weighted and summed per token in float32 in top-k order, rounded once (upstream adds in float32 in expert
+    order)."""
+    shape = hidden_states.shape
+    x = hidden_states.reshape(-1, shape[-1])
+    router, experts = block.gate, block.experts
+    logits = _linear(x.float(), router.weight.float())
+    scores = torch.sigmoid(logits) if "router" in _OFF else sigmoid_invariant(logits)
+    chosen = torch.topk(scores + router.e_score_correction_bias.float(), router.top_k, dim=-1)[1]
+    weights = scores.gather(1, chosen)
+    weights = weights / (_ordered_sum(weights) + 1e-20) * router.routed_scaling_factor
+    if "experts" in _OFF:
+        return experts(x, chosen, weights).view(shape)
+
+    def expert(rows: torch.Tensor, index: int) -> torch.Tensor:
+        gate, up = _linear(rows, experts.gate_up_proj[index]).chunk(2, dim=-1)
+        return _linear(experts.act_fn(gate, up), experts.down_proj[index])
+    return routed_sum(x, weights, chosen, expert, dtype=torch.float32).view(shape)
+
+
 #: Experts block class -> its deterministic forward (``hybrid_deterministic.install`` patches them by name).
 FORWARDS = {"GraniteMoeHybridMoE": granite_moe_forward, "NemotronHMoE": nemotron_moe_forward,
-            "InklingMoE": inkling_moe_forward, "ZayaExperts": zaya_experts_forward}
+            "InklingMoE": inkling_moe_forward, "ZayaExperts": zaya_experts_forward,
+            "Inkling2SparseMoeBlock": inkling2_moe_forward, "Inkling2LoopSparseMoeBlock": inkling2_moe_forward}
 
 
 def product_weights(block: torch.nn.Module) -> list[torch.Tensor]:
@@ -226,4 +256,6 @@ def product_weights(block: torch.nn.Module) -> list[torch.Tensor]:
         shared = block.shared_experts
         return [block.gate.weight.float(), block.experts.gate_up_proj[0], block.experts.down_proj[0],
                 shared.gate_proj[0], shared.up_proj[0], shared.down_proj[0]]
+    if type(block).__name__ in ("Inkling2SparseMoeBlock", "Inkling2LoopSparseMoeBlock"):
+        return [block.gate.weight.float(), block.experts.gate_up_proj[0], block.experts.down_proj[0]]
     return [block.router.weight, block.experts.gate_up_proj[0], block.experts.down_proj[0]]
