@@ -1,7 +1,7 @@
 """The layers a hybrid adds to its mixers in deterministic mode (issue 46; Jamba, Zamba, Qwen3.5, Bamba, Granite-4.0-H,
-Nemotron-H, Zamba2, LFM2, LFM3, Inkling, Inkling 2 and its Loop, OLMo-Hybrid, Lara Mini, Kimi Linear, Ling,
-Falcon-H1, ZAYA): attention, MLP activations, linear layers and routed experts, each with a row-invariant, path-invariant
-form (docs/deterministic.md, "The ingredients").
+Nemotron-H, Zamba2, LFM2, LFM3, Inkling, Inkling 2 and its Loop, OLMo-Hybrid, Lara Mini, Kimi Linear, Ling, Falcon-H1,
+ZAYA): attention, MLP activations, linear layers and routed experts, each with a row-invariant, path-invariant form
+(docs/deterministic.md, "The ingredients").
 
 - Every ``torch.nn.Linear`` (attention projections, MLPs, the LM head) runs through
   :func:`~hf_hybridcache.models.mamba1_deterministic.lm_head_forward` (the row-invariant linear).
@@ -46,11 +46,10 @@ form (docs/deterministic.md, "The ingredients").
   upstream's router and experts, each expert's products on the rows routed to it through the row-invariant linear, and
   each token's experts summed in the order of its own top-k choice (upstream sums in expert order, also fixed per
   token; the order here needs no scatter).
-- Granite-4.0-H's, Nemotron-H's, Inkling's and Inkling 2's experts blocks and ZAYA's experts run :mod:`.moe_deterministic`'s
-  forwards (:data:`FORWARDS <.moe_deterministic.FORWARDS>`); ZAYA's attention (sliding-window layers too, the window
-  handed over by upstream) is routed like Jamba's, its router MLP's ``nn.GELU`` runs
-  :func:`~hf_hybridcache.models.zaya_deterministic.gelu_forward`.
-  Inkling 2's other modules run :mod:`.inkling2_deterministic`'s.
+- Granite-4.0-H's, Nemotron-H's, Inkling's and Inkling 2's experts blocks and ZAYA's experts run
+  :mod:`.moe_deterministic`'s forwards (:data:`FORWARDS <.moe_deterministic.FORWARDS>`), Inkling 2's other modules
+  :mod:`.inkling2_deterministic`'s; ZAYA's attention (sliding-window layers too, the window handed over by upstream) is
+  routed like Jamba's, its router MLP's ``nn.GELU`` runs :func:`~hf_hybridcache.models.zaya_deterministic.gelu_forward`.
 
 The RMSNorms, softmaxes, embeddings and residual adds run as upstream (measured row-invariant here). :data:`_OFF` is
 the private switch of the power tests: ``"attention"`` runs the model's own attention function, ``"activation"``
