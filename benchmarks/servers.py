@@ -5,11 +5,29 @@ exit, and one streamed ``/v1/completions`` request timed to its first token."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import time
 
 import httpx
+
+#: ``--llama-wait-policy`` choices: llama-server's OpenMP threads as shipped (libgomp spins a while at a barrier, then
+#: sleeps), or ``OMP_WAIT_POLICY=PASSIVE`` as ours run (the older runs' setting).
+LLAMA_WAIT_POLICIES = ("default", "passive")
+
+
+def server_env(llama: bool, llama_wait_policy: str = "default") -> dict:
+    """The environment of a compared server: 2 OpenMP threads each. Ours with ``OMP_WAIT_POLICY=PASSIVE`` (spinning
+    threads stall torch's small ops when two processes share the two cores). llama-server, built with OpenMP (its CPU
+    backend links libgomp), keeps its own default unless ``llama_wait_policy="passive"``: PASSIVE puts its threads to
+    sleep at every barrier of a token's graph, hundreds per token, which on an otherwise idle machine cut its decode
+    to a fraction (toy Jamba, one stream: 112-136 tokens/s PASSIVE, 740 default, 288 ``ACTIVE``; on a loaded machine
+    PASSIVE read 336-348), so runs before this option compared against a slowed llama-server."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
+    if llama and llama_wait_policy == "default":
+        env.pop("OMP_WAIT_POLICY")
+    return env
 
 
 def free_port() -> int:

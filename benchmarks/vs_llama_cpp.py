@@ -23,7 +23,8 @@ Then:
      first) and 32 tokens of its own: tokens/s and TTFT p50;
    - ``prefill``: one cold prompt of ``--prefill-tokens`` after a short warm-up request: prompt tokens / TTFT.
 
-Servers: ours ``OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE python -m hf_hybridcache.serve --model DIR --dtype float32``;
+Servers: ours ``OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE python -m hf_hybridcache.serve --model DIR --dtype float32``
+(llama-server: ``OMP_NUM_THREADS=2`` and its own OpenMP wait policy, ``--llama-wait-policy``);
 ``llama-server -m MODEL.gguf -np N -c 4096*N -t 2`` (N = the workload's concurrency). Every request streams (SSE) on
 a new HTTP connection, greedy, ``--max-tokens`` tokens (the special ids' LM-head rows are zero, so no reply stops
 early). Timing is noisy on a shared machine: only the ratios of one run are comparable.
@@ -35,7 +36,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
 import statistics
 import sys
@@ -49,7 +49,14 @@ import torch
 
 from benchmarks import llama_cpp
 from benchmarks.serve_multiturn import differing, run_level, summary
-from benchmarks.servers import free_port, no_keepalive_client, server_process, streamed_completion
+from benchmarks.servers import (
+    LLAMA_WAIT_POLICIES,
+    free_port,
+    no_keepalive_client,
+    server_env,
+    server_process,
+    streamed_completion,
+)
 
 SERVERS = ("hf_hybridcache", "llama-server")
 NEAR_TIE = 1e-3  # top-2 logit gap, as a fraction of the top logit, under which summation order may pick either
@@ -104,7 +111,7 @@ def build_model(shape: str):
 
 
 @contextlib.contextmanager
-def serving(server: str, paths: dict, slots: int, log):
+def serving(server: str, paths: dict, slots: int, log, wait_policy: str = "default"):
     """One fresh process of ``server``; yields its base URL."""
     port = free_port()
     if server == "hf_hybridcache":
@@ -112,7 +119,7 @@ def serving(server: str, paths: dict, slots: int, log):
                    "--port", str(port), "--served-model-name", "bench"]
     else:
         command = llama_cpp.llama_server_command(paths["llama_server"], paths["gguf"], port, slots)
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
+    env = server_env(server != "hf_hybridcache", wait_policy)
     url = f"http://127.0.0.1:{port}"
     with server_process(command, url, env, log):
         yield url
@@ -180,7 +187,7 @@ def agreement(model, tokenizer, paths: dict, texts: Texts, args, log) -> list[di
     prompts = [texts(f"agreement {n}", n) for n in args.agree_prompts]
     replies = {}
     for server in SERVERS:
-        with serving(server, paths, 1, log) as url:
+        with serving(server, paths, 1, log, args.llama_wait_policy) as url:
             replies[server] = [asyncio.run(_completions(url, [p], args.agree_tokens))[1][0]["text"] for p in prompts]
     rows = []
     for prompt, ours, theirs in zip(prompts, *replies.values()):
@@ -210,7 +217,7 @@ def run_rounds(paths: dict, texts: Texts, args, log) -> dict:
         order = SERVERS if round_index % 2 == 0 else SERVERS[::-1]
         for name in args.workloads:
             for server in order:
-                with serving(server, paths, WORKLOADS[name].slots, log) as url:
+                with serving(server, paths, WORKLOADS[name].slots, log, args.llama_wait_policy) as url:
                     results[name][server].append(run_workload(WORKLOADS[name], url, texts, args))
                 shown = {k: round(v, 3) for k, v in results[name][server][-1].items() if k in METRICS}
                 print(f"round {round_index + 1} {name} {server}: {shown}", file=sys.stderr, flush=True)
@@ -287,6 +294,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "here unless --llama-server sits in a llama.cpp build tree)")
     parser.add_argument("--work-dir", help="the saved model, the GGUF and the servers' log (default: a temp dir)")
     parser.add_argument("--seed", type=int, default=0, help="of the texts")
+    parser.add_argument("--llama-wait-policy", choices=LLAMA_WAIT_POLICIES, default="default",
+                        help="llama-server's OpenMP wait policy (benchmarks/servers.py, server_env)")
     parser.add_argument("--json", help="also write every round's metrics and replies to this file")
     args = parser.parse_args(argv)
     if args.rounds < 1:

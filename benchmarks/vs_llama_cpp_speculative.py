@@ -32,7 +32,8 @@ accepted / drafted tokens over the measured requests, from each server's own cou
 ``draft_n_accepted``). Ratios are taken per request pair (the same prompt and round), then the median over pairs;
 tokens/s are medians over requests. With ``--streams N``, each measurement is N prompts streamed at once (N clients;
 llama-server gets N slots, ``-np N``): decode tokens/s is all streams' tokens after their first over the span from the
-first stream's first text to the last one's last, end-to-end all tokens over the span from sending. Threads: 2 each (``OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE``; llama-server
+first stream's first text to the last one's last, end-to-end all tokens over the span from sending. Threads: 2 each (``OMP_NUM_THREADS=2``; ours ``OMP_WAIT_POLICY=PASSIVE``, llama-server its own OpenMP wait
+policy unless ``--llama-wait-policy passive``: ``benchmarks/servers.py``'s ``server_env``; llama-server
 ``-t 2``).
 """
 
@@ -53,7 +54,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks import llama_cpp
-from benchmarks.servers import free_port, server_process
+from benchmarks.servers import LLAMA_WAIT_POLICIES, free_port, server_env, server_process
 from benchmarks.vs_llama_cpp import prepare
 
 #: (ours, theirs) pairs whose ratio is printed, per round then the median
@@ -149,12 +150,12 @@ def run_ways(names: list[str], paths: dict, prompts: list[str], args, log) -> di
     """Every way's server at once (idle between its requests), then ``--rounds`` rounds of the prompts, each prompt
     sent to every way in turn (the order reversed every other round), so the requests any ratio compares ran seconds
     apart. ``results[way]``: ``samples`` (one dict per round and prompt), ``accepted`` and round 1's ``texts``."""
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": os.getcwd()}
     with contextlib.ExitStack() as stack:
         urls = {}
         for name in names:
             port = free_port()
             urls[name] = f"http://127.0.0.1:{port}"
+            env = {**server_env(name.startswith("llama"), args.llama_wait_policy), "PYTHONPATH": os.getcwd()}
             stack.enter_context(server_process(command(name, paths, port, args), urls[name], env, log))
             stream(urls[name], prompts[0], 16)  # warm-up
         before = {name: our_counters(url) for name, url in urls.items() if name.startswith("ours")}
@@ -220,6 +221,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--draft-model", action="store_true", help="also the target as both servers' draft model")
     parser.add_argument("--work-dir", help="the saved models, GGUFs and the servers' log (default: a temp dir)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--llama-wait-policy", choices=LLAMA_WAIT_POLICIES, default="default",
+                        help="llama-server's OpenMP wait policy (benchmarks/servers.py, server_env)")
     return parser.parse_args(argv)
 
 
