@@ -42,7 +42,6 @@ import torch
 
 from .. import _compat
 from .._compat.invariant_attention import gated_attention_parts, mark
-from ..config import state_key
 from ..kernels.conv_invariant import dynamic_conv_invariant
 from ..kernels.gated_delta_invariant import sigmoid_invariant
 from ..kernels.inkling2_invariant import (
@@ -52,7 +51,7 @@ from ..kernels.inkling2_invariant import (
     softcapped_swiglu_invariant,
 )
 from .deterministic_linear import conv_over_cache
-from .mamba1 import apply_padding_mask, checkpoint_positions, conv_states_at
+from .inkling_deterministic import short_conv_call
 from .mamba1_deterministic import linear as _linear
 from .mamba1_deterministic import lm_head_forward  # noqa: F401 (deterministic.install reads it from here)
 
@@ -97,34 +96,24 @@ def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_m
     layer ``layer_idx`` (the mixer's own by default; zeros where none) and leaving the window after the last token:
     in place on a decode step. ``attention_mask``: the padding mask ``[B, T]`` or None; ``dynamic_input``
     ``[B, T, hidden]``: a dynamic conv's tap input (the layer input of its projection)."""
-    seq_len = hidden_states.shape[1]
-    layer_idx = mixer.layer_idx if layer_idx is None else layer_idx
-    state_idx, width = mixer.conv_idx, mixer.conv_kernel_size
-    conv_state = cache.get_conv_state(layer_idx, state_idx=state_idx)
-    decode = seq_len == 1 and conv_state is not None
-    positions = () if decode else checkpoint_positions(cache, seq_len)
-    residual = hidden_states.float()
-    x = apply_padding_mask(residual, attention_mask).transpose(1, 2)  # [B, C, T] float32
-    checkpoints = conv_states_at(x, conv_state, width, positions)
+    call = short_conv_call(mixer, hidden_states, cache, attention_mask, layer_idx)
     if hasattr(mixer, "static_weight"):  # the dynamic conv
-        batch = hidden_states.shape[0]
-        taps = mixer.weight_proj(dynamic_input).float().view(batch, seq_len, mixer.num_heads, width)
-        out, window = dynamic_conv_invariant(x, mixer.static_weight, taps, conv_state)
-        if decode:
-            conv_state.copy_(window)
-            _compat.count_decode_token(cache, layer_idx, state_idx=state_idx)
+        batch, seq_len = hidden_states.shape[:2]
+        taps = mixer.weight_proj(dynamic_input).float().view(batch, seq_len, mixer.num_heads, call.width)
+        out, window = dynamic_conv_invariant(call.x, mixer.static_weight, taps, call.conv_state)
+        if call.decode:
+            call.conv_state.copy_(window)
+            _compat.count_decode_token(cache, call.layer_idx, state_idx=call.state_idx)
         else:
-            cache.update_conv_state(x, layer_idx, state_idx=state_idx, conv_kernel_size=width)
-        scale = math.sqrt(2 * width + 1)
+            cache.update_conv_state(call.x, call.layer_idx, state_idx=call.state_idx, conv_kernel_size=call.width)
+        scale = math.sqrt(2 * call.width + 1)
     else:
-        out = conv_over_cache(x, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, None, conv_state, cache,
-                              layer_idx, width, decode, state_idx=state_idx)
-        scale = math.sqrt(width + 1)
-    if positions:
-        empty = x.new_zeros((x.shape[0], 0), dtype=torch.float32)
-        cache.capture_states(state_key(layer_idx, state_idx), positions, [(conv, empty) for conv in checkpoints])
+        out = conv_over_cache(call.x, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, None, call.conv_state, cache,
+                              call.layer_idx, call.width, call.decode, state_idx=call.state_idx)
+        scale = math.sqrt(call.width + 1)
+    call.capture(cache)
     # Contiguous, as Inkling's: the sum takes the transposed conv output's strides in a prefill.
-    return ((out.transpose(1, 2) + residual) / scale).to(hidden_states.dtype).contiguous()
+    return ((out.transpose(1, 2) + call.residual) / scale).to(hidden_states.dtype).contiguous()
 
 
 deterministic_forward.takes_call_inputs = True  # models/linear_attention.py hands it the tap input and cache layer

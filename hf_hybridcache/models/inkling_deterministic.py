@@ -24,6 +24,9 @@ cached window, the decode update), ``"contiguous"`` leaves a short convolution's
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import NamedTuple
+
 import torch
 
 from .. import _compat
@@ -39,28 +42,60 @@ ATTENTION = ("InklingAttention",)
 _OFF: set[str] = set()
 
 
-@_compat.force_accelerate_hooks(["conv1d"])
-def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_mask: torch.Tensor | None):
-    """A short convolution's output ``[B, T, C]`` (the dtype of ``hidden_states`` ``[B, T, C]``) for ``T >= 1``
-    tokens over ``cache`` (one of this package's caches), continuing from the window its ``conv_idx`` keeps there
-    (zeros where none) and leaving the window after the last token: in place on a decode step (``T == 1`` over a held
-    window). ``attention_mask``: the padding mask ``[B, T]`` (Inkling's ``conv_mask``) or None."""
+class ShortConvCall(NamedTuple):
+    """A short conv's call over a cache, as its deterministic forwards (Inkling's, Inkling 2's) read it before the conv:
+    the cache layer and conv state index, the kernel width, the held window ``[B, C, W]`` (None on a fresh prompt),
+    whether the call is a decode step (one token over a held window), the checkpoint positions inside the call, the
+    float32 input ``residual`` ``[B, T, C]``, its masked ``x`` ``[B, C, T]`` and the windows at those positions."""
+
+    layer_idx: int
+    state_idx: int
+    width: int
+    conv_state: torch.Tensor | None
+    decode: bool
+    positions: Sequence[int]
+    residual: torch.Tensor
+    x: torch.Tensor
+    checkpoints: list
+
+    def capture(self, cache) -> None:
+        """Hand ``cache`` the windows at the checkpoint positions (a short conv keeps no SSM state)."""
+        if self.positions:
+            empty = self.x.new_zeros((self.x.shape[0], 0), dtype=torch.float32)
+            cache.capture_states(state_key(self.layer_idx, self.state_idx), self.positions,
+                                 [(conv, empty) for conv in self.checkpoints])
+
+
+def short_conv_call(mixer, hidden_states: torch.Tensor, cache, attention_mask: torch.Tensor | None,
+                    layer_idx: int | None = None) -> ShortConvCall:
+    """:class:`ShortConvCall` of ``mixer`` (``conv_idx``, ``conv_kernel_size``) on ``hidden_states`` ``[B, T, C]`` in
+    cache layer ``layer_idx`` (the mixer's own by default); ``attention_mask``: the padding mask ``[B, T]`` or None."""
     seq_len = hidden_states.shape[1]
-    layer_idx, state_idx, width = mixer.layer_idx, mixer.conv_idx, mixer.conv_kernel_size
+    layer_idx = mixer.layer_idx if layer_idx is None else layer_idx
+    state_idx, width = mixer.conv_idx, mixer.conv_kernel_size
     conv_state = cache.get_conv_state(layer_idx, state_idx=state_idx)
     decode = seq_len == 1 and conv_state is not None
     positions = () if decode else checkpoint_positions(cache, seq_len)
     residual = hidden_states.float()
     x = apply_padding_mask(residual, attention_mask).transpose(1, 2)  # [B, C, T] float32
     checkpoints = conv_states_at(x, conv_state, width, positions)
+    return ShortConvCall(layer_idx, state_idx, width, conv_state, decode, positions, residual, x, checkpoints)
+
+
+@_compat.force_accelerate_hooks(["conv1d"])
+def deterministic_forward(mixer, hidden_states: torch.Tensor, cache, attention_mask: torch.Tensor | None):
+    """A short convolution's output ``[B, T, C]`` (the dtype of ``hidden_states`` ``[B, T, C]``) for ``T >= 1``
+    tokens over ``cache`` (one of this package's caches), continuing from the window its ``conv_idx`` keeps there
+    (zeros where none) and leaving the window after the last token: in place on a decode step (``T == 1`` over a held
+    window). ``attention_mask``: the padding mask ``[B, T]`` (Inkling's ``conv_mask``) or None."""
+    call = short_conv_call(mixer, hidden_states, cache, attention_mask)
     weight, bias = mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias
-    out = conv_over_cache(x, weight, bias, None, conv_state, cache, layer_idx, width, decode, state_idx, off=_OFF)
-    if positions:
-        empty = x.new_zeros((x.shape[0], 0), dtype=torch.float32)
-        cache.capture_states(state_key(layer_idx, state_idx), positions, [(conv, empty) for conv in checkpoints])
+    out = conv_over_cache(call.x, weight, bias, None, call.conv_state, cache, call.layer_idx, call.width, call.decode,
+                          call.state_idx, off=_OFF)
+    call.capture(cache)
     # Contiguous: the sum takes the transposed conv output's strides in a prefill, and the RMSNorm over the keys'
     # head dim (and the layer's norms) then reduced a prefill row in another order than a decode step's.
-    out = (out.transpose(1, 2) + residual).to(hidden_states.dtype)
+    out = (out.transpose(1, 2) + call.residual).to(hidden_states.dtype)
     return out if "contiguous" in _OFF else out.contiguous()
 
 
