@@ -222,6 +222,19 @@ def test_step_profile_splits_a_step_on_a_toy_model(capsys):
         assert row in out, out
 
 
+def test_step_profile_times_verify_steps_that_keep_every_draft(capsys):
+    """``step_profile.py --speculative 3``: each timed step is a verify step whose 3 drafts are all kept (4 tokens a
+    request a step, 1 and 2 requests), with the linear layers' share and the per-token rows."""
+    from benchmarks import step_profile
+
+    step_profile.main(["--models", "toy:jamba", "--running", "1", "2", "--steps", "2", "--speculative", "3"])
+    out = capsys.readouterr().out
+    assert "ms per verify step (3 drafts a request, all kept)" in out, out
+    assert "| tokens a request got per step | 4.00 | 4.00 |" in out, out
+    for row in ("| of which: linear layers |", "| engine step per token |", "| engine per token / stock |"):
+        assert row in out, out
+
+
 def test_speculative_multiturn_runs_and_every_turn_equals_greedy(capsys):
     """``speculative_multiturn.py``: a turn after the first restores the chat so far, and every way of speculating
     (transformers' own rollback where it has one, the package with and without reuse) equals plain greedy."""
