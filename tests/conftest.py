@@ -85,7 +85,7 @@ _COLD_MODELS: dict[str, torch.nn.Module] = {}
 VERSION_SPECIFIC_MODULES = {
     "test_batches", "test_continuation", "test_decode_linear", "test_deterministic", "test_deterministic_conv", "test_deterministic_conv2", "test_deterministic_conv3", "test_deterministic_gdn", "test_deterministic_gdn2", "test_deterministic_inkling2", "test_deterministic_kda", "test_deterministic_hybrid", "test_deterministic_inkling_moe", "test_deterministic_linear", "test_deterministic_m2hybrid", "test_deterministic_mamba2", "test_deterministic_sampling", "test_deterministic_serve", "test_deterministic_zaya", "test_fresh_scan", "test_greedy_argmax", "test_devices", "test_engine_faults", "test_engine_families",
     "test_engine_generation_fields", "test_engine_isolation", "test_engine_reentry", "test_engine_scoring",
-    "test_engine_mtp", "test_engine_serving", "test_engine_speculative",
+    "test_drafter_faults", "test_engine_mtp", "test_engine_serving", "test_engine_speculative",
     "test_engine_vision",
     "test_errors", "test_examples", "test_families", "test_generate_features", "test_hit_in_place", "test_hook_points",
     "test_loop_families", "test_post_training",

@@ -25,12 +25,12 @@ def checkpoint(tmp_path_factory):
     return save_checkpoint(tmp_path_factory.mktemp("mtp") / "qwen3_5")
 
 
-def save_checkpoint(folder, family: str = FAMILY):
+def save_checkpoint(folder, family: str = FAMILY, **config):
     """The seeded toy of ``family`` saved in ``folder`` with an MTP head of one layer in its model.safetensors, as
     Qwen3.5 and Qwen3-Next checkpoints ship one: the layer is a copy of the model's full-attention layer as
     ``save_pretrained`` wrote it (the checkpoint's own layout: routed experts one by one), ``fc`` and the norms
     random (norms too, so each one matters)."""
-    model = build_model(family, seed=0)
+    model = build_model(family, seed=0, **config)
     model.config.mtp_num_hidden_layers = 1
     model.save_pretrained(folder)
     torch.manual_seed(44)
@@ -214,3 +214,16 @@ def test_what_cannot_run_is_refused(checkpoint, tmp_path):
                                              speculation=Speculation(MTPDrafter(checkpoint), 2))
     with pytest.raises(ValueError, match="MTP heads are read for Qwen3.5"):
         manager.start()
+    # the head of a wider model: a sentence, not load_state_dict's bare size mismatch
+    wider = save_checkpoint(tmp_path / "wider", hidden_size=96)
+    qwen = HybridPrefixCache(build_model(FAMILY, seed=0))
+    manager = qwen.init_continuous_batching(config(max_new_tokens=4), speculation=Speculation(MTPDrafter(wider), 2))
+    with pytest.raises(ValueError, match=r"are not this Qwen3_5ForCausalLM's head \(their shapes differ"):
+        manager.start()
+    manager = qwen.init_continuous_batching(config(max_new_tokens=4), speculation=Speculation(MTPDrafter(checkpoint), 2))
+    manager.start()  # the cache and a right head still serve
+    try:
+        manager.add_request(ids(12, seed=990), request_id="after")
+        assert finals(manager, ["after"])["after"].error is None
+    finally:
+        manager.stop()

@@ -260,3 +260,21 @@ def test_startup_refuses_what_cannot_run(capsys, monkeypatch, tmp_path):
     ]
     for flags, message in cases:
         assert message in _startup_error(capsys, monkeypatch, "--model", MODEL, *flags), flags
+
+
+def test_a_draft_folder_that_does_not_exist_is_refused_before_the_target_loads(capsys, monkeypatch, tmp_path):
+    """Before, the target model loaded first (minutes for a large one) and the typo was reported after it."""
+    from hf_hybridcache.serve import lifecycle
+
+    monkeypatch.setattr(lifecycle, "run", lambda *args, **kwargs: pytest.fail("the target model was loaded"))
+    message = _startup_error(capsys, monkeypatch, "--model", MODEL, "--speculative", f"draft:{tmp_path / 'nowhere'}")
+    assert "--speculative draft:" in message and "no such folder" in message
+
+
+def test_a_budget_too_small_for_the_draft_models_cache_names_the_draft_model(capsys, monkeypatch):
+    """The draft model's cache takes ``--max-cache-bytes`` as the target's does; where that holds the target's block
+    and checkpoint but not the draft's, the refusal names the draft model (before, it read as the target's)."""
+    message = _startup_error(capsys, monkeypatch, "--model", MODEL, "--speculative", "draft:toy:mamba",
+                             "--max-cache-bytes", "36000", "--block-size", "8")
+    assert "the draft model (--speculative draft:PATH) toy:mamba: its own prefix cache" in message, message
+    assert "max_cache_bytes=36000" in message

@@ -18,6 +18,9 @@ A drafter for MTP heads, or one that replays known continuations at set acceptan
 
 from __future__ import annotations
 
+import gc
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -72,6 +75,38 @@ class Drafter:
 
     def close(self) -> None:
         """The engine stopped: give back whatever the drafter holds."""
+
+
+_SERVING: dict[int, weakref.ref] = {}  # id(drafter) -> the engine it serves (the drafter keeps its id alive)
+_SERVING_LOCK = threading.Lock()
+
+
+def claim(drafter: Drafter, engine) -> None:
+    """Record that ``drafter`` serves ``engine`` from now on (the engine's construction; :func:`release` at its
+    close).
+
+    Raises:
+        ValueError: ``drafter`` serves another engine that has not closed: two engines at once would interleave
+            their calls and per-request state (a draft model's own slots, an n-gram index).
+    """
+    with _SERVING_LOCK:
+        serving = _SERVING.get(id(drafter))
+        if serving is not None and serving() not in (None, engine):
+            gc.collect()  # an engine dropped without closing, waiting in a reference cycle, serves nothing
+        other = None if serving is None else serving()
+        if other is not None and other is not engine:
+            raise ValueError(f"This {type(drafter).__name__} already serves another running engine (a drafter serves "
+                             "one engine at a time); give each manager its own Speculation(drafter), or stop the "
+                             "other manager first.")
+        _SERVING[id(drafter)] = weakref.ref(engine)
+
+
+def release(drafter: Drafter, engine) -> None:
+    """``engine`` no longer uses ``drafter`` (it closed, or its construction failed)."""
+    with _SERVING_LOCK:
+        serving = _SERVING.get(id(drafter))
+        if serving is not None and serving() in (None, engine):
+            del _SERVING[id(drafter)]
 
 
 class NgramDrafter(Drafter):

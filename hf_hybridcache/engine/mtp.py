@@ -113,7 +113,13 @@ class MTPDrafter(Drafter):
             raise ValueError(problem)
         weight = target.get_input_embeddings().weight
         head = MTPHead(target.config)
-        missing, unexpected = head.load_state_dict(fuse_experts(self.weights), strict=False)
+        try:
+            missing, unexpected = head.load_state_dict(fuse_experts(self.weights), strict=False)
+        except RuntimeError as error:  # a size mismatch: the head of another model (another width, vocabulary)
+            sizes = [line.strip() for line in str(error).splitlines() if "size mismatch" in line]
+            raise ValueError(f"The MTP weights in {self.folder!r} are not this {type(target).__name__}'s head (their "
+                             f"shapes differ from its config's: {'; '.join(sizes[:3]) or error}); serve the "
+                             "checkpoint they came with, or pass that checkpoint's folder.") from None
         missing = [k for k in missing if "rotary_emb" not in k]
         if missing or unexpected:
             raise ValueError(f"The MTP weights in {self.folder!r} do not fit a {type(target).__name__} head: missing "

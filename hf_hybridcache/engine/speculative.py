@@ -22,13 +22,15 @@ vision-language wrapper's image placeholder ids (fed without their image they wo
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from ..config import CacheOptions
-from .drafters import Draft, Drafter
+from .draft_checks import DraftError, draft_parts
+from .drafters import Drafter, claim, release
 from .plan import Segment, StepPlan
 from .requests import EngineRequest
 from .slots import StateSlots
@@ -135,10 +137,20 @@ class Speculator:
         self.placeholders = engine.placeholders  # a vision-language wrapper's: drafts stop before one
         self.stats = SpeculationStats()
         self.runner = engine.runner
-        self.vocab_size = engine.cache.model.get_input_embeddings().num_embeddings
+        model = engine.cache.model
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        head = model.get_output_embeddings()
+        self.probs_width = head.weight.shape[0] if head is not None else self.vocab_size  # the logits' width
+        self.device = (head if head is not None else model.get_input_embeddings()).weight.device
         self.runner.keep_hidden = self.drafter is not None and self.drafter.wants_hidden_states  # an MTP head's
         if self.drafter is not None:
-            self.drafter.start(engine)
+            claim(self.drafter, engine)
+            try:
+                self.drafter.start(engine)
+            except BaseException:
+                release(self.drafter, engine)
+                raise
+        self._engine = weakref.ref(engine)
 
     def num_tokens(self, request: EngineRequest) -> int:
         """Draft tokens ``request`` may verify in its next step: its own setting (else the default), less than the
@@ -177,14 +189,11 @@ class Speculator:
             return [(request, reason) for request, _ in wanted]
         failed = []
         for (request, n), draft in zip(wanted, drafts):
-            tokens, probs = (draft.tokens, draft.probs) if isinstance(draft, Draft) else (tuple(draft), None)
-            tokens = tuple(tokens[:n])
-            bad = next((t for t in tokens if not _is_token_id(t, self.vocab_size)), None)
-            if bad is not None:
-                failed.append((request, f"The drafter {name} proposed {bad!r}, which is not a token id of the model's "
-                               f"vocabulary (an int in [0, {self.vocab_size})); fix the drafter's propose()."))
+            try:
+                tokens, probs = draft_parts(draft, n, self.vocab_size, self.probs_width, self.device, name)
+            except DraftError as error:
+                failed.append((request, str(error)))
                 continue
-            tokens = tuple(int(t) for t in tokens)
             cut = next((i for i, t in enumerate(tokens) if t in self.placeholders), len(tokens))
             request.draft = tokens[:cut]
             request.draft_probs = None if probs is None or not cut else probs[:cut]
@@ -235,7 +244,10 @@ class Speculator:
 
     def close(self) -> None:
         if self.drafter is not None:
-            self.drafter.close()
+            try:
+                self.drafter.close()
+            finally:
+                release(self.drafter, self._engine())
 
 
 def _takes_drafts_back(matcher) -> bool:
@@ -243,17 +255,6 @@ def _takes_drafts_back(matcher) -> bool:
     (``try_accept``) and take them back (``rollback``), as :class:`~hf_hybridcache.structured.GrammarMatcher` does."""
     return matcher is None or (callable(getattr(matcher, "try_accept", None))
                                and callable(getattr(matcher, "rollback", None)))
-
-
-def _is_token_id(token, vocab_size: int) -> bool:
-    """Whether ``token`` (a Python or NumPy int, or a 0-d integer tensor) is an id in ``[0, vocab_size)``."""
-    if isinstance(token, torch.Tensor):
-        if token.ndim != 0 or token.is_floating_point() or token.is_complex() or token.dtype == torch.bool:
-            return False
-        token = token.item()
-    if isinstance(token, bool) or not hasattr(token, "__index__"):
-        return False
-    return 0 <= token.__index__() < vocab_size
 
 
 def drafted_probs(segment: Segment) -> torch.Tensor | None:

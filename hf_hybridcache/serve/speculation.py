@@ -17,8 +17,9 @@ model loads; a draft model or an MTP head that cannot serve is refused once the 
 from __future__ import annotations
 
 import argparse
+import os
 
-from .loading import TOY_PREFIX
+from .loading import TOY_PREFIX, is_local
 from .schema import APIError
 
 NGRAM, DRAFT_PREFIX, MTP = "ngram", "draft:", "mtp"
@@ -56,6 +57,11 @@ def speculative_args_error(args: argparse.Namespace) -> str | None:
     if kind == MTP and args.model.startswith(TOY_PREFIX):
         return (f"--speculative mtp reads the MTP head a checkpoint ships (its mtp.* weights), and {args.model} has "
                 "none; use --speculative ngram or draft:PATH, or serve a Qwen3.5 checkpoint folder.")
+    if kind.startswith(DRAFT_PREFIX):
+        source = kind[len(DRAFT_PREFIX):]
+        if is_local(source) and not os.path.isdir(os.path.expanduser(source)):
+            return (f"--speculative {kind}: {source}: no such folder; pass a draft model saved with "
+                    "save_pretrained() (the target's tokenizer) or a hub id.")
     return None
 
 
@@ -131,8 +137,12 @@ def _draft_cache(args: argparse.Namespace, target):
                            "use a draft model with the target's tokenizer.")
     if args.device_map is None:
         model = model.to(target.get_input_embeddings().weight.device)
-    return HybridPrefixCache(model, args.block_size, args.retention_interval, args.max_cache_bytes,
-                             eviction=args.eviction, offload=args.offload)
+    try:
+        return HybridPrefixCache(model, args.block_size, args.retention_interval, args.max_cache_bytes,
+                                 eviction=args.eviction, offload=args.offload)
+    except ValueError as error:
+        raise StartupError(f"{flag} {source}: its own prefix cache (it takes --max-cache-bytes, --block-size and "
+                           f"--retention-interval as the target's does) cannot be made: {error}") from None
 
 
 def request_speculative_tokens(value: int | None, most: int) -> int | None:
