@@ -67,6 +67,42 @@ def test_none_is_no_draft(reference):
         assert outputs[name].error is None and outputs[name].generated_tokens == reference(prompt)
 
 
+class HookFaults(FaultyDrafter):
+    """Drafts each request's true continuation; its ``observe`` raises for the request ``bad`` (``wants_hidden_states``,
+    as an MTP head's), its ``release`` and ``close`` for every request."""
+
+    wants_hidden_states = True
+
+    def __init__(self, reference) -> None:
+        super().__init__(reference, {})
+        self.closed = 0
+
+    def observe(self, request, past, hidden):
+        if request.request_id == "bad":
+            raise RuntimeError("the head's cache broke")
+
+    def release(self, request):
+        raise RuntimeError("nothing to release")
+
+    def close(self):
+        self.closed += 1
+        raise RuntimeError("closing broke")
+
+
+def test_a_drafter_whose_observe_release_or_close_raise_fails_one_request_and_the_engine_goes_on(reference):
+    """Before, each of these raised out of the step (or the engine's close) and the engine loop died, failing every
+    request; now ``observe`` fails its request at the next step, ``release`` and ``close`` are logged, and the drafter
+    serves the next manager."""
+    drafter = HookFaults(reference)
+    outputs, running = run(drafter, PROMPTS)
+    assert running and drafter.closed == 1
+    assert "The drafter HookFaults.observe raised RuntimeError: the head's cache broke" in outputs["bad"].error
+    assert outputs["good"].error is None and outputs["good"].generated_tokens == reference(PROMPTS["good"])
+    assert outputs["after"].generated_tokens == reference(ids(19, seed=968))
+    again, _ = run(drafter, {"good": PROMPTS["good"]})
+    assert again["good"].generated_tokens == reference(PROMPTS["good"]) and drafter.closed == 2
+
+
 class ProbsDrafter(FaultyDrafter):
     """Drafts each request's true continuation as a :class:`Draft` whose ``probs`` are one-hot rows (a valid point
     mass), except for the request ``bad``, whose rows ``make(tokens)`` returns."""
@@ -157,3 +193,45 @@ def test_the_docs_example_runs(capsys):
     exec(re.search(r"```python\n(from transformers import GenerationConfig.*?)```", text, re.S).group(1), {})
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) == 4 and all(line.startswith("[") for line in (printed[0], printed[1], printed[3]))
+
+
+class RollbackFaults:
+    """A grammar of one's own (any object with ``matcher()``, ``eos_token_ids`` and ``vocab_size``) whose matcher
+    allows every token and takes drafts (``try_accept``) but whose ``rollback`` raises."""
+
+    eos_token_ids = frozenset()
+    vocab_size = VOCAB_SIZE
+
+    def matcher(self):
+        return self
+
+    def fill(self, bitmask, row: int) -> None:
+        bitmask[row] = -1
+
+    def accept(self, token: int) -> bool:
+        return True
+
+    def try_accept(self, token: int) -> bool:
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        raise RuntimeError("cannot roll back")
+
+
+def test_a_grammar_whose_rollback_raises_fails_its_request_alone(reference):
+    """A verify step rolls a grammar's matcher back over the drafts it masked; a ``rollback`` that raised escaped
+    the per-request handling of the grammar's other calls (a sibling of the drafter faults above)."""
+    cache = HybridPrefixCache(build_model("jamba", seed=0))
+    manager = cache.init_continuous_batching(config(max_new_tokens=NEW_TOKENS, eos_token_id=-1),
+                                             speculation=Speculation(FaultyDrafter(reference, {}), K))
+    manager.start()
+    try:
+        manager.add_request(PROMPTS["bad"], request_id="bad", grammar=RollbackFaults())
+        manager.add_request(PROMPTS["good"], request_id="good")
+        outputs = finals(manager, list(PROMPTS))
+        assert manager.is_running()
+    finally:
+        manager.stop()
+    assert "The grammar raised RuntimeError: cannot roll back" in outputs["bad"].error
+    assert outputs["good"].error is None and outputs["good"].generated_tokens == reference(PROMPTS["good"])
+    check_store(cache)

@@ -81,7 +81,11 @@ def grammar_rows(segments: list) -> tuple[torch.Tensor, torch.Tensor] | None:
             bitmask[len(kept)] = -1  # what it wrote before it raised; the next row overwrites all of it
         finally:
             if taken:  # a request without drafts takes none (its matcher needs no rollback)
-                matcher.rollback(taken)
+                try:
+                    matcher.rollback(taken)
+                except Exception as error:  # noqa: BLE001 - the request's own fault: it fails alone
+                    segment.request.sample_error = (segment.request.sample_error
+                                                    or f"The grammar raised {type(error).__name__}: {error}")
     return (torch.tensor(kept), bitmask[: len(kept)]) if kept else None
 
 

@@ -22,6 +22,7 @@ vision-language wrapper's image placeholder ids (fed without their image they wo
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from .requests import EngineRequest
 from .slots import StateSlots
 from .storing import checkpoint_plan
 from .verify import Pick
+
+logger = logging.getLogger("hf_hybridcache")
 
 #: The most draft tokens a request may verify in one step.
 MAX_SPECULATIVE_TOKENS = 16
@@ -136,6 +139,7 @@ class Speculator:
         self.default = 0 if speculation is None else speculation.num_speculative_tokens
         self.placeholders = engine.placeholders  # a vision-language wrapper's: drafts stop before one
         self.stats = SpeculationStats()
+        self._faulted: dict[EngineRequest, str] = {}  # requests whose drafter's observe() raised: failed next step
         self.runner = engine.runner
         model = engine.cache.model
         self.vocab_size = model.get_input_embeddings().num_embeddings
@@ -164,8 +168,11 @@ class Speculator:
     def draft(self, running: list[EngineRequest], fail: Callable[[EngineRequest, str], object]) -> None:
         """Set ``request.draft`` of every running request: its drafter's drafts when it is decoding and speculates,
         else none. ``fail(request, why)`` fails a request: every request the drafter was asked for when it raised,
-        a request alone when its draft holds what is not a token id of the target's vocabulary."""
-        for request, why in self._drafts(running):
+        a request alone when its draft is not one the engine can verify (:func:`~.draft_checks.draft_parts`) or when
+        the drafter's ``observe`` raised for it in the step before."""
+        faulted = [(request, self._faulted.pop(request)) for request in running if request in self._faulted]
+        failing = {request for request, _ in faulted}
+        for request, why in faulted + self._drafts([r for r in running if r not in failing]):
             fail(request, why)
 
     def _drafts(self, running: list[EngineRequest]) -> list[tuple[EngineRequest, str]]:
@@ -234,18 +241,32 @@ class Speculator:
             return
         for group in plan.groups:
             for row, segment in enumerate(group.segments):
-                if not segment.request.replay_of:
+                request = segment.request
+                if not request.replay_of and request not in self._faulted:
                     start = group.start + row * group.num_tokens
-                    self.drafter.observe(segment.request, segment.past, hidden[start : start + len(segment.tokens)])
+                    try:
+                        self.drafter.observe(request, segment.past, hidden[start : start + len(segment.tokens)])
+                    except Exception as error:  # noqa: BLE001 - fails its request (next step), not the engine
+                        self._faulted[request] = (f"The drafter {type(self.drafter).__name__}.observe raised "
+                                                  f"{type(error).__name__}: {error}")
 
     def release(self, request: EngineRequest) -> None:
+        """``request`` left the engine: the drafter forgets it (what it raises is logged: the request is done)."""
+        self._faulted.pop(request, None)
         if self.drafter is not None:
-            self.drafter.release(request)
+            try:
+                self.drafter.release(request)
+            except Exception:  # noqa: BLE001 - the request has left; the engine goes on
+                logger.exception("the drafter %s.release(%s) raised", type(self.drafter).__name__, request.request_id)
 
     def close(self) -> None:
+        """The engine closes: the drafter gives back what it holds (what it raises is logged) and is free to serve
+        another engine."""
         if self.drafter is not None:
             try:
                 self.drafter.close()
+            except Exception:  # noqa: BLE001 - the engine's requests must still be delivered
+                logger.exception("the drafter %s.close() raised", type(self.drafter).__name__)
             finally:
                 release(self.drafter, self._engine())
 
