@@ -278,3 +278,27 @@ def test_a_budget_too_small_for_the_draft_models_cache_names_the_draft_model(cap
                              "--max-cache-bytes", "36000", "--block-size", "8")
     assert "the draft model (--speculative draft:PATH) toy:mamba: its own prefix cache" in message, message
     assert "max_cache_bytes=36000" in message
+
+
+def test_a_draft_model_whose_own_tokenizer_differs_is_refused(tmp_path):
+    """A draft folder that ships a tokenizer must ship the target's: one that maps two bytes the other way round
+    (its drafts would name other tokens, every one rejected) is refused at startup; the target's own tokenizer (and
+    a folder without one, as the ``servers`` fixture's) starts."""
+    import json
+
+    from hf_hybridcache.serve.loading import StartupError
+
+    model = build_model("jamba", seed=1)
+    same, swapped = tmp_path / "same", tmp_path / "swapped"
+    for folder in (same, swapped):
+        model.save_pretrained(folder)
+        byte_tokenizer().save_pretrained(folder)
+    path = swapped / "tokenizer.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    vocab = data["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    path.write_text(json.dumps(data), encoding="utf-8")
+    flags = ["--model", MODEL, "--speculative"]
+    make_app(parse_args([*flags, f"draft:{same}"]))
+    with pytest.raises(StartupError, match=r"its tokenizer is not the target's \(2 of the target's \d+ tokens"):
+        make_app(parse_args([*flags, f"draft:{swapped}"]))

@@ -133,7 +133,7 @@ def make_app(args: argparse.Namespace):
                                   eviction=args.eviction, offload=args.offload, remote=args.remote,
                                   deterministic=args.deterministic)
         backend = EngineBackend(cache, eos, args.max_running_requests, args.max_batch_tokens, args.max_model_len,
-                                speculation_for(args, model))
+                                speculation_for(args, model, tokenizer))
     app = build_app(backend, tokenizer, name, cache, args.max_tokens, vision)
     if api_key:
         app.add_middleware(RequireAPIKey, api_key=api_key)

@@ -65,19 +65,22 @@ def speculative_args_error(args: argparse.Namespace) -> str | None:
     return None
 
 
-def speculation_for(args: argparse.Namespace, target):
+def speculation_for(args: argparse.Namespace, target, tokenizer=None):
     """The :class:`~hf_hybridcache.engine.Speculation` that ``args`` asks for (None: ``--speculative`` not given).
 
     Args:
         args: the parsed command line (``--speculative``, ``--num-speculative-tokens`` and the cache and loading
             options a draft model shares with the target).
         target: the served model (a draft model is loaded onto its device when ``--device-map`` is not given).
+        tokenizer: the served model's tokenizer, which a draft model folder's own tokenizer must equal (None: not
+            compared).
 
     Raises:
         ValueError: a flag combination :func:`speculative_args_error` refuses.
         StartupError: the draft model cannot be loaded (:func:`~hf_hybridcache.serve.loading.load`), it is a
-            vision-language wrapper, or its vocabulary is smaller than the target's; ``mtp`` for a family whose head
-            is not read or a checkpoint without ``mtp.*`` weights.
+            vision-language wrapper, its vocabulary is smaller than the target's, or its folder holds a tokenizer
+            other than ``tokenizer``; ``mtp`` for a family whose head is not read or a checkpoint without ``mtp.*``
+            weights.
     """
     problem = speculative_args_error(args)
     if problem is not None:
@@ -91,7 +94,7 @@ def speculation_for(args: argparse.Namespace, target):
         return Speculation(NgramDrafter(), k)
     if args.speculative == MTP:
         return Speculation(_mtp_drafter(args, target), k)
-    return Speculation(DraftModelDrafter(_draft_cache(args, target)), k)
+    return Speculation(DraftModelDrafter(_draft_cache(args, target, tokenizer)), k)
 
 
 def _mtp_drafter(args: argparse.Namespace, target):
@@ -119,7 +122,7 @@ def _mtp_drafter(args: argparse.Namespace, target):
         raise StartupError(f"--speculative mtp: {error}") from None
 
 
-def _draft_cache(args: argparse.Namespace, target):
+def _draft_cache(args: argparse.Namespace, target, tokenizer=None):
     from .. import HybridPrefixCache
     from ..multimodal import modalities_of
     from .loading import StartupError, load
@@ -135,6 +138,8 @@ def _draft_cache(args: argparse.Namespace, target):
     if vocab < wanted:
         raise StartupError(f"{flag} {source}: its vocabulary ({vocab} tokens) is smaller than the target's ({wanted}); "
                            "use a draft model with the target's tokenizer.")
+    if tokenizer is not None:
+        _check_tokenizer(source, flag, tokenizer, args.trust_remote_code)
     if args.device_map is None:
         model = model.to(target.get_input_embeddings().weight.device)
     try:
@@ -143,6 +148,27 @@ def _draft_cache(args: argparse.Namespace, target):
     except ValueError as error:
         raise StartupError(f"{flag} {source}: its own prefix cache (it takes --max-cache-bytes, --block-size and "
                            f"--retention-interval as the target's does) cannot be made: {error}") from None
+
+
+def _check_tokenizer(source: str, flag: str, tokenizer, trust_remote_code: bool) -> None:
+    """Refuse a draft model folder whose own tokenizer maps tokens to other ids than the target's: its drafts would
+    name other tokens and be rejected (replies stay exact, every step pays for a draft it throws away). A folder
+    without a tokenizer, or a hub id, is not compared."""
+    from transformers import AutoTokenizer
+
+    from .loading import TOKENIZER_FILES, StartupError, _loaded
+
+    path = os.path.expanduser(source)
+    if not os.path.isdir(path) or not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        return
+    remote = {"trust_remote_code": True} if trust_remote_code else {}
+    theirs = _loaded(AutoTokenizer.from_pretrained, source, "tokenizer", flag, **remote).get_vocab()
+    ours = tokenizer.get_vocab()
+    differ = sum(theirs.get(token) != index for token, index in ours.items())
+    if differ:
+        raise StartupError(f"{flag} {source}: its tokenizer is not the target's ({differ} of the target's "
+                           f"{len(ours)} tokens have another id or none), so its drafts would be other tokens, "
+                           "never accepted; use a draft model with the target's tokenizer.")
 
 
 def request_speculative_tokens(value: int | None, most: int) -> int | None:
