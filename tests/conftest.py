@@ -87,7 +87,7 @@ VERSION_SPECIFIC_MODULES = {
     "test_engine_generation_fields", "test_engine_isolation", "test_engine_reentry", "test_engine_scoring",
     "test_drafter_faults", "test_engine_mtp", "test_engine_serving", "test_engine_speculative",
     "test_engine_vision",
-    "test_errors", "test_examples", "test_families", "test_generate_features", "test_hit_in_place", "test_hook_points",
+    "test_errors", "test_examples", "test_families", "test_generate_features", "test_hit_in_place", "test_hook_points", "test_inference_mode",
     "test_loop_families", "test_post_training",
     "test_kernel_notices", "test_linear_families", "test_mamba2", "test_quickstart", "test_readme",
     "test_reduced_precision", "test_serve", "test_serve_completions", "test_serve_images", "test_serve_speculative",

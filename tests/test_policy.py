@@ -241,3 +241,18 @@ def test_export_and_import_keep_the_tree_the_checkpoints_and_the_recency():
     assert sorted(new_ids) == [b.block_id for b in blocks]
     with pytest.raises(ValueError, match="budget"):
         make_store(LRUEviction(), budget=KV).import_entries(blocks, recency)
+
+
+def test_a_block_whose_kv_cannot_be_written_is_not_stored():
+    """A failing KV write (``make_kv`` or the page copy raising) leaves no block behind: before, the block stayed in
+    the pool without KV, later lookups hit it and ``page_table`` raised ``KeyError`` on every call with that prompt."""
+
+    def broken():
+        raise RuntimeError("the page write failed")
+
+    store = make_store(LRUEviction())
+    with pytest.raises(RuntimeError, match="the page write failed"):
+        store.add_block(None, None, (1, 2), broken)
+    assert len(store.pool) == 0 and store.kv.block_ids() == []
+    ids = run_request(store, [1, 2, 3, 4])
+    assert sorted(store.pool.block_ids()) == sorted(store.kv.block_ids()) == sorted(ids)

@@ -124,9 +124,8 @@ class ContinuousBatchingManager:
             logger.warning("The continuous batching manager is already running.")
             return
         config = self.continuous_batching_config
-        runner = StepRunner(self.model, self.processors, bool(self.generation_config.do_sample),
-                            config.return_logprobs, config.seed, EosFloor.of(self.model, self.generation_config))
-        self.batch_processor = Engine(self.cache, self.limits, runner, self.speculation)
+        with torch.inference_mode(False):  # normal tensors: the loop thread, outside the mode, writes them in place
+            self.batch_processor = Engine(self.cache, self.limits, _step_runner(self, config), self.speculation)
         self.background_thread_status = ThreadStatus()
         self._stop_mode = None
         self._thread = threading.Thread(target=self._run, args=(torch.get_num_threads(),), name="hf_hybridcache-engine",
@@ -342,3 +341,9 @@ class ContinuousBatchingManager:
         outputs = [r.to_output() for r in requests if (r.is_finished or r.streaming) and not r.replay_of]
         for request_id in self._router.deliver(outputs) if outputs else ():  # their readers' event loops closed
             self.cancel_request(request_id)
+
+
+def _step_runner(manager: ContinuousBatchingManager, config) -> StepRunner:
+    """The step runner of ``manager``'s engine (its sampling, logprobs and seed settings)."""
+    return StepRunner(manager.model, manager.processors, bool(manager.generation_config.do_sample),
+                      config.return_logprobs, config.seed, EosFloor.of(manager.model, manager.generation_config))

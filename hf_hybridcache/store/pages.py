@@ -225,13 +225,17 @@ class PagePool:
             self._keys[idx], self._values[idx] = self._new_tensors(idx, self.capacity)
 
     def _new_tensors(self, idx: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed key and value pools of ``capacity`` pages: normal tensors even when the call that grows the pool
+        runs under ``torch.inference_mode()`` (an inference tensor cannot be written in place outside it, and later
+        calls and the engine's thread write pages outside it)."""
         spec, device = self.layers[idx], self._devices[idx]
         pin = self._pin and device.type == "cpu" and torch.cuda.is_available()
         shapes = ((spec.num_kv_heads, spec.head_dim), (spec.num_kv_heads, spec.value_head_dim))
-        return tuple(
-            torch.zeros((capacity, self.page_size, *shape), dtype=spec.dtype, device=device, pin_memory=pin)
-            for shape in shapes
-        )
+        with torch.inference_mode(False):
+            return tuple(
+                torch.zeros((capacity, self.page_size, *shape), dtype=spec.dtype, device=device, pin_memory=pin)
+                for shape in shapes
+            )
 
     def _grow(self, needed: int) -> None:
         """Make the capacity at least ``needed`` pages (doubling), copying the allocated layers' pages."""

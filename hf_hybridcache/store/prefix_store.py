@@ -175,10 +175,14 @@ class PrefixStore(StoredEntries):
             if not self.make_room(self.spec.kv_block_bytes):
                 return None
             block_id = self.pool.add(h, parent_id, token_ids)
-            if page is None:
-                self.kv.put(block_id, make_kv())
-            else:
-                self.kv.adopt(block_id, page)
+            try:
+                if page is None:
+                    self.kv.put(block_id, make_kv())
+                else:
+                    self.kv.adopt(block_id, page)
+            except BaseException:
+                self.pool.remove(block_id)  # no block without its KV: a later lookup would hit it and find none
+                raise
             if self.on_stored is not None:
                 self.on_stored("kv", block_id)
         self.pool.ref([block_id])
