@@ -123,9 +123,8 @@ class ContinuousBatchingManager:
         if self.is_running():
             logger.warning("The continuous batching manager is already running.")
             return
-        config = self.continuous_batching_config
         with torch.inference_mode(False):  # normal tensors: the loop thread, outside the mode, writes them in place
-            self.batch_processor = Engine(self.cache, self.limits, _step_runner(self, config), self.speculation)
+            self.batch_processor = Engine(self.cache, self.limits, _step_runner(self), self.speculation)
         self.background_thread_status = ThreadStatus()
         self._stop_mode = None
         self._thread = threading.Thread(target=self._run, args=(torch.get_num_threads(),), name="hf_hybridcache-engine",
@@ -343,7 +342,8 @@ class ContinuousBatchingManager:
             self.cancel_request(request_id)
 
 
-def _step_runner(manager: ContinuousBatchingManager, config) -> StepRunner:
+def _step_runner(manager: ContinuousBatchingManager) -> StepRunner:
     """The step runner of ``manager``'s engine (its sampling, logprobs and seed settings)."""
+    config = manager.continuous_batching_config
     return StepRunner(manager.model, manager.processors, bool(manager.generation_config.do_sample),
                       config.return_logprobs, config.seed, EosFloor.of(manager.model, manager.generation_config))

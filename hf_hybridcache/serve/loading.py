@@ -66,16 +66,16 @@ def load(model_id: str, dtype: str = "auto", device_map: str | None = None, toke
             return model, None
         if tokenizer_id is None:
             return model, byte_tokenizer()
-        _check_source(tokenizer_id, "--tokenizer", needs_tokenizer=True)
+        check_source(tokenizer_id, "--tokenizer", needs_tokenizer=True)
         return model, _loaded(AutoTokenizer.from_pretrained, tokenizer_id, "tokenizer", "--tokenizer")
 
     from ..models import support_for_config
     from ..multimodal import WRAPPERS
 
     tokenizer_id = model_id if tokenizer_id is None else tokenizer_id
-    _check_source(model_id, flag, needs_tokenizer=with_tokenizer and tokenizer_id == model_id)
+    check_source(model_id, flag, needs_tokenizer=with_tokenizer and tokenizer_id == model_id)
     if with_tokenizer and tokenizer_id != model_id:
-        _check_source(tokenizer_id, "--tokenizer", needs_tokenizer=True)
+        check_source(tokenizer_id, "--tokenizer", needs_tokenizer=True)
     tokenizer_flag = flag if tokenizer_id == model_id else "--tokenizer"
     remote = {"trust_remote_code": True} if trust_remote_code else {}
     config = _loaded(AutoConfig.from_pretrained, model_id, "config", flag, **remote)
@@ -117,14 +117,19 @@ def is_local(source: str) -> bool:
     return os.path.isabs(source) or source.startswith((".", "~")) or os.path.exists(source) or source.count("/") > 1
 
 
-def _check_source(source: str, flag: str, needs_tokenizer: bool) -> None:
+def has_tokenizer(path: str) -> bool:
+    """Whether the folder ``path`` holds a saved tokenizer (one of :data:`TOKENIZER_FILES`)."""
+    return any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES)
+
+
+def check_source(source: str, flag: str, needs_tokenizer: bool) -> None:
     """Refuse a local path that does not exist, and a model folder without a tokenizer when it must give one."""
     if not is_local(source):
         return
     path = os.path.expanduser(source)
     if not os.path.isdir(path):
         raise StartupError(f"{flag} {source}: no such folder; pass a folder saved with save_pretrained() or a hub id.")
-    if needs_tokenizer and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+    if needs_tokenizer and not has_tokenizer(path):
         raise StartupError(f"{flag} {source} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save one "
                            "there (tokenizer.save_pretrained) or pass --tokenizer PATH.")
 

@@ -19,10 +19,12 @@ from __future__ import annotations
 import argparse
 import os
 
-from .loading import TOY_PREFIX, is_local
+from .loading import TOY_PREFIX, StartupError, check_source, has_tokenizer
 from .schema import APIError
 
 NGRAM, DRAFT_PREFIX, MTP = "ngram", "draft:", "mtp"
+#: How startup messages name the draft model.
+DRAFT_FLAG = "the draft model (--speculative draft:PATH)"
 #: Draft tokens per request and step when ``--num-speculative-tokens`` is not given.
 DEFAULT_SPECULATIVE_TOKENS = 4
 
@@ -58,10 +60,10 @@ def speculative_args_error(args: argparse.Namespace) -> str | None:
         return (f"--speculative mtp reads the MTP head a checkpoint ships (its mtp.* weights), and {args.model} has "
                 "none; use --speculative ngram or draft:PATH, or serve a Qwen3.5 checkpoint folder.")
     if kind.startswith(DRAFT_PREFIX):
-        source = kind[len(DRAFT_PREFIX):]
-        if is_local(source) and not os.path.isdir(os.path.expanduser(source)):
-            return (f"--speculative {kind}: {source}: no such folder; pass a draft model saved with "
-                    "save_pretrained() (the target's tokenizer) or a hub id.")
+        try:  # a draft folder that is not there, before minutes of loading the target
+            check_source(kind[len(DRAFT_PREFIX):], DRAFT_FLAG, needs_tokenizer=False)
+        except StartupError as error:
+            return str(error)
     return None
 
 
@@ -102,7 +104,7 @@ def _mtp_drafter(args: argparse.Namespace, target):
     cache, which loading the model filled)."""
     from .._compat.mtp import mtp_support_error
     from ..engine import MTPDrafter
-    from .loading import StartupError, is_local
+    from .loading import is_local
 
     problem = mtp_support_error(target.config)
     if problem is not None:
@@ -125,10 +127,9 @@ def _mtp_drafter(args: argparse.Namespace, target):
 def _draft_cache(args: argparse.Namespace, target, tokenizer=None):
     from .. import HybridPrefixCache
     from ..multimodal import modalities_of
-    from .loading import StartupError, load
+    from .loading import load
 
-    source = args.speculative[len(DRAFT_PREFIX):]
-    flag = "the draft model (--speculative draft:PATH)"
+    source, flag = args.speculative[len(DRAFT_PREFIX):], DRAFT_FLAG
     model, _ = load(source, args.dtype, args.device_map, trust_remote_code=args.trust_remote_code,
                     with_tokenizer=False, flag=flag)
     if modalities_of(model):
@@ -156,10 +157,10 @@ def _check_tokenizer(source: str, flag: str, tokenizer, trust_remote_code: bool)
     without a tokenizer, or a hub id, is not compared."""
     from transformers import AutoTokenizer
 
-    from .loading import TOKENIZER_FILES, StartupError, _loaded
+    from .loading import _loaded
 
     path = os.path.expanduser(source)
-    if not os.path.isdir(path) or not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+    if not os.path.isdir(path) or not has_tokenizer(path):
         return
     remote = {"trust_remote_code": True} if trust_remote_code else {}
     theirs = _loaded(AutoTokenizer.from_pretrained, source, "tokenizer", flag, **remote).get_vocab()
